@@ -1,0 +1,38 @@
+"""kvllm: LLM inference and serving with a paged KV cache and self-explaining attention backends."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+# Heavy modules (torch, transformers) load on first use, so `import kvllm` stays cheap.
+_LAZY = {
+    "LLM": "kvllm.llm",
+    "SamplingParams": "kvllm.sampling_params",
+    "RequestOutput": "kvllm.outputs",
+    "CompletionOutput": "kvllm.outputs",
+    "AttentionConfig": "kvllm.config.attention",
+    "AttentionBackendEnum": "kvllm.attention.names",
+    "EngineArgs": "kvllm.config.engine",
+    "LLMEngine": "kvllm.engine.llm_engine",
+}
+
+__all__ = list(_LAZY)
+
+if TYPE_CHECKING:
+    from kvllm.attention.names import AttentionBackendEnum
+    from kvllm.config.attention import AttentionConfig
+    from kvllm.config.engine import EngineArgs
+    from kvllm.engine.llm_engine import LLMEngine
+    from kvllm.llm import LLM
+    from kvllm.outputs import CompletionOutput, RequestOutput
+    from kvllm.sampling_params import SamplingParams
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'kvllm' has no attribute {name!r}")

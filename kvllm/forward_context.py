@@ -1,0 +1,35 @@
+"""The per-step forward context: attention metadata visible to every attention layer."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class ForwardContext:
+    attn_metadata: Any  # None during profiling / dummy runs: layers then attend within the batch only
+
+
+_current: ForwardContext | None = None
+
+
+@contextmanager
+def set_forward_context(attn_metadata: Any) -> Iterator[ForwardContext]:
+    """Enter the context for one forward pass; nesting is a bug and is refused."""
+    global _current
+    if _current is not None:
+        raise RuntimeError("forward context is already set: nested forward passes are not supported")
+    _current = ForwardContext(attn_metadata=attn_metadata)
+    try:
+        yield _current
+    finally:
+        _current = None
+
+
+def get_forward_context() -> ForwardContext:
+    if _current is None:
+        raise RuntimeError("no forward context: model forward must run inside set_forward_context()")
+    return _current
