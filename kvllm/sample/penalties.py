@@ -1,0 +1,68 @@
+"""Logits processors that depend on a sequence's tokens: min_tokens suppression and penalties.
+
+All work on a [n, V] float32 logits tensor, vectorised over rows; token ids are counted with one
+scatter_add into [n, V + 1] (the extra column absorbs padding and ids outside the logits' vocab).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def token_counts(token_lists: Sequence[Sequence[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """[n, vocab_size] int64 counts of each token id in each row's list."""
+    num_rows = len(token_lists)
+    lengths = [len(tokens) for tokens in token_lists]
+    counts = torch.zeros(num_rows, vocab_size + 1, dtype=torch.int64, device=device)
+    total = sum(lengths)
+    if total == 0:
+        return counts[:, :vocab_size]
+    flat = torch.tensor([t for tokens in token_lists for t in tokens], dtype=torch.int64)
+    flat = torch.where((flat >= 0) & (flat < vocab_size), flat, vocab_size)
+    rows = torch.repeat_interleave(torch.arange(num_rows), torch.tensor(lengths))
+    flat_index = (rows * (vocab_size + 1) + flat).to(device)
+    counts.view(-1).scatter_add_(0, flat_index, torch.ones_like(flat_index))
+    return counts[:, :vocab_size]
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    prompt_token_ids: Sequence[Sequence[int]],
+    output_token_ids: Sequence[Sequence[int]],
+    repetition_penalties: torch.Tensor,
+    frequency_penalties: torch.Tensor,
+    presence_penalties: torch.Tensor,
+) -> torch.Tensor:
+    """Return penalised logits (a new tensor); penalties are [n] float32 on the logits' device.
+
+    Repetition (HF/vLLM semantics) applies to tokens seen in the prompt or the output: positive
+    logits are divided by the penalty, negative ones multiplied. Frequency subtracts
+    penalty * count and presence subtracts penalty * (count > 0), over output tokens only.
+    """
+    vocab_size = logits.shape[-1]
+    output_counts = token_counts(output_token_ids, vocab_size, logits.device)
+    if bool((repetition_penalties != 1.0).any()):
+        seen = (token_counts(prompt_token_ids, vocab_size, logits.device) > 0) | (output_counts > 0)
+        penalty = repetition_penalties.unsqueeze(1)
+        penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits = torch.where(seen, penalised, logits)
+    logits = logits - frequency_penalties.unsqueeze(1) * output_counts
+    logits = logits - presence_penalties.unsqueeze(1) * (output_counts > 0)
+    return logits
+
+
+def suppress_tokens(logits: torch.Tensor, token_ids_per_row: Sequence[tuple[int, Sequence[int]]]) -> None:
+    """Set logits[row, token] = -inf in place for each (row, tokens) pair (ids outside V ignored)."""
+    vocab_size = logits.shape[-1]
+    rows: list[int] = []
+    cols: list[int] = []
+    for row, token_ids in token_ids_per_row:
+        for token_id in token_ids:
+            if 0 <= token_id < vocab_size:
+                rows.append(row)
+                cols.append(token_id)
+    if rows:
+        index = (torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device))
+        logits.index_put_(index, torch.tensor(float("-inf"), device=logits.device))

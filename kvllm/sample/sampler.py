@@ -1,0 +1,171 @@
+"""Sampler: one token per row from [N, V] logits, with vLLM v1 semantics.
+
+Order: min_tokens suppression -> penalties -> greedy rows take argmax -> temperature -> top-k ->
+top-p -> min-p -> sample. Reported logprobs (and ranks) come from the raw logits, before any
+processing. Random rows sample by an exponential race (argmax of p / E with E ~ Exp(1)), which is
+exact and needs no sorting; a seeded row draws its own E from its generator, V values per step, so
+its tokens do not depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvllm.sample.logprobs import Logprob, PositionLogprobs
+from kvllm.sample.penalties import apply_penalties, suppress_tokens
+from kvllm.sample.topk_topp import apply_min_p, apply_top_k_top_p
+from kvllm.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    """One sequence to sample a token for.
+
+    `generator` is the request's own generator when `params.seed` is set (the engine creates it
+    once: `torch.Generator(device=logits.device).manual_seed(seed)` and keeps it across steps);
+    None uses the default RNG. `eos_token_ids` (pass [] when `params.ignore_eos`) and
+    `params.stop_token_ids` are suppressed while len(output_token_ids) < params.min_tokens.
+    """
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    generator: torch.Generator | None = None
+    eos_token_ids: Sequence[int] = ()
+
+
+@dataclass
+class SamplerOutput:
+    """Per row: the token, its raw logprob, and the requested top logprobs (or None)."""
+
+    token_ids: list[int]
+    sampled_logprobs: list[float]
+    logprobs: list[PositionLogprobs | None]
+
+
+class Sampler:
+    """Turns logits into tokens for a batch of rows; stateless (generators live in the rows)."""
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"logits must be [num_rows={len(rows)}, vocab], got {tuple(logits.shape)}")
+        raw = logits.float()
+        work = self._apply_sequence_processors(raw, rows)
+
+        token_ids = work.argmax(dim=-1)
+        random_rows = [i for i, row in enumerate(rows) if not row.params.is_greedy]
+        if random_rows:
+            if len(random_rows) == len(rows):
+                token_ids = self._sample(work, rows)
+            else:
+                index = torch.tensor(random_rows, device=raw.device)
+                sampled = self._sample(work[index], [rows[i] for i in random_rows])
+                token_ids = token_ids.index_copy(0, index, sampled)
+
+        want_logprobs = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+        if want_logprobs:
+            raw_logprobs = raw.log_softmax(dim=-1)
+            sampled_logprobs = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+        else:
+            sampled_logprobs = raw.gather(1, token_ids.unsqueeze(1)).squeeze(1) - raw.logsumexp(dim=-1)
+        out_logprobs: list[PositionLogprobs | None] = [None] * len(rows)
+        if want_logprobs:
+            self._fill_logprobs(out_logprobs, raw_logprobs, token_ids, sampled_logprobs, rows, want_logprobs)
+        return SamplerOutput(
+            token_ids=token_ids.tolist(), sampled_logprobs=sampled_logprobs.tolist(), logprobs=out_logprobs
+        )
+
+    @staticmethod
+    def _apply_sequence_processors(raw: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """min_tokens suppression and penalties; returns `raw` itself when no row needs either."""
+        suppress = [
+            (i, [*row.eos_token_ids, *row.params.stop_token_ids])
+            for i, row in enumerate(rows)
+            if len(row.output_token_ids) < row.params.min_tokens
+        ]
+        penalised = [i for i, row in enumerate(rows) if row.params.has_penalties]
+        if not suppress and not penalised:
+            return raw
+        work = raw.clone()
+        suppress_tokens(work, suppress)
+        if penalised:
+            device = raw.device
+            params = [rows[i].params for i in penalised]
+            subset = work if len(penalised) == len(rows) else work[penalised]
+            subset = apply_penalties(
+                subset,
+                [rows[i].prompt_token_ids for i in penalised],
+                [rows[i].output_token_ids for i in penalised],
+                torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32, device=device),
+                torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32, device=device),
+                torch.tensor([p.presence_penalty for p in params], dtype=torch.float32, device=device),
+            )
+            if len(penalised) == len(rows):
+                work = subset
+            else:
+                work[penalised] = subset
+        return work
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Sample one token per (random) row: temperature, top-k, top-p, min-p, exponential race."""
+        device = logits.device
+        vocab_size = logits.shape[-1]
+        params = [row.params for row in rows]
+        temperatures = [p.temperature for p in params]
+        if any(t != 1.0 for t in temperatures):
+            logits = logits / torch.tensor(temperatures, dtype=torch.float32, device=device).unsqueeze(1)
+        top_k = None
+        if any(0 < p.top_k < vocab_size for p in params):
+            values = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+            top_k = torch.tensor(values, dtype=torch.int64, device=device)
+        top_p = None
+        if any(p.top_p < 1.0 for p in params):
+            top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
+        logits = apply_top_k_top_p(logits, top_k, top_p)
+        if any(p.min_p > 0.0 for p in params):
+            logits = apply_min_p(
+                logits, torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
+            )
+
+        probs = logits.softmax(dim=-1)
+        noise = torch.empty_like(probs)
+        seeded = [i for i, row in enumerate(rows) if row.generator is not None]
+        if len(seeded) < len(rows):
+            noise.exponential_()
+        for i in seeded:
+            noise[i].exponential_(generator=rows[i].generator)
+        # E == 0 would turn a masked token's 0 / 0 into NaN, which argmax would pick.
+        noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+        return (probs / noise).argmax(dim=-1)
+
+    @staticmethod
+    def _fill_logprobs(
+        out: list[PositionLogprobs | None],
+        raw_logprobs: torch.Tensor,
+        token_ids: torch.Tensor,
+        sampled_logprobs: torch.Tensor,
+        rows: list[SamplingRow],
+        wanted: list[int],
+    ) -> None:
+        index = torch.tensor(wanted, device=raw_logprobs.device)
+        logprobs = raw_logprobs[index]
+        sampled = sampled_logprobs[index]
+        ranks = ((logprobs > sampled.unsqueeze(1)).sum(dim=-1) + 1).tolist()
+        max_k = min(max(rows[i].params.logprobs or 0 for i in wanted), logprobs.shape[-1])
+        top_values: list[list[float]] = [[] for _ in wanted]
+        top_ids: list[list[int]] = [[] for _ in wanted]
+        if max_k > 0:
+            top = logprobs.topk(max_k, dim=-1)
+            top_values, top_ids = top.values.tolist(), top.indices.tolist()
+        sampled_ids = token_ids[index].tolist()
+        sampled_values = sampled.tolist()
+        for j, i in enumerate(wanted):
+            k = rows[i].params.logprobs or 0
+            entry = {sampled_ids[j]: Logprob(sampled_values[j], ranks[j])}
+            for r in range(min(k, max_k)):
+                entry.setdefault(top_ids[j][r], Logprob(top_values[j][r], r + 1))
+            out[i] = entry
