@@ -1,0 +1,162 @@
+"""IncrementalDetokenizer: token ids -> output text, stop strings and streaming deltas for one sequence.
+
+Decoding is incremental with two offsets into the decoded ids (the prefix/read-offset scheme of
+HF TGI and vLLM): each step decodes only ids[prefix_offset:] and ids[prefix_offset:read_offset] and
+emits the difference. Text ending in U+FFFD (an incomplete UTF-8 sequence from byte-level BPE) is
+held until a later token completes it, so emitted text never changes afterwards. The last few
+prompt tokens seed the window, so tokenizers that render a leading space by context (SentencePiece)
+decode the first output token correctly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from kvllm.sampling_params import SamplingParams
+
+# Prompt tokens kept as decoding context (vLLM uses the same number).
+_PROMPT_CONTEXT_TOKENS = 5
+_REPLACEMENT_CHAR = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Detokenizes one sequence's output incrementally and watches for stop strings.
+
+    Invariants: `output_text` only grows (except for the one truncation at a stop string, which
+    never cuts below what `get_next_delta_text` has released); released text never contains a stop
+    string unless `include_stop_str_in_output`; after `finish()` the concatenated deltas equal
+    `output_text`.
+
+    `tokenizer` is a transformers tokenizer or a `tokenizers.Tokenizer`. Ids outside its vocabulary
+    (a model vocab padded beyond the tokenizer's) decode to nothing.
+    """
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        self.tokenizer = tokenizer
+        self.params = params
+        self._is_hf = hasattr(tokenizer, "convert_ids_to_tokens")
+        self._vocab_size: int = (
+            len(tokenizer) if self._is_hf else tokenizer.get_vocab_size(with_added_tokens=True)
+        )
+        self.stop: list[str] = list(params.stop or [])
+        self.output_token_ids: list[int] = []
+        self._text = ""
+        # Ids to decode: a little prompt context, then the (in-vocab) output ids.
+        context = [t for t in prompt_token_ids if self._in_vocab(t)][-_PROMPT_CONTEXT_TOKENS:]
+        self._ids: list[int] = context
+        self._prefix_offset = 0
+        self._read_offset = len(context)
+        self._num_released = 0
+        self._is_finished = False
+        self.stop_reason: str | None = None
+
+    @property
+    def output_text(self) -> str:
+        return self._text
+
+    @property
+    def is_finished(self) -> bool:
+        return self._is_finished
+
+    def update(self, new_token_ids: Sequence[int], stop_terminated: bool = False) -> str | None:
+        """Append generated tokens; return the stop string they completed, else None.
+
+        On a match the text is cut before the stop string (after it with
+        `include_stop_str_in_output`) and the detokenizer counts as finished. Pass
+        `stop_terminated=True` when the last new token is an EOS / stop token id: it is then left
+        out of the text (unless `include_stop_str_in_output`), as in vLLM.
+        """
+        self.output_token_ids.extend(new_token_ids)
+        if not self.params.detokenize or self._is_finished:
+            return None
+        to_decode = list(new_token_ids)
+        if stop_terminated and not self.params.include_stop_str_in_output and to_decode:
+            to_decode.pop()
+        check_from = len(self._text)
+        self._ids.extend(t for t in to_decode if self._in_vocab(t))
+        self._text += self._decode_new()
+        if not self.stop or len(self.output_token_ids) <= self.params.min_tokens:
+            return None
+        return self._check_stop_strings(check_from)
+
+    def get_next_delta_text(self) -> str:
+        """New text for streaming, holding back a tail that may still become a stop string."""
+        end = len(self._text)
+        if not self._is_finished:
+            end -= self._stop_prefix_holdback()
+        if end <= self._num_released:
+            return ""
+        delta = self._text[self._num_released : end]
+        self._num_released = end
+        return delta
+
+    def finish(self) -> str:
+        """Mark the sequence finished; return the text not yet released by `get_next_delta_text`.
+
+        Ids still pending an incomplete UTF-8 sequence are decoded as they are (with U+FFFD), so the
+        final text equals the tokenizer's decode of the output.
+        """
+        if not self._is_finished and self.params.detokenize and self._read_offset < len(self._ids):
+            self._text += self._decode_new(force=True)
+        self._is_finished = True
+        return self.get_next_delta_text()
+
+    def _in_vocab(self, token_id: int) -> bool:
+        return 0 <= token_id < self._vocab_size
+
+    def _decode(self, ids: list[int]) -> str:
+        if not ids:
+            return ""
+        skip = self.params.skip_special_tokens
+        if self._is_hf:
+            return self.tokenizer.decode(
+                ids,
+                skip_special_tokens=skip,
+                clean_up_tokenization_spaces=False,
+                spaces_between_special_tokens=self.params.spaces_between_special_tokens,
+            )
+        return self.tokenizer.decode(ids, skip_special_tokens=skip)
+
+    def _decode_new(self, force: bool = False) -> str:
+        """Text added by ids[read_offset:], or "" while it ends in an incomplete character."""
+        if self._read_offset >= len(self._ids):
+            return ""
+        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        new_text = self._decode(self._ids[self._prefix_offset :])
+        if not force and (len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT_CHAR)):
+            return ""  # an incomplete character, or tokens that render as nothing (yet)
+        delta = new_text[len(prefix_text) :]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        return delta
+
+    def _check_stop_strings(self, check_from: int) -> str | None:
+        """Find the stop string that completes first in text added after `check_from`."""
+        best: tuple[int, int, str] | None = None  # (end, start, stop)
+        for stop in self.stop:
+            start = self._text.find(stop, max(0, check_from - len(stop) + 1))
+            if start != -1:
+                candidate = (start + len(stop), start, stop)
+                if best is None or candidate[:2] < best[:2]:
+                    best = candidate
+        if best is None:
+            return None
+        end, start, stop = best
+        self._text = self._text[: end if self.params.include_stop_str_in_output else start]
+        self._is_finished = True
+        self.stop_reason = stop
+        return stop
+
+    def _stop_prefix_holdback(self) -> int:
+        """Length of the longest text tail that is a proper prefix of a stop string."""
+        if not self.stop or self.params.include_stop_str_in_output:
+            return 0
+        text = self._text
+        hold = 0
+        for stop in self.stop:
+            for k in range(min(len(stop) - 1, len(text)), hold, -1):
+                if text.endswith(stop[:k]):
+                    hold = k
+                    break
+        return min(hold, len(text) - self._num_released)

@@ -1,0 +1,68 @@
+"""A request (one sequence) as the scheduler and KV-cache manager see it."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kvllm.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    FINISHED = enum.auto()
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence to generate. Requests with n > 1 are fanned out into n of these.
+
+    `num_computed_tokens` counts tokens whose K/V are in the cache; the tokens still to run
+    are `all_token_ids[num_computed_tokens:]` (the whole prompt after a preemption, since
+    preemption recomputes).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    max_tokens: int  # resolved: never None here
+    eos_token_ids: tuple[int, ...]
+    parent_id: str = ""  # the user's request id (several sequences share it when n > 1)
+    index: int = 0  # which of the parent's n sequences this is
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_prompt_tokens: int = 0  # prefix-cache hits at the first schedule
+    num_preemptions: int = 0
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks, see KVCacheManager
+    generator: torch.Generator | None = None
+    first_token_time: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    cumulative_logprob: float = 0.0
+    logprobs: list = field(default_factory=list)
+    all_token_ids: list[int] = field(init=False)  # prompt + output, kept in step with output_token_ids
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = self.prompt_token_ids + self.output_token_ids
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED

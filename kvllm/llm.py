@@ -1,0 +1,136 @@
+"""LLM: the offline Python API, shaped like vLLM's."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from kvllm.config.engine import EngineArgs
+from kvllm.engine.llm_engine import LLMEngine, PromptType
+from kvllm.outputs import RequestOutput
+from kvllm.sampling_params import SamplingParams
+
+ChatMessage = dict[str, Any]
+
+
+class LLM:
+    """Generate text for batches of prompts with continuous batching.
+
+    `LLM(model=None, **engine_args)` takes every EngineArgs field by keyword
+    (dtype, max_model_len, block_size, gpu_memory_utilization, kv_cache_memory_bytes,
+    enable_prefix_caching, max_num_seqs, max_num_batched_tokens, seed, load_format,
+    enforce_eager, attention_backend, attention_config, kv_cache_dtype, ...).
+    """
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        unknown = sorted(set(kwargs) - set(EngineArgs.field_names()))
+        if unknown:
+            raise TypeError(
+                f"LLM() got unknown engine argument(s): {', '.join(unknown)}. "
+                f"Valid arguments: {', '.join(EngineArgs.field_names())}"
+            )
+        self.engine_args = EngineArgs(model=model, **kwargs)
+        self.llm_engine = LLMEngine.from_engine_args(self.engine_args)
+        self._counter = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate completions; returns one RequestOutput per prompt, in prompt order."""
+        prompt_list = _as_prompt_list(prompts)
+        if sampling_params is None:
+            params_list = [SamplingParams()] * len(prompt_list)
+        elif isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompt_list)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(
+                    f"Got {len(params_list)} sampling_params for {len(prompt_list)} prompts; pass one, or one each"
+                )
+        return self._run(prompt_list, params_list, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[ChatMessage] | list[list[ChatMessage]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            {"prompt_token_ids": self.apply_chat_template(c, add_generation_prompt, chat_template_kwargs)}
+            for c in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def apply_chat_template(
+        self, conversation: list[ChatMessage], add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        tokenizer = self.get_tokenizer()
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("This model's tokenizer has no chat template; use generate() with a plain prompt")
+        text = tokenizer.apply_chat_template(
+            conversation, add_generation_prompt=add_generation_prompt, tokenize=False,
+            **(chat_template_kwargs or {}),
+        )
+        return tokenizer(text, add_special_tokens=False).input_ids
+
+    def _run(self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                request_id = str(next(self._counter))
+                engine.add_request(request_id, prompt, p)
+                ids.append(request_id)
+        except Exception:
+            engine.abort_request(ids)
+            raise
+        finished: dict[str, RequestOutput] = {}
+        bar = _progress_bar(len(ids)) if use_tqdm else None
+        num_in = num_out = 0
+        try:
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        if bar is not None:
+                            num_in += len(output.prompt_token_ids)
+                            num_out += output.num_output_tokens
+                            elapsed = bar.format_dict["elapsed"] or 1e-9
+                            bar.set_postfix_str(f"est. speed input: {num_in / elapsed:.2f} toks/s, "
+                                                f"output: {num_out / elapsed:.2f} toks/s")
+                            bar.update(1)
+        except BaseException:
+            engine.abort_request(ids)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [finished[i] for i in ids]
+
+
+def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # a single prompt given as token ids
+    return prompts
+
+
+def _progress_bar(total: int) -> Any:
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="Processed prompts", dynamic_ncols=True)

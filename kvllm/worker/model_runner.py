@@ -1,0 +1,161 @@
+"""Runs the model: loads it, binds the attention backend and KV cache, executes scheduler steps."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from kvllm.attention.backend import AttentionBackend, AttentionSelectorConfig, DeviceInfo
+from kvllm.attention.metadata import KVCacheSpec
+from kvllm.attention.selector import choose_attention_backend
+from kvllm.config.engine import EngineArgs
+from kvllm.engine.scheduler import SchedulerOutput
+from kvllm.forward_context import set_forward_context
+from kvllm.layers.attention import Attention
+from kvllm.models.loader import load_model
+from kvllm.models.model_config import ModelConfig
+from kvllm.sample.sampler import Sampler, SamplerOutput, SamplingRow
+from kvllm.utils.dtypes import dtype_name, kv_cache_torch_dtype
+from kvllm.worker.input_batch import prepare_inputs
+
+logger = logging.getLogger(__name__)
+
+GiB = 1 << 30
+DEFAULT_CPU_KV_CACHE_BYTES = 2 * GiB
+
+
+@dataclass
+class StepResult:
+    """Sampled tokens of one step, for the requests that reached their last token."""
+
+    request_indices: list[int]  # positions in the step's `scheduled` list
+    sampler_output: SamplerOutput | None
+
+
+class ModelRunner:
+    """Owns the model, its attention backend and the paged KV cache on one device."""
+
+    def __init__(
+        self, args: EngineArgs, model_config: ModelConfig, device: torch.device, device_info: DeviceInfo,
+        max_num_batched_tokens: int,
+    ) -> None:
+        self.args = args
+        self.model_config = model_config
+        self.device = device
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.free_memory_at_start = torch.cuda.mem_get_info()[0] if device.type == "cuda" else 0
+
+        selector_config = AttentionSelectorConfig(
+            head_size=model_config.head_size,
+            dtype=dtype_name(model_config.dtype),
+            kv_cache_dtype=args.kv_cache_dtype,
+            block_size=args.block_size,
+            has_sliding_window=model_config.sliding_window is not None,
+        )
+        choice = choose_attention_backend(selector_config, device_info, args.backend)
+        self.attn_backend: type[AttentionBackend] = choice.backend
+        self.block_size = choice.block_size
+
+        torch.manual_seed(args.seed)
+        self.model = load_model(model_config, args.load_format, device)
+        self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        for layer in self.attention_layers:
+            layer.bind_backend(self.attn_backend, args.kv_cache_dtype)
+        self.kv_cache_spec = KVCacheSpec(
+            block_size=self.block_size,
+            num_kv_heads=model_config.num_kv_heads,
+            head_size=model_config.head_size,
+            dtype=kv_cache_torch_dtype(args.kv_cache_dtype, model_config.dtype),
+            kv_cache_dtype=args.kv_cache_dtype,
+        )
+        self.sampler = Sampler()
+        self.metadata_builder = None
+        self.num_blocks = 0
+
+    # ---- KV cache ----------------------------------------------------------------------------
+
+    def bytes_per_block(self) -> int:
+        return self.kv_cache_spec.page_size_bytes * len(self.attention_layers)
+
+    def determine_num_blocks(self) -> int:
+        """Blocks that fit the KV-cache memory budget (CPU: a byte count; GPU: what profiling leaves)."""
+        per_block = self.bytes_per_block()
+        if self.args.kv_cache_memory_bytes is not None:
+            budget = self.args.kv_cache_memory_bytes
+        elif self.device.type == "cuda":
+            budget = self._profile_free_gpu_memory()
+        else:
+            # No more than every sequence at full length could ever use.
+            needed = self.args.max_num_seqs * -(-self.model_config.max_model_len // self.block_size) + 1
+            budget = min(DEFAULT_CPU_KV_CACHE_BYTES, needed * per_block)
+        num_blocks = budget // per_block
+        if num_blocks < 1:
+            raise ValueError(
+                f"The KV cache budget of {budget / GiB:.2f} GiB holds no block of {per_block} bytes; "
+                "raise kv_cache_memory_bytes or gpu_memory_utilization, or lower max_model_len / max_num_seqs"
+            )
+        return int(num_blocks)
+
+    @torch.inference_mode()
+    def _profile_free_gpu_memory(self) -> int:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        num_tokens = min(self.max_num_batched_tokens, self.model_config.max_model_len)
+        input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        positions = torch.arange(num_tokens, device=self.device)
+        with set_forward_context(None):
+            hidden = self.model(input_ids, positions)
+        last = hidden[-min(self.args.max_num_seqs, num_tokens):]
+        self.model.compute_logits(last)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        total = torch.cuda.mem_get_info()[1]
+        used_by_others = total - self.free_memory_at_start
+        budget = int(total * self.args.gpu_memory_utilization) - used_by_others - peak
+        if budget <= 0:
+            raise ValueError(
+                f"No GPU memory left for the KV cache: {total / GiB:.1f} GiB total, "
+                f"{used_by_others / GiB:.1f} GiB used by other processes, {peak / GiB:.1f} GiB peak for the "
+                f"model at {num_tokens} tokens per step. Raise gpu_memory_utilization "
+                f"(now {self.args.gpu_memory_utilization}), or lower max_model_len / max_num_seqs / "
+                "max_num_batched_tokens"
+            )
+        torch.cuda.empty_cache()
+        return budget
+
+    def initialize_kv_cache(self, num_blocks: int, max_num_reqs: int) -> None:
+        spec = self.kv_cache_spec
+        shape = self.attn_backend.get_kv_cache_shape(num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
+        for layer in self.attention_layers:
+            # Zeroed, not empty: kernels may read (and mask) slots never written.
+            layer.kv_cache = torch.zeros(shape, dtype=spec.dtype, device=self.device)
+        self.num_blocks = num_blocks
+        self.metadata_builder = self.attn_backend.get_builder_cls()(
+            self.attn_backend, spec, self.device, max_num_reqs, self.max_num_batched_tokens,
+            self.model_config.max_model_len,
+        )
+
+    # ---- execution ---------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute_model(self, step: SchedulerOutput) -> StepResult:
+        inputs = prepare_inputs(step, self.block_size, self.device)
+        attn_metadata = self.metadata_builder.build(inputs.attn_metadata)
+        with set_forward_context(attn_metadata):
+            hidden = self.model(inputs.input_ids, inputs.positions)
+        if not inputs.sampling_request_indices:
+            return StepResult([], None)
+        logits = self.model.compute_logits(hidden[inputs.logits_indices]).float()
+        rows = []
+        for i in inputs.sampling_request_indices:
+            request = step.scheduled[i].request
+            rows.append(SamplingRow(
+                params=request.sampling_params,
+                prompt_token_ids=request.prompt_token_ids,
+                output_token_ids=request.output_token_ids,
+                generator=request.generator,
+                eos_token_ids=request.eos_token_ids,
+            ))
+        return StepResult(inputs.sampling_request_indices, self.sampler(logits, rows))
