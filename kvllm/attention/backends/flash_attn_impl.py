@@ -1,0 +1,163 @@
+"""FLASH_ATTN kernel side: FlashAttention-4 `flash_attn_varlen_func` with a page table.
+
+The whole step (decode tokens first, then prefill chunks) goes through one varlen call:
+FA4's causal mask is aligned to the end of each sequence, which is exactly kvllm's semantics
+(token i of request r sits at position seq_lens[r] - query_len[r] + i).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvllm.attention.impl import AttentionImpl, AttentionMetadataBuilder
+from kvllm.attention.metadata import CommonAttentionMetadata
+
+if TYPE_CHECKING:
+    from kvllm.layers.attention import Attention
+
+_SINK_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@dataclass
+class FlashAttentionMetadata:
+    """One step's batch in the form FA4's varlen kernel takes it."""
+
+    num_actual_tokens: int
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc: torch.Tensor  # int32 [num_reqs + 1] = cu_seqlens_q
+    seq_lens: torch.Tensor  # int32 [num_reqs] = seqused_k
+    block_table: torch.Tensor  # int32 [num_reqs, max_blocks], contiguous = page_table
+    slot_mapping: torch.Tensor  # int64 [num_actual_tokens]; -1 = do not write
+    causal: bool = True
+
+
+class FlashAttentionMetadataBuilder(AttentionMetadataBuilder):
+    """Passes the common metadata through, with the dtypes and contiguity FA4 asserts on."""
+
+    def build(self, common: CommonAttentionMetadata) -> FlashAttentionMetadata:
+        return FlashAttentionMetadata(
+            num_actual_tokens=common.num_actual_tokens,
+            max_query_len=common.max_query_len,
+            max_seq_len=common.max_seq_len,
+            query_start_loc=common.query_start_loc.to(torch.int32).contiguous(),
+            seq_lens=common.seq_lens.to(torch.int32).contiguous(),
+            block_table=common.block_table.to(torch.int32).contiguous(),
+            slot_mapping=common.slot_mapping[: common.num_actual_tokens],
+            causal=common.causal,
+        )
+
+
+def write_to_paged_cache(
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size], any strides
+    value_cache: torch.Tensor,
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,  # int64 [num_tokens]; -1 = skip
+) -> None:
+    """Store each token's K/V at its slot (block * block_size + offset), skipping slot -1."""
+    # Boolean masking costs one device sync; acceptable while the backend declares no CUDA graphs.
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid]
+    block_size = key_cache.shape[1]
+    blocks, offsets = slots // block_size, slots % block_size
+    key_cache[blocks, offsets] = key[valid].to(key_cache.dtype)
+    value_cache[blocks, offsets] = value[valid].to(value_cache.dtype)
+
+
+def _load_varlen_kernel() -> Callable[..., Any]:
+    try:
+        from flash_attn.cute import flash_attn_varlen_func
+    except ImportError as exc:
+        raise RuntimeError(
+            "FLASH_ATTN needs FlashAttention-4 (module flash_attn.cute): pip install 'kvllm[flash-attn]'. "
+            f"Import failed with: {exc}"
+        ) from exc
+    return flash_attn_varlen_func
+
+
+class FlashAttentionImpl(AttentionImpl):
+    """One layer's attention through FA4: cache write, then one varlen call for the whole batch."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+        attn_type: str = "decoder",
+        kv_cache_dtype: str = "auto",
+        sinks: torch.Tensor | None = None,
+    ) -> None:
+        super().__init__(
+            num_heads,
+            head_size,
+            scale,
+            num_kv_heads,
+            sliding_window,
+            logits_soft_cap,
+            attn_type,
+            kv_cache_dtype,
+            sinks,
+        )
+        if kv_cache_dtype not in ("auto", "float16", "bfloat16"):
+            raise ValueError(
+                f"FLASH_ATTN: kv_cache_dtype {kv_cache_dtype} not supported (supported: auto, bfloat16, float16)"
+            )
+        if attn_type != "decoder":
+            raise ValueError(f"FLASH_ATTN: attention type {attn_type} not supported (supported: decoder)")
+        if num_heads % num_kv_heads:
+            raise ValueError(
+                f"FLASH_ATTN: num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}"
+            )
+        if sinks is not None and sinks.shape != (num_heads,):
+            raise ValueError(f"FLASH_ATTN: sinks must have shape ({num_heads},), got {tuple(sinks.shape)}")
+        # Our window w admits keys k with p - w < k; FA's left window admits p - k <= left.
+        self.window_size = (sliding_window - 1, 0) if sliding_window else (None, None)
+        self._varlen = _load_varlen_kernel()
+
+    def forward(
+        self,
+        layer: Attention,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: FlashAttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = attn_metadata.num_actual_tokens
+        key_cache, value_cache = kv_cache[0], kv_cache[1]
+        write_to_paged_cache(
+            key_cache, value_cache, key[:num_tokens], value[:num_tokens], attn_metadata.slot_mapping
+        )
+        sinks = self.sinks
+        if sinks is not None and sinks.dtype not in _SINK_DTYPES:
+            sinks = sinks.float()
+        result = self._varlen(
+            q=query[:num_tokens],
+            k=key_cache,
+            v=value_cache,
+            cu_seqlens_q=attn_metadata.query_start_loc,
+            seqused_k=attn_metadata.seq_lens,
+            max_seqlen_q=attn_metadata.max_query_len,
+            max_seqlen_k=attn_metadata.max_seq_len,
+            page_table=attn_metadata.block_table,
+            softmax_scale=self.scale,
+            causal=attn_metadata.causal,
+            window_size=self.window_size,
+            learnable_sink=sinks,
+            softcap=self.logits_soft_cap or 0.0,
+        )
+        # FA4 returns (out, lse); older builds returned out alone.
+        out = result[0] if isinstance(result, tuple) else result
+        if num_tokens == query.shape[0]:
+            return out
+        padded = torch.zeros_like(query)
+        padded[:num_tokens] = out
+        return padded

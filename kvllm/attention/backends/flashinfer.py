@@ -1,0 +1,92 @@
+"""FLASHINFER: FlashInfer 0.5.x paged-KV decode and prefill wrappers.
+
+Declarations only: importable without torch or flashinfer. The kernel side lives in
+`flashinfer_impl`, imported when the backend is bound to a model.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar
+
+from kvllm.attention.backend import AttentionBackend, AttentionSelectorConfig, DeviceInfo, OneOf
+
+if TYPE_CHECKING:
+    from kvllm.attention.impl import AttentionImpl, AttentionMetadataBuilder
+
+
+def trtllm_attention_reasons(
+    use_trtllm_attention: bool | None, capability: tuple[int, int] | None
+) -> list[str]:
+    """TRT-LLM attention kernels are not part of this build; asking for them is always a reason."""
+    if not use_trtllm_attention:
+        return []
+    if capability is not None and capability[0] == 10:
+        return [
+            "use_trtllm_attention: the TRT-LLM kernels for compute capability 10.x could not be verified "
+            "in this build (set use_trtllm_attention=False to use FlashInfer's own kernels)"
+        ]
+    where = f" (this device: {capability[0]}.{capability[1]})" if capability is not None else ""
+    return [
+        "use_trtllm_attention needs compute capability 10.x (TRT-LLM kernels), which this build could not verify"
+        + where
+    ]
+
+
+class FlashInferBackend(AttentionBackend):
+    """FlashInfer: BatchDecodeWithPagedKVCacheWrapper for the decode part of a step and
+    BatchPrefillWithPagedKVCacheWrapper for its prefill part, planned once per step.
+
+    Cache layout NHD, K and V interleaved per page: (num_blocks, 2, block_size, num_kv_heads,
+    head_size). Capabilities below are the ones tests/gpu/test_flashinfer_gpu.py runs.
+    """
+
+    # fp8 KV caches (stored K / k_scale, read back with k_scale/v_scale) are implemented and covered by
+    # the GPU test, but stay undeclared until that test has passed on the H200: flip this to True then.
+    FP8_KV_CACHE_VERIFIED: ClassVar[bool] = False
+
+    name = "FLASHINFER"
+    version = ""
+    description = "FlashInfer paged-KV decode and prefill wrappers (plan once per step, run per layer)"
+    supported_dtypes = ("float16", "bfloat16")
+    supported_kv_cache_dtypes = ("auto", "float16", "bfloat16") + (
+        ("fp8", "fp8_e4m3", "fp8_e5m2") if FP8_KV_CACHE_VERIFIED else ()
+    )
+    block_sizes = OneOf((16, 32, 64))
+    head_sizes = OneOf((64, 128, 256))
+    platforms = ("cuda",)
+    min_capability = (8, 0)
+    max_capability = (10, 9)
+    supports_sink = False  # FlashInfer takes sinks only on its TRT-LLM path (SM 10.x), not built here
+    supports_sliding_window = True
+    supports_logits_soft_cap = True
+    attn_types = ("decoder",)
+    cudagraph_support = "never"
+    required_package = "flashinfer"
+    pip_extra = "flashinfer"
+    preferred_block_size = 16
+    kv_cache_layout = "NHD"
+
+    @classmethod
+    def extra_reasons(cls, config: AttentionSelectorConfig, device: DeviceInfo) -> list[str]:
+        if device.platform != "cuda":
+            return []
+        return trtllm_attention_reasons(getattr(config, "use_trtllm_attention", None), device.capability)
+
+    @classmethod
+    def get_impl_cls(cls) -> type[AttentionImpl]:
+        from kvllm.attention.backends.flashinfer_impl import FlashInferImpl
+
+        return FlashInferImpl
+
+    @classmethod
+    def get_builder_cls(cls) -> type[AttentionMetadataBuilder]:
+        from kvllm.attention.backends.flashinfer_impl import FlashInferMetadataBuilder
+
+        return FlashInferMetadataBuilder
+
+    @classmethod
+    def get_kv_cache_shape(
+        cls, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
+    ) -> tuple[int, ...]:
+        """FlashInfer's single-tensor NHD layout: kv_cache[:, 0] is K, kv_cache[:, 1] is V."""
+        return (num_blocks, 2, block_size, num_kv_heads, head_size)
