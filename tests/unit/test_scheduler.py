@@ -1,0 +1,83 @@
+"""Scheduler: token budget, decodes first, chunked prefill, admission limits and preemption."""
+
+from kvllm.engine.kv_cache_manager import KVCacheManager
+from kvllm.engine.request import Request, RequestStatus
+from kvllm.engine.scheduler import Scheduler
+from kvllm.sampling_params import SamplingParams
+
+
+def make_request(rid: str, num_tokens: int, offset: int = 0) -> Request:
+    return Request(rid, [offset + i + 1 for i in range(num_tokens)], SamplingParams(), max_tokens=100,
+                   eos_token_ids=(0,))
+
+
+def run_step(scheduler: Scheduler):
+    """Schedule, pretend the model ran, and sample one token for requests that reached their end."""
+    out = scheduler.schedule()
+    scheduler.update_after_step(out)
+    for item in out.scheduled:
+        r = item.request
+        if r.num_computed_tokens == r.num_tokens:
+            r.append_output_token(7)
+    return out
+
+
+def test_chunked_prefill_respects_budget_and_puts_decodes_first():
+    kv = KVCacheManager(100, 4, enable_prefix_caching=False)
+    s = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=10)
+    s.add_request(make_request("a", 3))
+    s.add_request(make_request("b", 25))
+    out = run_step(s)
+    assert [(i.request.request_id, i.num_new_tokens) for i in out.scheduled] == [("a", 3), ("b", 7)]
+    out = run_step(s)
+    # "a" now decodes (1 token) and goes first; "b" continues its prefill with the rest of the budget.
+    assert [(i.request.request_id, i.num_new_tokens) for i in out.scheduled] == [("a", 1), ("b", 9)]
+    assert out.num_scheduled_tokens <= 10
+
+
+def test_chunked_prefill_off_waits_for_whole_prompt():
+    kv = KVCacheManager(100, 4, enable_prefix_caching=False)
+    s = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=10, enable_chunked_prefill=False)
+    s.add_request(make_request("a", 6))
+    s.add_request(make_request("b", 6))
+    out = run_step(s)
+    assert [i.request.request_id for i in out.scheduled] == ["a"]
+
+
+def test_max_num_seqs_limits_running():
+    kv = KVCacheManager(100, 4, enable_prefix_caching=False)
+    s = Scheduler(kv, max_num_seqs=2, max_num_batched_tokens=100)
+    for i in range(4):
+        s.add_request(make_request(f"r{i}", 3, offset=10 * i))
+    run_step(s)
+    assert len(s.running) == 2 and len(s.waiting) == 2
+
+
+def test_preemption_recomputes_newest_and_frees_blocks():
+    kv = KVCacheManager(num_blocks=4, block_size=4, enable_prefix_caching=False)
+    s = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=100)
+    a, b = make_request("a", 8), make_request("b", 8, offset=50)
+    s.add_request(a)
+    s.add_request(b)
+    run_step(s)  # both prefilled: 2 blocks each, cache full; both hold 9 tokens after sampling
+    assert kv.num_free_blocks == 0
+    out = run_step(s)  # decoding "a" at position 8 needs a 3rd block: "b" is preempted
+    assert [r.request_id for r in out.preempted] == ["b"]
+    assert b.status == RequestStatus.WAITING and b.num_computed_tokens == 0 and s.num_preemptions == 1
+    assert [i.request.request_id for i in out.scheduled] == ["a"]
+    s.finish_request(a)
+    out = run_step(s)  # "b" is recomputed: prompt plus its sampled token
+    assert out.scheduled[0].request is b and out.scheduled[0].num_new_tokens == 9
+    s.finish_request(b)
+    assert kv.num_free_blocks == 4
+
+
+def test_prefix_hits_are_counted_once_per_request():
+    kv = KVCacheManager(num_blocks=50, block_size=4)
+    s = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=100)
+    s.add_request(make_request("a", 13))
+    run_step(s)
+    s.add_request(make_request("b", 13))
+    run_step(s)
+    assert kv.prefix_cache_queries == 26
+    assert kv.prefix_cache_hits == 12
