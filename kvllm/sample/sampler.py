@@ -59,10 +59,11 @@ class Sampler:
         random_rows = [i for i, row in enumerate(rows) if not row.params.is_greedy]
         if random_rows:
             if len(random_rows) == len(rows):
-                token_ids = self._sample(work, rows)
+                token_ids = self._draw(self._random_probs(work, rows), rows)
             else:
                 index = torch.tensor(random_rows, device=raw.device)
-                sampled = self._sample(work[index], [rows[i] for i in random_rows])
+                subset_rows = [rows[i] for i in random_rows]
+                sampled = self._draw(self._random_probs(work[index], subset_rows), subset_rows)
                 token_ids = token_ids.index_copy(0, index, sampled)
 
         want_logprobs = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
@@ -109,9 +110,21 @@ class Sampler:
                 work[penalised] = subset
         return work
 
+    def sampling_probs(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """[N, V] distribution each row's token is drawn from (one-hot at the argmax for greedy rows).
+
+        For tests and debugging; `__call__` computes the same thing without materialising greedy rows.
+        """
+        work = self._apply_sequence_processors(logits.float(), rows)
+        probs = torch.zeros_like(work).scatter_(1, work.argmax(dim=-1, keepdim=True), 1.0)
+        for i, row in enumerate(rows):
+            if not row.params.is_greedy:
+                probs[i] = self._random_probs(work[i : i + 1], [row])[0]
+        return probs
+
     @staticmethod
-    def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """Sample one token per (random) row: temperature, top-k, top-p, min-p, exponential race."""
+    def _random_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Temperature, top-k, top-p and min-p, then softmax: the distribution to sample from."""
         device = logits.device
         vocab_size = logits.shape[-1]
         params = [row.params for row in rows]
@@ -130,8 +143,11 @@ class Sampler:
             logits = apply_min_p(
                 logits, torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
             )
+        return logits.softmax(dim=-1)
 
-        probs = logits.softmax(dim=-1)
+    @staticmethod
+    def _draw(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """One token per row by exponential race; seeded rows draw their noise from their generator."""
         noise = torch.empty_like(probs)
         seeded = [i for i, row in enumerate(rows) if row.generator is not None]
         if len(seeded) < len(rows):
