@@ -100,15 +100,31 @@ class AttentionSelectorConfig:
     attn_type: str = "decoder"
     use_non_causal: bool = False
     use_mm_prefix: bool = False
+    # Backend-specific knobs from AttentionConfig; None = the backend's default for the device.
+    flash_attn_version: int | None = None
+    use_trtllm_attention: bool | None = None
 
     def __str__(self) -> str:
-        parts = [f"head_size={self.head_size}", f"dtype={self.dtype}", f"kv_cache_dtype={self.kv_cache_dtype}",
-                 f"block_size={self.block_size}", f"attn_type={self.attn_type}"]
-        for flag in ("use_mla", "has_sink", "has_sliding_window", "use_alibi", "use_non_causal", "use_mm_prefix"):
+        parts = [
+            f"head_size={self.head_size}",
+            f"dtype={self.dtype}",
+            f"kv_cache_dtype={self.kv_cache_dtype}",
+            f"block_size={self.block_size}",
+            f"attn_type={self.attn_type}",
+        ]
+        for flag in (
+            "use_mla",
+            "has_sink",
+            "has_sliding_window",
+            "use_alibi",
+            "use_non_causal",
+            "use_mm_prefix",
+        ):
             if getattr(self, flag):
                 parts.append(f"{flag}=True")
-        if self.logits_soft_cap:
-            parts.append(f"logits_soft_cap={self.logits_soft_cap}")
+        for knob in ("logits_soft_cap", "flash_attn_version", "use_trtllm_attention"):
+            if getattr(self, knob) is not None:
+                parts.append(f"{knob}={getattr(self, knob)}")
         return "AttentionSelectorConfig(" + ", ".join(parts) + ")"
 
 
@@ -151,34 +167,42 @@ class AttentionBackend:
         """Every reason this backend cannot serve `config` on `device`; empty means valid."""
         reasons: list[str] = []
         if device.platform not in cls.platforms:
-            reasons.append(f"platform {device.platform} not supported (supported: {', '.join(cls.platforms)})")
+            reasons.append(
+                f"platform {device.platform} not supported (supported: {', '.join(cls.platforms)})"
+            )
         elif device.capability is not None:
             reasons.extend(cls._capability_reasons(device.capability))
         if config.use_mla != cls.is_mla:
-            reasons.append("MLA attention needs an MLA backend" if config.use_mla
-                           else "MLA backend cannot serve standard (non-MLA) attention")
+            reasons.append(
+                "MLA attention needs an MLA backend"
+                if config.use_mla
+                else "MLA backend cannot serve standard (non-MLA) attention"
+            )
         if config.dtype not in cls.supported_dtypes:
-            reasons.append(f"dtype {config.dtype} not supported (supported: {', '.join(cls.supported_dtypes)})")
+            reasons.append(
+                f"dtype {config.dtype} not supported (supported: {', '.join(cls.supported_dtypes)})"
+            )
         # Encoder-only layers keep no KV cache, so the KV dtype cannot disqualify them.
         if config.attn_type != "encoder_only" and config.kv_cache_dtype not in cls.supported_kv_cache_dtypes:
-            reasons.append(f"kv_cache_dtype {config.kv_cache_dtype} not supported "
-                           f"(supported: {', '.join(cls.supported_kv_cache_dtypes)})")
+            reasons.append(
+                f"kv_cache_dtype {config.kv_cache_dtype} not supported "
+                f"(supported: {', '.join(cls.supported_kv_cache_dtypes)})"
+            )
         if not cls.head_sizes.allows(config.head_size):
-            reasons.append(f"head_size {config.head_size} not supported (supported: {cls.head_sizes.describe()})")
+            reasons.append(
+                f"head_size {config.head_size} not supported (supported: {cls.head_sizes.describe()})"
+            )
         if config.block_size is not None and not cls.block_sizes.allows(config.block_size):
-            reasons.append(f"block_size {config.block_size} not supported (supported: {cls.block_sizes.describe()})")
+            reasons.append(
+                f"block_size {config.block_size} not supported (supported: {cls.block_sizes.describe()})"
+            )
         if config.attn_type not in cls.attn_types:
-            reasons.append(f"attention type {config.attn_type} not supported (supported: {', '.join(cls.attn_types)})")
-        for flag, supported, what in (
-            (config.has_sink, cls.supports_sink, "attention sinks"),
-            (config.has_sliding_window, cls.supports_sliding_window, "sliding window"),
-            (bool(config.logits_soft_cap), cls.supports_logits_soft_cap, "logits soft-cap"),
-            (config.use_alibi, cls.supports_alibi, "ALiBi"),
-            (config.use_non_causal, cls.supports_non_causal, "non-causal attention"),
-            (config.use_mm_prefix, cls.supports_mm_prefix, "multimodal prefix attention"),
-        ):
-            if flag and not supported:
-                reasons.append(f"{what} not supported")
+            reasons.append(
+                f"attention type {config.attn_type} not supported (supported: {', '.join(cls.attn_types)})"
+            )
+        for name, wanted, supported in cls._feature_flags(config):
+            if wanted and not supported:
+                reasons.append(f"{name} not supported (the model needs it; this backend has none)")
         reasons.extend(cls.extra_reasons(config, device))
         missing = cls.missing_package_reason()
         if missing:
@@ -186,11 +210,28 @@ class AttentionBackend:
         return reasons
 
     @classmethod
+    def _feature_flags(cls, config: AttentionSelectorConfig) -> list[tuple[str, bool, bool]]:
+        """(feature, config wants it, backend supports it) for every optional feature."""
+        soft_cap = (
+            f"logits soft-cap {config.logits_soft_cap}" if config.logits_soft_cap else "logits soft-cap"
+        )
+        return [
+            ("attention sinks", config.has_sink, cls.supports_sink),
+            ("sliding window", config.has_sliding_window, cls.supports_sliding_window),
+            (soft_cap, bool(config.logits_soft_cap), cls.supports_logits_soft_cap),
+            ("ALiBi", config.use_alibi, cls.supports_alibi),
+            ("non-causal attention", config.use_non_causal, cls.supports_non_causal),
+            ("multimodal prefix attention", config.use_mm_prefix, cls.supports_mm_prefix),
+        ]
+
+    @classmethod
     def _capability_reasons(cls, capability: tuple[int, int]) -> list[str]:
         lo, hi = cls.min_capability, cls.max_capability
         if (lo is None or capability >= lo) and (hi is None or capability <= hi):
             return []
-        return [f"compute capability {capability[0]}.{capability[1]} not supported (needs {cls.capability_text()})"]
+        return [
+            f"compute capability {capability[0]}.{capability[1]} not supported (needs {cls.capability_text()})"
+        ]
 
     @classmethod
     def capability_text(cls) -> str:
@@ -212,6 +253,7 @@ class AttentionBackend:
 
     @classmethod
     def missing_package_reason(cls) -> str | None:
+        """A reason naming the pip extra when the kernel package is absent (found without importing it)."""
         if cls.required_package is None:
             return None
         if importlib.util.find_spec(cls.required_package.split(".")[0]) is None:

@@ -1,20 +1,133 @@
-"""Registry from backend names to lazily imported backend classes (placeholder; issue 3 completes it)."""
+"""Registry from backend names to lazily imported backend classes.
+
+A backend is registered as a `"module:Class"` path and imported only when first asked for, so
+listing names never imports a kernel library. Built-in backends are registered only when their
+module exists in this build; out-of-tree backends are added with `register_backend`.
+"""
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import re
 
 from kvllm.attention.backend import AttentionBackend
 
-_BACKENDS: dict[str, str] = {
+# Every built-in backend kvllm knows how to load, in no particular order (priority lives in
+# kvllm.platforms). A line here whose module is absent from this build registers nothing, so a
+# backend becomes available by adding its module (and, for a new backend, one line here).
+_BUILTIN_BACKENDS: dict[str, str] = {
     "CPU_ATTN": "kvllm.attention.backends.cpu_attn:CpuAttentionBackend",
+    "TRITON_ATTN": "kvllm.attention.backends.triton_attn:TritonAttentionBackend",
+    "FLEX_ATTENTION": "kvllm.attention.backends.flex_attention:FlexAttentionBackend",
+    "FLASH_ATTN": "kvllm.attention.backends.flash_attn:FlashAttentionBackend",
+    "FLASHINFER": "kvllm.attention.backends.flashinfer:FlashInferBackend",
 }
+
+_NAME_RE = re.compile(r"^[A-Z][A-Z0-9_]*$")
+_PATH_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+_backends: dict[str, str] | None = None  # name -> "module:Class"; built on first use
+_classes: dict[str, type[AttentionBackend]] = {}
+_generation = 0  # bumped on every change, so cached selections can tell they are stale
+
+
+def _module_exists(module_name: str) -> bool:
+    try:
+        return importlib.util.find_spec(module_name) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def _table() -> dict[str, str]:
+    global _backends
+    if _backends is None:
+        _backends = {
+            name: path for name, path in _BUILTIN_BACKENDS.items() if _module_exists(path.partition(":")[0])
+        }
+    return _backends
 
 
 def registered_backend_names() -> list[str]:
-    return sorted(_BACKENDS)
+    """Names of every registered (implemented) backend, sorted."""
+    return sorted(_table())
+
+
+def is_registered(name: str) -> bool:
+    """Whether `name` (a backend name or enum member) is registered."""
+    return str(name) in _table()
+
+
+def backend_path(name: str) -> str:
+    """The `"module:Class"` path a registered backend is loaded from."""
+    _check_known(str(name))
+    return _table()[str(name)]
+
+
+def generation() -> int:
+    """A counter that changes whenever the registry changes (part of selection cache keys)."""
+    return _generation
+
+
+def register_backend(name: str, class_path: str) -> None:
+    """Register an out-of-tree backend, e.g. `register_backend("MY_ATTN", "my_pkg.attn:MyBackend")`.
+
+    The class is imported on first use and must subclass AttentionBackend. Names are upper-case
+    identifiers; registering a name twice is an error (unregister it first).
+    """
+    global _generation
+    if not isinstance(name, str) or not _NAME_RE.match(name):
+        raise ValueError(
+            f"Invalid attention backend name {name!r}: use an upper-case identifier such as 'MY_ATTN'"
+        )
+    if not isinstance(class_path, str) or not _PATH_RE.match(class_path):
+        raise ValueError(
+            f"Invalid class path {class_path!r} for attention backend {name}: use 'package.module:ClassName'"
+        )
+    table = _table()
+    if name in table:
+        raise ValueError(
+            f"Attention backend {name} is already registered (as {table[name]}); "
+            "choose another name or call unregister_backend first"
+        )
+    table[name] = class_path
+    _generation += 1
+
+
+def unregister_backend(name: str) -> None:
+    """Remove a registered backend (meant for out-of-tree backends and tests)."""
+    global _generation
+    _check_known(str(name))
+    del _table()[str(name)]
+    _classes.pop(str(name), None)
+    _generation += 1
 
 
 def get_backend_class(name: str) -> type[AttentionBackend]:
-    module_name, _, class_name = _BACKENDS[str(name)].partition(":")
-    return getattr(importlib.import_module(module_name), class_name)
+    """Import (once) and return the class of a registered backend.
+
+    Raises ValueError for unknown names and ImportError, naming the module, when the
+    declarations cannot be imported.
+    """
+    key = str(name)
+    _check_known(key)
+    if key not in _classes:
+        module_name, _, class_name = _table()[key].partition(":")
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            raise ImportError(f"attention backend {key}: cannot import {module_name}: {exc}") from exc
+        cls = getattr(module, class_name, None)
+        if not (isinstance(cls, type) and issubclass(cls, AttentionBackend)):
+            raise ImportError(
+                f"attention backend {key}: {module_name}.{class_name} is not an AttentionBackend subclass"
+            )
+        _classes[key] = cls
+    return _classes[key]
+
+
+def _check_known(name: str) -> None:
+    if name not in _table():
+        raise ValueError(
+            f"Unknown attention backend: {name!r}. Valid options are: {', '.join(registered_backend_names())}"
+        )
