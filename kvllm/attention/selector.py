@@ -1,26 +1,166 @@
-"""Attention backend selection (placeholder with the final signature; issue 3 completes it)."""
+"""Attention backend selection: manual choices are validated, automatic ones walk the priority list.
+
+A manual choice is honoured or fails with every reason; it is never silently replaced, on any
+platform. The automatic choice logs at INFO which backend it took and why every higher-priority
+backend was rejected. Choices are cached per (config, device, requested).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from kvllm.attention import registry
 from kvllm.attention.backend import AttentionBackend, AttentionSelectorConfig, DeviceInfo
 from kvllm.attention.names import AttentionBackendEnum
-from kvllm.attention.registry import get_backend_class
+from kvllm.logger import init_logger
+from kvllm.platforms import backend_priority, get_platform
+
+logger = init_logger(__name__)
+
+NOT_IMPLEMENTED = "not implemented in this build of kvllm"
 
 
 @dataclass(frozen=True)
 class BackendChoice:
+    """The backend selection picked and the KV-cache block size to use with it."""
+
     backend: type[AttentionBackend]
     block_size: int
+
+
+_cache: dict[tuple, BackendChoice] = {}
+
+
+def backend_reasons(
+    name: AttentionBackendEnum | str, config: AttentionSelectorConfig, device: DeviceInfo
+) -> list[str]:
+    """Every reason backend `name` cannot serve `config` on `device` (empty = valid).
+
+    An unregistered name or a declarations module that fails to import is a reason, not a crash.
+    """
+    name = str(name)
+    if not registry.is_registered(name):
+        return [NOT_IMPLEMENTED]
+    try:
+        backend = registry.get_backend_class(name)
+    except ImportError as exc:
+        return [str(exc)]
+    return backend.validate_configuration(config, device)
 
 
 def choose_attention_backend(
     config: AttentionSelectorConfig, device: DeviceInfo, requested: AttentionBackendEnum | None = None
 ) -> BackendChoice:
-    name = requested.name if requested is not None else "CPU_ATTN"
-    backend = get_backend_class(name)
-    reasons = backend.validate_configuration(config, device)
+    """Pick the attention backend for `config` on `device`.
+
+    With `requested`, validate that backend and raise ValueError with its reasons if it cannot
+    serve the configuration. Without, take the first valid backend of the platform's priority
+    list, or raise ValueError listing every backend's reasons.
+    """
+    if requested is not None and not isinstance(requested, AttentionBackendEnum):
+        requested = AttentionBackendEnum.from_name(requested)
+    key = (config, device, requested, registry.generation())
+    if key not in _cache:
+        if requested is not None:
+            _cache[key] = _choose_manual(config, device, requested)
+        else:
+            _cache[key] = _choose_automatic(config, device)
+    return _cache[key]
+
+
+def clear_selection_cache() -> None:
+    """Forget cached choices (tests; or after changing installed packages at run time)."""
+    _cache.clear()
+
+
+def _block_size(backend: type[AttentionBackend], config: AttentionSelectorConfig) -> int:
+    return config.block_size if config.block_size is not None else backend.preferred_block_size
+
+
+def _choose_manual(
+    config: AttentionSelectorConfig, device: DeviceInfo, requested: AttentionBackendEnum
+) -> BackendChoice:
+    if not registry.is_registered(requested.name):
+        # An enum member with no implementation: the same error as an unknown name.
+        AttentionBackendEnum.from_name(requested.name)
+    reasons = backend_reasons(requested, config, device)
     if reasons:
-        raise ValueError(f"Selected backend {name} is not valid for this configuration. Reason: {reasons}")
-    return BackendChoice(backend, config.block_size or backend.preferred_block_size)
+        raise ValueError(
+            f"Selected backend {requested.name} is not valid for this configuration. Reason: {reasons}"
+        )
+    backend = registry.get_backend_class(requested.name)
+    logger.info("Using %s attention backend (selected by the user).", requested.name)
+    return BackendChoice(backend, _block_size(backend, config))
+
+
+def _choose_automatic(config: AttentionSelectorConfig, device: DeviceInfo) -> BackendChoice:
+    candidates = backend_priority(device, config.use_mla)
+    rejected: dict[str, list[str]] = {}
+    for name in candidates:
+        reasons = backend_reasons(name, config, device)
+        if reasons:
+            rejected[name.name] = reasons
+            continue
+        backend = registry.get_backend_class(name.name)
+        logger.info(
+            "Using %s attention backend out of potential backends: %s",
+            name.name,
+            [c.name for c in candidates],
+        )
+        for other, other_reasons in rejected.items():
+            logger.info(
+                "Attention backend %s (higher priority) rejected: %s", other, "; ".join(other_reasons)
+            )
+        _warn_if_block_size_knocked_out(config, device, rejected, name.name)
+        return BackendChoice(backend, _block_size(backend, config))
+    # Name the unimplemented backends of the platform's list too, so the user sees the whole list.
+    full = get_platform(device).backend_priority(device, config.use_mla)
+    listing = ", ".join(f"{n.name}: {rejected.get(n.name, [NOT_IMPLEMENTED])}" for n in full)
+    raise ValueError(
+        f"No valid attention backend found for {device.describe()} with {config}. Reasons: {{{listing}}}. "
+        "Change the configuration (e.g. --block-size, --kv-cache-dtype, --dtype) or run "
+        "`kvllm backends` to see what each backend supports."
+    )
+
+
+def _warn_if_block_size_knocked_out(
+    config: AttentionSelectorConfig, device: DeviceInfo, rejected: dict[str, list[str]], chosen: str
+) -> None:
+    if config.block_size is None or not rejected:
+        return
+    unpinned = replace(config, block_size=None)
+    knocked_out = [name for name in rejected if not backend_reasons(name, unpinned, device)]
+    if knocked_out:
+        logger.warning(
+            "block_size %d rules out higher-priority attention backend(s) %s; using %s instead. "
+            "Leave --block-size unset to let the backend choose.",
+            config.block_size,
+            ", ".join(knocked_out),
+            chosen,
+        )
+
+
+def explain_kv_cache_dtype(model_dtype: str, kv_cache_dtype: str, device: DeviceInfo) -> None:
+    """Log the consequences of a KV-cache dtype choice (call once per engine).
+
+    fp8 with a 16-bit model is an explicit accuracy-for-memory trade; on CUDA below SM 8.9 fp8
+    saves memory but gives no speed-up (no native fp8 arithmetic there).
+    """
+    if not kv_cache_dtype.startswith("fp8"):
+        return
+    if model_dtype in ("float16", "bfloat16", "float32"):
+        logger.warning(
+            "Using an fp8 KV cache (%s) with a %s model: keys and values are stored in 8 bits, which halves "
+            "KV-cache memory at some accuracy cost (larger with fp8_e5m2 and without calibrated k/v scales). "
+            "Use --kv-cache-dtype auto to keep the model's precision.",
+            kv_cache_dtype,
+            model_dtype,
+        )
+    if device.platform == "cuda" and device.capability is not None and device.capability < (8, 9):
+        major, minor = device.capability
+        logger.warning(
+            "fp8 KV cache on compute capability %d.%d (below 8.9): it saves memory but gives no speed-up, "
+            "since this GPU has no native fp8 support and values are converted on every read.",
+            major,
+            minor,
+        )
