@@ -28,32 +28,43 @@ class EngineArgs:
 
     model: str | None = field(
         default=None,
-        metadata=_help("Local model folder, GGUF file or HF repo id. Default: the embedded SmolLM2-135M-Instruct."),
+        metadata=_help(
+            "Local model folder, GGUF file or HF repo id. Default: the embedded SmolLM2-135M-Instruct."
+        ),
     )
-    tokenizer: str | None = field(default=None, metadata=_help("Tokenizer folder or repo id (default: the model's)."))
+    tokenizer: str | None = field(
+        default=None, metadata=_help("Tokenizer folder or repo id (default: the model's).")
+    )
     revision: str | None = field(default=None, metadata=_help("Model revision on the hub."))
     dtype: str = field(default="auto", metadata=_help(f"Model dtype: {', '.join(DTYPES)}."))
     max_model_len: int | None = field(
         default=None, metadata=_help("Maximum context length (prompt + output). Default: the model's.")
     )
     block_size: int | None = field(
-        default=None, metadata=_help("Tokens per KV-cache block. Default: the attention backend's preferred size.")
+        default=None,
+        metadata=_help("Tokens per KV-cache block. Default: the attention backend's preferred size."),
     )
     gpu_memory_utilization: float = field(
-        default=0.9, metadata=_help("Fraction of GPU memory for weights, activations and KV cache (GPU only).")
+        default=0.9,
+        metadata=_help("Fraction of GPU memory for weights, activations and KV cache (GPU only)."),
     )
     kv_cache_memory_bytes: int | None = field(
         default=None,
         metadata=_help("KV-cache size in bytes; overrides gpu_memory_utilization. CPU default: 2 GiB."),
     )
-    kv_cache_dtype: str = field(default="auto", metadata=_help(f"KV-cache dtype: {', '.join(KV_CACHE_DTYPES)}."))
-    enable_prefix_caching: bool = field(default=True, metadata=_help("Reuse KV blocks of shared prompt prefixes."))
+    kv_cache_dtype: str = field(
+        default="auto", metadata=_help(f"KV-cache dtype: {', '.join(KV_CACHE_DTYPES)}.")
+    )
+    enable_prefix_caching: bool = field(
+        default=True, metadata=_help("Reuse KV blocks of shared prompt prefixes.")
+    )
     enable_chunked_prefill: bool = field(
         default=True, metadata=_help("Split long prompts into chunks scheduled beside decodes.")
     )
     max_num_seqs: int = field(default=256, metadata=_help("Maximum number of sequences per step."))
     max_num_batched_tokens: int | None = field(
-        default=None, metadata=_help("Token budget per step. Default: 8192 (at least max_model_len without chunking).")
+        default=None,
+        metadata=_help("Token budget per step. Default: 8192 (at least max_model_len without chunking)."),
     )
     seed: int = field(default=0, metadata=_help("Random seed."))
     load_format: str = field(default="auto", metadata=_help(f"Weight format: {', '.join(LOAD_FORMATS)}."))
@@ -70,8 +81,20 @@ class EngineArgs:
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen dataclass)
-        if isinstance(self.attention_config, dict):
+        if isinstance(self.attention_config, str):
+            set_(
+                "attention_config",
+                AttentionConfig.from_dict(_parse_json("attention_config", self.attention_config)),
+            )
+        elif isinstance(self.attention_config, dict):
             set_("attention_config", AttentionConfig.from_dict(self.attention_config))
+        elif self.attention_config is None:
+            set_("attention_config", AttentionConfig())
+        elif not isinstance(self.attention_config, AttentionConfig):
+            raise ValueError(
+                f"attention_config={self.attention_config!r} is not valid; allowed: an AttentionConfig, "
+                'a dict or a JSON string such as \'{"backend": "FLASH_ATTN"}\''
+            )
         if self.attention_backend is not None:
             if self.attention_config.backend is not None:
                 raise ValueError("attention_backend and attention_config.backend are mutually exclusive")
@@ -84,7 +107,9 @@ class EngineArgs:
         _check_choice("load_format", self.load_format, LOAD_FORMATS)
         _check_choice("device", self.device, DEVICES)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} is out of range; allowed: (0, 1]")
+            raise ValueError(
+                f"gpu_memory_utilization={self.gpu_memory_utilization} is out of range; allowed: (0, 1]"
+            )
         for name in ("max_model_len", "block_size", "kv_cache_memory_bytes", "max_num_batched_tokens"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value <= 0):
@@ -103,6 +128,17 @@ class EngineArgs:
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
+
+
+def _parse_json(name: str, text: str) -> Any:
+    import json
+
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(
+            f'{name}={text!r} is not valid JSON ({exc.msg}); e.g. \'{{"backend": "FLASH_ATTN"}}\''
+        ) from None
 
 
 def _check_choice(name: str, value: str, allowed: tuple[str, ...]) -> None:

@@ -1,0 +1,102 @@
+"""What a model's attention needs, read from its HF config without loading weights.
+
+Shared by `kvllm backends` and (recommended) the engine, so both build the same
+AttentionSelectorConfig for the same model and flags.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from kvllm.attention.backend import AttentionSelectorConfig, DeviceInfo
+from kvllm.config.attention import AttentionConfig
+
+# HF model types whose attention uses ALiBi instead of rotary positions.
+_ALIBI_MODEL_TYPES = frozenset({"bloom", "mpt", "baichuan", "falcon_alibi"})
+# HF model types that are encoder-only (bidirectional, no KV cache).
+_ENCODER_ONLY_MODEL_TYPES = frozenset({"bert", "roberta", "xlm-roberta", "modernbert", "nomic_bert"})
+_DTYPE_NAMES = {
+    "float16": "float16",
+    "half": "float16",
+    "bfloat16": "bfloat16",
+    "float32": "float32",
+    "float": "float32",
+}
+
+
+def load_hf_config(model: str, trust_remote_code: bool = False, revision: str | None = None) -> Any:
+    """The model's transformers config (config.json, or a GGUF file's header); no weights are read."""
+    from transformers import AutoConfig
+
+    if os.path.isfile(model) and model.endswith(".gguf"):
+        return AutoConfig.from_pretrained(os.path.dirname(model) or ".", gguf_file=os.path.basename(model))
+    return AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code, revision=revision)
+
+
+def config_dtype_name(hf_config: Any) -> str | None:
+    """The checkpoint dtype named in the config (transformers 4 `torch_dtype` or 5 `dtype`)."""
+    value = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if value is None:
+        return None
+    return _DTYPE_NAMES.get(str(value).removeprefix("torch."))
+
+
+def resolve_model_dtype(requested: str, hf_config: Any, device: DeviceInfo) -> str:
+    """The dtype the model runs in: the user's, else the checkpoint's (float32 checkpoints run in
+    bfloat16 on GPUs that have it, float16 on older ones; CPU keeps float32), else bfloat16."""
+    if requested != "auto":
+        return _DTYPE_NAMES.get(requested, requested)
+    dtype = config_dtype_name(hf_config) or "bfloat16"
+    if dtype == "float32" and device.platform != "cpu":
+        capable = device.platform == "rocm" or (device.capability or (0, 0)) >= (8, 0)
+        return "bfloat16" if capable else "float16"
+    return dtype
+
+
+def _text_config(hf_config: Any) -> Any:
+    get_text = getattr(hf_config, "get_text_config", None)
+    return get_text() if callable(get_text) else hf_config
+
+
+def selector_config_from_hf_config(
+    hf_config: Any,
+    device: DeviceInfo,
+    dtype: str = "auto",
+    kv_cache_dtype: str = "auto",
+    block_size: int | None = None,
+    attention_config: AttentionConfig | None = None,
+) -> AttentionSelectorConfig:
+    """The attention needs of a model: head size, dtype, sliding window, soft-cap, sinks, MLA..."""
+    text = _text_config(hf_config)
+    model_type = getattr(text, "model_type", "") or ""
+    kv_lora_rank = getattr(text, "kv_lora_rank", None)
+    use_mla = kv_lora_rank is not None
+    if use_mla:
+        # MLA decode attends over the compressed latent plus the rotary part (576 for DeepSeek).
+        head_size = int(kv_lora_rank) + int(getattr(text, "qk_rope_head_dim", 0) or 0)
+    else:
+        head_size = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    layer_types = getattr(text, "layer_types", None) or []
+    sliding = getattr(text, "sliding_window", None)
+    has_sliding_window = bool(sliding) and getattr(text, "use_sliding_window", True) is not False
+    if layer_types:
+        has_sliding_window = any("sliding" in str(t) for t in layer_types) and bool(sliding)
+    soft_cap = getattr(text, "attn_logit_softcapping", None)
+    attention_config = attention_config or AttentionConfig()
+    encoder_only = model_type in _ENCODER_ONLY_MODEL_TYPES
+    return AttentionSelectorConfig(
+        head_size=int(head_size),
+        dtype=resolve_model_dtype(dtype, text, device),
+        kv_cache_dtype=kv_cache_dtype,
+        block_size=block_size,
+        use_mla=use_mla,
+        has_sink=model_type == "gpt_oss",
+        has_sliding_window=has_sliding_window,
+        logits_soft_cap=float(soft_cap) if soft_cap else None,
+        use_alibi=model_type in _ALIBI_MODEL_TYPES or bool(getattr(text, "alibi", False)),
+        attn_type="encoder_only" if encoder_only else "decoder",
+        use_non_causal=encoder_only,
+        flash_attn_version=attention_config.flash_attn_version,
+        use_trtllm_attention=attention_config.use_trtllm_attention,
+    )

@@ -1,0 +1,144 @@
+"""`kvllm backends`: which attention backend can serve this model here, and why the others cannot.
+
+Reads the model's config (never its weights), builds the same selector config the engine uses,
+and prints every registered backend with ✅/❌ and its reasons, the platform's priority order
+and what automatic (and, if given, manual) selection picks. `--platform/--capability` simulate
+another machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from kvllm.attention import registry
+from kvllm.attention.backend import AttentionSelectorConfig, DeviceInfo
+from kvllm.attention.names import AttentionBackendEnum
+from kvllm.entrypoints.cli.engine_args import engine_arg_parser, engine_args_from_cli
+
+
+def register(subparsers: Any) -> None:
+    """Add the `backends` subcommand."""
+    parser = subparsers.add_parser(
+        "backends",
+        parents=[engine_arg_parser()],
+        allow_abbrev=False,
+        help="Show which attention backends can serve a model on this (or a simulated) machine.",
+        description=__doc__.split("\n\n")[0],
+    )
+    sim = parser.add_argument_group("simulation")
+    sim.add_argument(
+        "--platform",
+        choices=("cuda", "rocm", "cpu"),
+        help="Simulate this platform instead of the current machine.",
+    )
+    sim.add_argument(
+        "--capability",
+        metavar="MAJOR.MINOR",
+        help="CUDA compute capability to simulate, e.g. 9.0 (implies --platform cuda).",
+    )
+    parser.set_defaults(dispatch=run)
+
+
+def resolve_device(platform: str | None, capability: str | None) -> DeviceInfo:
+    """The simulated device from --platform/--capability, or this machine's."""
+    from kvllm.platforms import current_device_info, make_device_info
+
+    if platform is None and capability is None:
+        return current_device_info()
+    return make_device_info(platform or "cuda", capability)
+
+
+def resolve_model(model: str | None) -> str:
+    """The model to describe: the user's, else the engine's default model folder."""
+    if model is not None:
+        return model
+    try:
+        from kvllm.models.default_model import default_model_path
+    except ImportError as exc:
+        raise ValueError(
+            f"no default model in this build ({exc}); pass a model folder: kvllm backends MODEL"
+        ) from None
+    return str(default_model_path())
+
+
+def _mark(ok: bool) -> str:
+    return "✅" if ok else "❌"
+
+
+def backends_report(
+    model: str,
+    config: AttentionSelectorConfig,
+    device: DeviceInfo,
+    requested: AttentionBackendEnum | None = None,
+    simulated: bool = False,
+) -> str:
+    """The text `kvllm backends` prints (selection itself logs to stderr)."""
+    from kvllm.attention.selector import NOT_IMPLEMENTED, backend_reasons, choose_attention_backend
+    from kvllm.platforms import backend_priority, is_simulated
+
+    lines = [
+        f"Platform: {device.describe()}{' (simulated)' if simulated or is_simulated() else ''}",
+        f"Model: {model}",
+        f"Attention needs: {config}",
+        "",
+        "Registered attention backends:",
+    ]
+    full_priority = backend_priority(device, config.use_mla, registered_only=False)
+    in_priority = {n.name for n in full_priority}
+    width = max(len(n) for n in registry.registered_backend_names())
+    for name in registry.registered_backend_names():
+        reasons = backend_reasons(name, config, device)
+        if reasons:
+            lines.append(f"  ❌ {name:<{width}}  " + "; ".join(reasons))
+        elif name in in_priority:
+            lines.append(f"  ✅ {name:<{width}}  valid")
+        else:
+            lines.append(
+                f"  ✅ {name:<{width}}  valid, but only when selected by name "
+                f"(not in {device.platform}'s priority list)"
+            )
+    kind = "MLA" if config.use_mla else "standard"
+    lines += ["", f"Priority order for {kind} attention on {device.describe()} (1 = tried first):"]
+    for i, name in enumerate(full_priority, 1):
+        note = "" if registry.is_registered(name.name) else f"  ({NOT_IMPLEMENTED})"
+        lines.append(f"  {i}. {name.name}{note}")
+    lines.append("")
+    try:
+        choice = choose_attention_backend(config, device)
+        lines.append(f"Automatic selection: {choice.backend.name} (block size {choice.block_size})")
+    except ValueError as exc:
+        lines.append(f"Automatic selection: none. {exc}")
+    if requested is not None:
+        try:
+            choice = choose_attention_backend(config, device, requested)
+            lines.append(f"Your selection: {requested.name} is valid (block size {choice.block_size})")
+        except ValueError as exc:
+            lines.append(f"Your selection: {exc}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the subcommand; exit code 1 when neither automatic nor requested selection would work."""
+    from kvllm.attention.selector import choose_attention_backend
+    from kvllm.config.model_attention import load_hf_config, selector_config_from_hf_config
+
+    engine_args = engine_args_from_cli(args)
+    device = resolve_device(args.platform, args.capability)
+    model = resolve_model(engine_args.model)
+    hf_config = load_hf_config(model, engine_args.trust_remote_code, engine_args.revision)
+    config = selector_config_from_hf_config(
+        hf_config,
+        device,
+        dtype=engine_args.dtype,
+        kv_cache_dtype=engine_args.kv_cache_dtype,
+        block_size=engine_args.block_size,
+        attention_config=engine_args.attention_config,
+    )
+    simulated = args.platform is not None or args.capability is not None
+    print(backends_report(model, config, device, engine_args.backend, simulated))
+    try:
+        choose_attention_backend(config, device, engine_args.backend)
+    except ValueError:
+        return 1
+    return 0

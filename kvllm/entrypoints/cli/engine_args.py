@@ -1,0 +1,178 @@
+"""The engine-argument parser shared by every subcommand, generated from the EngineArgs fields.
+
+Flags come from the dataclass fields (help from field metadata), so the CLI, `LLM(...)` keyword
+arguments and the docs cannot drift. Every flag accepts `-` and `_` spellings; booleans come as
+`--flag/--no-flag`; the model is an optional positional or `--model`.
+
+Attention settings, two mutually exclusive ways (EngineArgs checks the exclusion):
+`--attention-backend X`, or `--attention-config JSON` / `-ac JSON` / `--attention-config.KEY VALUE` /
+`-ac.KEY VALUE` / `-ac.KEY=VALUE`. Dotted forms are rewritten into JSON by `preprocess_argv`
+before argparse sees them; all attention-config items merge in order (later keys win).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import types
+import typing
+from dataclasses import MISSING, fields
+from typing import Any
+
+from kvllm.attention.names import AttentionBackendEnum
+from kvllm.config.attention import AttentionConfig
+from kvllm.config.engine import EngineArgs
+
+_AC_PREFIXES = ("--attention-config.", "--attention_config.", "-ac.")
+
+
+def preprocess_argv(argv: list[str]) -> list[str]:
+    """Rewrite dotted attention-config flags (`-ac.KEY VALUE`, `-ac.KEY=VALUE`) into `-ac JSON`."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        prefix = next((p for p in _AC_PREFIXES if token.startswith(p)), None)
+        if prefix is None or token == "--":
+            out.append(token)
+            if token == "--":
+                out.extend(argv[i + 1 :])
+                break
+            i += 1
+            continue
+        key, eq, value = token[len(prefix) :].partition("=")
+        if not eq:
+            if i + 1 >= len(argv):
+                raise ValueError(f"{token} needs a value, e.g. {token} VALUE or {token}=VALUE")
+            value = argv[i + 1]
+            i += 1
+        if not key:
+            raise ValueError(f"{token!r} names no attention_config field; use e.g. -ac.backend FLASH_ATTN")
+        out += ["--attention-config", json.dumps({key: _json_or_text(value)})]
+        i += 1
+    return out
+
+
+def _json_or_text(value: str) -> Any:
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError:
+        return value
+
+
+def _unwrap_optional(hint: Any) -> Any:
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return hint
+
+
+def _help_with_default(f: Any) -> str:
+    text = f.metadata.get("help", "")
+    if f.default is not MISSING and f.default is not None and not isinstance(f.default, bool):
+        text += f" (default: {f.default})"
+    return text
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add one flag per EngineArgs field to `parser`; unset flags stay out of the namespace."""
+    group = parser.add_argument_group("engine arguments", "Settings of the engine (see EngineArgs).")
+    hints = typing.get_type_hints(EngineArgs)
+    for f in fields(EngineArgs):
+        flags = [f"--{f.name.replace('_', '-')}"]
+        if "_" in f.name:
+            flags.append(f"--{f.name}")
+        common: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": _help_with_default(f)}
+        hint = _unwrap_optional(hints[f.name])
+        if f.name == "model":
+            group.add_argument(
+                "model_tag",
+                nargs="?",
+                default=argparse.SUPPRESS,
+                metavar="MODEL",
+                help="Model (same as --model). Default: the embedded SmolLM2-135M-Instruct.",
+            )
+            group.add_argument(*flags, **common)
+        elif f.name == "attention_config":
+            group.add_argument(
+                *flags,
+                "-ac",
+                action="append",
+                metavar="JSON|KEY=VALUE",
+                **{
+                    **common,
+                    "help": f"{f.metadata.get('help', '')} Fields: "
+                    + ", ".join(AttentionConfig.__dataclass_fields__)
+                    + ". Use --attention-config.KEY VALUE or -ac.KEY=VALUE for one field.",
+                },
+            )
+        elif hint is bool:
+            default = "on" if f.default else "off"
+            group.add_argument(
+                *flags,
+                action=argparse.BooleanOptionalAction,
+                **{
+                    **common,
+                    "help": f"{common['help']} (default: {default})",
+                },
+            )
+        elif hint is AttentionBackendEnum:
+            group.add_argument(*flags, metavar="NAME", **common)
+        elif hint in (int, float, str):
+            group.add_argument(*flags, type=hint, **common)
+        else:
+            raise TypeError(f"EngineArgs.{f.name}: no CLI mapping for type {hint!r}; extend add_engine_args")
+    return parser
+
+
+def engine_arg_parser() -> argparse.ArgumentParser:
+    """A parent parser holding the engine arguments: `add_parser(..., parents=[engine_arg_parser()])`."""
+    return add_engine_args(argparse.ArgumentParser(add_help=False, allow_abbrev=False))
+
+
+def engine_kwargs_from_cli(args: argparse.Namespace) -> dict[str, Any]:
+    """The EngineArgs keyword arguments the user set on the command line (validated).
+
+    Raises ValueError with the user-facing message for invalid values, including
+    `attention_backend and attention_config.backend are mutually exclusive`.
+    """
+    kwargs: dict[str, Any] = {}
+    for name in EngineArgs.field_names():
+        if hasattr(args, name):
+            kwargs[name] = getattr(args, name)
+    positional = getattr(args, "model_tag", None)
+    if positional is not None:
+        if kwargs.get("model") not in (None, positional):
+            raise ValueError(
+                f"model given twice ({positional!r} and --model {kwargs['model']!r}); give it once"
+            )
+        kwargs["model"] = positional
+    if "attention_config" in kwargs:
+        kwargs["attention_config"] = merge_attention_config(kwargs["attention_config"])
+    EngineArgs(**kwargs)  # validates, with the same messages as the Python API
+    return kwargs
+
+
+def engine_args_from_cli(args: argparse.Namespace) -> EngineArgs:
+    """EngineArgs from a namespace parsed with the engine arguments (serve and bench reuse this)."""
+    return EngineArgs(**engine_kwargs_from_cli(args))
+
+
+def merge_attention_config(items: list[str]) -> AttentionConfig:
+    """Merge `-ac` values (JSON objects, in order; later keys win) into one AttentionConfig."""
+    merged: dict[str, Any] = {}
+    for item in items:
+        try:
+            data = json.loads(item)
+        except json.JSONDecodeError as exc:
+            raise ValueError(
+                f"--attention-config {item!r} is not valid JSON ({exc.msg}); write it as "
+                """'{"backend": "FLASH_ATTN"}' or use -ac.backend FLASH_ATTN"""
+            ) from None
+        if not isinstance(data, dict):
+            raise ValueError(
+                f'--attention-config {item!r} must be a JSON object such as \'{{"backend": "X"}}\''
+            )
+        merged.update(data)
+    return AttentionConfig.from_dict(merged)
