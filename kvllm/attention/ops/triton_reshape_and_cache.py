@@ -1,0 +1,137 @@
+"""Triton kernel that writes new K/V rows into the paged KV cache through the slot mapping.
+
+Cache layout (one of K or V): [num_blocks, block_size, num_kv_heads, head_size], head dim contiguous.
+Slot s lives in block s // block_size at offset s % block_size; slot -1 is skipped (CUDA-graph padding).
+An fp8 cache stores value / scale, rounded to nearest even (torch's own fp32 -> fp8 rounding).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+@triton.jit
+def _reshape_and_cache_kernel(
+    key_ptr,
+    value_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    slot_mapping_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_kcb,
+    stride_kcs,
+    stride_kch,
+    stride_vcb,
+    stride_vcs,
+    stride_vch,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    HEAD_SIZE_PAD: tl.constexpr,
+    HEADS_PER_PROGRAM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    IS_FP8: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot < 0:
+        return
+    block = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+    heads = tl.program_id(1) * HEADS_PER_PROGRAM + tl.arange(0, HEADS_PER_PROGRAM)
+    dims = tl.arange(0, HEAD_SIZE_PAD)
+    mask = (heads[:, None] < NUM_KV_HEADS) & (dims[None, :] < HEAD_SIZE)
+
+    k = tl.load(key_ptr + token * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
+    v = tl.load(value_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
+    if IS_FP8:
+        k = (k.to(tl.float32) / tl.load(k_scale_ptr)).to(
+            key_cache_ptr.dtype.element_ty, fp_downcast_rounding="rtne"
+        )
+        v = (v.to(tl.float32) / tl.load(v_scale_ptr)).to(
+            value_cache_ptr.dtype.element_ty, fp_downcast_rounding="rtne"
+        )
+    else:
+        k = k.to(key_cache_ptr.dtype.element_ty)
+        v = v.to(value_cache_ptr.dtype.element_ty)
+    kc = (
+        key_cache_ptr + block * stride_kcb + offset * stride_kcs + heads[:, None] * stride_kch + dims[None, :]
+    )
+    vc = (
+        value_cache_ptr
+        + block * stride_vcb
+        + offset * stride_vcs
+        + heads[:, None] * stride_vch
+        + dims[None, :]
+    )
+    tl.store(kc, k, mask=mask)
+    tl.store(vc, v, mask=mask)
+
+
+def reshape_and_cache(
+    key: torch.Tensor,  # [T, num_kv_heads, head_size]
+    value: torch.Tensor,  # [T, num_kv_heads, head_size]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # int64 [>= num_tokens]; -1 = skip
+    k_scale: torch.Tensor,  # float32 scalar tensor, used only for fp8 caches
+    v_scale: torch.Tensor,
+    num_tokens: int | None = None,
+) -> None:
+    """Store `key`/`value` rows 0..num_tokens-1 at their slots; rows with slot -1 are not written."""
+    num_tokens = key.shape[0] if num_tokens is None else num_tokens
+    if num_tokens == 0:
+        return
+    _, block_size, num_kv_heads, head_size = key_cache.shape
+    if key.shape[1:] != (num_kv_heads, head_size) or value.shape[1:] != (num_kv_heads, head_size):
+        raise ValueError(
+            f"key/value shapes {tuple(key.shape)}/{tuple(value.shape)} do not match the cache "
+            f"(num_kv_heads={num_kv_heads}, head_size={head_size})"
+        )
+    if (
+        key.stride(-1) != 1
+        or value.stride(-1) != 1
+        or key_cache.stride(-1) != 1
+        or value_cache.stride(-1) != 1
+    ):
+        raise ValueError("reshape_and_cache needs a contiguous head dimension in key, value and caches")
+    if slot_mapping.shape[0] < num_tokens:
+        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {num_tokens} tokens")
+    is_fp8 = key_cache.dtype in FP8_DTYPES
+    head_size_pad = triton.next_power_of_2(head_size)
+    heads_per_program = min(triton.next_power_of_2(num_kv_heads), max(1, 4096 // head_size_pad))
+    grid = (num_tokens, triton.cdiv(num_kv_heads, heads_per_program))
+    _reshape_and_cache_kernel[grid](
+        key,
+        value,
+        key_cache,
+        value_cache,
+        slot_mapping,
+        k_scale,
+        v_scale,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_SIZE=head_size,
+        HEAD_SIZE_PAD=head_size_pad,
+        HEADS_PER_PROGRAM=heads_per_program,
+        BLOCK_SIZE=block_size,
+        IS_FP8=is_fp8,
+        num_warps=4,
+    )
