@@ -91,7 +91,7 @@ def import_flashinfer() -> ModuleType:
     """Import flashinfer with its kernel cache set up; a missing package is a clear error."""
     import sys
 
-    if "flashinfer" in sys.modules:
+    if sys.modules.get("flashinfer") is not None:
         return sys.modules["flashinfer"]
     # FlashInfer reads FLASHINFER_WORKSPACE_BASE once, when it is first imported.
     jit_dir = flashinfer_workspace_base() / ".cache" / "flashinfer"
