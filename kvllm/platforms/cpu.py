@@ -11,6 +11,7 @@ class CpuPlatform(Platform):
     """x86/ARM CPUs."""
 
     name = "cpu"
+    display_name = "CPU"
 
     @classmethod
     def backend_priority(cls, device: DeviceInfo, use_mla: bool) -> list[B]:

@@ -16,6 +16,7 @@ class CudaPlatform(Platform):
     """CUDA GPUs; the list depends on whether the device is Blackwell (SM 10.x)."""
 
     name = "cuda"
+    display_name = "CUDA"
 
     @classmethod
     def backend_priority(cls, device: DeviceInfo, use_mla: bool) -> list[B]:

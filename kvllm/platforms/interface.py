@@ -10,6 +10,7 @@ class Platform:
     """A kind of device (CUDA, ROCm, CPU) and its attention-backend priority lists."""
 
     name: str = ""
+    display_name: str = ""
 
     @classmethod
     def backend_priority(cls, device: DeviceInfo, use_mla: bool) -> list[AttentionBackendEnum]:
@@ -23,4 +24,4 @@ class Platform:
     @classmethod
     def priority_tables(cls) -> list[tuple[str, DeviceInfo]]:
         """Representative devices whose priority lists the docs show, with a label each."""
-        return [(cls.name.upper(), DeviceInfo(cls.name))]
+        return [(cls.display_name or cls.name, DeviceInfo(cls.name))]

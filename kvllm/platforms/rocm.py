@@ -17,6 +17,7 @@ class RocmPlatform(Platform):
     """ROCm GPUs. Capability is left None: gfx versions are not CUDA compute capabilities."""
 
     name = "rocm"
+    display_name = "ROCm"
 
     @classmethod
     def backend_priority(cls, device: DeviceInfo, use_mla: bool) -> list[B]:
