@@ -23,10 +23,11 @@ def apply_top_k_top_p(
     vocab_size = logits.shape[-1]
     if top_p is None:
         assert top_k is not None
-        max_k = int(top_k.max())
+        is_active = (top_k < vocab_size).unsqueeze(1)
+        max_k = int(top_k.masked_fill(~is_active.squeeze(1), 1).max())  # avoid a full sort for disabled rows
         top_values = logits.topk(max_k, dim=-1).values
         kth = top_values.gather(1, (top_k - 1).clamp(max=max_k - 1).unsqueeze(1))
-        return logits.masked_fill(logits < kth, float("-inf"))
+        return logits.masked_fill(is_active & (logits < kth), float("-inf"))
     sorted_logits, order = logits.sort(dim=-1)  # ascending
     if top_k is not None:
         kth = sorted_logits.gather(1, (vocab_size - top_k).unsqueeze(1))

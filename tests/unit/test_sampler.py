@@ -38,7 +38,7 @@ def _reference_probs(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
         return torch.nn.functional.one_hot(x.argmax(), x.numel()).double()
     x = x / p.temperature
     if p.top_k > 0:
-        kth = x.sort(descending=True).values[p.top_k - 1]
+        kth = x.sort(descending=True).values[min(p.top_k, x.numel()) - 1]
         x[x < kth] = -math.inf
     if p.top_p < 1.0:
         probs = x.softmax(-1)
@@ -261,3 +261,20 @@ def test_bfloat16_logits_and_rejects_bad_shapes():
     assert out.token_ids[0] == logits.float().argmax(-1)[0].item()
     with pytest.raises(ValueError, match="num_rows=1"):
         Sampler()(logits, [_row(SamplingParams())])
+
+
+def test_top_k_only_batch_with_disabled_rows():
+    cases = [
+        SamplingParams(top_k=5),
+        SamplingParams(),
+        SamplingParams(top_k=1000),
+        SamplingParams(top_k=2, min_p=0.2),
+    ]
+    logits = _logits(len(cases), seed=11)
+    rows = _rows_for_cases(cases)
+    probs = Sampler().sampling_probs(logits, rows)
+    batched = Sampler._random_probs(logits, rows)
+    for i, row in enumerate(rows):
+        torch.testing.assert_close(probs[i].double(), _reference_probs(logits[i], row), atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(batched[i], probs[i])
+    assert [int((p > 0).sum()) for p in batched] == [5, VOCAB, VOCAB, 2]
