@@ -25,8 +25,8 @@ class IncrementalDetokenizer:
 
     Invariants: `output_text` only grows (except for the one truncation at a stop string, which
     never cuts below what `get_next_delta_text` has released); released text never contains a stop
-    string unless `include_stop_str_in_output`; after `finish()` the concatenated deltas equal
-    `output_text`.
+    string unless `include_stop_str_in_output`; once finished (by a stop string or `finish()`), the
+    deltas concatenated up to and including the next `get_next_delta_text` equal `output_text`.
 
     `tokenizer` is a transformers tokenizer or a `tokenizers.Tokenizer`. Ids outside its vocabulary
     (a model vocab padded beyond the tokenizer's) decode to nothing.
@@ -91,16 +91,15 @@ class IncrementalDetokenizer:
         self._num_released = end
         return delta
 
-    def finish(self) -> str:
-        """Mark the sequence finished; return the text not yet released by `get_next_delta_text`.
+    def finish(self) -> None:
+        """Mark the sequence finished: the next `get_next_delta_text` releases all remaining text.
 
         Ids still pending an incomplete UTF-8 sequence are decoded as they are (with U+FFFD), so the
-        final text equals the tokenizer's decode of the output.
+        final text equals the tokenizer's decode of the output. Calling it again does nothing.
         """
         if not self._is_finished and self.params.detokenize and self._read_offset < len(self._ids):
             self._text += self._decode_new(force=True)
         self._is_finished = True
-        return self.get_next_delta_text()
 
     def _in_vocab(self, token_id: int) -> bool:
         return 0 <= token_id < self._vocab_size

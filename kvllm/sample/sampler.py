@@ -26,7 +26,7 @@ class SamplingRow:
 
     `generator` is the request's own generator when `params.seed` is set (the engine creates it
     once: `torch.Generator(device=logits.device).manual_seed(seed)` and keeps it across steps);
-    None uses the default RNG. `eos_token_ids` (pass [] when `params.ignore_eos`) and
+    None uses the default RNG. `eos_token_ids` (unless `params.ignore_eos`) and
     `params.stop_token_ids` are suppressed while len(output_token_ids) < params.min_tokens.
     """
 
@@ -83,7 +83,7 @@ class Sampler:
     def _apply_sequence_processors(raw: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """min_tokens suppression and penalties; returns `raw` itself when no row needs either."""
         suppress = [
-            (i, [*row.eos_token_ids, *row.params.stop_token_ids])
+            (i, [*(() if row.params.ignore_eos else row.eos_token_ids), *row.params.stop_token_ids])
             for i, row in enumerate(rows)
             if len(row.output_token_ids) < row.params.min_tokens
         ]

@@ -46,7 +46,9 @@ def _stream(detok: IncrementalDetokenizer, ids: list[int]) -> tuple[list[str], s
         deltas.append(detok.get_next_delta_text())
         if stop is not None:
             break
-    deltas.append(detok.finish())
+    detok.finish()
+    deltas.append(detok.get_next_delta_text())
+    assert detok.get_next_delta_text() == ""
     return deltas, stop
 
 
@@ -151,7 +153,8 @@ def test_streaming_holds_back_a_possible_stop_prefix_and_releases_it(tokenizer):
     assert detok.get_next_delta_text() == "STay"
     detok.update(tokenizer.encode(" S"))
     assert detok.get_next_delta_text() == " "
-    assert detok.finish() == "S"  # finished for another reason: flush
+    detok.finish()  # finished for another reason (length, EOS): release the held tail
+    assert detok.get_next_delta_text() == "S"
     assert detok.output_text == "hello STay S"
 
 
@@ -206,4 +209,4 @@ def test_plain_tokenizers_tokenizer_and_detokenize_false(raw_tokenizer, tokenize
             break
     assert detok.output_text == TEXT[: TEXT.index("café")]
     quiet = IncrementalDetokenizer(tokenizer, [], SamplingParams(detokenize=False))
-    assert quiet.update(ids) is None and quiet.output_text == "" and quiet.finish() == ""
+    assert quiet.update(ids) is None and quiet.output_text == "" and quiet.get_next_delta_text() == ""

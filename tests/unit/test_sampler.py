@@ -134,7 +134,7 @@ def test_top_k_one_is_greedy():
 
 
 def test_min_tokens_suppresses_eos_and_stop_token_ids():
-    logits = torch.zeros(3, VOCAB)
+    logits = torch.zeros(4, VOCAB)
     logits[:, 2] = 100.0  # EOS
     logits[:, 9] = 50.0  # a stop token id
     logits[:, 11] = 10.0
@@ -143,8 +143,10 @@ def test_min_tokens_suppresses_eos_and_stop_token_ids():
         _row(greedy, output=[4], eos=[2]),  # 1 < 3: both suppressed
         _row(greedy, output=[4, 4, 4], eos=[2]),  # reached min_tokens
         _row(SamplingParams(min_tokens=3, stop_token_ids=[9], top_k=1), output=[], eos=[2]),
+        # EOS does not stop an ignore_eos request, so min_tokens leaves it alone (as vLLM does).
+        _row(SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[9], ignore_eos=True), eos=[2]),
     ]
-    assert Sampler()(logits, rows).token_ids == [11, 2, 11]
+    assert Sampler()(logits, rows).token_ids == [11, 2, 11, 2]
 
 
 def _seeded_run(batch_size: int, position: int, steps: int, seed: int = 1234) -> list[int]:
