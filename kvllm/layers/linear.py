@@ -1,0 +1,65 @@
+"""Linear layers that fuse several checkpoint matrices into one, each shard loaded by name.
+
+A fused layer's parameters carry a `weight_loader(param, loaded_weight, shard_id)` that copies one
+checkpoint tensor into its rows, so the model's `load_weights` is a name mapping and nothing else.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
+    """Copy a checkpoint tensor into a parameter of the same shape (casting dtype and device)."""
+    if param.shape != loaded_weight.shape:
+        raise ValueError(
+            f"shape mismatch: parameter {tuple(param.shape)}, checkpoint {tuple(loaded_weight.shape)}"
+        )
+    param.data.copy_(loaded_weight)
+
+
+class MergedLinear(nn.Linear):
+    """Several linear maps of one input stacked along the output dimension (e.g. gate_proj + up_proj).
+
+    `output_sizes` lists the rows of each shard; a shard is addressed by its index or by a name from
+    `shard_names`.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        bias: bool = False,
+        shard_names: tuple[str, ...] | None = None,
+    ) -> None:
+        super().__init__(input_size, sum(output_sizes), bias=bias)
+        self.output_sizes = list(output_sizes)
+        self.shard_names = shard_names or tuple(str(i) for i in range(len(output_sizes)))
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        if self.bias is not None:
+            self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+
+    def _shard_rows(self, shard_id: int | str) -> tuple[int, int]:
+        index = self.shard_names.index(shard_id) if isinstance(shard_id, str) else shard_id
+        start = sum(self.output_sizes[:index])
+        return start, self.output_sizes[index]
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: int | str) -> None:
+        start, size = self._shard_rows(shard_id)
+        default_weight_loader(param.data.narrow(0, start, size), loaded_weight)
+
+
+class QKVLinear(MergedLinear):
+    """The q, k and v projections of attention as one matmul; shards are "q", "k" and "v"."""
+
+    def __init__(
+        self, hidden_size: int, head_size: int, num_heads: int, num_kv_heads: int, bias: bool = False
+    ) -> None:
+        self.q_size = num_heads * head_size
+        self.kv_size = num_kv_heads * head_size
+        super().__init__(hidden_size, [self.q_size, self.kv_size, self.kv_size], bias, ("q", "k", "v"))
+
+    def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return q, k, v

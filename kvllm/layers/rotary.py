@@ -1,0 +1,97 @@
+"""Rotary position embeddings (NeoX / HF "rotate half" layout) with default, linear and llama3 scaling."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def rope_parameters_from_config(hf_config: Any) -> dict[str, Any]:
+    """The RoPE settings of an HF config as one dict with `rope_type` and `rope_theta`.
+
+    transformers 5 keeps them in `config.rope_parameters`; older configs use `rope_scaling` (may be
+    None) next to a top-level `rope_theta`. Both are read; explicit keys win over the top-level theta.
+    """
+    params: dict[str, Any] = {}
+    for attr in ("rope_scaling", "rope_parameters"):
+        value = getattr(hf_config, attr, None)
+        if isinstance(value, dict):
+            params.update(value)
+    if "type" in params and "rope_type" not in params:
+        params["rope_type"] = params.pop("type")
+    params.setdefault("rope_type", "default")
+    if "rope_theta" not in params:
+        params["rope_theta"] = getattr(hf_config, "rope_theta", None) or 10000.0
+    return params
+
+
+def _inv_freq(rotary_dim: int, params: dict[str, Any]) -> torch.Tensor:
+    base = float(params["rope_theta"])
+    inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+    rope_type = params["rope_type"]
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / float(params["factor"])
+    if rope_type == "llama3":
+        factor = float(params["factor"])
+        low_freq_factor = float(params["low_freq_factor"])
+        high_freq_factor = float(params["high_freq_factor"])
+        old_context_len = float(params["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        # Long wavelengths are slowed down by `factor`, short ones kept, the band between interpolated.
+        scaled = torch.where(wavelen > old_context_len / low_freq_factor, inv_freq / factor, inv_freq)
+        smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = (wavelen >= old_context_len / high_freq_factor) & (
+            wavelen <= old_context_len / low_freq_factor
+        )
+        return torch.where(is_medium, smoothed, scaled)
+    raise ValueError(
+        f"rope_type={rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+    )
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies RoPE to flat q/k ([T, num_heads * head_size]) at given positions.
+
+    cos/sin are precomputed in float32 for positions [0, max_position) and cast to the activations'
+    dtype when applied, which is what HF transformers does.
+    """
+
+    def __init__(self, head_size: int, max_position: int, rope_parameters: dict[str, Any]) -> None:
+        super().__init__()
+        self.head_size = head_size
+        self.rotary_dim = int(head_size * float(rope_parameters.get("partial_rotary_factor", 1.0)))
+        inv_freq = _inv_freq(self.rotary_dim, rope_parameters)
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+        self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> RotaryEmbedding:
+        # Keep the cache in float32 when the module is moved or cast (model.to(bfloat16)).
+        cache = self.cos_sin_cache
+        super()._apply(fn, recurse)
+        self.cos_sin_cache = cache.to(self.cos_sin_cache.device)
+        return self
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        x = x.view(num_tokens, -1, self.head_size)
+        half = self.rotary_dim // 2
+        x1 = x[..., :half]
+        x2 = x[..., half : self.rotary_dim]
+        rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        if self.rotary_dim < self.head_size:
+            rotated = torch.cat([rotated, x[..., self.rotary_dim :]], dim=-1)
+        return rotated.reshape(num_tokens, -1)
+
+    def forward(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.cos_sin_cache[positions].to(query.dtype).unsqueeze(1).chunk(2, dim=-1)
+        return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
