@@ -1,0 +1,226 @@
+"""The Llama family: Llama 2/3, SmolLM2, Mistral, Qwen2 (+ qkv bias) and Qwen3 (+ QK-norm) in one file.
+
+The model runs on a flat batch of tokens from many requests: `forward(input_ids [T], positions [T])`
+returns hidden states [T, hidden_size]; which token belongs to which request is known only to the
+attention backend, through the forward context.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvllm.layers.activation import SiluAndMul
+from kvllm.layers.attention import Attention
+from kvllm.layers.linear import MergedLinear, QKVLinear, default_weight_loader
+from kvllm.layers.norm import RMSNorm
+from kvllm.layers.rotary import RotaryEmbedding, rope_parameters_from_config
+
+# checkpoint name fragment -> (fused parameter fragment, shard id)
+_STACKED_PARAMS = (
+    (".q_proj.", ".qkv_proj.", "q"),
+    (".k_proj.", ".qkv_proj.", "k"),
+    (".v_proj.", ".qkv_proj.", "v"),
+    (".gate_proj.", ".gate_up_proj.", 0),
+    (".up_proj.", ".gate_up_proj.", 1),
+)
+
+
+def layer_sliding_window(hf_config: Any, layer_index: int) -> int | None:
+    """The attention window of one layer, or None for full attention."""
+    window = getattr(hf_config, "sliding_window", None)
+    if window is None or getattr(hf_config, "use_sliding_window", True) is False:
+        return None
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types is not None and layer_types[layer_index] != "sliding_attention":
+        return None
+    return int(window)
+
+
+def head_size_of(hf_config: Any) -> int:
+    return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+
+
+class LlamaAttention(nn.Module):
+    """Self-attention: fused qkv projection, optional QK-norm, RoPE, paged attention, output projection."""
+
+    def __init__(
+        self, hf_config: Any, layer_index: int, rotary_emb: RotaryEmbedding, qkv_bias: bool, qk_norm: bool
+    ) -> None:
+        super().__init__()
+        self.num_heads = hf_config.num_attention_heads
+        self.num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or self.num_heads
+        self.head_size = head_size_of(hf_config)
+        self.qkv_proj = QKVLinear(
+            hf_config.hidden_size, self.head_size, self.num_heads, self.num_kv_heads, bias=qkv_bias
+        )
+        self.o_proj = nn.Linear(
+            self.num_heads * self.head_size,
+            hf_config.hidden_size,
+            bias=getattr(hf_config, "attention_bias", False),
+        )
+        self.q_norm = RMSNorm(self.head_size, hf_config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_size, hf_config.rms_norm_eps) if qk_norm else None
+        self.rotary_emb = rotary_emb
+        self.attn = Attention(
+            num_heads=self.num_heads,
+            head_size=self.head_size,
+            scale=self.head_size**-0.5,
+            num_kv_heads=self.num_kv_heads,
+            sliding_window=layer_sliding_window(hf_config, layer_index),
+            prefix=f"model.layers.{layer_index}.self_attn.attn",
+        )
+
+    def _head_norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+        return norm(x.view(x.shape[0], -1, self.head_size)).view(x.shape)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden_states))
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self._head_norm(self.q_norm, q)
+            k = self._head_norm(self.k_norm, k)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v.contiguous()))
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)) with gate and up fused."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size], bias=bias)
+        self.act_fn = SiluAndMul()
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm decoder layer; the residual stream is threaded through the norms (add fused in)."""
+
+    def __init__(
+        self, hf_config: Any, layer_index: int, rotary_emb: RotaryEmbedding, qkv_bias: bool, qk_norm: bool
+    ) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(hf_config, layer_index, rotary_emb, qkv_bias, qk_norm)
+        self.mlp = LlamaMLP(
+            hf_config.hidden_size, hf_config.intermediate_size, bias=getattr(hf_config, "mlp_bias", False)
+        )
+        self.input_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+
+    def forward(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers and final norm."""
+
+    def __init__(self, hf_config: Any, qkv_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size)
+        # One cos/sin cache shared by all layers (it can be tens of MB for long contexts).
+        rotary_emb = RotaryEmbedding(
+            head_size_of(hf_config), hf_config.max_position_embeddings, rope_parameters_from_config(hf_config)
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(hf_config, i, rotary_emb, qkv_bias, qk_norm)
+            for i in range(hf_config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class LlamaForCausalLM(nn.Module):
+    """A Llama-family causal LM. Subclasses switch on qkv bias (Qwen2) and QK-norm (Qwen3)."""
+
+    qkv_bias: bool | None = None  # None: the config's `attention_bias`
+    qk_norm: bool = False
+
+    def __init__(self, hf_config: Any) -> None:
+        super().__init__()
+        self.config = hf_config
+        qkv_bias = self.qkv_bias if self.qkv_bias is not None else getattr(hf_config, "attention_bias", False)
+        self.model = LlamaModel(hf_config, bool(qkv_bias), self.qk_norm)
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: [T] -> hidden states [T, hidden_size]."""
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """hidden states [N, hidden_size] -> float32 logits [N, vocab_size] over the full (padded) vocab."""
+        return F.linear(hidden_states, self.lm_head_weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load HF-named checkpoint tensors; returns the names of the parameters that were filled."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            for checkpoint_part, param_part, shard_id in _STACKED_PARAMS:
+                if checkpoint_part in name:
+                    param_name = name.replace(checkpoint_part, param_part)
+                    param = self._param(params, param_name, name)
+                    param.weight_loader(param, tensor, shard_id)  # type: ignore[attr-defined]
+                    break
+            else:
+                param_name = name
+                param = self._param(params, param_name, name)
+                default_weight_loader(param, tensor)
+            loaded.add(param_name)
+        return loaded
+
+    @staticmethod
+    def _param(params: dict[str, nn.Parameter], param_name: str, checkpoint_name: str) -> nn.Parameter:
+        if param_name not in params:
+            raise ValueError(f"checkpoint tensor {checkpoint_name!r} has no matching model parameter")
+        return params[param_name]
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral: Llama with a sliding window on every layer (when the config sets one)."""
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Qwen2: Llama with a bias on the q, k and v projections."""
+
+    qkv_bias = True
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """Qwen3: Llama with per-head RMSNorm on q and k before RoPE (and qkv bias as the config says)."""
+
+    qk_norm = True
