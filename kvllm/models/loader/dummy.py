@@ -1,0 +1,21 @@
+"""Random weights of the right shapes, for benchmarks without a checkpoint (vLLM's load_format=dummy)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+DUMMY_STD = 0.02  # HF's usual initializer_range: activations stay O(1) through the layers
+
+
+@torch.no_grad()
+def init_dummy_weights(model: nn.Module, std: float = DUMMY_STD) -> None:
+    """Norm weights 1, biases 0, everything else N(0, std). Drawn on CPU from torch's global generator in
+    parameter order, so the same seed gives the same weights on every device."""
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        elif name.endswith(".bias") or name.endswith(".sinks"):
+            param.zero_()
+        else:
+            param.copy_(torch.randn(param.shape, dtype=torch.float32) * std)

@@ -1,0 +1,155 @@
+"""ModelConfig: what the engine needs to know about the model, resolved from EngineArgs."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from kvllm.config.engine import EngineArgs
+
+_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The resolved model: local folders, HF config, architecture, dtype, context length and shapes."""
+
+    model: str  # what the user passed, or the default model's name
+    model_path: str  # local HF folder: a given folder, a hub snapshot, or the folder a GGUF was converted to
+    tokenizer_path: str
+    hf_config: PretrainedConfig
+    architecture: str
+    dtype: torch.dtype
+    max_model_len: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_size: int
+    hidden_size: int
+    vocab_size: int
+    sliding_window: int | None  # the window of the layers that have one; None if all attend fully
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, device: torch.device) -> ModelConfig:
+        from transformers import AutoConfig
+
+        from kvllm.models.llama import head_size_of, layer_sliding_window
+        from kvllm.models.registry import resolve_architecture
+
+        model, model_path = _resolve_model(args.model, args.revision)
+        tokenizer_path = model_path
+        if args.tokenizer is not None:
+            _, tokenizer_path = _resolve_model(args.tokenizer, args.revision, what="Tokenizer")
+        try:
+            hf_config = AutoConfig.from_pretrained(model_path, trust_remote_code=args.trust_remote_code)
+        except (OSError, ValueError) as e:
+            raise ValueError(
+                f"cannot read the model config (config.json) of {model!r} in {model_path!r}: {e}"
+            ) from e
+        architecture = resolve_architecture(getattr(hf_config, "architectures", None))
+        windows = {layer_sliding_window(hf_config, i) for i in range(hf_config.num_hidden_layers)} - {None}
+        return cls(
+            model=model,
+            model_path=model_path,
+            tokenizer_path=tokenizer_path,
+            hf_config=hf_config,
+            architecture=architecture,
+            dtype=resolve_dtype(args.dtype, hf_config, device),
+            max_model_len=resolve_max_model_len(args.max_model_len, hf_config),
+            num_hidden_layers=hf_config.num_hidden_layers,
+            num_attention_heads=hf_config.num_attention_heads,
+            num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads,
+            head_size=head_size_of(hf_config),
+            hidden_size=hf_config.hidden_size,
+            vocab_size=hf_config.vocab_size,
+            sliding_window=max(windows) if windows else None,
+            eos_token_ids=find_eos_token_ids(model_path, tokenizer_path, hf_config),
+        )
+
+
+def _resolve_model(model: str | None, revision: str | None, what: str = "Model") -> tuple[str, str]:
+    """(name to show, local HF folder) for a model argument: None, a folder, a GGUF file or a repo id."""
+    from kvllm.models.default_model import DEFAULT_MODEL, default_model_path
+    from kvllm.models.loader.gguf import converted_gguf_folder, is_gguf_file
+    from kvllm.models.loader.hub import resolve_model_path
+
+    if model is None or (model == DEFAULT_MODEL and not Path(model).exists()):
+        return DEFAULT_MODEL, default_model_path()
+    path = resolve_model_path(model, revision, what=what)
+    if Path(path).is_file():
+        if not is_gguf_file(path):
+            raise ValueError(
+                f"{what} path {model!r} is a file but not a GGUF file; pass a model folder or a .gguf file"
+            )
+        return model, converted_gguf_folder(path)
+    return model, path
+
+
+def resolve_dtype(dtype: str, hf_config: Any, device: torch.device) -> torch.dtype:
+    """ "auto": float32 on CPU; on GPUs the checkpoint's float16/bfloat16, else bfloat16."""
+    if dtype != "auto":
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype={dtype!r} is not valid; allowed: auto, {', '.join(_DTYPES)}")
+        return _DTYPES[dtype]
+    if torch.device(device).type == "cpu":
+        return torch.float32
+    config_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(config_dtype, str):
+        config_dtype = _DTYPES.get(config_dtype)
+    return config_dtype if config_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+
+def resolve_max_model_len(max_model_len: int | None, hf_config: Any) -> int:
+    supported = getattr(hf_config, "max_position_embeddings", None)
+    if supported is None:
+        if max_model_len is None:
+            raise ValueError("the model config has no max_position_embeddings; pass max_model_len")
+        return max_model_len
+    if max_model_len is None:
+        return int(supported)
+    if max_model_len > supported:
+        raise ValueError(
+            f"max_model_len={max_model_len} is larger than the model supports "
+            f"(max_position_embeddings={supported}); pass max_model_len <= {supported}"
+        )
+    return max_model_len
+
+
+def _as_ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]
+
+
+def find_eos_token_ids(model_path: str, tokenizer_path: str, hf_config: Any) -> tuple[int, ...]:
+    """EOS ids from generation_config.json and the tokenizer (the config's only if both have none)."""
+    ids: list[int] = []
+    generation_config = Path(model_path) / "generation_config.json"
+    if generation_config.is_file():
+        ids += _as_ids(json.loads(generation_config.read_text()).get("eos_token_id"))
+    tokenizer_eos = _tokenizer_eos_id(tokenizer_path)
+    if tokenizer_eos is not None:
+        ids.append(tokenizer_eos)
+    if not ids:
+        ids = _as_ids(getattr(hf_config, "eos_token_id", None))
+    return tuple(dict.fromkeys(ids))
+
+
+def _tokenizer_eos_id(tokenizer_path: str) -> int | None:
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    except (OSError, ValueError):  # a folder without a tokenizer (e.g. weights only, dummy loading)
+        return None
+    return tokenizer.eos_token_id
