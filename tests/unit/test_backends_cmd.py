@@ -1,0 +1,135 @@
+"""`kvllm backends` as a user runs it: a subprocess, for SmolLM2 on this machine and simulated ones."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvllm.attention import registry
+from kvllm.entrypoints.cli.main import main
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# SmolLM2-135M-Instruct's config.json (the fields attention needs, as HF ships them).
+SMOLLM2_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "num_hidden_layers": 30,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 100000,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "vocab_size": 49152,
+}
+
+
+@pytest.fixture(scope="module")
+def smollm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("smollm2")
+    (folder / "config.json").write_text(json.dumps(SMOLLM2_CONFIG))
+    return folder
+
+
+def run_backends(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "KVLLM_SIMULATE_PLATFORM"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return subprocess.run(
+        [sys.executable, "-m", "kvllm.entrypoints.cli.main", "backends", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=120,
+    )
+
+
+def backend_lines(stdout: str) -> dict[str, str]:
+    lines = {}
+    for line in stdout.splitlines():
+        parts = line.split()
+        if len(parts) >= 2 and parts[0] in ("✅", "❌"):
+            lines[parts[1]] = line
+    return lines
+
+
+def test_smollm2_on_this_machine(smollm2_dir: Path) -> None:
+    result = run_backends(str(smollm2_dir))
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "Platform: cpu" in out
+    assert "head_size=64" in out and "dtype=bfloat16" in out
+    lines = backend_lines(out)
+    assert set(lines) == set(registry.registered_backend_names())
+    assert lines["CPU_ATTN"].startswith("  ✅ CPU_ATTN") and "valid" in lines["CPU_ATTN"]
+    for name, line in lines.items():
+        if name == "CPU_ATTN":
+            continue
+        # Every other backend is explained: rejected with reasons, or valid but only by name.
+        if line.lstrip().startswith("❌"):
+            assert len(line.split(name, 1)[1].strip()) > 10, line
+        else:
+            assert "only when selected by name" in line, line
+    if "TRITON_ATTN" in lines:
+        assert "platform cpu not supported (supported: cuda, rocm)" in lines["TRITON_ATTN"]
+    assert "Priority order for standard attention on cpu" in out and "1. CPU_ATTN" in out
+    assert "Automatic selection: CPU_ATTN (block size" in out
+    assert "Using CPU_ATTN attention backend out of potential backends: ['CPU_ATTN']" in result.stderr
+
+
+def test_simulated_hopper_and_manual_choice(smollm2_dir: Path) -> None:
+    result = run_backends(
+        str(smollm2_dir), "--platform", "cuda", "--capability", "9.0", "--attention-backend", "CPU_ATTN"
+    )
+    assert result.returncode == 1  # the manual choice cannot run on CUDA
+    out = result.stdout
+    assert "Platform: cuda (compute capability 9.0) (simulated)" in out
+    assert "1. FLASH_ATTN" in out
+    assert "❌ CPU_ATTN" in out and "platform cuda not supported (supported: cpu)" in out
+    assert (
+        "Your selection: Selected backend CPU_ATTN is not valid for this configuration. Reason: "
+        "['platform cuda not supported (supported: cpu)']"
+    ) in out
+    if (
+        importlib.util.find_spec("triton")
+        and not importlib.util.find_spec("flash_attn")
+        and not importlib.util.find_spec("flashinfer")
+        and registry.is_registered("TRITON_ATTN")
+    ):
+        assert "Automatic selection: TRITON_ATTN" in out
+
+
+def test_pinned_knobs_reach_the_report(smollm2_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    main(
+        ["backends", str(smollm2_dir), "--dtype", "float32", "--block-size", "24", "--kv-cache-dtype", "fp8"]
+    )
+    out = capsys.readouterr().out
+    assert "dtype=float32" in out and "block_size=24" in out and "kv_cache_dtype=fp8" in out
+    lines = backend_lines(out)
+    if "FLEX_ATTENTION" in lines:
+        assert "block_size 24 not supported" in lines["FLEX_ATTENTION"]
+
+
+def test_bad_capability_is_a_user_error(smollm2_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["backends", str(smollm2_dir), "--capability", "nine"]) == 2
+    assert "Invalid compute capability 'nine'" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("kvllm.models.default_model") is None,
+    reason="kvllm.models.default_model not built yet",
+)
+def test_default_model() -> None:
+    result = run_backends()
+    assert result.returncode == 0, result.stderr
+    assert "✅ CPU_ATTN" in result.stdout and "head_size=64" in result.stdout
