@@ -12,10 +12,10 @@ import torch
 
 
 def token_counts(token_lists: Sequence[Sequence[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
-    """[n, vocab_size] int64 counts of each token id in each row's list."""
+    """[n, vocab_size] float32 counts of each token id in each row's list (float: used in arithmetic)."""
     num_rows = len(token_lists)
     lengths = [len(tokens) for tokens in token_lists]
-    counts = torch.zeros(num_rows, vocab_size + 1, dtype=torch.int64, device=device)
+    counts = torch.zeros(num_rows, vocab_size + 1, dtype=torch.float32, device=device)
     total = sum(lengths)
     if total == 0:
         return counts[:, :vocab_size]
@@ -23,7 +23,9 @@ def token_counts(token_lists: Sequence[Sequence[int]], vocab_size: int, device: 
     flat = torch.where((flat >= 0) & (flat < vocab_size), flat, vocab_size)
     rows = torch.repeat_interleave(torch.arange(num_rows), torch.tensor(lengths))
     flat_index = (rows * (vocab_size + 1) + flat).to(device)
-    counts.view(-1).scatter_add_(0, flat_index, torch.ones_like(flat_index))
+    counts.view(-1).scatter_add_(
+        0, flat_index, torch.ones(flat_index.shape, dtype=torch.float32, device=device)
+    )
     return counts[:, :vocab_size]
 
 
@@ -35,7 +37,7 @@ def apply_penalties(
     frequency_penalties: torch.Tensor,
     presence_penalties: torch.Tensor,
 ) -> torch.Tensor:
-    """Return penalised logits (a new tensor); penalties are [n] float32 on the logits' device.
+    """Penalise `logits` (may modify it in place; use the result); penalties: [n] float32, same device.
 
     Repetition (HF/vLLM semantics) applies to tokens seen in the prompt or the output: positive
     logits are divided by the penalty, negative ones multiplied. Frequency subtracts
@@ -44,12 +46,15 @@ def apply_penalties(
     vocab_size = logits.shape[-1]
     output_counts = token_counts(output_token_ids, vocab_size, logits.device)
     if bool((repetition_penalties != 1.0).any()):
-        seen = (token_counts(prompt_token_ids, vocab_size, logits.device) > 0) | (output_counts > 0)
+        seen = token_counts(prompt_token_ids, vocab_size, logits.device).add_(output_counts) > 0
         penalty = repetition_penalties.unsqueeze(1)
+        # Divide (not multiply by the reciprocal) so results match HF/vLLM bit for bit.
         penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
         logits = torch.where(seen, penalised, logits)
-    logits = logits - frequency_penalties.unsqueeze(1) * output_counts
-    logits = logits - presence_penalties.unsqueeze(1) * (output_counts > 0)
+    if bool((frequency_penalties != 0.0).any()):
+        logits.sub_(output_counts * frequency_penalties.unsqueeze(1))
+    if bool((presence_penalties != 0.0).any()):
+        logits.sub_((output_counts > 0) * presence_penalties.unsqueeze(1))
     return logits
 
 

@@ -148,15 +148,15 @@ class Sampler:
     @staticmethod
     def _draw(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """One token per row by exponential race; seeded rows draw their noise from their generator."""
+        # E = -log(U) with U ~ U[0, 1) is Exp(1) and never 0, so p / E is never 0 / 0 (masked
+        # tokens stay at 0); uniform_ + log is several times faster than exponential_ on CPU.
         noise = torch.empty_like(probs)
         seeded = [i for i, row in enumerate(rows) if row.generator is not None]
         if len(seeded) < len(rows):
-            noise.exponential_()
+            noise.uniform_()
         for i in seeded:
-            noise[i].exponential_(generator=rows[i].generator)
-        # E == 0 would turn a masked token's 0 / 0 into NaN, which argmax would pick.
-        noise.clamp_min_(torch.finfo(noise.dtype).tiny)
-        return (probs / noise).argmax(dim=-1)
+            noise[i].uniform_(generator=rows[i].generator)
+        return (probs / noise.log_().neg_()).argmax(dim=-1)
 
     @staticmethod
     def _fill_logprobs(

@@ -28,6 +28,8 @@ def apply_top_k_top_p(
         top_values = logits.topk(max_k, dim=-1).values
         kth = top_values.gather(1, (top_k - 1).clamp(max=max_k - 1).unsqueeze(1))
         return logits.masked_fill(is_active & (logits < kth), float("-inf"))
+    if top_k is not None and bool((top_k < vocab_size).all()):
+        return _top_p_within_top_k(logits, top_k, top_p)
     sorted_logits, order = logits.sort(dim=-1)  # ascending
     if top_k is not None:
         kth = sorted_logits.gather(1, (vocab_size - top_k).unsqueeze(1))
@@ -38,6 +40,23 @@ def apply_top_k_top_p(
     drop[:, -1] = False
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def _top_p_within_top_k(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Top-k then top-p when every row has a top-k: sorts only the max_k candidates, not the vocab."""
+    max_k = int(top_k.max())
+    candidates = logits.topk(max_k, dim=-1).values  # descending
+    positions = torch.arange(max_k, device=logits.device)
+    kth = candidates.gather(1, (top_k - 1).unsqueeze(1))
+    # Ties with the k-th value stay in, as in the top-k-only path.
+    candidates = candidates.masked_fill((positions >= top_k.unsqueeze(1)) & (candidates < kth), float("-inf"))
+    probs = candidates.softmax(dim=-1)
+    mass_above = probs.cumsum(dim=-1) - probs
+    keep = mass_above < top_p.unsqueeze(1)
+    keep[:, 0] = True
+    # The smallest kept logit; everything below it is outside the nucleus (or the top-k).
+    cutoff = candidates.masked_fill(~keep, float("inf")).amin(dim=-1, keepdim=True)
+    return logits.masked_fill(logits < cutoff, float("-inf"))
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
