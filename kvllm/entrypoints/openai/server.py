@@ -1,0 +1,340 @@
+"""The OpenAI-compatible HTTP server: `build_app` (the FastAPI app) and `run_server` (uvicorn + signals).
+
+Shutdown (SIGINT/SIGTERM): new requests get 503 at once; in-flight requests may finish for
+`shutdown_timeout` seconds; the rest are aborted and end with finish_reason "abort"; then uvicorn
+closes the connections and the engine thread stops. A second SIGINT/SIGTERM exits without waiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import signal
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from contextlib import asynccontextmanager
+from types import FrameType
+from typing import Any, TypeVar
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from kvllm.config.engine import EngineArgs
+from kvllm.engine.async_llm import AsyncLLM
+from kvllm.engine.llm_engine import LLMEngine
+from kvllm.entrypoints.openai.errors import OpenAIError, error_response
+from kvllm.entrypoints.openai.metrics import LoggingStatLogger, PrometheusStatLogger, StatsCollector
+from kvllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+)
+from kvllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from kvllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from kvllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+from kvllm.logger import init_logger
+
+logger = init_logger(__name__)
+T = TypeVar("T")
+
+
+def build_app(
+    engine_args: EngineArgs | None = None,
+    *,
+    served_model_name: str | Sequence[str] | None = None,
+    api_key: str | None = None,
+    log_stats_interval: float = 10.0,
+    engine: LLMEngine | None = None,
+) -> FastAPI:
+    """The FastAPI app serving one model. Builds the engine from `engine_args` unless `engine` is given.
+
+    The engine thread starts and stops with the app's lifespan. `served_model_name` is the name (or
+    names) clients use in "model" (default: the model argument); `api_key` protects /v1/*;
+    `log_stats_interval` is the period of the stats log line in seconds (0 disables it).
+    """
+    if engine is None:
+        engine = LLMEngine.from_engine_args(engine_args or EngineArgs())
+    if isinstance(served_model_name, str):
+        names = [served_model_name]
+    else:
+        names = list(served_model_name or [engine.model_config.model])
+    registry = CollectorRegistry()
+    logging_stats = LoggingStatLogger()
+    llm = AsyncLLM(engine, [StatsCollector([PrometheusStatLogger(registry, names[0]), logging_stats])])
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await llm.start()
+        log_task = (
+            asyncio.create_task(_log_stats(logging_stats, log_stats_interval))
+            if log_stats_interval > 0
+            else None
+        )
+        try:
+            yield
+        finally:
+            if log_task is not None:
+                log_task.cancel()
+            await llm.shutdown()
+
+    app = FastAPI(title="kvllm OpenAI-compatible server", lifespan=lifespan)
+    app.state.llm = llm
+    app.state.registry = registry
+    app.state.served_model_names = names
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    _add_error_handlers(app)
+    _add_routes(app, llm, names, registry)
+    return app
+
+
+async def _log_stats(stat_logger: LoggingStatLogger, interval: float) -> None:
+    while True:
+        await asyncio.sleep(interval)
+        stat_logger.log_interval()
+
+
+class APIKeyMiddleware:
+    """Requires `Authorization: Bearer <api key>` on every /v1/* request (401 otherwise)."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):
+                message = (
+                    "Invalid API key"
+                    if given
+                    else "Missing API key: send the header Authorization: Bearer <key>"
+                )
+                await error_response(message, 401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(OpenAIError)
+    async def openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
+        return exc.to_response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        # Like vLLM: a body that does not fit the schema is a 400 in OpenAI's shape, not FastAPI's 422.
+        errors = exc.errors()
+        if any(e.get("type") == "json_invalid" for e in errors):
+            detail = errors[0].get("ctx", {}).get("error", "")
+            return error_response(f"The request body is not valid JSON: {detail}".rstrip(": "), 400)
+        parts, param = [], None
+        for e in errors:
+            loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+            name = ".".join(loc)
+            param = param or (loc[0] if loc else None)
+            parts.append(
+                f"{name or 'body'}: {e.get('msg')} (got {e.get('input')!r})" if loc else str(e.get("msg"))
+            )
+        return error_response("; ".join(parts), 400, param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            return error_response(f"Not found: {request.method} {request.url.path}", 404)
+        return error_response(str(exc.detail), exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("Internal error while serving a request")
+        return error_response(f"Internal server error: {exc!r}", 500)
+
+
+def _add_routes(app: FastAPI, llm: AsyncLLM, names: list[str], registry: CollectorRegistry) -> None:
+    completions = OpenAIServingCompletion(llm, names)
+    chat = OpenAIServingChat(llm, names)
+    tokenization = OpenAIServingTokenization(llm, names)
+
+    def check_serving() -> None:
+        if llm.errored:
+            raise OpenAIError(
+                f"The engine has stopped after an error ({llm.dead_error!r}); restart the server", 503
+            )
+        if not llm.is_accepting:
+            raise OpenAIError("The server is shutting down and takes no new requests", 503)
+
+    @app.post("/v1/completions", response_model=None)
+    async def create_completion(body: CompletionRequest, raw: Request) -> Any:
+        check_serving()
+        return _as_response(await _until_disconnect(raw, completions.create_completion(body)))
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Any:
+        check_serving()
+        return _as_response(await _until_disconnect(raw, chat.create_chat_completion(body)))
+
+    @app.get("/v1/models")
+    async def list_models() -> ModelList:
+        root = llm.engine.model_config.model_path
+        return ModelList(data=[ModelCard(id=n, root=root, max_model_len=llm.max_model_len) for n in names])
+
+    @app.get("/health")
+    async def health() -> Response:
+        if llm.errored:
+            return error_response(f"The engine has stopped after an error: {llm.dead_error!r}", 503)
+        if not llm.is_accepting:
+            return error_response("The server is shutting down", 503)
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        from kvllm import __version__
+
+        return {"version": __version__}
+
+    @app.post("/tokenize", response_model=None)
+    async def tokenize(body: TokenizeRequest) -> Any:
+        return tokenization.tokenize(body)
+
+    @app.post("/detokenize", response_model=None)
+    async def detokenize(body: DetokenizeRequest) -> Any:
+        return tokenization.detokenize(body)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def _as_response(result: Any) -> Any:
+    if isinstance(result, AsyncIterator):
+        return StreamingResponse(result, media_type="text/event-stream")
+    return result
+
+
+async def _until_disconnect(raw: Request, handler: Awaitable[T]) -> T | Response:
+    """Run `handler`, cancelling it (which aborts its requests) if the client disconnects first.
+
+    Streams watch for disconnects themselves (Starlette cancels them); this covers the wait for a
+    non-streaming response and for the first output.
+    """
+    task = asyncio.ensure_future(handler)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(raw))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if task.cancelled():
+        return Response(status_code=499)  # the client is gone; nobody reads this
+    return task.result()
+
+
+async def _wait_for_disconnect(raw: Request) -> None:
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
+
+
+class _GracefulServer(uvicorn.Server):
+    """uvicorn with kvllm's drain on the first SIGINT/SIGTERM (see the module docstring)."""
+
+    def __init__(self, config: uvicorn.Config, llm: AsyncLLM, shutdown_timeout: float) -> None:
+        super().__init__(config)
+        self.llm = llm
+        self.shutdown_timeout = shutdown_timeout
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._signalled = False
+        self._drain_task: asyncio.Task[None] | None = None
+
+    async def startup(self, sockets: Any = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets=sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # Signals are not re-raised after the drain (uvicorn would), so a drained server exits with 0.
+        if self._signalled or self._loop is None:
+            self.should_exit = True
+            self.force_exit = self._signalled
+            return
+        self._signalled = True
+        self._loop.call_soon_threadsafe(self._start_drain, signal.Signals(sig).name)
+
+    def _start_drain(self, name: str) -> None:
+        logger.info(
+            "Received %s: taking no new requests, giving %d in-flight request(s) up to %.1f s to finish",
+            name,
+            self.llm.num_in_flight,
+            self.shutdown_timeout,
+        )
+        self._drain_task = asyncio.ensure_future(self._drain())
+
+    async def _drain(self) -> None:
+        try:
+            await self.llm.drain(self.shutdown_timeout)
+            # Aborted streams still have to send their last chunk and [DONE].
+            await self.llm.wait_idle(_FLUSH_TIMEOUT)
+        finally:
+            self.should_exit = True
+
+
+_FLUSH_TIMEOUT = 2.0  # s for aborted requests to deliver their final response after the grace period
+_UVICORN_GRACEFUL_TIMEOUT = 3  # s uvicorn waits for connections after the drain before cancelling them
+
+
+def run_server(
+    engine_args: EngineArgs,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    served_model_name: Sequence[str] | None = None,
+    shutdown_timeout: float = 5.0,
+    log_stats_interval: float = 10.0,
+    uvicorn_log_level: str = "info",
+    access_log: bool = True,
+) -> int:
+    """Serve until SIGINT/SIGTERM; returns the exit code. Exits within shutdown_timeout + ~6 s of the signal."""
+    app = build_app(
+        engine_args,
+        served_model_name=served_model_name,
+        api_key=api_key,
+        log_stats_interval=log_stats_interval,
+    )
+    llm: AsyncLLM = app.state.llm
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=uvicorn_log_level,
+        access_log=access_log,
+        timeout_graceful_shutdown=_UVICORN_GRACEFUL_TIMEOUT,
+        timeout_keep_alive=5,
+    )
+    engine = llm.engine
+    display_host = f"[{host}]" if ":" in host else host
+    logger.info(
+        "Serving model %r as %s (max_model_len=%d, attention backend %s)",
+        engine.model_config.model,
+        ", ".join(repr(n) for n in app.state.served_model_names),
+        engine.model_config.max_model_len,
+        engine.attention_backend_name,
+    )
+    logger.info("Available routes: %s", ", ".join(sorted({getattr(r, "path", "") for r in app.routes})))
+    logger.info(
+        "Starting kvllm API server on http://%s:%d%s",
+        display_host,
+        port,
+        " (API key required for /v1/*)" if api_key else "",
+    )
+    server = _GracefulServer(config, llm, shutdown_timeout)
+    server.run()
+    if server.started:
+        logger.info("Server stopped")
+        return 0
+    return 1

@@ -1,0 +1,170 @@
+"""POST /v1/chat/completions: messages rendered with the model's chat template, streamed or not."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from kvllm.engine.async_llm import RequestStream
+from kvllm.entrypoints.openai.errors import OpenAIError
+from kvllm.entrypoints.openai.protocol import (
+    ChatChoiceLogProbs,
+    ChatCompletionChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatLogProb,
+    ChatLogProbsContent,
+    ChatResponseMessage,
+    DeltaMessage,
+    UsageInfo,
+    random_id,
+)
+from kvllm.entrypoints.openai.serving_engine import OpenAIServing, merge_streams, sse, stream_error_event
+from kvllm.outputs import CompletionOutput, RequestOutput
+from kvllm.sample.logprobs import PositionLogprobs
+
+
+class OpenAIServingChat(OpenAIServing):
+    """The chat endpoint: chat template, validation, and OpenAI's chat response and chunk shapes."""
+
+    async def create_chat_completion(
+        self, request: ChatCompletionRequest
+    ) -> ChatCompletionResponse | AsyncIterator[str]:
+        """A ChatCompletionResponse, or (stream=True) an iterator of server-sent events ending in [DONE]."""
+        self.check_model(request.model)
+        self.check_unsupported(request)
+        if request.tools and request.tool_choice != "none":
+            raise OpenAIError("tools are not supported by this server; omit them", param="tools")
+        if request.response_format and request.response_format.get("type", "text") != "text":
+            raise OpenAIError(
+                f"response_format type {request.response_format.get('type')!r} is not supported; allowed: text",
+                param="response_format",
+            )
+        if request.top_logprobs is not None and not request.logprobs:
+            raise OpenAIError("top_logprobs needs logprobs=true", param="top_logprobs")
+        self.check_logprobs(request.top_logprobs, "top_logprobs")
+        prompt_ids = self.render_chat(
+            request.messages, request.add_generation_prompt, request.chat_template_kwargs
+        )
+        self.check_prompt_ids(prompt_ids, "messages")
+        requested = (
+            request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+        )
+        max_tokens = self.resolve_max_tokens(len(prompt_ids), requested, None)
+        logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        params = self.sampling_params(request, max_tokens, logprobs)
+        request_id = random_id("chatcmpl")
+        streams = await self.add_requests(request_id, [({"prompt_token_ids": prompt_ids}, params)])
+        if request.stream:
+            return self._stream(request, request_id, streams[0])
+        final: RequestOutput | None = None
+        try:
+            async for _, output in merge_streams(streams):
+                final = output
+        finally:
+            streams[0].close()
+        assert final is not None
+        choices = [
+            ChatCompletionChoice(
+                index=c.index,
+                message=ChatResponseMessage(content=c.text),
+                logprobs=self._logprobs(request, c, 0, len(c.token_ids)),
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+            )
+            for c in final.outputs
+        ]
+        return ChatCompletionResponse(
+            id=request_id, model=self.model_name, choices=choices, usage=_usage(final)
+        )
+
+    def _logprobs(
+        self, request: ChatCompletionRequest, c: CompletionOutput, start: int, end: int
+    ) -> ChatChoiceLogProbs | None:
+        if not request.logprobs or c.logprobs is None:
+            return None
+        return chat_logprobs(c.token_ids[start:end], c.logprobs[start:end], request.top_logprobs or 0)
+
+    async def _stream(
+        self, request: ChatCompletionRequest, request_id: str, stream: RequestStream
+    ) -> AsyncIterator[str]:
+        def chunk(choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None) -> str:
+            return sse(
+                ChatCompletionStreamResponse(
+                    id=request_id, model=self.model_name, choices=choices, usage=usage
+                )
+            )
+
+        n = request.n
+        sent_text, sent_tokens, finished = [0] * n, [0] * n, [False] * n
+        last: RequestOutput | None = None
+        try:
+            for i in range(n):
+                yield chunk(
+                    [ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))]
+                )
+            async for _, last in merge_streams([stream]):
+                for c in last.outputs:
+                    i = c.index
+                    if finished[i]:
+                        continue
+                    text = c.text[sent_text[i] :]
+                    new_tokens = len(c.token_ids) > sent_tokens[i]
+                    if not text and c.finish_reason is None and not (request.logprobs and new_tokens):
+                        continue
+                    choice = ChatCompletionStreamChoice(
+                        index=i,
+                        delta=DeltaMessage(content=text) if text else DeltaMessage(),
+                        logprobs=self._logprobs(request, c, sent_tokens[i], len(c.token_ids)),
+                        finish_reason=c.finish_reason,
+                        stop_reason=c.stop_reason,
+                    )
+                    sent_text[i], sent_tokens[i] = len(c.text), len(c.token_ids)
+                    finished[i] = c.finish_reason is not None
+                    yield chunk([choice])
+            if (
+                last is not None
+                and request.stream_options is not None
+                and request.stream_options.include_usage
+            ):
+                yield chunk([], _usage(last))
+            yield "data: [DONE]\n\n"
+        except Exception as exc:
+            yield stream_error_event(exc)
+            yield "data: [DONE]\n\n"
+        finally:
+            stream.close()
+
+
+def _usage(output: RequestOutput) -> UsageInfo:
+    prompt = len(output.prompt_token_ids)
+    completion = sum(len(c.token_ids) for c in output.outputs)
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def chat_logprobs(token_ids: list[int], positions: list[PositionLogprobs], k: int) -> ChatChoiceLogProbs:
+    """OpenAI's chat logprobs: per token, its logprob and the k most likely alternatives by rank."""
+    content = []
+    for token_id, position in zip(token_ids, positions):
+        sampled = position[token_id]
+        top = sorted(
+            (lp for lp in position.values() if lp.rank is not None and lp.rank <= k),
+            key=lambda lp: lp.rank or 0,
+        )
+        content.append(
+            ChatLogProbsContent(
+                token=sampled.decoded_token or "",
+                logprob=sampled.logprob,
+                bytes=list((sampled.decoded_token or "").encode()),
+                top_logprobs=[
+                    ChatLogProb(
+                        token=lp.decoded_token or "",
+                        logprob=lp.logprob,
+                        bytes=list((lp.decoded_token or "").encode()),
+                    )
+                    for lp in top
+                ],
+            )
+        )
+    return ChatChoiceLogProbs(content=content)

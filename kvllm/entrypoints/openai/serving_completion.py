@@ -1,0 +1,197 @@
+"""POST /v1/completions: prompts (text or token ids, one or many) to completions, streamed or not."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from kvllm.entrypoints.openai.errors import OpenAIError
+from kvllm.entrypoints.openai.protocol import (
+    CompletionChoice,
+    CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
+    UsageInfo,
+    random_id,
+)
+from kvllm.entrypoints.openai.serving_engine import OpenAIServing, merge_streams, sse, stream_error_event
+from kvllm.outputs import CompletionOutput, RequestOutput
+from kvllm.sample.logprobs import PositionLogprobs
+
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    """The completions endpoint: validation, fan-out over prompts, and OpenAI's response shapes."""
+
+    async def create_completion(self, request: CompletionRequest) -> CompletionResponse | AsyncIterator[str]:
+        """A CompletionResponse, or (stream=True) an iterator of server-sent events ending in [DONE]."""
+        self.check_model(request.model)
+        self.check_unsupported(request)
+        if request.suffix:
+            raise OpenAIError("suffix is not supported by this server; omit it", param="suffix")
+        if request.best_of is not None and request.best_of != request.n:
+            raise OpenAIError(
+                f"best_of={request.best_of} is not supported; allowed: omitted or equal to n ({request.n})",
+                param="best_of",
+            )
+        self.check_logprobs(request.logprobs, "logprobs")
+        if request.echo and request.logprobs is not None:
+            raise OpenAIError(
+                "echo with logprobs needs prompt logprobs, which this server does not compute; "
+                "drop one of them",
+                param="echo",
+            )
+        requested = request.max_tokens if "max_tokens" in request.model_fields_set else None
+        texts, prompts = [], []
+        for text, ids in self._parse_prompts(request.prompt):
+            self.check_prompt_ids(ids, "prompt")
+            max_tokens = self.resolve_max_tokens(len(ids), requested, DEFAULT_MAX_TOKENS)
+            params = self.sampling_params(request, max_tokens, request.logprobs)
+            engine_prompt: dict[str, Any] = {"prompt_token_ids": ids}
+            if text is not None:
+                engine_prompt["prompt"] = text
+            texts.append(text)
+            prompts.append((engine_prompt, params))
+        request_id = random_id("cmpl")
+        streams = await self.add_requests(request_id, prompts)
+        if request.stream:
+            return self._stream(request, request_id, streams, texts)
+        finals: list[RequestOutput | None] = [None] * len(streams)
+        try:
+            async for i, output in merge_streams(streams):
+                finals[i] = output
+        finally:
+            for stream in streams:
+                stream.close()
+        choices, usage = [], UsageInfo()
+        for i, final in enumerate(finals):
+            assert final is not None  # every stream ends with a finished output
+            usage.prompt_tokens += len(final.prompt_token_ids)
+            for c in final.outputs:
+                usage.completion_tokens += len(c.token_ids)
+                choices.append(
+                    self._choice(
+                        request, i, c, self._echo_text(request, texts[i], final), 0, len(c.token_ids)
+                    )
+                )
+        usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+        return CompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage)
+
+    def _parse_prompts(self, prompt: Any) -> list[tuple[str | None, list[int]]]:
+        if isinstance(prompt, str):
+            return [(prompt, self.tokenizer(prompt).input_ids)]
+        if not prompt:
+            raise OpenAIError(
+                "prompt is an empty list; allowed: a string, a list of strings, token ids, "
+                "or a list of token-id lists",
+                param="prompt",
+            )
+        if all(isinstance(p, int) for p in prompt):
+            return [(None, list(prompt))]
+        if all(isinstance(p, str) for p in prompt):
+            return [(p, self.tokenizer(p).input_ids) for p in prompt]
+        return [(None, list(p)) for p in prompt]
+
+    def _echo_text(self, request: CompletionRequest, text: str | None, output: RequestOutput) -> str:
+        if not request.echo:
+            return ""
+        return text if text is not None else self.tokenizer.decode(output.prompt_token_ids)
+
+    def _choice(
+        self,
+        request: CompletionRequest,
+        prompt_index: int,
+        c: CompletionOutput,
+        prefix: str,
+        start: int,
+        end: int,
+        text_start: int = 0,
+        offset: int = 0,
+    ) -> CompletionChoice:
+        logprobs = None
+        if request.logprobs is not None and c.logprobs is not None:
+            logprobs = completion_logprobs(
+                c.token_ids[start:end], c.logprobs[start:end], request.logprobs, offset
+            )
+        return CompletionChoice(
+            index=prompt_index * request.n + c.index,
+            text=prefix + c.text[text_start:],
+            logprobs=logprobs,
+            finish_reason=c.finish_reason,
+            stop_reason=c.stop_reason,
+        )
+
+    async def _stream(
+        self, request: CompletionRequest, request_id: str, streams: list, texts: list[str | None]
+    ) -> AsyncIterator[str]:
+        n = request.n
+        sent_text = [0] * (len(streams) * n)
+        sent_tokens = [0] * (len(streams) * n)
+        offsets = [0] * (len(streams) * n)
+        finished = [False] * (len(streams) * n)
+        last: list[RequestOutput | None] = [None] * len(streams)
+        try:
+            async for i, output in merge_streams(streams):
+                first = last[i] is None
+                last[i] = output
+                for c in output.outputs:
+                    idx = i * n + c.index
+                    prefix = self._echo_text(request, texts[i], output) if first else ""
+                    if finished[idx] or (
+                        len(c.text) == sent_text[idx]
+                        and len(c.token_ids) == sent_tokens[idx]
+                        and c.finish_reason is None
+                        and not prefix
+                    ):
+                        continue
+                    choice = self._choice(
+                        request,
+                        i,
+                        c,
+                        prefix,
+                        sent_tokens[idx],
+                        len(c.token_ids),
+                        sent_text[idx],
+                        offsets[idx],
+                    )
+                    if choice.logprobs is not None and choice.logprobs.tokens:
+                        offsets[idx] = choice.logprobs.text_offset[-1] + len(choice.logprobs.tokens[-1])
+                    sent_text[idx], sent_tokens[idx] = len(c.text), len(c.token_ids)
+                    finished[idx] = c.finish_reason is not None
+                    yield sse(CompletionResponse(id=request_id, model=self.model_name, choices=[choice]))
+            if request.stream_options is not None and request.stream_options.include_usage:
+                usage = UsageInfo(
+                    prompt_tokens=sum(len(o.prompt_token_ids) for o in last if o is not None),
+                    completion_tokens=sum(len(c.token_ids) for o in last if o is not None for c in o.outputs),
+                )
+                usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+                yield sse(CompletionResponse(id=request_id, model=self.model_name, choices=[], usage=usage))
+            yield "data: [DONE]\n\n"
+        except Exception as exc:
+            yield stream_error_event(exc)
+            yield "data: [DONE]\n\n"
+        finally:
+            for stream in streams:
+                stream.close()
+
+
+def completion_logprobs(
+    token_ids: list[int], positions: list[PositionLogprobs], k: int, offset: int
+) -> CompletionLogProbs:
+    """OpenAI's completions logprobs: tokens, their logprobs, the top-k per position and text offsets."""
+    out = CompletionLogProbs()
+    for token_id, position in zip(token_ids, positions):
+        token = position[token_id].decoded_token or ""
+        out.tokens.append(token)
+        out.token_logprobs.append(position[token_id].logprob)
+        out.top_logprobs.append(
+            {
+                (lp.decoded_token or ""): lp.logprob
+                for tid, lp in position.items()
+                if tid == token_id or (lp.rank is not None and lp.rank <= k)
+            }
+        )
+        out.text_offset.append(offset)
+        offset += len(token)
+    return out
