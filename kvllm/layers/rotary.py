@@ -68,9 +68,12 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_size = head_size
         self.rotary_dim = int(head_size * float(rope_parameters.get("partial_rotary_factor", 1.0)))
-        inv_freq = _inv_freq(self.rotary_dim, rope_parameters)
-        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
-        self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
+        # Computed on the CPU whatever the default device, so every device gets the same table.
+        with torch.device("cpu"):
+            inv_freq = _inv_freq(self.rotary_dim, rope_parameters)
+            freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+            cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+        self.register_buffer("cos_sin_cache", cache.to(torch.get_default_device()), persistent=False)
 
     def _apply(self, fn: Any, recurse: bool = True) -> RotaryEmbedding:
         # Keep the cache in float32 when the module is moved or cast (model.to(bfloat16)).
