@@ -72,11 +72,16 @@ class OpenAIServingChat(OpenAIServing):
                 logprobs=self._logprobs(request, c, 0, len(c.token_ids)),
                 finish_reason=c.finish_reason,
                 stop_reason=c.stop_reason,
+                token_ids=c.token_ids if request.return_token_ids else None,
             )
             for c in final.outputs
         ]
         return ChatCompletionResponse(
-            id=request_id, model=self.model_name, choices=choices, usage=_usage(final)
+            id=request_id,
+            model=self.model_name,
+            choices=choices,
+            usage=_usage(final),
+            prompt_token_ids=final.prompt_token_ids if request.return_token_ids else None,
         )
 
     def _logprobs(
@@ -111,7 +116,8 @@ class OpenAIServingChat(OpenAIServing):
                         continue
                     text = c.text[sent_text[i] :]
                     new_tokens = len(c.token_ids) > sent_tokens[i]
-                    if not text and c.finish_reason is None and not (request.logprobs and new_tokens):
+                    wants_tokens = request.logprobs or request.return_token_ids
+                    if not text and c.finish_reason is None and not (wants_tokens and new_tokens):
                         continue
                     choice = ChatCompletionStreamChoice(
                         index=i,
@@ -119,6 +125,7 @@ class OpenAIServingChat(OpenAIServing):
                         logprobs=self._logprobs(request, c, sent_tokens[i], len(c.token_ids)),
                         finish_reason=c.finish_reason,
                         stop_reason=c.stop_reason,
+                        token_ids=c.token_ids[sent_tokens[i] :] if request.return_token_ids else None,
                     )
                     sent_text[i], sent_tokens[i] = len(c.text), len(c.token_ids)
                     finished[i] = c.finish_reason is not None

@@ -72,7 +72,13 @@ class OpenAIServingCompletion(OpenAIServing):
                 usage.completion_tokens += len(c.token_ids)
                 choices.append(
                     self._choice(
-                        request, i, c, self._echo_text(request, texts[i], final), 0, len(c.token_ids)
+                        request,
+                        i,
+                        final.prompt_token_ids,
+                        c,
+                        self._echo_text(request, texts[i], final),
+                        0,
+                        len(c.token_ids),
                     )
                 )
         usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
@@ -102,6 +108,7 @@ class OpenAIServingCompletion(OpenAIServing):
         self,
         request: CompletionRequest,
         prompt_index: int,
+        prompt_token_ids: list[int],
         c: CompletionOutput,
         prefix: str,
         start: int,
@@ -114,13 +121,18 @@ class OpenAIServingCompletion(OpenAIServing):
             logprobs = completion_logprobs(
                 c.token_ids[start:end], c.logprobs[start:end], request.logprobs, offset
             )
-        return CompletionChoice(
+        choice = CompletionChoice(
             index=prompt_index * request.n + c.index,
             text=prefix + c.text[text_start:],
             logprobs=logprobs,
             finish_reason=c.finish_reason,
             stop_reason=c.stop_reason,
         )
+        if request.return_token_ids:
+            choice.token_ids = c.token_ids[start:end]
+            if start == 0:
+                choice.prompt_token_ids = prompt_token_ids
+        return choice
 
     async def _stream(
         self, request: CompletionRequest, request_id: str, streams: list, texts: list[str | None]
@@ -148,6 +160,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     choice = self._choice(
                         request,
                         i,
+                        output.prompt_token_ids,
                         c,
                         prefix,
                         sent_tokens[idx],
