@@ -358,3 +358,12 @@ def test_import_flashinfer_is_quiet_with_a_warm_cache(
         with pytest.raises(RuntimeError):
             flashinfer_impl.import_flashinfer()
     assert "compiling kernels" not in caplog.text
+
+
+@pytest.mark.parametrize("backend", [FlashAttentionBackend, FlashInferBackend])
+def test_16bit_kv_dtype_must_match_model_dtype(packages_present: None, backend: type) -> None:
+    assert backend.validate_configuration(selector_config(kv_cache_dtype="bfloat16"), H200) == []
+    reasons = backend.validate_configuration(selector_config(kv_cache_dtype="float16"), H200)
+    assert len(reasons) == 1 and reasons[0].startswith(
+        "kv_cache_dtype float16 with dtype bfloat16 not supported"
+    )

@@ -53,6 +53,16 @@ def flash_attn_version_reasons(requested: int | None, capability: tuple[int, int
     return []
 
 
+def kv_dtype_mismatch_reasons(config: AttentionSelectorConfig) -> list[str]:
+    """FA4 reads the cache in the query's dtype: a 16-bit KV dtype other than the model's is a reason."""
+    kv = config.kv_cache_dtype
+    if kv in ("float16", "bfloat16") and config.dtype in ("float16", "bfloat16") and kv != config.dtype:
+        return [
+            f"kv_cache_dtype {kv} with dtype {config.dtype} not supported (FA4 needs the cache in the model dtype: use auto)"
+        ]
+    return []
+
+
 class FlashAttentionBackend(AttentionBackend):
     """FlashAttention-4 varlen attention: prefill chunks and decode tokens of a step in one call.
 
@@ -87,9 +97,12 @@ class FlashAttentionBackend(AttentionBackend):
 
     @classmethod
     def extra_reasons(cls, config: AttentionSelectorConfig, device: DeviceInfo) -> list[str]:
+        reasons = kv_dtype_mismatch_reasons(config)
         if device.platform != "cuda":
-            return []
-        return flash_attn_version_reasons(getattr(config, "flash_attn_version", None), device.capability)
+            return reasons
+        return reasons + flash_attn_version_reasons(
+            getattr(config, "flash_attn_version", None), device.capability
+        )
 
     @classmethod
     def missing_package_reason(cls) -> str | None:

@@ -32,6 +32,16 @@ def trtllm_attention_reasons(
     ]
 
 
+def kv_dtype_mismatch_reasons(config: AttentionSelectorConfig) -> list[str]:
+    """A 16-bit KV dtype other than the model's is unverified (and FA3 prefill kernels refuse it)."""
+    kv = config.kv_cache_dtype
+    if kv in ("float16", "bfloat16") and config.dtype in ("float16", "bfloat16") and kv != config.dtype:
+        return [
+            f"kv_cache_dtype {kv} with dtype {config.dtype} not supported (use auto: the cache in the model dtype)"
+        ]
+    return []
+
+
 class FlashInferBackend(AttentionBackend):
     """FlashInfer: BatchDecodeWithPagedKVCacheWrapper for the decode part of a step and
     BatchPrefillWithPagedKVCacheWrapper for its prefill part, planned once per step.
@@ -68,9 +78,12 @@ class FlashInferBackend(AttentionBackend):
 
     @classmethod
     def extra_reasons(cls, config: AttentionSelectorConfig, device: DeviceInfo) -> list[str]:
+        reasons = kv_dtype_mismatch_reasons(config)
         if device.platform != "cuda":
-            return []
-        return trtllm_attention_reasons(getattr(config, "use_trtllm_attention", None), device.capability)
+            return reasons
+        return reasons + trtllm_attention_reasons(
+            getattr(config, "use_trtllm_attention", None), device.capability
+        )
 
     @classmethod
     def get_impl_cls(cls) -> type[AttentionImpl]:

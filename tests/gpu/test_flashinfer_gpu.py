@@ -1,0 +1,239 @@
+"""FLASHINFER on a GPU: every declared combination against the float32 reference.
+
+The walk comes from FlashInferBackend's declarations: dtypes x KV dtypes x head sizes x block
+sizes x features (none, sliding window, soft-cap), each on a mixed batch (decodes first, fresh
+and chunked prefills) over scrambled block tables, through builder.build (plan) and
+impl.forward (K/V write, decode run, prefill run). Pages no request reads hold NaN.
+
+fp8 KV caches are implemented but not declared (FlashInferBackend.FP8_KV_CACHE_VERIFIED);
+test_fp8_kv_cache runs them so the lead can decide: KVLLM_FI_FP8=full walks every fp8
+combination the flag would declare, the default covers both model dtypes, both fp8 formats,
+every block size and head size 128.
+
+FlashInfer compiles one module per (dtype, KV dtype, head size, feature) on first use (about a
+minute each on the H200), so cases are ordered by that group and KVLLM_GPU_SHARD=i/n gives
+each of n processes whole groups.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+import pytest
+import torch
+
+from kvllm.attention.backend import AttentionSelectorConfig, DeviceInfo
+from kvllm.attention.backends.flashinfer import FlashInferBackend as Backend
+from kvllm.attention.metadata import KVCacheSpec
+from kvllm.attention.reference import PagedBatch, make_paged_batch, reference_attention
+from kvllm.layers.attention import Attention
+
+# KVLLM_GPU_TEST_DEVICE=cpu dry-runs the harness against a stand-in kernel module (not a GPU check).
+DEVICE = torch.device(os.environ.get("KVLLM_GPU_TEST_DEVICE", "cuda"))
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(DEVICE.type == "cuda" and not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(Backend.missing_package_reason() is not None, reason="flashinfer not installed"),
+]
+
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+FP8_KV = ("fp8", "fp8_e4m3", "fp8_e5m2")
+TOLERANCE = {torch.float16: 1e-2, torch.bfloat16: 2e-2}  # max |err| / max |ref|, vs dequantized K/V for fp8
+K_SCALE, V_SCALE = 0.5, 2.0
+NUM_HEADS, NUM_KV_HEADS = 16, 8  # GQA 2: CUDA-core decode; test_tensor_core_decode covers GQA >= 4
+WINDOW, SOFT_CAP = 24, 2.0
+QUERY_LENS = [1, 1, 1, 1, 37, 5, 70]
+CONTEXT_LENS = [0, 31, 80, 130, 0, 57, 19]
+
+Case = tuple[str, str, int, int, str]  # dtype, kv_cache_dtype, head_size, block_size, feature
+
+
+def _features() -> list[str]:
+    flags = (("window", Backend.supports_sliding_window), ("softcap", Backend.supports_logits_soft_cap))
+    return ["none"] + [f for f, on in flags if on]
+
+
+def _walk(kv_dtypes: tuple[str, ...], check_declared: bool) -> list[Case]:
+    """Cases ordered so that one compile group (dtype, KV dtype, head, feature) is contiguous."""
+    cases = []
+    for dtype, kv, head, feature, block in itertools.product(
+        Backend.supported_dtypes,
+        kv_dtypes,
+        Backend.head_sizes.values,
+        _features(),
+        Backend.block_sizes.values,
+    ):
+        config = AttentionSelectorConfig(head_size=head, dtype=dtype, kv_cache_dtype=kv, block_size=block)
+        if not check_declared or not Backend.validate_configuration(config, DeviceInfo("cuda", (9, 0))):
+            cases.append((dtype, kv, head, block, feature))
+    return cases
+
+
+def _shard(cases: list[Case]) -> list[Case]:
+    """KVLLM_GPU_SHARD=i/n: whole compile groups, round-robin over n processes."""
+    spec = os.environ.get("KVLLM_GPU_SHARD")
+    if not spec:
+        return cases
+    index, count = (int(x) for x in spec.split("/"))
+    groups = list(dict.fromkeys((c[0], CACHE_DTYPES.get(c[1], c[1]), c[2], c[4]) for c in cases))
+    mine = {g for j, g in enumerate(groups) if j % count == index}
+    return [c for c in cases if (c[0], CACHE_DTYPES.get(c[1], c[1]), c[2], c[4]) in mine]
+
+
+# Tests outside the walks run in shard 0 only.
+first_shard_only = pytest.mark.skipif(
+    os.environ.get("KVLLM_GPU_SHARD", "0/1").split("/")[0] != "0", reason="runs in shard 0"
+)
+
+
+def declared_cases() -> list[Case]:
+    return _walk(Backend.supported_kv_cache_dtypes, check_declared=True)
+
+
+def fp8_cases() -> list[Case]:
+    if os.environ.get("KVLLM_FI_FP8") == "full":
+        return _walk(("fp8_e4m3", "fp8_e5m2"), check_declared=False)
+    return [
+        (dtype, kv, 128, block, "none")
+        for dtype, kv, block in itertools.product(
+            Backend.supported_dtypes, ("fp8_e4m3", "fp8_e5m2"), (16, 32, 64)
+        )
+    ]
+
+
+def _dequantized(
+    batch: PagedBatch, cache_dtype: torch.dtype
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    keys = [(k.float() / K_SCALE).to(cache_dtype).float() * K_SCALE for k in batch.keys]
+    values = [(v.float() / V_SCALE).to(cache_dtype).float() * V_SCALE for v in batch.values]
+    return keys, values
+
+
+def fill_cache(kv_cache: torch.Tensor, batch: PagedBatch, fp8: bool) -> None:
+    """Context K/V into the pages (divided by the scales for fp8); pages no request reads get NaN."""
+    kv_cache.fill_(float("nan"))
+    for r, seq_len in enumerate(batch.seq_lens):
+        used = batch.block_table[r, : -(-seq_len // batch.block_size)].long()
+        kv_cache[used] = 0.0
+        ctx = seq_len - batch.query_lens[r]
+        if ctx == 0:
+            continue
+        pos = torch.arange(ctx, device=kv_cache.device)
+        blocks = batch.block_table[r].long()[pos // batch.block_size]
+        k, v = batch.keys[r][:ctx].float(), batch.values[r][:ctx].float()
+        if fp8:
+            k, v = k / K_SCALE, v / V_SCALE
+        kv_cache[blocks, 0, pos % batch.block_size] = k.to(kv_cache.dtype)
+        kv_cache[blocks, 1, pos % batch.block_size] = v.to(kv_cache.dtype)
+
+
+def run_case(
+    dtype: torch.dtype,
+    kv_cache_dtype: str,
+    head_size: int,
+    block_size: int,
+    feature: str,
+    query_lens: list[int] = QUERY_LENS,
+    context_lens: list[int] = CONTEXT_LENS,
+    num_heads: int = NUM_HEADS,
+    num_kv_heads: int = NUM_KV_HEADS,
+    pad_tokens: int = 0,
+    steps: int = 1,
+    seed: int = 0,
+) -> float:
+    """Relative max error of impl.forward against the float32 reference (also checks the cache write)."""
+    device = DEVICE
+    fp8 = kv_cache_dtype in FP8_KV
+    cache_dtype = CACHE_DTYPES.get(kv_cache_dtype, dtype)
+    batch = make_paged_batch(
+        query_lens,
+        context_lens,
+        num_heads,
+        num_kv_heads,
+        head_size,
+        block_size,
+        dtype=dtype,
+        device=device,
+        seed=seed,
+    )
+    scale = head_size**-0.5
+    window = WINDOW if feature == "window" else None
+    soft_cap = SOFT_CAP if feature == "softcap" else None
+    layer = Attention(num_heads, head_size, scale, num_kv_heads, window, soft_cap).to(device)
+    if fp8:
+        layer.k_scale.fill_(K_SCALE)
+        layer.v_scale.fill_(V_SCALE)
+    spec = KVCacheSpec(block_size, num_kv_heads, head_size, cache_dtype, kv_cache_dtype)
+    builder = Backend.get_builder_cls()(Backend, spec, device, 64, 4096, 4096)
+    impl = Backend.get_impl_cls()(
+        num_heads, head_size, scale, num_kv_heads, window, soft_cap, "decoder", kv_cache_dtype
+    )
+    shape = Backend.get_kv_cache_shape(batch.num_blocks, block_size, num_kv_heads, head_size)
+    kv_cache = torch.empty(shape, dtype=cache_dtype, device=device)
+    fill_cache(kv_cache, batch, fp8)
+
+    common = batch.metadata
+    query, key, value = batch.query, batch.new_keys, batch.new_values
+    if pad_tokens:
+        query, key, value = (torch.cat([t, torch.randn_like(t[:pad_tokens])]) for t in (query, key, value))
+        common.slot_mapping = torch.cat([common.slot_mapping, torch.full((pad_tokens,), -1, device=device)])
+    # Later steps reuse the wrappers (planned eagerly in build) and rewrite the same slots.
+    for _ in range(steps):
+        out = impl.forward(layer, query, key, value, kv_cache, builder.build(common))
+
+    keys, values = _dequantized(batch, cache_dtype) if fp8 else (batch.keys, batch.values)
+    ref = reference_attention(
+        batch.query, keys, values, batch.query_lens, scale, sliding_window=window, logits_soft_cap=soft_cap
+    )
+    n = common.num_actual_tokens
+    assert out.shape == query.shape and out.dtype == dtype
+    assert torch.isfinite(out[:n]).all(), "non-finite output: a kernel read a page it should not"
+    slots = common.slot_mapping[:n]
+    written_k = kv_cache[slots // block_size, 0, slots % block_size]
+    expected_k = (batch.new_keys.float() / K_SCALE).to(cache_dtype) if fp8 else batch.new_keys
+    assert torch.equal(written_k.float(), expected_k.float()), "new keys not written at their slots"
+    return ((out[:n].float() - ref).abs().max() / ref.abs().max()).item()
+
+
+@pytest.mark.parametrize(
+    ("dtype", "kv_cache_dtype", "head_size", "block_size", "feature"), _shard(declared_cases())
+)
+def test_declared_combination(
+    dtype: str, kv_cache_dtype: str, head_size: int, block_size: int, feature: str
+) -> None:
+    err = run_case(DTYPES[dtype], kv_cache_dtype, head_size, block_size, feature)
+    assert err < TOLERANCE[DTYPES[dtype]], f"relative error {err:.3e}"
+
+
+@pytest.mark.parametrize(
+    ("dtype", "kv_cache_dtype", "head_size", "block_size", "feature"), _shard(fp8_cases())
+)
+def test_fp8_kv_cache(dtype: str, kv_cache_dtype: str, head_size: int, block_size: int, feature: str) -> None:
+    err = run_case(DTYPES[dtype], kv_cache_dtype, head_size, block_size, feature)
+    assert err < TOLERANCE[DTYPES[dtype]], f"relative error {err:.3e}"
+
+
+@first_shard_only
+@pytest.mark.parametrize(
+    ("query_lens", "context_lens"),
+    [([1] * 6, [0, 15, 16, 17, 200, 999]), ([9, 128, 3], [0, 0, 250]), ([1], [4095])],
+    ids=["decode_only", "prefill_only", "one_long_decode"],
+)
+def test_batch_shapes(query_lens: list[int], context_lens: list[int]) -> None:
+    err = run_case(torch.bfloat16, "auto", 128, 16, "none", query_lens, context_lens)
+    assert err < TOLERANCE[torch.bfloat16], f"relative error {err:.3e}"
+
+
+@first_shard_only
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(32, 8), (8, 1)], ids=["gqa4", "mqa"])
+def test_tensor_core_decode(num_heads: int, num_kv_heads: int) -> None:
+    err = run_case(torch.bfloat16, "auto", 128, 16, "none", num_heads=num_heads, num_kv_heads=num_kv_heads)
+    assert err < TOLERANCE[torch.bfloat16], f"relative error {err:.3e}"
+
+
+@first_shard_only
+def test_padding_and_replanned_steps() -> None:
+    err = run_case(torch.bfloat16, "auto", 128, 32, "none", pad_tokens=5, steps=3)
+    assert err < TOLERANCE[torch.bfloat16], f"relative error {err:.3e}"
