@@ -2,7 +2,7 @@
 
 Cache layout (one of K or V): [num_blocks, block_size, num_kv_heads, head_size], head dim contiguous.
 Slot s lives in block s // block_size at offset s % block_size; slot -1 is skipped (CUDA-graph padding).
-An fp8 cache stores value / scale, rounded to nearest even (torch's own fp32 -> fp8 rounding).
+An fp8 cache stores value / scale (computed in float32), rounded to nearest even like torch's cast.
 """
 
 from __future__ import annotations
@@ -12,6 +12,23 @@ import triton
 import triton.language as tl
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+@triton.jit
+def _round_to_fp8_grid(x, MANTISSA_BITS: tl.constexpr, MIN_EXPONENT: tl.constexpr):
+    """Round float32 x to the nearest (ties to even) value of an fp8 format, staying in float32.
+
+    The cast of the result to fp8 is then exact in any rounding mode. Done by hand because the Triton
+    interpreter's fp32 -> fp8 cast drops the carry when rounding up crosses a power of two
+    (0.4871 -> 0.25 instead of 0.5); on the GPU it costs a few ALU ops in a bandwidth-bound kernel.
+    """
+    exponent = ((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    exponent = tl.maximum(exponent, MIN_EXPONENT)  # subnormals share the smallest normal's ulp
+    ulp = ((exponent - MANTISSA_BITS + 127) << 23).to(tl.float32, bitcast=True)
+    # (y + 1.5 * 2^23) - 1.5 * 2^23 rounds y >= 0 to an integer, ties to even, for y < 2^22; the sign
+    # goes back on afterwards so that tiny negatives give -0 like torch.
+    rounded = ((tl.abs(x) / ulp + 12582912.0) - 12582912.0) * ulp
+    return tl.where(x < 0, -rounded, rounded)
 
 
 @triton.jit
@@ -39,6 +56,8 @@ def _reshape_and_cache_kernel(
     HEADS_PER_PROGRAM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     IS_FP8: tl.constexpr,
+    FP8_MANTISSA_BITS: tl.constexpr,
+    FP8_MIN_EXPONENT: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
@@ -53,12 +72,10 @@ def _reshape_and_cache_kernel(
     k = tl.load(key_ptr + token * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
     v = tl.load(value_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
     if IS_FP8:
-        k = (k.to(tl.float32) / tl.load(k_scale_ptr)).to(
-            key_cache_ptr.dtype.element_ty, fp_downcast_rounding="rtne"
-        )
-        v = (v.to(tl.float32) / tl.load(v_scale_ptr)).to(
-            value_cache_ptr.dtype.element_ty, fp_downcast_rounding="rtne"
-        )
+        k = _round_to_fp8_grid(k.to(tl.float32) / tl.load(k_scale_ptr), FP8_MANTISSA_BITS, FP8_MIN_EXPONENT)
+        v = _round_to_fp8_grid(v.to(tl.float32) / tl.load(v_scale_ptr), FP8_MANTISSA_BITS, FP8_MIN_EXPONENT)
+        k = k.to(key_cache_ptr.dtype.element_ty)
+        v = v.to(value_cache_ptr.dtype.element_ty)
     else:
         k = k.to(key_cache_ptr.dtype.element_ty)
         v = v.to(value_cache_ptr.dtype.element_ty)
@@ -133,5 +150,7 @@ def reshape_and_cache(
         HEADS_PER_PROGRAM=heads_per_program,
         BLOCK_SIZE=block_size,
         IS_FP8=is_fp8,
+        FP8_MANTISSA_BITS=2 if key_cache.dtype == torch.float8_e5m2 else 3,
+        FP8_MIN_EXPONENT=-14 if key_cache.dtype == torch.float8_e5m2 else -6,
         num_warps=4,
     )

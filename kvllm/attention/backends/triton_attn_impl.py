@@ -1,0 +1,224 @@
+"""The torch side of TRITON_ATTN: per-step metadata builder and per-layer implementation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvllm.attention.impl import AttentionImpl, AttentionMetadataBuilder
+from kvllm.attention.metadata import CommonAttentionMetadata, KVCacheSpec
+from kvllm.attention.ops.triton_reshape_and_cache import reshape_and_cache
+from kvllm.attention.ops.triton_unified_attention import KernelConfig, unified_attention
+
+if TYPE_CHECKING:
+    from kvllm.attention.backend import AttentionBackend
+    from kvllm.layers.attention import Attention
+
+FP8_CACHE_DTYPES = {
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+MIN_SPLIT_TOKENS = 256  # a split-KV segment below this many keys costs more in the reduce than it saves
+MAX_SPLITS = 64
+
+
+@dataclass
+class TritonAttentionMetadata:
+    """One step's launch plan for the Triton kernels.
+
+    Requests [0, num_decode_reqs) go to the decode launch (one query token each, or none for
+    CUDA-graph padding), split over `num_splits` KV segments; the rest go to the general launch.
+    """
+
+    num_actual_tokens: int
+    num_reqs: int
+    num_decode_reqs: int
+    num_splits: int
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc: torch.Tensor  # int32 [num_reqs + 1]
+    seq_lens: torch.Tensor  # int32 [num_reqs]
+    block_table: torch.Tensor  # int32 [num_reqs, max_blocks]
+    slot_mapping: torch.Tensor  # int64 [num_tokens]; -1 = padding, not written
+
+
+class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
+    """Builds TritonAttentionMetadata; owns fixed-size buffers for CUDA-graph capture and replay.
+
+    Eager steps (`build`) use the common metadata's tensors as they are. The graph hooks copy them
+    into buffers preallocated for max_num_reqs / max_num_tokens (fixed addresses across replays) and
+    take their launch decisions from the batch's padded sizes only, never from sequence lengths, so a
+    replay launches exactly what was captured. They expect the batch padded to the captured size:
+    padded tokens have slot -1, padded requests query length 0. A uniform-decode capture (every
+    query length <= 1) must be replayed with uniform-decode batches.
+    """
+
+    def __init__(
+        self,
+        backend: type[AttentionBackend],
+        kv_cache_spec: KVCacheSpec,
+        device: torch.device,
+        max_num_reqs: int,
+        max_num_tokens: int,
+        max_model_len: int,
+    ) -> None:
+        super().__init__(backend, kv_cache_spec, device, max_num_reqs, max_num_tokens, max_model_len)
+        device = torch.device(device)
+        if device.type == "cuda":
+            self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        else:
+            self.num_sms = 16  # interpreter runs: any fixed value keeps the plan deterministic
+        max_blocks = -(-max_model_len // kv_cache_spec.block_size)
+        self.query_start_loc = torch.zeros(max_num_reqs + 1, dtype=torch.int32, device=device)
+        self.seq_lens = torch.zeros(max_num_reqs, dtype=torch.int32, device=device)
+        self.block_table = torch.zeros(max_num_reqs, max_blocks, dtype=torch.int32, device=device)
+        self.slot_mapping = torch.full((max_num_tokens,), -1, dtype=torch.int64, device=device)
+
+    def num_splits_for(self, num_decode_reqs: int, max_seq_len: int) -> int:
+        """KV segments for the decode launch: split only when too few programs fill the GPU."""
+        programs = num_decode_reqs * self.kv_cache_spec.num_kv_heads
+        if programs == 0 or programs >= 2 * self.num_sms:
+            return 1
+        by_occupancy = 1 << (-(-4 * self.num_sms // programs) - 1).bit_length()
+        by_length = max(1, max_seq_len // MIN_SPLIT_TOKENS)
+        by_length = 1 << (by_length.bit_length() - 1)
+        return max(1, min(by_occupancy, by_length, MAX_SPLITS))
+
+    def build(self, common: CommonAttentionMetadata) -> TritonAttentionMetadata:
+        return TritonAttentionMetadata(
+            num_actual_tokens=common.num_actual_tokens,
+            num_reqs=common.num_reqs,
+            num_decode_reqs=common.num_decodes,
+            num_splits=self.num_splits_for(common.num_decodes, common.max_seq_len),
+            max_query_len=common.max_query_len,
+            max_seq_len=common.max_seq_len,
+            query_start_loc=common.query_start_loc,
+            seq_lens=common.seq_lens,
+            block_table=common.block_table,
+            slot_mapping=common.slot_mapping,
+        )
+
+    def prepare_for_capture(self, common: CommonAttentionMetadata) -> TritonAttentionMetadata:
+        return self._build_static(common)
+
+    def prepare_for_replay(self, common: CommonAttentionMetadata) -> TritonAttentionMetadata:
+        return self._build_static(common)
+
+    def _build_static(self, common: CommonAttentionMetadata) -> TritonAttentionMetadata:
+        num_reqs, num_tokens = common.num_reqs, common.num_actual_tokens
+        if num_reqs > self.max_num_reqs or num_tokens > self.max_num_tokens:
+            raise ValueError(
+                f"graph batch of {num_reqs} requests / {num_tokens} tokens exceeds the builder's "
+                f"max_num_reqs={self.max_num_reqs} / max_num_tokens={self.max_num_tokens}"
+            )
+        cols = common.block_table.shape[1]
+        if cols > self.block_table.shape[1]:
+            raise ValueError(f"block table has {cols} columns, more than max_model_len allows")
+        self.query_start_loc[: num_reqs + 1].copy_(common.query_start_loc[: num_reqs + 1], non_blocking=True)
+        self.seq_lens[:num_reqs].copy_(common.seq_lens[:num_reqs], non_blocking=True)
+        self.block_table[:num_reqs, :cols].copy_(common.block_table[:num_reqs], non_blocking=True)
+        self.slot_mapping[:num_tokens].copy_(common.slot_mapping[:num_tokens], non_blocking=True)
+        uniform_decode = common.max_query_len <= 1
+        num_decode_reqs = num_reqs if uniform_decode else 0
+        return TritonAttentionMetadata(
+            num_actual_tokens=num_tokens,
+            num_reqs=num_reqs,
+            num_decode_reqs=num_decode_reqs,
+            num_splits=self.num_splits_for(num_decode_reqs, self.max_model_len),
+            max_query_len=common.max_query_len,
+            max_seq_len=self.max_model_len,
+            query_start_loc=self.query_start_loc[: num_reqs + 1],
+            seq_lens=self.seq_lens[:num_reqs],
+            block_table=self.block_table[:num_reqs],
+            slot_mapping=self.slot_mapping[:num_tokens],
+        )
+
+
+class TritonAttentionImpl(AttentionImpl):
+    """Writes K/V with the Triton KV-write kernel, then runs the unified attention kernel.
+
+    `decode_config` / `prefill_config` override the shape-chosen tile sizes (tests, tuning).
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+        attn_type: str = "decoder",
+        kv_cache_dtype: str = "auto",
+        sinks: torch.Tensor | None = None,
+    ) -> None:
+        super().__init__(
+            num_heads,
+            head_size,
+            scale,
+            num_kv_heads,
+            sliding_window,
+            logits_soft_cap,
+            attn_type,
+            kv_cache_dtype,
+            sinks,
+        )
+        if attn_type != "decoder":
+            raise NotImplementedError(
+                f"TRITON_ATTN does not support attention type {attn_type} (supported: decoder)"
+            )
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+        if sinks is not None and sinks.shape != (num_heads,):
+            raise ValueError(f"sinks must have shape ({num_heads},), got {tuple(sinks.shape)}")
+        self.sliding_window = sliding_window if sliding_window and sliding_window > 0 else None
+        self.logits_soft_cap = logits_soft_cap if logits_soft_cap and logits_soft_cap > 0 else None
+        self.fp8_dtype = FP8_CACHE_DTYPES.get(kv_cache_dtype)
+        self.decode_config: KernelConfig | None = None
+        self.prefill_config: KernelConfig | None = None
+
+    def forward(
+        self,
+        layer: Attention,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: TritonAttentionMetadata,
+        output: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """As AttentionImpl.forward; `output` ([T, Hq, D], head dim contiguous) receives the result if given."""
+        key_cache, value_cache = kv_cache[0], kv_cache[1]
+        cache_is_fp8 = key_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+        if (self.fp8_dtype is not None and key_cache.dtype != self.fp8_dtype) or (
+            self.fp8_dtype is None and cache_is_fp8
+        ):
+            raise ValueError(
+                f"kv_cache_dtype {self.kv_cache_dtype} does not match the KV cache tensor dtype {key_cache.dtype}"
+            )
+        md = attn_metadata
+        reshape_and_cache(
+            key, value, key_cache, value_cache, md.slot_mapping, layer.k_scale, layer.v_scale,
+            num_tokens=md.slot_mapping.shape[0],
+        )  # fmt: skip
+        out = (
+            output if output is not None else torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        )
+        return unified_attention(
+            out, query, key_cache, value_cache, md.query_start_loc, md.seq_lens, md.block_table,
+            num_reqs=md.num_reqs,
+            num_tokens=md.num_actual_tokens,
+            num_decode_reqs=md.num_decode_reqs,
+            scale=self.scale,
+            sliding_window=self.sliding_window,
+            logits_soft_cap=self.logits_soft_cap,
+            sinks=self.sinks,
+            k_scale=layer.k_scale,
+            v_scale=layer.v_scale,
+            num_splits=md.num_splits,
+            decode_cfg=self.decode_config,
+            prefill_cfg=self.prefill_config,
+        )  # fmt: skip

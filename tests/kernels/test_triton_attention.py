@@ -1,0 +1,187 @@
+"""TRITON_ATTN unified attention (with its KV write) against the float32 reference, on the CPU interpreter.
+
+Tolerances (relative L2 error of the whole output, and max abs error; values are O(1)):
+- float32: the kernel computes in float32 with IEEE dots, only the summation order differs: 1e-5.
+- float16: inputs are the same fp16 values the reference upcasts; the kernel rounds P to fp16 for the
+  P.V dot and the output to fp16 (each 2^-11 relative, about 5e-4), so 2e-3 relative / 1e-2 absolute.
+- fp8 caches: the reference reads the same fp8-rounded K/V (stored = value / scale), so fp8 adds no
+  error of its own and the tolerances are those of the compute dtype.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from kvllm.attention.backends.triton_attn import TritonAttentionBackend
+from kvllm.attention.backends.triton_attn_impl import TritonAttentionImpl, TritonAttentionMetadataBuilder
+from kvllm.attention.metadata import CommonAttentionMetadata, KVCacheSpec
+from kvllm.attention.ops.triton_testing import run_attention_case
+from kvllm.attention.ops.triton_unified_attention import KernelConfig
+from kvllm.attention.reference import make_paged_batch
+
+TOLERANCE = {torch.float32: (1e-5, 1e-4), torch.float16: (2e-3, 1e-2)}
+# Small tiles: many q-blocks and KV tiles per request, so the binary search, tile loops crossing
+# page boundaries and the masked/unmasked tile split are all exercised on tiny shapes.
+SMALL = KernelConfig(block_m=16, tile_n=16, num_warps=4, num_stages=1)
+
+# Decodes first (one of them with a single cached token), then prefill chunks with and without a prefix.
+MIXED_QUERY_LENS = [1, 1, 1, 9, 37]
+MIXED_CONTEXT_LENS = [45, 1, 70, 21, 0]
+
+
+def check(case, dtype: torch.dtype) -> None:
+    rel_tol, abs_tol = TOLERANCE[dtype]
+    assert not torch.isnan(case.out).any(), "some output rows were not written"
+    assert case.rel_error() < rel_tol, f"relative error {case.rel_error():.2e} >= {rel_tol}"
+    assert case.max_abs_error() < abs_tol, f"max abs error {case.max_abs_error():.2e} >= {abs_tol}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_size,block_size",
+    [(4, 4, 64, 16), (4, 2, 128, 32), (8, 2, 80, 16), (8, 1, 32, 32), (6, 2, 96, 16)],
+    ids=["mha-d64-b16", "gqa2-d128-b32", "gqa4-d80-b16", "mqa8-d32-b32", "gqa3-d96-b16"],
+)
+@pytest.mark.parametrize("tiles", ["default", "small"])
+def test_mixed_batch(dtype, num_heads, num_kv_heads, head_size, block_size, tiles) -> None:
+    cfg = SMALL if tiles == "small" else None
+    case = run_attention_case(
+        MIXED_QUERY_LENS, MIXED_CONTEXT_LENS, num_heads, num_kv_heads, head_size, block_size, dtype,
+        decode_config=cfg, prefill_config=cfg,
+    )  # fmt: skip
+    check(case, dtype)
+
+
+@pytest.mark.parametrize(
+    "sliding_window,logits_soft_cap,use_sinks",
+    [(8, None, False), (None, 5.0, False), (None, None, True), (19, 10.0, True), (1, None, True)],
+    ids=["window", "softcap", "sinks", "all", "window1-sinks"],
+)
+@pytest.mark.parametrize("tiles", ["default", "small"])
+def test_features(sliding_window, logits_soft_cap, use_sinks, tiles) -> None:
+    cfg = SMALL if tiles == "small" else None
+    case = run_attention_case(
+        MIXED_QUERY_LENS, MIXED_CONTEXT_LENS, 8, 2, 64, 16, torch.float16,
+        sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, use_sinks=use_sinks,
+        decode_config=cfg, prefill_config=cfg,
+    )  # fmt: skip
+    check(case, torch.float16)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+def test_fp8_kv_cache(kv_cache_dtype, dtype) -> None:
+    case = run_attention_case(
+        MIXED_QUERY_LENS, MIXED_CONTEXT_LENS, 8, 2, 64, 16, dtype,
+        kv_cache_dtype=kv_cache_dtype, k_scale=0.37, v_scale=1.7, use_sinks=True,
+        decode_config=SMALL, prefill_config=SMALL,
+    )  # fmt: skip
+    check(case, dtype)
+
+
+@pytest.mark.parametrize("num_splits", [2, 8])
+@pytest.mark.parametrize(
+    "sliding_window,use_sinks,kv_cache_dtype",
+    [(None, False, "auto"), (100, True, "auto"), (None, True, "fp8_e4m3")],
+)
+def test_split_kv_decode(num_splits, sliding_window, use_sinks, kv_cache_dtype) -> None:
+    # Segments shorter than a tile and longer than several tiles, plus a request with fewer
+    # tiles than segments (its extra segments are empty and must drop out of the reduce).
+    case = run_attention_case(
+        [1, 1, 1, 1, 5], [300, 4, 129, 40, 60], 8, 2, 96, 16, torch.float16,
+        sliding_window=sliding_window, use_sinks=use_sinks, kv_cache_dtype=kv_cache_dtype, k_scale=0.5,
+        v_scale=2.0, num_splits=num_splits, decode_config=SMALL,
+    )  # fmt: skip
+    check(case, torch.float16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+def test_long_prefill_chunk_over_prefix(dtype) -> None:
+    """A chunk spanning several default-size q-blocks over a cached prefix (tiles fully unmasked)."""
+    case = run_attention_case([1, 150], [10, 200], 4, 2, 64, 16, dtype)
+    check(case, dtype)
+
+
+def test_split_decision() -> None:
+    spec = KVCacheSpec(16, 8, 128, torch.float16, "auto")
+    builder = TritonAttentionMetadataBuilder(
+        TritonAttentionBackend, spec, torch.device("cpu"), 256, 8192, 32768
+    )
+    builder.num_sms = 132  # plan as on an H200
+    assert builder.num_splits_for(256, 1024) == 1  # 2048 programs fill the GPU
+    assert builder.num_splits_for(1, 32768) == 64
+    assert builder.num_splits_for(8, 8192) == 16
+    assert builder.num_splits_for(1, 300) == 1  # too short to be worth a reduce
+    assert builder.num_splits_for(0, 4096) == 1
+
+
+def test_kv_cache_dtype_mismatch_is_an_error() -> None:
+    """An fp8 kv_cache_dtype with a non-fp8 cache tensor must fail, never silently run unquantized."""
+    batch = make_paged_batch([1], [4], 2, 1, 32, 16, dtype=torch.float16, seed=0)
+    spec = KVCacheSpec(16, 1, 32, torch.float16, "fp8_e4m3")
+    builder = TritonAttentionMetadataBuilder(TritonAttentionBackend, spec, torch.device("cpu"), 1, 1, 64)
+    impl = TritonAttentionImpl(2, 32, 1.0, 1, kv_cache_dtype="fp8_e4m3")
+    layer = types.SimpleNamespace(k_scale=torch.tensor(1.0), v_scale=torch.tensor(1.0))
+    kv_cache = torch.zeros(2, batch.num_blocks, 16, 1, 32, dtype=torch.float16)
+    with pytest.raises(ValueError, match="does not match the KV cache"):
+        impl.forward(
+            layer, batch.query, batch.new_keys, batch.new_values, kv_cache, builder.build(batch.metadata)
+        )
+
+
+def _pad(batch, num_reqs: int, num_tokens: int) -> tuple[CommonAttentionMetadata, torch.Tensor, torch.Tensor]:
+    """The batch padded as a graph runner would: extra requests of query length 0, extra tokens slot -1."""
+    md = batch.metadata
+    extra_reqs, extra_tokens = num_reqs - md.num_reqs, num_tokens - md.num_actual_tokens
+    qsl = torch.cat([md.query_start_loc, md.query_start_loc[-1:].repeat(extra_reqs)])
+    seq_lens = torch.cat([md.seq_lens, torch.zeros(extra_reqs, dtype=torch.int32)])
+    table = torch.cat([md.block_table, torch.zeros(extra_reqs, md.block_table.shape[1], dtype=torch.int32)])
+    slots = torch.cat([md.slot_mapping, torch.full((extra_tokens,), -1, dtype=torch.int64)])
+    padded = CommonAttentionMetadata(
+        num_reqs=num_reqs, num_actual_tokens=num_tokens, num_decodes=md.num_decodes,
+        num_decode_tokens=md.num_decode_tokens, query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=seq_lens,
+        seq_lens_cpu=seq_lens, max_query_len=md.max_query_len, max_seq_len=md.max_seq_len, block_table=table,
+        slot_mapping=slots,
+    )  # fmt: skip
+
+    def pad_rows(x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x, torch.randn(extra_tokens, *x.shape[1:]).to(x.dtype)])
+
+    return padded, pad_rows(batch.query), torch.stack([pad_rows(batch.new_keys), pad_rows(batch.new_values)])
+
+
+@pytest.mark.parametrize(
+    "query_lens,context_lens", [([1, 1, 1], [300, 20, 77]), ([1, 1, 6, 20], [30, 5, 9, 0])]
+)
+def test_graph_hooks(query_lens, context_lens) -> None:
+    """Capture/replay plans use the builder's fixed buffers and give exact results on padded batches."""
+    num_heads, num_kv_heads, head_size, block_size = 4, 2, 64, 16
+    spec = KVCacheSpec(block_size, num_kv_heads, head_size, torch.float16, "auto")
+    builder = TritonAttentionMetadataBuilder(TritonAttentionBackend, spec, torch.device("cpu"), 8, 64, 1024)
+    impl = TritonAttentionImpl(num_heads, head_size, head_size**-0.5, num_kv_heads)
+    impl.decode_config = impl.prefill_config = SMALL
+    layer = types.SimpleNamespace(k_scale=torch.tensor(1.0), v_scale=torch.tensor(1.0))
+    pointers = None
+    for step, hook in enumerate((builder.prepare_for_capture, builder.prepare_for_replay)):
+        batch = make_paged_batch(query_lens, context_lens, num_heads, num_kv_heads, head_size, block_size,
+                                 dtype=torch.float16, seed=step)  # fmt: skip
+        padded, query, new_kv = _pad(batch, len(query_lens) + 1, sum(query_lens) + 2)
+        md = hook(padded)
+        ptrs = [t.data_ptr() for t in (md.query_start_loc, md.seq_lens, md.block_table, md.slot_mapping)]
+        assert pointers is None or ptrs == pointers
+        pointers = ptrs
+        if max(query_lens) == 1:
+            assert md.num_decode_reqs == md.num_reqs and md.num_splits > 1
+        else:
+            assert md.num_decode_reqs == 0 and md.num_splits == 1
+        kv_cache = torch.zeros(2, batch.num_blocks, block_size, num_kv_heads, head_size, dtype=torch.float16)
+        batch.fill_cache(kv_cache[0], kv_cache[1])
+        out = torch.full_like(query, float("nan"))
+        impl.forward(layer, query, new_kv[0], new_kv[1], kv_cache, md, output=out)
+        real = batch.metadata.num_actual_tokens
+        ref = batch.reference(head_size**-0.5)
+        err = ((out[:real].float() - ref).norm() / ref.norm()).item()
+        assert err < TOLERANCE[torch.float16][0]
