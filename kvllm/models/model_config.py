@@ -148,8 +148,12 @@ def find_eos_token_ids(model_path: str, tokenizer_path: str, hf_config: Any) -> 
 def _tokenizer_eos_id(tokenizer_path: str) -> int | None:
     from transformers import AutoTokenizer
 
+    from kvllm.models.loader import has_tokenizer_files
+
+    if not has_tokenizer_files(tokenizer_path):
+        return None
     try:
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
-    except (OSError, ValueError):  # a folder without a tokenizer (e.g. weights only, dummy loading)
+    except (OSError, ValueError):
         return None
     return tokenizer.eos_token_id

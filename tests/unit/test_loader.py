@@ -81,6 +81,26 @@ def test_no_weights_but_dummy_works(tiny_qwen3_path: Path, tmp_path: Path) -> No
     assert torch.equal(first.model.norm.weight, torch.ones(64))
 
 
+def test_dummy_bfloat16(tiny_llama_path: Path) -> None:
+    torch.manual_seed(1)
+    model = load_model(config_of(tiny_llama_path, dtype="bfloat16"), "dummy", CPU)
+    assert torch.isfinite(run(model, [5, 6, 7])).all()
+
+
+def test_folder_without_tokenizer(tmp_path: Path) -> None:
+    from transformers import Qwen3Config
+
+    Qwen3Config(num_hidden_layers=2, eos_token_id=7, architectures=["Qwen3ForCausalLM"]).save_pretrained(
+        tmp_path
+    )
+    config = config_of(tmp_path)
+    assert config.eos_token_ids == (
+        7,
+    )  # from config.json when neither tokenizer nor generation config has one
+    with pytest.raises(ValueError, match="no tokenizer files"):
+        load_tokenizer(config)
+
+
 def test_tokenizer(tiny_qwen3_path: Path) -> None:
     tokenizer = load_tokenizer(config_of(tiny_qwen3_path))
     assert tokenizer.is_fast

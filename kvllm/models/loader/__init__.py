@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -15,6 +16,12 @@ if TYPE_CHECKING:
     from kvllm.models.model_config import ModelConfig
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def has_tokenizer_files(folder: str) -> bool:
+    """Whether a folder holds a tokenizer (transformers 5 otherwise builds an empty one silently)."""
+    return any((Path(folder) / name).is_file() for name in _TOKENIZER_FILES)
 
 
 @contextmanager
@@ -63,6 +70,11 @@ def load_tokenizer(model_config: ModelConfig) -> PreTrainedTokenizerBase:
     """The model's fast (Rust `tokenizers`) tokenizer."""
     from transformers import AutoTokenizer
 
+    if not has_tokenizer_files(model_config.tokenizer_path):
+        raise ValueError(
+            f"no tokenizer files (tokenizer.json, tokenizer.model or vocab.json) in {model_config.tokenizer_path!r}; "
+            "pass a tokenizer folder with tokenizer=..."
+        )
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_config.tokenizer_path)
     except (OSError, ValueError) as e:

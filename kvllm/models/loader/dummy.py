@@ -10,12 +10,19 @@ DUMMY_STD = 0.02  # HF's usual initializer_range: activations stay O(1) through 
 
 @torch.no_grad()
 def init_dummy_weights(model: nn.Module, std: float = DUMMY_STD) -> None:
-    """Norm weights 1, biases 0, everything else N(0, std). Drawn on CPU from torch's global generator in
-    parameter order, so the same seed gives the same weights on every device."""
+    """Norm weights 1, biases 0, everything else N(0, std).
+
+    Drawn on the parameters' device from a generator seeded with torch's seed (`torch.manual_seed`),
+    in parameter order: the same seed gives the same weights on the same kind of device, and the
+    global random state is left alone.
+    """
+    generators: dict[torch.device, torch.Generator] = {}
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):
             param.fill_(1.0)
         elif name.endswith(".bias") or name.endswith(".sinks"):
             param.zero_()
         else:
-            param.copy_(torch.randn(param.shape, dtype=torch.float32) * std)
+            if param.device not in generators:
+                generators[param.device] = torch.Generator(param.device).manual_seed(torch.initial_seed())
+            param.normal_(0.0, std, generator=generators[param.device])
