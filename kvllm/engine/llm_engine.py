@@ -237,12 +237,17 @@ class LLMEngine:
             for tid, lp in top_logprobs.items():
                 lp.decoded_token = self.tokenizer.decode([tid])
             request.logprobs.append(top_logprobs)
-        stop_string = seq.detokenizer.update([token_id]) if params.detokenize else None
         num_out = request.num_output_tokens
         may_stop = num_out >= params.min_tokens
-        if may_stop and token_id in (params.stop_token_ids or ()):
+        stop_token = may_stop and token_id in (params.stop_token_ids or ())
+        eos = may_stop and not params.ignore_eos and token_id in request.eos_token_ids
+        # A stop token ends the request without appearing in its text.
+        stop_string = (
+            seq.detokenizer.update([token_id], stop_terminated=stop_token or eos) if params.detokenize else None
+        )
+        if stop_token:
             self._finish(seq, "stop", token_id)
-        elif may_stop and not params.ignore_eos and token_id in request.eos_token_ids:
+        elif eos:
             self._finish(seq, "stop", None)
         elif stop_string is not None:
             self._finish(seq, "stop", stop_string)

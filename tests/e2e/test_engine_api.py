@@ -1,0 +1,126 @@
+"""LLM / LLMEngine behaviour: bad input, n > 1, seeds, stop strings, aborts, no leaked KV blocks."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvllm import LLM, SamplingParams
+from kvllm.engine.llm_engine import LLMEngine
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_qwen3_path):
+    return LLM(str(tiny_qwen3_path), dtype="float32", max_model_len=256, kv_cache_memory_bytes=1 << 22)
+
+
+def assert_no_leak(llm: LLM) -> None:
+    stats = llm.llm_engine.stats()
+    assert stats.num_free_blocks == stats.num_blocks
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_text_prompts_and_token_prompts_agree(llm):
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    text_out = llm.generate("The capital of France is", params, use_tqdm=False)[0]
+    ids = llm.get_tokenizer()("The capital of France is").input_ids
+    ids_out = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0]
+    assert text_out.prompt == "The capital of France is"
+    assert text_out.prompt_token_ids == ids
+    assert text_out.outputs[0].token_ids == ids_out.outputs[0].token_ids
+    assert text_out.outputs[0].text == llm.get_tokenizer().decode(ids_out.outputs[0].token_ids,
+                                                                   skip_special_tokens=True)
+    assert_no_leak(llm)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "message"),
+    [
+        ("", SamplingParams(), "empty"),
+        ({"prompt_token_ids": list(range(3, 300))}, SamplingParams(), "max_model_len=256"),
+        ({"prompt_token_ids": [5, 100000]}, SamplingParams(), "out of range"),
+    ],
+)
+def test_bad_prompts_raise_and_engine_keeps_serving(llm, prompt, params, message):
+    with pytest.raises(ValueError, match=message):
+        llm.generate(prompt, params, use_tqdm=False)
+    assert_no_leak(llm)
+    out = llm.generate("hello", SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 4
+
+
+def test_bad_batch_is_rejected_whole(llm):
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate(["fine prompt", ""], SamplingParams(max_tokens=3), use_tqdm=False)
+    assert_no_leak(llm)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [({"max_tokens": -1}, "max_tokens"), ({"temperature": -0.5}, "temperature"), ({"top_p": 0.0}, "top_p"),
+     ({"top_p": 1.5}, "top_p")],
+)
+def test_bad_sampling_params(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_missing_model_path_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        LLM(str(tmp_path / "no-such-model"))
+
+
+def test_n_greater_than_one_and_seeds(llm):
+    params = SamplingParams(n=3, temperature=1.0, seed=123, max_tokens=12, ignore_eos=True)
+    first = llm.generate("Once upon a time", params, use_tqdm=False)[0]
+    assert len(first.outputs) == 3 and [o.index for o in first.outputs] == [0, 1, 2]
+    assert len({tuple(o.token_ids) for o in first.outputs}) > 1, "the n samples should differ"
+    # The same seed reproduces, even with other (unseeded) requests in the batch.
+    again = llm.generate(
+        ["Once upon a time", "noise", "more noise"],
+        [params, SamplingParams(temperature=1.0, max_tokens=12), SamplingParams(temperature=0.7, max_tokens=5)],
+        use_tqdm=False,
+    )[0]
+    assert [o.token_ids for o in again.outputs] == [o.token_ids for o in first.outputs]
+    assert_no_leak(llm)
+
+
+def test_stop_string_cuts_text_exactly(llm):
+    base = llm.generate("The quick brown", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    assert len(base.text) > 6
+    stop = base.text[3:6]
+    out = llm.generate("The quick brown", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
+                                                          stop=[stop]), use_tqdm=False)[0].outputs[0]
+    assert out.text == base.text[: base.text.index(stop)]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert_no_leak(llm)
+
+
+def test_stop_token_ids_and_min_tokens(llm):
+    base = llm.generate("Rivers flow", SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    stop_id = base.token_ids[4]
+    first_at = base.token_ids.index(stop_id)
+    out = llm.generate("Rivers flow", SamplingParams(temperature=0, max_tokens=10, ignore_eos=True,
+                                                      stop_token_ids=[stop_id]), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == base.token_ids[: first_at + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_id
+
+
+def test_abort_frees_blocks(tiny_qwen3_path):
+    engine = LLMEngine.from_engine_args(
+        __import__("kvllm").EngineArgs(model=str(tiny_qwen3_path), dtype="float32", max_model_len=256,
+                                       kv_cache_memory_bytes=1 << 22)
+    )
+    for i in range(5):
+        engine.add_request(f"r{i}", {"prompt_token_ids": list(range(3, 60 + i))},
+                           SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.step()
+    engine.step()
+    assert engine.stats().num_free_blocks < engine.stats().num_blocks
+    engine.abort_request(["r0", "r3"])
+    engine.abort_request("unknown-id")
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert out.request_id not in ("r0", "r3")
+    assert engine.stats().num_free_blocks == engine.stats().num_blocks
