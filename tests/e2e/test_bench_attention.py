@@ -1,0 +1,41 @@
+"""`kvllm bench attention` hands its arguments to the kernel benchmark's main(argv)."""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import sys
+import types
+
+import pytest
+
+from kvllm.entrypoints.cli import bench
+from kvllm.entrypoints.cli.main import main
+
+
+def test_attention_arguments_go_to_the_kernel_benchmark_unchanged(monkeypatch):
+    seen: list[list[str]] = []
+    fake = types.ModuleType(bench.ATTENTION_KERNELS_MODULE)
+    fake.__spec__ = importlib.machinery.ModuleSpec(bench.ATTENTION_KERNELS_MODULE, None)
+    fake.main = lambda argv: seen.append(argv) or 0
+    monkeypatch.setitem(sys.modules, bench.ATTENTION_KERNELS_MODULE, fake)
+    assert main(["bench", "attention", "--backends", "TRITON_ATTN", "--batch-size", "4", "-h"]) == 0
+    assert seen == [["--backends", "TRITON_ATTN", "--batch-size", "4", "-h"]]
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec(bench.ATTENTION_KERNELS_MODULE) is None,
+    reason="the attention kernel benchmark is not in this build yet",
+)
+def test_attention_help_reaches_the_real_kernel_benchmark(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "attention", "--help"])
+    assert exc.value.code == 0
+    assert "usage" in capsys.readouterr().out.lower()
+
+
+def test_bench_without_a_benchmark_prints_help(capsys):
+    assert main(["bench"]) == 2
+    out = capsys.readouterr().out
+    for name in ("latency", "throughput", "serve", "attention"):
+        assert name in out
