@@ -1,0 +1,79 @@
+"""On a CUDA GPU: engine greedy ids equal HF transformers in bfloat16, for every GPU backend present.
+
+bf16 rounding can flip a greedy choice where the top two logits are nearly tied, after which
+the two continuations legitimately differ. So each prompt must match HF token for token until
+either the end or a step where HF's own top-2 logit gap is below BF16_TIE_GAP; every such
+divergence is recorded with its gap (written to $KVLLM_GPU_REPORT_DIR when set) and must be rare.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import pytest
+import torch
+
+from kvllm import LLM, SamplingParams
+from tests.hf_reference import hf_greedy
+from tests.model_factory import make_tiny_qwen3
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+BF16_TIE_GAP = 0.15  # logits; bf16 keeps ~3 significant digits, so gaps below this are ties
+MAX_NEW_TOKENS = 24
+BACKENDS = ["TRITON_ATTN", "FLEX_ATTENTION", "FLASH_ATTN", "FLASHINFER"]
+
+
+@pytest.fixture(scope="module")
+def qwen3_small(tmp_path_factory):
+    """Qwen3-shaped: 16 q / 8 kv heads of 128 (as Qwen3-0.6B), 2 layers, hidden 512."""
+    return str(make_tiny_qwen3(tmp_path_factory.mktemp("qwen3_small"), hidden_size=512, intermediate_size=1024,
+                               num_attention_heads=16, num_key_value_heads=8, head_dim=128))
+
+
+def _backend_usable(name: str) -> str | None:
+    from kvllm.attention.backend import AttentionSelectorConfig
+    from kvllm.attention.registry import get_backend_class, is_registered
+    from kvllm.platforms import current_device_info
+
+    if not is_registered(name):
+        return f"{name} is not registered in this build"
+    reasons = get_backend_class(name).validate_configuration(
+        AttentionSelectorConfig(head_size=128, dtype="bfloat16"), current_device_info()
+    )
+    return "; ".join(reasons) or None
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_greedy_matches_hf_bf16(qwen3_small, backend):
+    why_not = _backend_usable(backend)
+    if why_not:
+        pytest.skip(why_not)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 400) for _ in range(n)] for n in (1, 7, 33, 128, 257, 500, 700, 1000)]
+    llm = LLM(qwen3_small, dtype="bfloat16", attention_backend=backend, max_num_batched_tokens=512,
+              gpu_memory_utilization=0.3, enforce_eager=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True), use_tqdm=False)
+    report = []
+    for prompt, out in zip(prompts, outs):
+        ours = out.outputs[0].token_ids
+        ref, _, logits = hf_greedy(qwen3_small, prompt, MAX_NEW_TOKENS, dtype=torch.bfloat16, device="cuda")
+        step = next((i for i, (a, b) in enumerate(zip(ours, ref)) if a != b), None)
+        entry = {"prompt_len": len(prompt), "matched_tokens": MAX_NEW_TOKENS if step is None else step}
+        if step is not None:
+            top2 = logits[step].topk(2).values
+            entry["hf_top2_gap"] = float(top2[0] - top2[1])
+            entry["ours_vs_hf_logit_gap"] = float(logits[step][ref[step]] - logits[step][ours[step]])
+        report.append(entry)
+    if out_dir := os.environ.get("KVLLM_GPU_REPORT_DIR"):
+        with open(os.path.join(out_dir, f"greedy_bf16_{backend}.json"), "w") as f:
+            json.dump({"backend": backend, "engine_backend": llm.llm_engine.attention_backend_name,
+                       "prompts": report}, f, indent=1)
+    assert llm.llm_engine.attention_backend_name == backend
+    for entry in report:
+        if "hf_top2_gap" in entry:
+            assert entry["ours_vs_hf_logit_gap"] < BF16_TIE_GAP, entry
+    assert sum("hf_top2_gap" in e for e in report) <= 2, report
