@@ -116,6 +116,7 @@ def test_repo_id_offline(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_bogus_repo_id_fails_fast(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
     start = time.monotonic()
     with pytest.raises(ValueError, match="kvllm-no-such-org/no-such-model.*GGUF file instead"):
         config_of("kvllm-no-such-org/no-such-model")

@@ -177,10 +177,11 @@ def _write_weights(reader: Any, config: Any, out_dir: Path) -> None:
 
     tensors: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
-        if (
-            tensor.name == "rope_freqs.weight"
-        ):  # llama3 rope factors: the config's rope settings describe them
-            continue
+        if tensor.name == "rope_freqs.weight":
+            raise ValueError(
+                "GGUF files with per-frequency RoPE factors (rope_freqs, e.g. Llama 3.1) are not supported; "
+                "pass the model's HF folder instead"
+            )
         weight = np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)  # owned, writable
         if tensor.name.endswith("attn_q.weight"):
             weight = _unpermute_rows(weight, config.num_attention_heads)

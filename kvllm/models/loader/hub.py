@@ -18,7 +18,10 @@ def looks_like_repo_id(model: str) -> bool:
 
 def _hub_offline() -> bool:
     # Read at call time: huggingface_hub reads HF_HUB_OFFLINE once, at import.
-    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+    return any(
+        os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+        for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    )
 
 
 def resolve_model_path(model: str, revision: str | None = None, what: str = "Model") -> str:
