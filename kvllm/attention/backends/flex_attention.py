@@ -1,0 +1,59 @@
+"""FLEX_ATTENTION: PyTorch FlexAttention over the paged KV cache, on the CPU and the GPU.
+
+Declarations only: importable without torch. The kernel side (block-mask construction from the
+block tables, torch.compile with bucketed shapes, an eager fallback) lives in
+`flex_attention_impl`, imported when the backend is bound to a model.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvllm.attention.backend import AttentionBackend, MultipleOf
+
+if TYPE_CHECKING:
+    from kvllm.attention.impl import AttentionImpl, AttentionMetadataBuilder
+
+
+class FlexAttentionBackend(AttentionBackend):
+    """torch.nn.attention.flex_attention reading K/V straight from the paged cache.
+
+    The KV "sequence" the kernel sees is the whole physical cache (num_blocks * block_size
+    slots); a BlockMask built from the block tables tells it which pages each group of 16 query
+    tokens touches, and a mask_mod maps every physical slot back to (request, position).
+    Capabilities below are what tests/kernels/test_flex_attention.py (CPU) and
+    tests/gpu/test_flex_attention_gpu.py (CUDA) check against the float32 reference.
+    """
+
+    name = "FLEX_ATTENTION"
+    version = ""
+    description = (
+        "PyTorch FlexAttention (torch.compile, eager fallback) with a block mask built from the block tables"
+    )
+    supported_dtypes = ("float16", "bfloat16", "float32")
+    supported_kv_cache_dtypes = ("auto", "float16", "bfloat16")
+    # One FlexAttention KV tile is one page; 16 is the smallest tile the GPU kernel runs.
+    block_sizes = MultipleOf(16)
+    head_sizes = MultipleOf(8)
+    platforms = ("cuda", "rocm", "cpu")
+    supports_sink = False
+    supports_sliding_window = True
+    supports_logits_soft_cap = True
+    supports_non_causal = True
+    attn_types = ("decoder", "encoder_only")
+    # The block mask is rebuilt with fresh tensors every step: nothing a captured graph could replay.
+    cudagraph_support = "never"
+    required_package = None  # torch itself
+    preferred_block_size = 16
+
+    @classmethod
+    def get_impl_cls(cls) -> type[AttentionImpl]:
+        from kvllm.attention.backends.flex_attention_impl import FlexAttentionImpl
+
+        return FlexAttentionImpl
+
+    @classmethod
+    def get_builder_cls(cls) -> type[AttentionMetadataBuilder]:
+        from kvllm.attention.backends.flex_attention_impl import FlexAttentionMetadataBuilder
+
+        return FlexAttentionMetadataBuilder
