@@ -18,7 +18,16 @@ _LAZY = {
     "LLMEngine": "kvllm.engine.llm_engine",
 }
 
-__all__ = list(_LAZY)
+__all__ = [
+    "LLM",
+    "AttentionBackendEnum",
+    "AttentionConfig",
+    "CompletionOutput",
+    "EngineArgs",
+    "LLMEngine",
+    "RequestOutput",
+    "SamplingParams",
+]
 
 if TYPE_CHECKING:
     from kvllm.attention.names import AttentionBackendEnum

@@ -74,19 +74,27 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def apply_chat_template(
-        self, conversation: list[ChatMessage], add_generation_prompt: bool = True,
+        self,
+        conversation: list[ChatMessage],
+        add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         tokenizer = self.get_tokenizer()
         if not getattr(tokenizer, "chat_template", None):
-            raise ValueError("This model's tokenizer has no chat template; use generate() with a plain prompt")
+            raise ValueError(
+                "This model's tokenizer has no chat template; use generate() with a plain prompt"
+            )
         text = tokenizer.apply_chat_template(
-            conversation, add_generation_prompt=add_generation_prompt, tokenize=False,
+            conversation,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
             **(chat_template_kwargs or {}),
         )
         return tokenizer(text, add_special_tokens=False).input_ids
 
-    def _run(self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(
+        self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool
+    ) -> list[RequestOutput]:
         engine = self.llm_engine
         ids = []
         try:
@@ -109,8 +117,10 @@ class LLM:
                             num_in += len(output.prompt_token_ids)
                             num_out += output.num_output_tokens
                             elapsed = bar.format_dict["elapsed"] or 1e-9
-                            bar.set_postfix_str(f"est. speed input: {num_in / elapsed:.2f} toks/s, "
-                                                f"output: {num_out / elapsed:.2f} toks/s")
+                            bar.set_postfix_str(
+                                f"est. speed input: {num_in / elapsed:.2f} toks/s, "
+                                f"output: {num_out / elapsed:.2f} toks/s"
+                            )
                             bar.update(1)
         except BaseException:
             engine.abort_request(ids)

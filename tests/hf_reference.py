@@ -16,7 +16,11 @@ def _hf_model(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu"
 
 @torch.inference_mode()
 def hf_greedy(
-    path: str, prompt_ids: list[int], max_new_tokens: int, dtype: torch.dtype = torch.float32, device: str = "cpu"
+    path: str,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
 ) -> tuple[list[int], list[float], list[torch.Tensor]]:
     """Greedy tokens, their logprobs, and each step's full logits (float32), without stopping at EOS."""
     model = _hf_model(path, dtype, device)

@@ -88,7 +88,9 @@ class LLMEngine:
         self.runner.initialize_kv_cache(num_blocks, args.max_num_seqs)
         self.block_size = self.runner.block_size
         self.kv_cache_manager = KVCacheManager(num_blocks, self.block_size, args.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv_cache_manager, args.max_num_seqs, max_batched, args.enable_chunked_prefill)
+        self.scheduler = Scheduler(
+            self.kv_cache_manager, args.max_num_seqs, max_batched, args.enable_chunked_prefill
+        )
         self.parents: dict[str, _ParentRequest] = {}
         self._log_cache_size(num_blocks)
 
@@ -102,8 +104,14 @@ class LLMEngine:
         concurrency = tokens / self.model_config.max_model_len
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB, %s); maximum concurrency for %d tokens "
-            "per request: %.2fx", num_blocks, self.block_size, tokens, gib, self.runner.kv_cache_spec.dtype,
-            self.model_config.max_model_len, concurrency,
+            "per request: %.2fx",
+            num_blocks,
+            self.block_size,
+            tokens,
+            gib,
+            self.runner.kv_cache_spec.dtype,
+            self.model_config.max_model_len,
+            concurrency,
         )
 
     # ---- requests ----------------------------------------------------------------------------
@@ -125,7 +133,10 @@ class LLMEngine:
         )
 
     def add_request(
-        self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
         arrival_time: float | None = None,
     ) -> None:
         """Validate and queue a request. Raises ValueError for input the engine cannot serve."""
@@ -175,7 +186,9 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"Token id {bad[0]} is out of range; allowed: 0 <= id < {vocab} (the vocabulary)")
+            raise ValueError(
+                f"Token id {bad[0]} is out of range; allowed: 0 <= id < {vocab} (the vocabulary)"
+            )
         needed = self.kv_cache_manager.blocks_needed(len(token_ids) + 1)
         if needed > self.kv_cache_manager.num_blocks:
             raise ValueError(
@@ -220,7 +233,9 @@ class LLMEngine:
             seq = parent.sequences[request.index]
             if request.first_token_time is None:
                 request.first_token_time = now
-            self._append_token(seq, sampled.token_ids[row], sampled.sampled_logprobs[row], sampled.logprobs[row])
+            self._append_token(
+                seq, sampled.token_ids[row], sampled.sampled_logprobs[row], sampled.logprobs[row]
+            )
             touched[parent.request_id] = parent
         outputs = [self._make_output(p) for p in touched.values()]
         for parent in touched.values():
@@ -243,7 +258,9 @@ class LLMEngine:
         eos = may_stop and not params.ignore_eos and token_id in request.eos_token_ids
         # A stop token ends the request without appearing in its text.
         stop_string = (
-            seq.detokenizer.update([token_id], stop_terminated=stop_token or eos) if params.detokenize else None
+            seq.detokenizer.update([token_id], stop_terminated=stop_token or eos)
+            if params.detokenize
+            else None
         )
         if stop_token:
             self._finish(seq, "stop", token_id)
@@ -267,21 +284,26 @@ class LLMEngine:
         outputs = []
         for seq in parent.sequences:
             r = seq.request
-            outputs.append(CompletionOutput(
-                index=seq.index,
-                text=seq.text,
-                token_ids=list(r.output_token_ids),
-                cumulative_logprob=r.cumulative_logprob if r.sampling_params.logprobs is not None else None,
-                logprobs=list(r.logprobs) if r.sampling_params.logprobs is not None else None,
-                finish_reason=r.finish_reason,
-                stop_reason=r.stop_reason,
-            ))
+            outputs.append(
+                CompletionOutput(
+                    index=seq.index,
+                    text=seq.text,
+                    token_ids=list(r.output_token_ids),
+                    cumulative_logprob=r.cumulative_logprob
+                    if r.sampling_params.logprobs is not None
+                    else None,
+                    logprobs=list(r.logprobs) if r.sampling_params.logprobs is not None else None,
+                    finish_reason=r.finish_reason,
+                    stop_reason=r.stop_reason,
+                )
+            )
         first = parent.sequences[0].request
         metrics = {"arrival_time": first.arrival_time, "num_cached_tokens": first.num_cached_prompt_tokens}
         if first.first_token_time is not None:
             metrics["first_token_time"] = first.first_token_time
-        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outputs,
-                             parent.finished, metrics)
+        return RequestOutput(
+            parent.request_id, parent.prompt, parent.prompt_token_ids, outputs, parent.finished, metrics
+        )
 
     # ---- introspection -----------------------------------------------------------------------
 
@@ -307,5 +329,7 @@ def _resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' was requested but no CUDA GPU is available; use device='cpu' or 'auto'")
+        raise ValueError(
+            "device='cuda' was requested but no CUDA GPU is available; use device='cpu' or 'auto'"
+        )
     return torch.device(device)

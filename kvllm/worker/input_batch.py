@@ -36,8 +36,10 @@ def prepare_inputs(step: SchedulerOutput, block_size: int, device: torch.device)
     num_tokens = int(cu[-1])
 
     input_ids = np.concatenate(
-        [np.asarray(s.request.all_token_ids[st : st + n], dtype=np.int64)
-         for s, st, n in zip(scheduled, starts, query_lens)]
+        [
+            np.asarray(s.request.all_token_ids[st : st + n], dtype=np.int64)
+            for s, st, n in zip(scheduled, starts, query_lens)
+        ]
     )
     # Absolute position of every token: its request's start plus its offset in the chunk.
     req_of_token = np.repeat(np.arange(num_reqs), query_lens)

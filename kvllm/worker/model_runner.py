@@ -7,10 +7,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kvllm.attention.backend import AttentionBackend, AttentionSelectorConfig, DeviceInfo
+from kvllm.attention.backend import AttentionBackend, DeviceInfo
 from kvllm.attention.metadata import KVCacheSpec
-from kvllm.attention.selector import choose_attention_backend
+from kvllm.attention.selector import choose_attention_backend, explain_kv_cache_dtype
 from kvllm.config.engine import EngineArgs
+from kvllm.config.model_attention import selector_config_from_hf_config
 from kvllm.engine.scheduler import SchedulerOutput
 from kvllm.forward_context import set_forward_context
 from kvllm.layers.attention import Attention
@@ -38,7 +39,11 @@ class ModelRunner:
     """Owns the model, its attention backend and the paged KV cache on one device."""
 
     def __init__(
-        self, args: EngineArgs, model_config: ModelConfig, device: torch.device, device_info: DeviceInfo,
+        self,
+        args: EngineArgs,
+        model_config: ModelConfig,
+        device: torch.device,
+        device_info: DeviceInfo,
         max_num_batched_tokens: int,
     ) -> None:
         self.args = args
@@ -47,14 +52,16 @@ class ModelRunner:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.free_memory_at_start = torch.cuda.mem_get_info()[0] if device.type == "cuda" else 0
 
-        selector_config = AttentionSelectorConfig(
-            head_size=model_config.head_size,
+        selector_config = selector_config_from_hf_config(
+            model_config.hf_config,
+            device_info,
             dtype=dtype_name(model_config.dtype),
             kv_cache_dtype=args.kv_cache_dtype,
             block_size=args.block_size,
-            has_sliding_window=model_config.sliding_window is not None,
+            attention_config=args.attention_config,
         )
         choice = choose_attention_backend(selector_config, device_info, args.backend)
+        explain_kv_cache_dtype(selector_config.dtype, args.kv_cache_dtype, device_info)
         self.attn_backend: type[AttentionBackend] = choice.backend
         self.block_size = choice.block_size
 
@@ -107,7 +114,7 @@ class ModelRunner:
         positions = torch.arange(num_tokens, device=self.device)
         with set_forward_context(None):
             hidden = self.model(input_ids, positions)
-        last = hidden[-min(self.args.max_num_seqs, num_tokens):]
+        last = hidden[-min(self.args.max_num_seqs, num_tokens) :]
         self.model.compute_logits(last)
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
@@ -127,13 +134,19 @@ class ModelRunner:
 
     def initialize_kv_cache(self, num_blocks: int, max_num_reqs: int) -> None:
         spec = self.kv_cache_spec
-        shape = self.attn_backend.get_kv_cache_shape(num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
+        shape = self.attn_backend.get_kv_cache_shape(
+            num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size
+        )
         for layer in self.attention_layers:
             # Zeroed, not empty: kernels may read (and mask) slots never written.
             layer.kv_cache = torch.zeros(shape, dtype=spec.dtype, device=self.device)
         self.num_blocks = num_blocks
         self.metadata_builder = self.attn_backend.get_builder_cls()(
-            self.attn_backend, spec, self.device, max_num_reqs, self.max_num_batched_tokens,
+            self.attn_backend,
+            spec,
+            self.device,
+            max_num_reqs,
+            self.max_num_batched_tokens,
             self.model_config.max_model_len,
         )
 
@@ -151,11 +164,13 @@ class ModelRunner:
         rows = []
         for i in inputs.sampling_request_indices:
             request = step.scheduled[i].request
-            rows.append(SamplingRow(
-                params=request.sampling_params,
-                prompt_token_ids=request.prompt_token_ids,
-                output_token_ids=request.output_token_ids,
-                generator=request.generator,
-                eos_token_ids=request.eos_token_ids,
-            ))
+            rows.append(
+                SamplingRow(
+                    params=request.sampling_params,
+                    prompt_token_ids=request.prompt_token_ids,
+                    output_token_ids=request.output_token_ids,
+                    generator=request.generator,
+                    eos_token_ids=request.eos_token_ids,
+                )
+            )
         return StepResult(inputs.sampling_request_indices, self.sampler(logits, rows))

@@ -27,8 +27,9 @@ def test_text_prompts_and_token_prompts_agree(llm):
     assert text_out.prompt == "The capital of France is"
     assert text_out.prompt_token_ids == ids
     assert text_out.outputs[0].token_ids == ids_out.outputs[0].token_ids
-    assert text_out.outputs[0].text == llm.get_tokenizer().decode(ids_out.outputs[0].token_ids,
-                                                                   skip_special_tokens=True)
+    assert text_out.outputs[0].text == llm.get_tokenizer().decode(
+        ids_out.outputs[0].token_ids, skip_special_tokens=True
+    )
     assert_no_leak(llm)
 
 
@@ -56,8 +57,12 @@ def test_bad_batch_is_rejected_whole(llm):
 
 @pytest.mark.parametrize(
     ("kwargs", "field"),
-    [({"max_tokens": -1}, "max_tokens"), ({"temperature": -0.5}, "temperature"), ({"top_p": 0.0}, "top_p"),
-     ({"top_p": 1.5}, "top_p")],
+    [
+        ({"max_tokens": -1}, "max_tokens"),
+        ({"temperature": -0.5}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+    ],
 )
 def test_bad_sampling_params(kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -77,7 +82,11 @@ def test_n_greater_than_one_and_seeds(llm):
     # The same seed reproduces, even with other (unseeded) requests in the batch.
     again = llm.generate(
         ["Once upon a time", "noise", "more noise"],
-        [params, SamplingParams(temperature=1.0, max_tokens=12), SamplingParams(temperature=0.7, max_tokens=5)],
+        [
+            params,
+            SamplingParams(temperature=1.0, max_tokens=12),
+            SamplingParams(temperature=0.7, max_tokens=5),
+        ],
         use_tqdm=False,
     )[0]
     assert [o.token_ids for o in again.outputs] == [o.token_ids for o in first.outputs]
@@ -85,36 +94,48 @@ def test_n_greater_than_one_and_seeds(llm):
 
 
 def test_stop_string_cuts_text_exactly(llm):
-    base = llm.generate("The quick brown", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
-                        use_tqdm=False)[0].outputs[0]
+    base = llm.generate(
+        "The quick brown", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False
+    )[0].outputs[0]
     assert len(base.text) > 6
     stop = base.text[3:6]
-    out = llm.generate("The quick brown", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
-                                                          stop=[stop]), use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        "The quick brown",
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop]),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert out.text == base.text[: base.text.index(stop)]
     assert out.finish_reason == "stop" and out.stop_reason == stop
     assert_no_leak(llm)
 
 
 def test_stop_token_ids_and_min_tokens(llm):
-    base = llm.generate("Rivers flow", SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
-                        use_tqdm=False)[0].outputs[0]
+    base = llm.generate(
+        "Rivers flow", SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False
+    )[0].outputs[0]
     stop_id = base.token_ids[4]
     first_at = base.token_ids.index(stop_id)
-    out = llm.generate("Rivers flow", SamplingParams(temperature=0, max_tokens=10, ignore_eos=True,
-                                                      stop_token_ids=[stop_id]), use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        "Rivers flow",
+        SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, stop_token_ids=[stop_id]),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert out.token_ids == base.token_ids[: first_at + 1]
     assert out.finish_reason == "stop" and out.stop_reason == stop_id
 
 
 def test_abort_frees_blocks(tiny_qwen3_path):
     engine = LLMEngine.from_engine_args(
-        __import__("kvllm").EngineArgs(model=str(tiny_qwen3_path), dtype="float32", max_model_len=256,
-                                       kv_cache_memory_bytes=1 << 22)
+        __import__("kvllm").EngineArgs(
+            model=str(tiny_qwen3_path), dtype="float32", max_model_len=256, kv_cache_memory_bytes=1 << 22
+        )
     )
     for i in range(5):
-        engine.add_request(f"r{i}", {"prompt_token_ids": list(range(3, 60 + i))},
-                           SamplingParams(max_tokens=50, ignore_eos=True))
+        engine.add_request(
+            f"r{i}",
+            {"prompt_token_ids": list(range(3, 60 + i))},
+            SamplingParams(max_tokens=50, ignore_eos=True),
+        )
     engine.step()
     engine.step()
     assert engine.stats().num_free_blocks < engine.stats().num_blocks

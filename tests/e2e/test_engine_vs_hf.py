@@ -30,7 +30,9 @@ def model_and_reference(request):
     from transformers import AutoConfig
 
     vocab = min(AutoConfig.from_pretrained(path).vocab_size, 400)
-    prompts = random_prompts(vocab, PROMPT_LENGTHS) + random_prompts(vocab, [5, 40, 90], seed=1, shared_prefix=70)
+    prompts = random_prompts(vocab, PROMPT_LENGTHS) + random_prompts(
+        vocab, [5, 40, 90], seed=1, shared_prefix=70
+    )
     reference = [hf_greedy(path, p, MAX_NEW_TOKENS)[:2] for p in prompts]
     return path, prompts, reference
 

@@ -31,7 +31,10 @@ def test_greedy_equals_hf_on_real_weights(llm, smollm2_path):
 
 
 def test_chat_answer_names_paris(llm):
-    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
-                   SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)[0].outputs[0]
+    out = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(temperature=0, max_tokens=32),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert "Paris" in out.text
     assert out.finish_reason == "stop"

@@ -29,8 +29,16 @@ BACKENDS = ["TRITON_ATTN", "FLEX_ATTENTION", "FLASH_ATTN", "FLASHINFER"]
 @pytest.fixture(scope="module")
 def qwen3_small(tmp_path_factory):
     """Qwen3-shaped: 16 q / 8 kv heads of 128 (as Qwen3-0.6B), 2 layers, hidden 512."""
-    return str(make_tiny_qwen3(tmp_path_factory.mktemp("qwen3_small"), hidden_size=512, intermediate_size=1024,
-                               num_attention_heads=16, num_key_value_heads=8, head_dim=128))
+    return str(
+        make_tiny_qwen3(
+            tmp_path_factory.mktemp("qwen3_small"),
+            hidden_size=512,
+            intermediate_size=1024,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+        )
+    )
 
 
 def _backend_usable(name: str) -> str | None:
@@ -53,10 +61,19 @@ def test_greedy_matches_hf_bf16(qwen3_small, backend):
         pytest.skip(why_not)
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 400) for _ in range(n)] for n in (1, 7, 33, 128, 257, 500, 700, 1000)]
-    llm = LLM(qwen3_small, dtype="bfloat16", attention_backend=backend, max_num_batched_tokens=512,
-              gpu_memory_utilization=0.3, enforce_eager=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True), use_tqdm=False)
+    llm = LLM(
+        qwen3_small,
+        dtype="bfloat16",
+        attention_backend=backend,
+        max_num_batched_tokens=512,
+        gpu_memory_utilization=0.3,
+        enforce_eager=True,
+    )
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(temperature=0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True),
+        use_tqdm=False,
+    )
     report = []
     for prompt, out in zip(prompts, outs):
         ours = out.outputs[0].token_ids
@@ -70,8 +87,15 @@ def test_greedy_matches_hf_bf16(qwen3_small, backend):
         report.append(entry)
     if out_dir := os.environ.get("KVLLM_GPU_REPORT_DIR"):
         with open(os.path.join(out_dir, f"greedy_bf16_{backend}.json"), "w") as f:
-            json.dump({"backend": backend, "engine_backend": llm.llm_engine.attention_backend_name,
-                       "prompts": report}, f, indent=1)
+            json.dump(
+                {
+                    "backend": backend,
+                    "engine_backend": llm.llm_engine.attention_backend_name,
+                    "prompts": report,
+                },
+                f,
+                indent=1,
+            )
     assert llm.llm_engine.attention_backend_name == backend
     for entry in report:
         if "hf_top2_gap" in entry:

@@ -70,7 +70,8 @@ def test_generate(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_generate_chat_with_model(capsys: pytest.CaptureFixture[str]) -> None:
     assert (
-        main(["generate", "some/model", "--chat", "-p", "Hi", "--temperature", "0.7", "--top-p", "0.9"]) == 0
+        main(["generate", "--model", "some/model", "--chat", "Hi", "--temperature", "0.7", "--top-p", "0.9"])
+        == 0
     )
     assert capsys.readouterr().out == "chat reply\n"
     kind, messages, params = FakeLLM.calls[0]
@@ -82,4 +83,10 @@ def test_generate_chat_with_model(capsys: pytest.CaptureFixture[str]) -> None:
 def test_generate_rejects_bad_engine_args_before_loading(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["generate", "-p", "x", "--attention-backend", "NOPE"]) == 2
     assert "Unknown attention backend: 'NOPE'" in capsys.readouterr().err
+    assert not FakeLLM.calls
+
+
+def test_generate_prompt_given_twice_is_an_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["generate", "Hi", "-p", "Hello"]) == 2
+    assert "prompt given twice" in capsys.readouterr().err
     assert not FakeLLM.calls

@@ -82,8 +82,9 @@ def test_freed_cached_blocks_are_reused_then_evicted_lru():
     c = make_request("c", list(range(500, 523)))
     schedule_whole(kv, c)
     assert kv.num_free_blocks == 0
-    assert all(kv.blocks[i].block_hash is None or kv.blocks[i].block_id in kv.get_block_ids("c")
-               for i in range(6))
+    assert all(
+        kv.blocks[i].block_hash is None or kv.blocks[i].block_id in kv.get_block_ids("c") for i in range(6)
+    )
     check_invariants(kv)
     kv.free(c)
     check_invariants(kv)

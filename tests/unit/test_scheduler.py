@@ -7,8 +7,9 @@ from kvllm.sampling_params import SamplingParams
 
 
 def make_request(rid: str, num_tokens: int, offset: int = 0) -> Request:
-    return Request(rid, [offset + i + 1 for i in range(num_tokens)], SamplingParams(), max_tokens=100,
-                   eos_token_ids=(0,))
+    return Request(
+        rid, [offset + i + 1 for i in range(num_tokens)], SamplingParams(), max_tokens=100, eos_token_ids=(0,)
+    )
 
 
 def run_step(scheduler: Scheduler):

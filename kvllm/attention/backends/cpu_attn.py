@@ -18,7 +18,12 @@ class CpuAttentionBackend(AttentionBackend):
     description = "Plain-torch paged attention on the CPU (SDPA over gathered pages)."
     supported_dtypes: ClassVar[tuple[str, ...]] = ("float16", "bfloat16", "float32")
     supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = (
-        "auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2",
+        "auto",
+        "float16",
+        "bfloat16",
+        "fp8",
+        "fp8_e4m3",
+        "fp8_e5m2",
     )
     block_sizes: ClassVar[SizeRule] = MultipleOf(8)
     head_sizes: ClassVar[SizeRule] = MultipleOf(8, maximum=512)

@@ -63,7 +63,9 @@ def _pad_group(common: CommonAttentionMetadata, first: int, last: int, block_siz
     k_pos = torch.arange(max_k)[None, :]
     key_valid = k_pos < seq_lens[:, None]
     table = common.block_table[first:last].long().cpu()
-    block_of_pos = table[:, : -(-max_k // block_size)].gather(1, (k_pos // block_size).expand(len(seq_lens), -1))
+    block_of_pos = table[:, : -(-max_k // block_size)].gather(
+        1, (k_pos // block_size).expand(len(seq_lens), -1)
+    )
     slot_index = torch.where(key_valid, block_of_pos * block_size + k_pos % block_size, 0)
     device = common.slot_mapping.device
     return PaddedGroup(
@@ -116,6 +118,8 @@ class CpuAttentionImpl(AttentionImpl):
             if is_fp8:
                 k = k.to(query.dtype) * layer.k_scale.to(query.dtype)
                 v = v.to(query.dtype) * layer.v_scale.to(query.dtype)
+            elif k.dtype != query.dtype:  # a 16-bit cache under a model of another dtype
+                k, v = k.to(query.dtype), v.to(query.dtype)
             q = query[group.query_index]  # [B, Lq, H, D]
             out = self._attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
             out = out.transpose(1, 2)  # [B, Lq, H, D]

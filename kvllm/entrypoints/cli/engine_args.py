@@ -75,8 +75,14 @@ def _help_with_default(f: Any) -> str:
     return text
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add one flag per EngineArgs field to `parser`; unset flags stay out of the namespace."""
+def add_engine_args(
+    parser: argparse.ArgumentParser, positional_model: bool = True
+) -> argparse.ArgumentParser:
+    """Add one flag per EngineArgs field to `parser`; unset flags stay out of the namespace.
+
+    With `positional_model`, the model may also be given as the first positional argument
+    (`kvllm serve MODEL`); commands whose positional is something else pass False.
+    """
     group = parser.add_argument_group("engine arguments", "Settings of the engine (see EngineArgs).")
     hints = typing.get_type_hints(EngineArgs)
     for f in fields(EngineArgs):
@@ -85,7 +91,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
             flags.append(f"--{f.name}")
         common: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": _help_with_default(f)}
         hint = _unwrap_optional(hints[f.name])
-        if f.name == "model":
+        if f.name == "model" and positional_model:
             group.add_argument(
                 "model_tag",
                 nargs="?",
@@ -126,9 +132,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def engine_arg_parser() -> argparse.ArgumentParser:
+def engine_arg_parser(positional_model: bool = True) -> argparse.ArgumentParser:
     """A parent parser holding the engine arguments: `add_parser(..., parents=[engine_arg_parser()])`."""
-    return add_engine_args(argparse.ArgumentParser(add_help=False, allow_abbrev=False))
+    return add_engine_args(argparse.ArgumentParser(add_help=False, allow_abbrev=False), positional_model)
 
 
 def engine_kwargs_from_cli(args: argparse.Namespace) -> dict[str, Any]:

@@ -13,12 +13,16 @@ def register(subparsers: Any) -> None:
     """Add the `generate` subcommand."""
     parser = subparsers.add_parser(
         "generate",
-        parents=[engine_arg_parser()],
+        parents=[engine_arg_parser(positional_model=False)],
         allow_abbrev=False,
         help="Generate a completion for one prompt.",
-        description="Generate a completion for one prompt with the offline LLM API and print it.",
+        description="Generate a completion for one prompt with the offline LLM API and print it. "
+        "The model is chosen with --model (default: the embedded SmolLM2-135M-Instruct).",
     )
     sampling = parser.add_argument_group("sampling")
+    parser.add_argument(
+        "prompt_text", nargs="?", metavar="PROMPT", help="The prompt (or -p/--prompt, or stdin)."
+    )
     sampling.add_argument("-p", "--prompt", help="The prompt; read from stdin when omitted.")
     sampling.add_argument("--chat", action="store_true", help="Send the prompt as a user chat message.")
     sampling.add_argument(
@@ -56,9 +60,13 @@ def sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     """Run the subcommand; prints the completion to stdout."""
     engine_kwargs = engine_kwargs_from_cli(args)
-    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    if args.prompt is not None and args.prompt_text is not None:
+        raise ValueError("prompt given twice (positional and --prompt); give it once")
+    prompt = args.prompt if args.prompt is not None else args.prompt_text
+    if prompt is None:
+        prompt = sys.stdin.read()
     if not prompt.strip():
-        raise ValueError("empty prompt: pass one with --prompt TEXT or on stdin")
+        raise ValueError('empty prompt: pass one as `kvllm generate "TEXT"`, with --prompt TEXT, or on stdin')
     from kvllm import LLM, SamplingParams
 
     params = SamplingParams(**sampling_kwargs(args))
