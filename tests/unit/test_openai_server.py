@@ -283,22 +283,30 @@ def test_metrics_are_per_app_and_count_requests(engine):
     )
 
 
-def test_engine_crash_fails_requests_and_marks_unhealthy(engine, monkeypatch):
+@pytest.mark.parametrize("stream", [False, True])
+def test_engine_crash_fails_requests_and_marks_unhealthy(engine, monkeypatch, stream):
     app = build_app(engine=engine, served_model_name="m", log_stats_interval=0)
 
     def broken_step():
         raise RuntimeError("simulated device failure")
 
+    body = {"prompt": "hi", "max_tokens": 3, "stream": stream}
     with TestClient(app, raise_server_exceptions=False) as c:
         assert c.get("/health").status_code == 200
         monkeypatch.setattr(engine, "step", broken_step)
-        assert_openai_error(
-            c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3}),
-            500,
-            text="simulated device failure",
-        )
+        if stream:
+            # The 200 and the headers are sent before the crash: the stream ends with an error event.
+            with c.stream("POST", "/v1/completions", json=body) as response:
+                events = sse_events(response)
+            assert response.status_code == 200 and events[-1] == "[DONE]"
+            assert (
+                events[-2]["error"]["code"] == 500
+                and "simulated device failure" in events[-2]["error"]["message"]
+            )
+        else:
+            assert_openai_error(c.post("/v1/completions", json=body), 500, text="simulated device failure")
         assert_openai_error(c.get("/health"), 503, text="simulated device failure")
-        assert_openai_error(c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3}), 503)
+        assert_openai_error(c.post("/v1/completions", json=body), 503, text="restart the server")
     monkeypatch.undo()
     engine.abort_request(list(engine.parents))  # the crashed step left its request in the engine
     assert_engine_idle(engine)

@@ -51,7 +51,7 @@ class OpenAIServingChat(OpenAIServing):
         requested = (
             request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         )
-        max_tokens = self.resolve_max_tokens(len(prompt_ids), requested, None)
+        max_tokens = self.resolve_max_tokens(len(prompt_ids), requested, None, "messages")
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         params = self.sampling_params(request, max_tokens, logprobs)
         request_id = random_id("chatcmpl")

@@ -46,7 +46,7 @@ class OpenAIServingCompletion(OpenAIServing):
         texts, prompts = [], []
         for text, ids in self._parse_prompts(request.prompt):
             self.check_prompt_ids(ids, "prompt")
-            max_tokens = self.resolve_max_tokens(len(ids), requested, DEFAULT_MAX_TOKENS)
+            max_tokens = self.resolve_max_tokens(len(ids), requested, DEFAULT_MAX_TOKENS, "prompt")
             params = self.sampling_params(request, max_tokens, request.logprobs)
             engine_prompt: dict[str, Any] = {"prompt_token_ids": ids}
             if text is not None:

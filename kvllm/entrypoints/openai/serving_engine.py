@@ -52,16 +52,20 @@ class OpenAIServing:
             raise OpenAIError("logit_bias is not supported by this server; omit it", param="logit_bias")
 
     def resolve_max_tokens(
-        self, num_prompt_tokens: int, requested: int | None, default: int | None
+        self, num_prompt_tokens: int, requested: int | None, default: int | None, input_name: str
     ) -> int | None:
-        """The max_tokens to generate, or an error when the prompt plus the completion exceed the context."""
+        """The max_tokens to generate, or an error when the input plus the completion exceed the context.
+
+        `default` applies when the client sent none (None: up to the context); `input_name` is
+        "prompt" or "messages", for the error message and its param.
+        """
         max_len = self.max_model_len
         if num_prompt_tokens >= max_len:
             raise OpenAIError(
-                f"This model's maximum context length is {max_len} tokens. However, your prompt has "
-                f"{num_prompt_tokens} tokens, which leaves no room for a completion. Please reduce the "
-                "length of the prompt or messages.",
-                param="messages" if default is None else "prompt",
+                f"This model's maximum context length is {max_len} tokens. However, your {input_name} "
+                f"{'have' if input_name == 'messages' else 'has'} {num_prompt_tokens} tokens, which leaves no "
+                f"room for a completion. Please reduce the length of the {input_name}.",
+                param=input_name,
             )
         room = max_len - num_prompt_tokens
         if requested is None:
@@ -69,8 +73,8 @@ class OpenAIServing:
         if isinstance(requested, int) and requested > room:
             raise OpenAIError(
                 f"This model's maximum context length is {max_len} tokens. However, you requested "
-                f"{num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the messages, {requested} in "
-                "the completion). Please reduce the length of the messages or completion.",
+                f"{num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the {input_name}, {requested} "
+                f"in the completion). Please reduce the length of the {input_name} or completion.",
                 param="max_tokens",
             )
         return requested  # values < 1 are rejected by SamplingParams, naming the field
