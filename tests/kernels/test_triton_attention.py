@@ -185,3 +185,18 @@ def test_graph_hooks(query_lens, context_lens) -> None:
         ref = batch.reference(head_size**-0.5)
         err = ((out[:real].float() - ref).norm() / ref.norm()).item()
         assert err < TOLERANCE[torch.float16][0]
+
+
+def test_benchmark_tiny_runs(tmp_path) -> None:
+    """The kernel benchmark's CPU mode: checks against the reference, times, writes its JSON."""
+    import json
+
+    from kvllm.benchmarks.attention_kernels import main
+
+    out = tmp_path / "bench.json"
+    argv = ["--tiny", "--only-shapes", "--shape", "t:2x1@20+1x8@4", "--peers", "triton,sdpa,fa4",
+            "--dtype", "float16", "--output-json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["kernel"], r["status"]) for r in rows][:1] == [("TRITON_ATTN", "ok")]
+    assert rows[-1]["status"] == "skipped"
