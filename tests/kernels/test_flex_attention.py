@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+from torch._dynamo.exc import BackendCompilerFailed
 from torch.nn.attention.flex_attention import create_mask
 
 from kvllm.attention.backend import AttentionSelectorConfig, DeviceInfo
@@ -336,10 +337,10 @@ def test_eager_mode_is_logged_once(
 def test_compile_failure_falls_back_to_eager(
     compiled, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    def broken_compile() -> None:
-        raise RuntimeError("no C++ compiler")
+    def broken_kernel(*args: object, **kwargs: object) -> torch.Tensor:
+        raise BackendCompilerFailed(broken_kernel, RuntimeError("no C++ compiler"), None)
 
-    monkeypatch.setattr(flex, "_get_compiled_flex", broken_compile)
+    monkeypatch.setattr(flex, "_get_compiled_flex", lambda: broken_kernel)
     monkeypatch.setattr(flex, "_compile_failure", None)
     monkeypatch.setattr(flex, "_announced", set())
     batch = make_paged_batch([1, 6], [20, 3], 4, 2, 32, 16, seed=9)

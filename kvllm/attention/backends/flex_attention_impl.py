@@ -395,8 +395,8 @@ class FlexAttentionImpl(AttentionImpl):
         if self.attn_type == "encoder_only":
             # Encoder-only layers keep no cache: queries attend to the step's own keys.
             dtype = query.dtype
-            key_src = key[: meta.num_actual_tokens]
-            value_src = value[: meta.num_actual_tokens]
+            key_src = key[: meta.num_actual_tokens].contiguous()  # fixed strides, see _pad_rows
+            value_src = value[: meta.num_actual_tokens].contiguous()
         else:
             key_cache, value_cache = kv_cache[0], kv_cache[1]
             self._write_cache(key_cache, value_cache, key, value, meta)
@@ -407,7 +407,7 @@ class FlexAttentionImpl(AttentionImpl):
         if self.use_compile:
             try:
                 return self._attend(query, key_src, value_src, meta, dtype, compiled=True)[:num_tokens]
-            except Exception as exc:  # noqa: BLE001 - any compiler failure selects the eager path
+            except torch._dynamo.exc.TorchDynamoException as exc:  # tracing or backend compile failed
                 _disable_compile(exc)
                 self.use_compile = False
         return self._attend(query, key_src, value_src, meta, dtype, compiled=False)[:num_tokens]
@@ -444,8 +444,10 @@ class FlexAttentionImpl(AttentionImpl):
             value_src = value_src.view(paged)[step_mask.pages].flatten(0, 1)
         kv_len = step_mask.block_mask.seq_lengths[1]
         q = _pad_rows(query.to(dtype), q_len).transpose(0, 1).unsqueeze(0)
-        k = _pad_rows(key_src.to(dtype), kv_len).transpose(0, 1).unsqueeze(0)
-        v = _pad_rows(value_src.to(dtype), kv_len).transpose(0, 1).unsqueeze(0)
+        if key_src.shape[0] != kv_len:  # encoder-only: the step's own keys, padded like the queries
+            key_src, value_src = _pad_rows(key_src, kv_len), _pad_rows(value_src, kv_len)
+        k = key_src.to(dtype).transpose(0, 1).unsqueeze(0)
+        v = value_src.to(dtype).transpose(0, 1).unsqueeze(0)
         kernel = _get_compiled_flex() if compiled else flex_attention
         out = kernel(
             q,
@@ -542,8 +544,9 @@ def build_step_mask(
 
 
 def _pad_rows(x: torch.Tensor, length: int) -> torch.Tensor:
-    if x.shape[0] == length:
-        return x
+    """A fresh contiguous [length, ...] copy, zero past x's rows. Always a copy: compiled graphs
+    are specialized on strides, and the caller's views (e.g. q split from a fused qkv) vary.
+    """
     out = x.new_zeros((length, *x.shape[1:]))
     out[: x.shape[0]] = x
     return out

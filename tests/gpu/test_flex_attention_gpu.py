@@ -1,0 +1,186 @@
+"""FLEX_ATTENTION on a GPU (compiled Triton FlexAttention) against the float32 reference.
+
+Walks what FlexAttentionBackend declares for CUDA: every head-size class in bfloat16 (the
+issue's target dtype), float16 and float32 at head size 128, block sizes 16/32/64 crossed
+with the features (plain, sliding window, soft-cap, non-causal), encoder-only, GQA 1/2/4, a
+float16 cache under a bfloat16 model, and the compile bound over a short generation. Mixed
+batches: decodes first, a fresh prompt and chunked prefills, scrambled block tables. Cache
+slots no request owns hold large finite garbage, so reading past a sequence shows up.
+Run on the H200: `pytest -m gpu tests/gpu/test_flex_attention_gpu.py`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from kvllm.attention.backend import AttentionSelectorConfig, DeviceInfo
+from kvllm.attention.backends import flex_attention_impl as flex
+from kvllm.attention.backends.flex_attention import FlexAttentionBackend as Backend
+from kvllm.attention.metadata import KVCacheSpec
+from kvllm.attention.reference import PagedBatch, make_paged_batch
+
+# KVLLM_GPU_TEST_DEVICE=cpu dry-runs the harness on the CPU kernel (not a GPU check).
+DEVICE = torch.device(os.environ.get("KVLLM_GPU_TEST_DEVICE", "cuda"))
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(DEVICE.type == "cuda" and not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+TOLERANCE = {torch.float16: 1e-2, torch.bfloat16: 2e-2, torch.float32: 1e-3}  # max |err| / max |ref|
+QUERY_LENS = [1, 1, 1, 1, 37, 5, 70]
+CONTEXT_LENS = [0, 31, 80, 130, 0, 57, 19]
+MAX_NUM_REQS, MAX_MODEL_LEN = 16, 512
+WINDOW, SOFT_CAP = 24, 5.0
+
+
+@pytest.fixture(autouse=True)
+def compiled(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(flex.COMPILE_ENV, "1")
+
+
+def device_info() -> DeviceInfo:
+    if DEVICE.type != "cuda":
+        return DeviceInfo("cpu")
+    platform = "rocm" if torch.version.hip else "cuda"
+    return DeviceInfo(platform, torch.cuda.get_device_capability(DEVICE))
+
+
+def run(
+    batch: PagedBatch,
+    num_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+    cache_dtype: torch.dtype,
+    *,
+    window: int | None = None,
+    soft_cap: float | None = None,
+    causal: bool = True,
+    attn_type: str = "decoder",
+    kv_cache_dtype: str = "auto",
+) -> torch.Tensor:
+    spec = KVCacheSpec(batch.block_size, num_kv_heads, head_size, cache_dtype, kv_cache_dtype)
+    builder = Backend.get_builder_cls()(Backend, spec, DEVICE, MAX_NUM_REQS, 2048, MAX_MODEL_LEN)
+    impl = Backend.get_impl_cls()(
+        num_heads,
+        head_size,
+        head_size**-0.5,
+        num_kv_heads,
+        sliding_window=window,
+        logits_soft_cap=soft_cap,
+        attn_type=attn_type,
+        kv_cache_dtype=kv_cache_dtype,
+    )
+    batch.metadata.causal = causal
+    if attn_type == "encoder_only":
+        kv_cache = torch.empty(0, device=DEVICE)
+    else:
+        shape = Backend.get_kv_cache_shape(batch.num_blocks, batch.block_size, num_kv_heads, head_size)
+        kv_cache = (torch.randn(shape, device=DEVICE) * 100).to(cache_dtype)
+        batch.fill_cache(kv_cache[0], kv_cache[1])
+    out = impl.forward(
+        None, batch.query, batch.new_keys, batch.new_values, kv_cache, builder.build(batch.metadata)
+    )
+    assert flex._compile_failure is None, flex._compile_failure
+    return out
+
+
+def check(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    assert out.shape == ref.shape and torch.isfinite(out).all()
+    err = (out.float() - ref).abs().max().item() / ref.abs().max().item()
+    assert err < TOLERANCE[dtype], f"relative error {err:.2e}"
+
+
+def validate(head_size: int, dtype: torch.dtype, block_size: int | None, **features: object) -> None:
+    config = AttentionSelectorConfig(
+        head_size=head_size, dtype=str(dtype).removeprefix("torch."), block_size=block_size, **features
+    )
+    assert Backend.validate_configuration(config, device_info()) == []
+
+
+@pytest.mark.parametrize("head_size", [8, 40, 64, 72, 128, 256])
+def test_head_sizes_bf16(head_size: int) -> None:
+    validate(head_size, torch.bfloat16, 16)
+    batch = make_paged_batch(QUERY_LENS, CONTEXT_LENS, 8, 4, head_size, 16, torch.bfloat16, DEVICE, seed=1)
+    out = run(batch, 8, 4, head_size, torch.bfloat16)
+    check(out, batch.reference(head_size**-0.5), torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("num_kv_heads", [8, 2])  # GQA 1 and 4
+def test_dtypes(dtype: torch.dtype, num_kv_heads: int) -> None:
+    validate(128, dtype, 16)
+    batch = make_paged_batch(QUERY_LENS, CONTEXT_LENS, 8, num_kv_heads, 128, 16, dtype, DEVICE, seed=2)
+    check(run(batch, 8, num_kv_heads, 128, dtype), batch.reference(128**-0.5), dtype)
+
+
+@pytest.mark.parametrize("block_size", [16, 32, 64])
+@pytest.mark.parametrize("feature", ["plain", "window", "soft_cap", "non_causal"])
+def test_block_sizes_and_features(block_size: int, feature: str) -> None:
+    window = WINDOW if feature == "window" else None
+    soft_cap = SOFT_CAP if feature == "soft_cap" else None
+    causal = feature != "non_causal"
+    validate(
+        128,
+        torch.bfloat16,
+        block_size,
+        has_sliding_window=window is not None,
+        logits_soft_cap=soft_cap,
+        use_non_causal=not causal,
+    )
+    batch = make_paged_batch(QUERY_LENS, CONTEXT_LENS, 16, 8, 128, block_size, torch.bfloat16, DEVICE, seed=3)
+    out = run(batch, 16, 8, 128, torch.bfloat16, window=window, soft_cap=soft_cap, causal=causal)
+    ref = batch.reference(128**-0.5, causal=causal, sliding_window=window, logits_soft_cap=soft_cap)
+    check(out, ref, torch.bfloat16)
+
+
+@pytest.mark.parametrize("window", [None, 8])
+def test_encoder_only(window: int | None) -> None:
+    validate(64, torch.bfloat16, None, attn_type="encoder_only", use_non_causal=True)
+    query_lens = [5, 40, 9, 1, 70]
+    batch = make_paged_batch(query_lens, [0] * 5, 8, 4, 64, 16, torch.bfloat16, DEVICE, seed=4)
+    out = run(batch, 8, 4, 64, torch.bfloat16, window=window, causal=False, attn_type="encoder_only")
+    check(out, batch.reference(64**-0.5, causal=False, sliding_window=window), torch.bfloat16)
+
+
+def test_float16_cache_under_bfloat16_model() -> None:
+    batch = make_paged_batch(QUERY_LENS, CONTEXT_LENS, 8, 4, 64, 16, torch.bfloat16, DEVICE, seed=5)
+    out = run(batch, 8, 4, 64, torch.float16, kv_cache_dtype="float16")
+    assert out.dtype == torch.bfloat16
+    check(out, batch.reference(64**-0.5), torch.bfloat16)
+
+
+def test_compile_count_over_decode_steps() -> None:
+    """40 steps, 1..24 decodes and a prefill every 10 steps, over one fixed-size cache: only the
+    padded query length varies, so at most one graph per power-of-two bucket is compiled.
+    """
+    num_blocks, block_size, head_size = 512, 16, 64
+    spec = KVCacheSpec(block_size, 4, head_size, torch.bfloat16, "auto")
+    builder = Backend.get_builder_cls()(Backend, spec, DEVICE, 32, 2048, MAX_MODEL_LEN)
+    impl = Backend.get_impl_cls()(8, head_size, head_size**-0.5, 4, sliding_window=WINDOW)
+    shape = Backend.get_kv_cache_shape(num_blocks, block_size, 4, head_size)
+    kv_cache = torch.zeros(shape, dtype=torch.bfloat16, device=DEVICE)
+    gen = torch.Generator().manual_seed(6)
+    before, buckets = flex.flex_compile_count(), set()
+    for step in range(40):
+        num_decodes = int(torch.randint(1, 25, (), generator=gen))
+        query_lens = [1] * num_decodes + (
+            [int(torch.randint(2, 60, (), generator=gen))] if step % 10 == 0 else []
+        )
+        context_lens = torch.randint(0, 300, (len(query_lens),), generator=gen).tolist()
+        # The batch's blocks are ids < batch.num_blocks <= num_blocks: a sub-range of the fixed cache.
+        batch = make_paged_batch(
+            query_lens, context_lens, 8, 4, head_size, block_size, torch.bfloat16, DEVICE, seed=step
+        )
+        assert batch.num_blocks <= num_blocks
+        batch.fill_cache(kv_cache[0], kv_cache[1])
+        out = impl.forward(
+            None, batch.query, batch.new_keys, batch.new_values, kv_cache, builder.build(batch.metadata)
+        )
+        buckets.add(flex.query_bucket(sum(query_lens)))
+        if step % 10 == 0:
+            check(out, batch.reference(head_size**-0.5, sliding_window=WINDOW), torch.bfloat16)
+    assert flex._compile_failure is None, flex._compile_failure
+    assert flex.flex_compile_count() - before <= len(buckets), buckets
