@@ -203,8 +203,9 @@ def _unified_attention_kernel(
         # start(r) = (qsl[r] - qsl[seq_lo]) // BLOCK_Q + (r - seq_lo): disjoint, and the grid
         # bound num_tokens // BLOCK_Q + num_reqs covers them all. Find the last r with start(r) <= pid.
         t0 = tl.load(query_start_loc_ptr + seq_lo)
-        lo = seq_lo
-        hi = seq_hi - 1
+        # pid * 0 + ...: int args equal to 1 are specialized to constexprs, which cannot be loop-carried.
+        lo = pid * 0 + seq_lo
+        hi = pid * 0 + seq_hi - 1
         while lo < hi:
             mid = (lo + hi + 1) // 2
             start = (tl.load(query_start_loc_ptr + mid) - t0) // BLOCK_Q + (mid - seq_lo)
