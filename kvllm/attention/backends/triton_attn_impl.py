@@ -88,6 +88,7 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
         return max(1, min(by_occupancy, by_length, MAX_SPLITS))
 
     def build(self, common: CommonAttentionMetadata) -> TritonAttentionMetadata:
+        _check_causal(common)
         return TritonAttentionMetadata(
             num_actual_tokens=common.num_actual_tokens,
             num_reqs=common.num_reqs,
@@ -108,6 +109,7 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
         return self._build_static(common)
 
     def _build_static(self, common: CommonAttentionMetadata) -> TritonAttentionMetadata:
+        _check_causal(common)
         num_reqs, num_tokens = common.num_reqs, common.num_actual_tokens
         if num_reqs > self.max_num_reqs or num_tokens > self.max_num_tokens:
             raise ValueError(
@@ -135,6 +137,11 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
             block_table=self.block_table[:num_reqs],
             slot_mapping=self.slot_mapping[:num_tokens],
         )
+
+
+def _check_causal(common: CommonAttentionMetadata) -> None:
+    if not common.causal:
+        raise NotImplementedError("TRITON_ATTN implements causal attention only (non-causal is not declared)")
 
 
 class TritonAttentionImpl(AttentionImpl):
