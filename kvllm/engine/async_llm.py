@@ -171,6 +171,8 @@ class AsyncLLM:
             await asyncio.to_thread(thread.join, timeout)
             if thread.is_alive():
                 logger.warning("The engine thread did not stop within %.1f s; leaving it (daemon)", timeout)
+            else:
+                self._fail_pending_commands(EngineNotAcceptingError("The server is shutting down"))
         self._fail_all(EngineNotAcceptingError("The server is shutting down"))
 
     # ---- requests -----------------------------------------------------------------------------
@@ -288,13 +290,17 @@ class AsyncLLM:
         return True
 
     def _fail_pending_commands(self, exc: BaseException) -> None:
+        """Fail queued adds (safe from either thread once the engine thread has stopped)."""
+        error = exc
+        if not isinstance(exc, EngineNotAcceptingError | EngineDeadError):
+            error = EngineDeadError(f"The engine has stopped after an error: {exc!r}")
         while True:
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
             if isinstance(command, _Add) and not command.done.done():
-                command.done.set_exception(EngineDeadError(f"The engine has stopped after an error: {exc!r}"))
+                command.done.set_exception(error)
 
     def _post(self, callback: Callable[..., None], *args: Any) -> None:
         assert self._loop is not None
@@ -341,6 +347,8 @@ class AsyncLLM:
     def _on_engine_dead(self, exc: BaseException) -> None:
         self.dead_error = exc
         self._accepting = False
+        # Adds queued after the engine thread's last look at the queue would otherwise wait forever.
+        self._fail_pending_commands(exc)
         self._fail_all(EngineDeadError(f"The engine has stopped after an error: {exc!r}"))
 
     def _fail_all(self, exc: BaseException) -> None:

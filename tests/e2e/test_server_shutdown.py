@@ -15,10 +15,16 @@ GRACE = 1.0  # --shutdown-timeout
 # The stated bound: grace + 2 s for aborted streams to flush + 3 s of uvicorn's own graceful close
 # + interpreter exit (torch teardown), with slack for a loaded CI machine.
 SHUTDOWN_BOUND = 15.0
+LONG = 2000  # max_tokens of the requests that must be aborted
 
 
 def test_sigterm_during_traffic_drains_and_exits(tiny_qwen3_path):
-    server = RemoteServer(tiny_qwen3_path, "--shutdown-timeout", str(GRACE), "--log-stats-interval", "0")
+    # Long requests of 2000 tokens cannot finish within the grace period on any machine (one step per token).
+    server = RemoteServer(
+        tiny_qwen3_path,
+        *("--shutdown-timeout", str(GRACE), "--log-stats-interval", "0"),
+        *("--max-model-len", "2048", "--kv-cache-memory-bytes", str(1 << 24)),
+    )
     try:
         client = server.client()
         results: dict[str, object] = {}
@@ -51,8 +57,8 @@ def test_sigterm_during_traffic_drains_and_exits(tiny_qwen3_path):
                 results[name] = repr(exc)
 
         jobs = [(stream, f"short-stream-{i}", 4) for i in range(4)]
-        jobs += [(stream, f"long-stream-{i}", 240) for i in range(4)]
-        jobs += [(complete, "short-full", 4), (complete, "long-full", 240)]
+        jobs += [(stream, f"long-stream-{i}", LONG) for i in range(4)]
+        jobs += [(complete, "short-full", 4), (complete, "long-full", LONG)]
         threads = [threading.Thread(target=fn, args=(name, n)) for fn, name, n in jobs]
         for t in threads:
             t.start()
@@ -76,6 +82,7 @@ def test_sigterm_during_traffic_drains_and_exits(tiny_qwen3_path):
         elapsed = time.monotonic() - signalled
     finally:
         server.stop()
+    print(f"exited {elapsed:.1f} s after SIGTERM (bound {SHUTDOWN_BOUND} s)")
     assert returncode == 0, server.log()[-3000:]
     assert elapsed < SHUTDOWN_BOUND
     assert not any(t.is_alive() for t in threads)

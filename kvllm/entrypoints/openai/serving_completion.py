@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
+from kvllm.engine.async_llm import RequestStream
 from kvllm.entrypoints.openai.errors import OpenAIError
 from kvllm.entrypoints.openai.protocol import (
     CompletionChoice,
@@ -135,7 +136,11 @@ class OpenAIServingCompletion(OpenAIServing):
         return choice
 
     async def _stream(
-        self, request: CompletionRequest, request_id: str, streams: list, texts: list[str | None]
+        self,
+        request: CompletionRequest,
+        request_id: str,
+        streams: list[RequestStream],
+        texts: list[str | None],
     ) -> AsyncIterator[str]:
         n = request.n
         sent_text = [0] * (len(streams) * n)
