@@ -145,6 +145,10 @@ class FlexAttentionMetadataBuilder(AttentionMetadataBuilder):
         num_reqs, num_tokens = common.num_reqs, common.num_actual_tokens
         if num_reqs > self.max_num_reqs:
             raise ValueError(f"batch of {num_reqs} requests exceeds max_num_reqs={self.max_num_reqs}")
+        if common.max_seq_len > self.max_model_len:
+            raise ValueError(
+                f"sequence of {common.max_seq_len} tokens exceeds max_model_len={self.max_model_len}"
+            )
         block_size = self.kv_cache_spec.block_size
         device = self.device
         qsl = common.query_start_loc_cpu.long()
