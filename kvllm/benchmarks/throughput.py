@@ -24,6 +24,7 @@ from kvllm.benchmarks.gpu_util import GpuUtilSampler
 from kvllm.benchmarks.utils import add_common_flags, environment, write_json
 
 if TYPE_CHECKING:
+    from kvllm.benchmarks.hf_backend import HFRunner
     from kvllm.llm import LLM
 
 DATASETS = ("random", "nano-vllm")
@@ -162,14 +163,15 @@ def run_kvllm(llm: LLM, requests: list[BenchRequest], args: argparse.Namespace) 
 
 
 def run_hf(
-    engine_kwargs: dict[str, Any], args: argparse.Namespace
+    engine_kwargs: dict[str, Any], args: argparse.Namespace, runner: HFRunner | None = None
 ) -> tuple[list[BenchRequest], dict[str, Any]]:
-    """Build the HF peer from the same engine arguments, then generate the workload in static batches."""
+    """Build the HF peer from the same engine arguments (or reuse `runner`), then generate the
+    workload in static batches."""
     from kvllm.benchmarks.hf_backend import HFRunner
     from kvllm.config.engine import EngineArgs
 
     engine_args = EngineArgs(**engine_kwargs)
-    runner = HFRunner(engine_args, args.hf_attn_implementation)
+    runner = runner or HFRunner(engine_args, args.hf_attn_implementation)
     requests = make_requests(args, runner.model_config.vocab_size, engine_args.seed)
     max_batch = args.hf_max_batch_size or engine_args.max_num_seqs
     if args.warmup:
@@ -190,8 +192,10 @@ def measure_throughput(
     args: argparse.Namespace,
     engine_kwargs: dict[str, Any],
     llm: LLM | None = None,
+    hf_runner: HFRunner | None = None,
 ) -> dict[str, Any]:
-    """Run the workload on the chosen backend; `llm` reuses an engine already built (kvllm backend)."""
+    """Run the workload on the chosen backend; `llm` / `hf_runner` reuse an engine or HF model already
+    built from the same `engine_kwargs`."""
     engine_kwargs = dict(engine_kwargs)
     if args.dataset_name == "nano-vllm":
         engine_kwargs.setdefault("max_model_len", NANO_VLLM_MAX_MODEL_LEN)
@@ -202,7 +206,7 @@ def measure_throughput(
         requests = make_requests(args, engine.model_config.vocab_size, engine.args.seed)
         run = run_kvllm(llm, requests, args)
     else:
-        requests, run = run_hf(engine_kwargs, args)
+        requests, run = run_hf(engine_kwargs, args, hf_runner)
     elapsed = run["elapsed_time"]
     num_prompt_tokens = sum(r.prompt_len for r in requests)
     total_tokens = num_prompt_tokens + run["num_output_tokens"]

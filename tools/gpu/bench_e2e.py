@@ -33,7 +33,7 @@ LATENCY_LENS = (32, 128)  # input, output: vLLM's bench latency defaults
 THROUGHPUT_LENS = (128, 128)
 KVLLM_BACKENDS = ("TRITON_ATTN", "FLEX_ATTENTION", "FLASH_ATTN", "FLASHINFER")
 # Seconds a group may take at most; the sweep's overall budget caps them further.
-GROUP_CAPS_S = {"kvllm": 150.0, "hf": 100.0, "nano-kvllm": 120.0, "nano-hf": 240.0}
+GROUP_CAPS_S = {"kvllm": 140.0, "hf": 90.0, "nano-kvllm": 100.0, "nano-hf": 240.0}
 ENGINE_KWARGS: dict[str, Any] = {"load_format": "dummy", "dtype": "bfloat16", "max_model_len": 4096}
 
 
@@ -87,6 +87,8 @@ def _guarded(raw: Path, name: str, deadline: float, run: Any) -> None:
         _save(raw, name, {"name": name, "skipped": "time budget used up"})
         return
     started = time.time()
+    # Overwritten when the measurement ends; left behind if the group is killed at its time limit.
+    _save(raw, name, {"name": name, "killed": "still running when its group hit the time limit"})
     try:
         result = run()
         result["name"] = name
@@ -133,13 +135,29 @@ def worker(args: argparse.Namespace) -> int:
                 lambda tput=tput: throughput.measure_throughput(tput, engine_kwargs, llm=llm),
             )
     elif args.group == "hf":
+        from kvllm.benchmarks.hf_backend import HFRunner
+        from kvllm.config.engine import EngineArgs
+
+        try:
+            runner = HFRunner(EngineArgs(**engine_kwargs))
+        except Exception as exc:
+            _save(
+                raw,
+                "throughput-HF",
+                {
+                    "name": "throughput-HF",
+                    "error": f"{type(exc).__name__}: {exc}",
+                    "traceback": traceback.format_exc(),
+                },
+            )
+            return 1
         for bs in batch_sizes:
             tput = _throughput_args("hf", bs, output_len=args.output_len)
             _guarded(
                 raw,
                 f"throughput-HF-bs{bs}",
                 deadline,
-                lambda tput=tput: throughput.measure_throughput(tput, engine_kwargs),
+                lambda tput=tput: throughput.measure_throughput(tput, engine_kwargs, hf_runner=runner),
             )
     elif args.group == "nano-kvllm":
         _guarded(
@@ -329,6 +347,8 @@ def _status(r: dict[str, Any]) -> str:
         return "error"
     if "skipped" in r:
         return "skipped"
+    if "killed" in r:
+        return "timeout"
     return "-"
 
 
@@ -337,7 +357,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--out", default=os.environ.get("OUT", "bench-out"), help="Output folder (default: $OUT)."
     )
-    parser.add_argument("--budget-s", type=float, default=450.0, help="Overall time budget (default: 450).")
+    parser.add_argument(
+        "--budget-s", type=float, default=420.0, help="Overall time budget in seconds (default: 420)."
+    )
     parser.add_argument(
         "--backends", default=",".join(KVLLM_BACKENDS), help="kvllm attention backends, in order."
     )
