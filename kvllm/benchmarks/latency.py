@@ -213,7 +213,7 @@ def _profile(
         f"-out{args.output_len}.pt.trace.json"
     )
     prof.export_chrome_trace(str(path))
-    sort_by = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    sort_by = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
     say(prof.key_averages().table(sort_by=sort_by, row_limit=15))
     say(f"Profiled {min(steps[0], args.profile_steps or steps[0])} engine steps; trace written to {path}")
     return str(path)
