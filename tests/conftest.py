@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
+import torch
+
+# Without a GPU, Triton kernels run in the interpreter; it must be chosen before triton is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tests import model_factory
 
