@@ -1,11 +1,13 @@
 """FLEX_ATTENTION on a GPU (compiled Triton FlexAttention) against the float32 reference.
 
 Walks what FlexAttentionBackend declares for CUDA: every head-size class in bfloat16 (the
-issue's target dtype), float16 and float32 at head size 128, block sizes 16/32/64 crossed
+issue's target dtype; 16 is the smallest the compiled kernel takes), float16 and float32 at head size 128, block sizes 16/32/64 crossed
 with the features (plain, sliding window, soft-cap, non-causal), encoder-only, GQA 1/2/4, a
 float16 cache under a bfloat16 model, and the compile bound over a short generation. Mixed
 batches: decodes first, a fresh prompt and chunked prefills, scrambled block tables. Cache
 slots no request owns hold large finite garbage, so reading past a sequence shows up.
+Compile-failure state is reset before every test, so one configuration's failure cannot fail
+the tests after it.
 Run on the H200: `pytest -m gpu tests/gpu/test_flex_attention_gpu.py`.
 """
 
@@ -38,7 +40,10 @@ WINDOW, SOFT_CAP = 24, 5.0
 
 @pytest.fixture(autouse=True)
 def compiled(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Compile requested, and no compile failure (nor one-time log) left over from earlier tests."""
     monkeypatch.setenv(flex.COMPILE_ENV, "1")
+    monkeypatch.setattr(flex, "_compile_failures", {})
+    monkeypatch.setattr(flex, "_announced", set())
 
 
 def device_info() -> DeviceInfo:
@@ -83,7 +88,7 @@ def run(
     out = impl.forward(
         None, batch.query, batch.new_keys, batch.new_values, kv_cache, builder.build(batch.metadata)
     )
-    assert flex._compile_failure is None, flex._compile_failure
+    assert not flex.compile_failures(), flex.compile_failures()
     return out
 
 
@@ -100,7 +105,7 @@ def validate(head_size: int, dtype: torch.dtype, block_size: int | None, **featu
     assert Backend.validate_configuration(config, device_info()) == []
 
 
-@pytest.mark.parametrize("head_size", [8, 40, 64, 72, 128, 256])
+@pytest.mark.parametrize("head_size", [16, 40, 64, 72, 128, 256])
 def test_head_sizes_bf16(head_size: int) -> None:
     validate(head_size, torch.bfloat16, 16)
     batch = make_paged_batch(QUERY_LENS, CONTEXT_LENS, 8, 4, head_size, 16, torch.bfloat16, DEVICE, seed=1)
@@ -182,5 +187,5 @@ def test_compile_count_over_decode_steps() -> None:
         buckets.add(flex.query_bucket(sum(query_lens)))
         if step % 10 == 0:
             check(out, batch.reference(head_size**-0.5, sliding_window=WINDOW), torch.bfloat16)
-    assert flex._compile_failure is None, flex._compile_failure
+    assert not flex.compile_failures(), flex.compile_failures()
     assert flex.flex_compile_count() - before <= len(buckets), buckets

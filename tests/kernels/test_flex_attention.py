@@ -16,10 +16,11 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 from torch._dynamo.exc import BackendCompilerFailed
-from torch.nn.attention.flex_attention import create_mask
+from torch.nn.attention.flex_attention import create_mask, flex_attention
 
 from kvllm.attention.backend import AttentionSelectorConfig, DeviceInfo
 from kvllm.attention.backends import flex_attention_impl as flex
+from kvllm.attention.backends import flex_attention_mask as flex_mask
 from kvllm.attention.backends.flex_attention import FlexAttentionBackend
 from kvllm.attention.metadata import CommonAttentionMetadata, KVCacheSpec
 from kvllm.attention.reference import PagedBatch, make_paged_batch, reference_attention
@@ -38,11 +39,10 @@ def eager(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture
 def compiled(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Compile requested, with no compile failure (nor one-time log) left over from earlier tests."""
     monkeypatch.setenv(flex.COMPILE_ENV, "1")
-    if flex._compile_failure is not None:
-        pytest.fail(
-            f"torch.compile unavailable, the compiled path would not be tested: {flex._compile_failure}"
-        )
+    monkeypatch.setattr(flex, "_compile_failures", {})
+    monkeypatch.setattr(flex, "_announced", set())
 
 
 def make_builder(block_size: int, num_kv_heads: int, head_size: int, dtype: torch.dtype):
@@ -95,7 +95,7 @@ EAGER_CASES = [
     ([1, 17], [35, 18], 4, 1, 32, 48, torch.float32, 20, None, True),  # window, MQA, block 48
     ([1, 1, 12], [45, 5, 9], 4, 2, 64, 16, torch.float32, None, 5.0, True),  # soft-cap (binding at 5)
     ([1, 6, 11], [19, 0, 13], 4, 2, 64, 16, torch.float32, None, None, False),  # non-causal
-    ([1, 14], [22, 9], 4, 4, 8, 16, torch.float32, 6, 30.0, False),  # head 8, everything at once
+    ([1, 14], [22, 9], 4, 4, 16, 16, torch.float32, 6, 30.0, False),  # head 16, everything at once
     ([1, 1, 13], [40, 2, 21], 4, 2, 128, 16, torch.float16, None, None, True),
     ([1, 1, 13], [40, 2, 21], 4, 2, 128, 16, torch.bfloat16, 16, None, True),
     ([1, 30], [11, 70], 2, 1, 256, 64, torch.bfloat16, None, 20.0, True),  # head 256, block 64
@@ -174,7 +174,7 @@ def test_shared_prefix_pages(eager) -> None:
     out, _ = run_batch(batch, 4, 2, 32, torch.float32)
     torch.testing.assert_close(out, batch.reference(32**-0.5), atol=2e-5, rtol=2e-5)
     meta = make_builder(16, 2, 32, torch.float32).build(batch.metadata)
-    counts, indices = flex.paged_kv_blocks(meta, True, None, 1, batch.num_blocks, batch.num_blocks)
+    counts, indices = flex_mask.paged_kv_blocks(meta, True, None, 1, batch.num_blocks, batch.num_blocks)
     row = indices[0, : counts[0]]
     assert len(set(row.tolist())) == len(row)  # a page listed twice would be attended twice
 
@@ -188,11 +188,11 @@ def test_block_structure_is_exact(causal: bool, window: int | None, seed: int) -
     query_lens = sorted(torch.randint(1, 30, (num_reqs,), generator=gen).tolist())
     query_lens[:3] = [1, 1, 1]
     context_lens = torch.randint(0, 70, (num_reqs,), generator=gen).tolist()
-    batch = make_paged_batch(query_lens, context_lens, 2, 1, 8, 16, seed=seed)
+    batch = make_paged_batch(query_lens, context_lens, 2, 1, 16, 16, seed=seed)
     batch.metadata.causal = causal
-    meta = make_builder(16, 1, 8, torch.float32).build(batch.metadata)
+    meta = make_builder(16, 1, 16, torch.float32).build(batch.metadata)
     q_len = flex.query_bucket(meta.num_actual_tokens)
-    step = flex.build_step_mask(
+    step = flex_mask.build_step_mask(
         meta,
         encoder=False,
         causal=causal,
@@ -242,7 +242,7 @@ def test_encoder_only(eager, window: int | None) -> None:
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
     # The tiles the compiled kernel would walk cover every (query, key) pair the mask allows.
     q_len = flex.query_bucket(meta.num_actual_tokens)
-    bm = flex.build_step_mask(
+    bm = flex_mask.build_step_mask(
         meta, encoder=True, causal=False, sliding_window=window, q_len=q_len, num_blocks=0, compiled=True
     ).block_mask
     dense = create_mask(bm.mask_mod, 1, 1, q_len, q_len, device="cpu")[0, 0]
@@ -310,7 +310,7 @@ def test_validate_configuration() -> None:
     reasons = FlexAttentionBackend.validate_configuration(bad, cpu)
     expected = [
         "kv_cache_dtype fp8 not supported (supported: auto, float16, bfloat16)",
-        "head_size 60 not supported (supported: multiples of 8)",
+        "head_size 60 not supported (supported: multiples of 8, >= 16)",
         "block_size 8 not supported (supported: multiples of 16)",
         "attention type encoder_decoder not supported (supported: decoder, encoder_only)",
         "attention sinks not supported",
@@ -318,6 +318,16 @@ def test_validate_configuration() -> None:
     ]
     assert len(reasons) == len(expected)
     assert all(reason.startswith(prefix) for reason, prefix in zip(reasons, expected)), reasons
+
+
+@pytest.mark.parametrize("device", [DeviceInfo("cpu"), DeviceInfo("cuda", (9, 0))])
+def test_head_size_below_16_is_rejected(device: DeviceInfo) -> None:
+    """The compiled GPU kernel needs head size >= 16 (Inductor: "E=8 ... must be at least 16")."""
+    config = AttentionSelectorConfig(head_size=8, dtype="bfloat16", block_size=16)
+    reasons = FlexAttentionBackend.validate_configuration(config, device)
+    assert reasons == ["head_size 8 not supported (supported: multiples of 8, >= 16)"], reasons
+    ok = AttentionSelectorConfig(head_size=16, dtype="bfloat16", block_size=16)
+    assert FlexAttentionBackend.validate_configuration(ok, device) == []
 
 
 # ---- compile mode selection --------------------------------------------------------------------
@@ -334,24 +344,40 @@ def test_eager_mode_is_logged_once(
     assert len(messages) == 1 and "KVLLM_FLEX_COMPILE=0" in messages[0], messages
 
 
-def test_compile_failure_falls_back_to_eager(
-    compiled, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+def test_compile_failure_falls_back_to_eager_for_that_configuration_only(
+    compiled, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def broken_kernel(*args: object, **kwargs: object) -> torch.Tensor:
-        raise BackendCompilerFailed(broken_kernel, RuntimeError("no C++ compiler"), None)
+    """A failed compile (here: head size 32) makes that kernel configuration eager, warned once;
+    another configuration (head size 64) still takes the compiled path.
+    """
+    compiled_calls: list[int] = []
 
-    monkeypatch.setattr(flex, "_get_compiled_flex", lambda: broken_kernel)
-    monkeypatch.setattr(flex, "_compile_failure", None)
-    monkeypatch.setattr(flex, "_announced", set())
+    def kernel(q: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        if q.shape[-1] == 32:
+            raise BackendCompilerFailed(kernel, RuntimeError("no C++ compiler"), None)
+        compiled_calls.append(q.shape[-1])
+        return flex_attention(q, *args, **kwargs)  # stands in for the compiled kernel
+
+    monkeypatch.setattr(flex, "_get_compiled_flex", lambda: kernel)
     batch = make_paged_batch([1, 6], [20, 3], 4, 2, 32, 16, seed=9)
     with caplog.at_level(logging.INFO, logger=flex.__name__):
         out, _ = run_batch(batch, 4, 2, 32, torch.float32)
         out2, _ = run_batch(batch, 4, 2, 32, torch.float32)
     torch.testing.assert_close(out, batch.reference(32**-0.5), atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(out2, out)
-    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 1 and "no C++ compiler" in warnings[0].getMessage()
-    assert not flex.compile_requested()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "no C++ compiler" in warnings[0] and "head_size=32" in warnings[0]
+    (failed,) = flex.compile_failures()
+    assert failed.head_size == 32 and failed.dtype == "float32"
+    assert not flex.compile_requested(failed) and flex.compile_requested()
+
+    other = make_paged_batch([1, 6], [20, 3], 4, 2, 64, 16, seed=9)
+    with caplog.at_level(logging.INFO, logger=flex.__name__):
+        out, _ = run_batch(other, 4, 2, 64, torch.float32)
+    torch.testing.assert_close(out, other.reference(64**-0.5), atol=2e-5, rtol=2e-5)
+    assert compiled_calls == [64]
+    assert list(flex.compile_failures()) == [failed]
+    assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 1
 
 
 # ---- compiled: one layer configuration, a mixed batch and a 200-step generation ---------------------
@@ -484,7 +510,7 @@ def test_compiled_matches_reference(compiled) -> None:
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
     out, ref = sim.step(impl, builder, 2, [13])
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
-    assert flex._compile_failure is None
+    assert not flex.compile_failures()
 
 
 def test_compile_count_is_bounded_over_a_generation(compiled) -> None:
@@ -514,4 +540,4 @@ def test_compile_count_is_bounded_over_a_generation(compiled) -> None:
     compilations = flex.flex_compile_count() - before
     assert buckets <= {16, 32} and len(token_counts) > 10
     assert compilations <= len(buckets) <= 2, (compilations, buckets)
-    assert flex._compile_failure is None
+    assert not flex.compile_failures()

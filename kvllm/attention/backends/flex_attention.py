@@ -34,7 +34,8 @@ class FlexAttentionBackend(AttentionBackend):
     supported_kv_cache_dtypes = ("auto", "float16", "bfloat16")
     # One FlexAttention KV tile is one page; 16 is the smallest tile the GPU kernel runs.
     block_sizes = MultipleOf(16)
-    head_sizes = MultipleOf(8)
+    # FlexAttention's compiled GPU kernel rejects head sizes below 16 (E >= 16 in Inductor's lowering).
+    head_sizes = MultipleOf(8, minimum=16)
     platforms = ("cuda", "rocm", "cpu")
     supports_sink = False
     supports_sliding_window = True

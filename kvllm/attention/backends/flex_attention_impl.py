@@ -2,24 +2,17 @@
 
 Layout. The kernel's KV "sequence" is the whole physical cache, num_blocks * block_size slots,
 viewed (no copy) as [1, num_kv_heads, num_blocks * block_size, head_size]. Query tokens of the
-step are one packed sequence, padded to a bucketed length.
-
-Mask. `mask_mod(q, kv)` maps the query row to its request and absolute position, and the
-physical slot kv to (physical page, offset) -> logical page via an inverse block table -> logical
-position; the slot is visible iff the request's own table holds that page at that logical index,
-the position is below the request's seq_len, and the causal / sliding-window rules hold.
-
-Sparsity. The BlockMask is built directly from the block tables with BlockMask.from_kv_blocks:
-one KV tile per page, 16 query tokens per query tile, and for each query tile the distinct
-pages its requests may read (causal upper bound, sliding-window lower bound). The work is
-proportional to (query tiles x pages they read), never to query tokens x cache slots.
+step are one packed sequence, padded to a bucketed length. The mask and its sparse page
+structure are built from the block tables in `flex_attention_mask`.
 
 Compilation. flex_attention is torch.compile'd with static shapes. Every input shape is fixed
 by the cache and the builder's limits except the padded query length, a power of two >= 16, so
 a model compiles once per query bucket and per distinct layer configuration (mask rules,
 soft-cap, dtype, head counts): at most log2(max tokens per step / 16) + 1 times per
-configuration. KVLLM_FLEX_COMPILE=0, or a failed compile, selects eager flex_attention instead;
-eager materializes scores, so it attends over a compact copy of the pages the step reads.
+configuration. KVLLM_FLEX_COMPILE=0 selects eager flex_attention everywhere; a failed compile
+selects it for that kernel configuration only (`CompileKey`: device, head size, dtype, head
+counts, mask flags), logged once per configuration, so other configurations stay compiled.
+Eager materializes scores, so it attends over a compact copy of the pages the step reads.
 """
 
 from __future__ import annotations
@@ -28,27 +21,32 @@ import logging
 import math
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from torch.nn.attention.flex_attention import flex_attention
 
+from kvllm.attention.backends.flex_attention_mask import (
+    Q_TILE,
+    FlexAttentionMetadata,
+    StepMask,
+    build_step_mask,
+)
 from kvllm.attention.impl import AttentionImpl, AttentionMetadataBuilder
 from kvllm.attention.metadata import CommonAttentionMetadata
 
 if TYPE_CHECKING:
     from kvllm.layers.attention import Attention
 
+__all__ = ["FlexAttentionImpl", "FlexAttentionMetadata", "FlexAttentionMetadataBuilder", "StepMask"]
+
 logger = logging.getLogger(__name__)
 
-Q_TILE = 16  # query tokens per BlockMask row tile (the smallest tile the GPU kernel runs)
 COMPILE_ENV = "KVLLM_FLEX_COMPILE"
 # Dynamo's default (8) is below buckets x layer configurations; past it dynamo silently runs
 # eager, which on the physical layout materializes query x whole-cache scores.
 RECOMPILE_LIMIT = 64
 
-MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 ScoreMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -59,15 +57,49 @@ def query_bucket(num_tokens: int) -> int:
 
 # ---- compilation state ---------------------------------------------------------------------------
 
+
+class CompileKey(NamedTuple):
+    """A kernel configuration: a compile failure disables compilation for this key only."""
+
+    device: str
+    head_size: int
+    dtype: str
+    num_heads: int
+    num_kv_heads: int
+    attn_type: str
+    causal: bool
+    sliding_window: bool
+    soft_cap: bool
+
+    def describe(self) -> str:
+        flags = [name for name in ("causal", "sliding_window", "soft_cap") if getattr(self, name)]
+        return (
+            f"{self.device}, head_size={self.head_size}, dtype={self.dtype}, "
+            f"heads={self.num_heads}/{self.num_kv_heads}, {self.attn_type}"
+            + "".join(f", {flag}" for flag in flags)
+        )
+
+
 _num_compilations = 0
 _compiled_flex: Callable[..., torch.Tensor] | None = None
-_compile_failure: str | None = None
-_announced: set[str] = set()
+_compile_failures: dict[CompileKey, str] = {}
+_announced: set[object] = set()
 
 
 def flex_compile_count() -> int:
     """How many graphs torch.compile has built for this backend in this process."""
     return _num_compilations
+
+
+def compile_failures() -> dict[CompileKey, str]:
+    """The kernel configurations whose compile failed in this process (now eager), and why."""
+    return dict(_compile_failures)
+
+
+def reset_compile_state() -> None:
+    """Forget compile failures and one-time log messages (tests; compiled graphs are kept)."""
+    _compile_failures.clear()
+    _announced.clear()
 
 
 def _counting_inductor(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
@@ -88,54 +120,31 @@ def _get_compiled_flex() -> Callable[..., torch.Tensor]:
     return _compiled_flex
 
 
-def _announce_once(key: str, level: int, message: str, *args: object) -> None:
+def _announce_once(key: object, level: int, message: str, *args: object) -> None:
     if key not in _announced:
         _announced.add(key)
         logger.log(level, message, *args)
 
 
-def compile_requested() -> bool:
-    """False when KVLLM_FLEX_COMPILE is 0/false/no/off, or an earlier compile failed."""
-    if _compile_failure is not None:
+def compile_requested(key: CompileKey | None = None) -> bool:
+    """False when KVLLM_FLEX_COMPILE is 0/false/no/off, or when `key`'s compile failed earlier."""
+    if key is not None and key in _compile_failures:
         return False
     return os.environ.get(COMPILE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-# ---- metadata ------------------------------------------------------------------------------------
+def _disable_compile(key: CompileKey, exc: Exception) -> None:
+    _compile_failures[key] = f"torch.compile failed: {type(exc).__name__}: {exc}"
+    _announce_once(
+        ("compile-failed", key),
+        logging.WARNING,
+        "FLEX_ATTENTION: %s; falling back to eager flex_attention for this configuration (%s)",
+        _compile_failures[key],
+        key.describe(),
+    )
 
 
-@dataclass
-class FlexAttentionMetadata:
-    """One step's batch as FlexAttention masks need it; block masks are built lazily and shared.
-
-    Tensors are on the device unless named *_cpu. Request index `pad_req` is a padding row of
-    `block_table` / `seq_lens` (seq_len 0): padded query rows point at it and see nothing.
-    """
-
-    num_actual_tokens: int
-    num_reqs: int
-    block_size: int
-    causal: bool
-    pad_req: int
-    query_start_loc_cpu: torch.Tensor  # int64 [num_reqs + 1]
-    seq_lens_cpu: torch.Tensor  # int64 [num_reqs]
-    context_lens_cpu: torch.Tensor  # int64 [num_reqs]
-    q_req_cpu: torch.Tensor  # int64 [num_actual_tokens]: request of each query token
-    q_req: torch.Tensor  # int32 [num_actual_tokens]
-    q_pos: torch.Tensor  # int32 [num_actual_tokens]: absolute position of each query token
-    block_table: torch.Tensor  # int32 [pad_req + 1, max_blocks_per_req]; fixed shape across steps
-    seq_lens: torch.Tensor  # int32 [pad_req + 1]; 0 past num_reqs
-    write_tokens: torch.Tensor  # int64: query tokens whose K/V go into the cache (slot >= 0)
-    write_slots: torch.Tensor  # int64: their slots
-    masks: dict[tuple[Any, ...], StepMask] = field(default_factory=dict, repr=False)
-
-
-@dataclass
-class StepMask:
-    """A layer configuration's BlockMask for one step, and the pages an eager run gathers."""
-
-    block_mask: BlockMask
-    pages: torch.Tensor | None  # eager paged path: physical pages copied into a compact KV
+# ---- metadata builder ----------------------------------------------------------------------------
 
 
 class FlexAttentionMetadataBuilder(AttentionMetadataBuilder):
@@ -188,163 +197,6 @@ class FlexAttentionMetadataBuilder(AttentionMetadataBuilder):
         )
 
 
-# ---- block-mask construction -------------------------------------------------------------------
-
-
-def tile_pages(
-    meta: FlexAttentionMetadata, causal: bool, sliding_window: int | None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Every (query tile, request, logical page) such that some token of the request in that
-    tile may read some slot of the page. CPU int64 tensors of equal length; work is linear in
-    their length, i.e. in the pages the step actually reads.
-    """
-    bs = meta.block_size
-    starts, ends = meta.query_start_loc_cpu[:-1], meta.query_start_loc_cpu[1:]
-    first_tile, last_tile = starts // Q_TILE, (ends - 1) // Q_TILE
-    tiles_per_req = (last_tile - first_tile + 1).clamp(min=0)
-    req = torch.repeat_interleave(torch.arange(meta.num_reqs), tiles_per_req)
-    tile = first_tile[req] + _ranks(tiles_per_req)
-    # First and last query token of the request inside the tile, as absolute positions.
-    tok0 = torch.maximum(starts[req], tile * Q_TILE)
-    tok1 = torch.minimum(ends[req], (tile + 1) * Q_TILE) - 1
-    pos0 = meta.context_lens_cpu[req] + tok0 - starts[req]
-    pos1 = meta.context_lens_cpu[req] + tok1 - starts[req]
-    hi = pos1 // bs if causal else (meta.seq_lens_cpu[req] - 1) // bs
-    lo = (pos0 - sliding_window + 1).clamp(min=0) // bs if sliding_window else torch.zeros_like(hi)
-    pages_per_seg = (hi - lo + 1).clamp(min=0)
-    seg = torch.repeat_interleave(torch.arange(len(req)), pages_per_seg)
-    return tile[seg], req[seg], lo[seg] + _ranks(pages_per_seg)
-
-
-def _ranks(counts: torch.Tensor) -> torch.Tensor:
-    """[0..c0-1, 0..c1-1, ...] for counts [c0, c1, ...]."""
-    total = int(counts.sum())
-    offsets = torch.cumsum(counts, 0) - counts
-    return torch.arange(total) - torch.repeat_interleave(offsets, counts)
-
-
-def paged_kv_blocks(
-    meta: FlexAttentionMetadata,
-    causal: bool,
-    sliding_window: int | None,
-    num_q_tiles: int,
-    num_blocks: int,
-    width: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """kv_num_blocks [num_q_tiles] and kv_indices [num_q_tiles, width] (int32, device): for each
-    query tile the distinct physical pages it reads, ascending. Pages shared by several requests
-    of a tile (prefix caching) are listed once: a page listed twice would be attended twice.
-    """
-    device = meta.block_table.device
-    tile, req, logical = tile_pages(meta, causal, sliding_window)
-    pages = meta.block_table[req.to(device), logical.to(device)].long()
-    keys = torch.unique(tile.to(device) * num_blocks + pages)  # sorted: by tile, then page
-    key_tile, key_page = keys // num_blocks, keys % num_blocks
-    counts = torch.bincount(key_tile, minlength=num_q_tiles)
-    column = torch.arange(len(keys), device=device) - (torch.cumsum(counts, 0) - counts)[key_tile]
-    kv_indices = torch.zeros(num_q_tiles, width, dtype=torch.int32, device=device)
-    kv_indices[key_tile, column] = key_page.to(torch.int32)
-    return counts.to(torch.int32), kv_indices
-
-
-def physical_to_logical(meta: FlexAttentionMetadata, num_blocks: int) -> torch.Tensor:
-    """int32 [num_blocks]: the logical page index of each physical page in this step, or -1.
-
-    Invariant relied on: a page shared by several requests sits at the same logical index in
-    each (prefix caching shares whole prefixes). A page repeated within one table keeps its
-    latest logical index, the one whose contents it holds.
-    """
-    bt = meta.block_table[: meta.num_reqs].long()
-    num_valid = (meta.seq_lens[: meta.num_reqs].long() + meta.block_size - 1) // meta.block_size
-    cols = torch.arange(bt.shape[1], device=bt.device).expand_as(bt)
-    target = torch.where(cols < num_valid[:, None], bt, num_blocks)  # invalid entries -> a spare bucket
-    inverse = torch.full((num_blocks + 1,), -1, dtype=torch.long, device=bt.device)
-    inverse.scatter_reduce_(0, target.flatten(), cols.flatten(), reduce="amax")
-    return inverse[:num_blocks].to(torch.int32)
-
-
-def paged_mask_mod(
-    q_req: torch.Tensor,
-    q_pos: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    kv_logical: torch.Tensor,  # [pages in the KV layout]: logical page index, -1 = unused
-    kv_physical: torch.Tensor,  # [pages in the KV layout]: physical page id
-    block_size: int,
-    causal: bool,
-    sliding_window: int | None,
-) -> MaskMod:
-    def mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
-        req = q_req[q_idx]
-        page = kv_idx // block_size
-        logical = kv_logical[page]
-        kv_pos = logical * block_size + kv_idx % block_size
-        owned = (logical >= 0) & (block_table[req, logical.clamp(min=0)] == kv_physical[page])
-        visible = owned & (kv_pos < seq_lens[req])
-        if causal:
-            visible = visible & (kv_pos <= q_pos[q_idx])
-        if sliding_window is not None:
-            visible = visible & (kv_pos > q_pos[q_idx] - sliding_window)
-        return visible
-
-    return mask_mod
-
-
-def encoder_mask_mod(
-    q_req: torch.Tensor, q_pos: torch.Tensor, pad_req: int, sliding_window: int | None
-) -> MaskMod:
-    def mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
-        req = q_req[q_idx]
-        visible = (req == q_req[kv_idx]) & (req != pad_req)
-        if sliding_window is not None:
-            visible = visible & (q_pos[kv_idx] > q_pos[q_idx] - sliding_window)
-        return visible
-
-    return mask_mod
-
-
-def encoder_kv_blocks(meta: FlexAttentionMetadata, num_q_tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """KV tiles (of Q_TILE tokens) for bidirectional attention within the step's own tokens:
-    the requests of a query tile are contiguous, so their tokens span one contiguous tile range.
-    """
-    num_tokens = meta.num_actual_tokens
-    num_real = -(-num_tokens // Q_TILE)
-    tiles = torch.arange(num_real)
-    first_req = meta.q_req_cpu[tiles * Q_TILE]
-    last_req = meta.q_req_cpu[torch.clamp((tiles + 1) * Q_TILE, max=num_tokens) - 1]
-    lo = meta.query_start_loc_cpu[first_req] // Q_TILE
-    hi = (meta.query_start_loc_cpu[last_req + 1] - 1) // Q_TILE
-    counts = torch.zeros(num_q_tiles, dtype=torch.int64)
-    counts[:num_real] = hi - lo + 1
-    kv_indices = torch.zeros(num_q_tiles, num_q_tiles, dtype=torch.int64)
-    kv_indices[:num_real] = (lo[:, None] + torch.arange(num_q_tiles)).clamp(max=num_q_tiles - 1)
-    device = meta.block_table.device
-    return counts.to(device, torch.int32), kv_indices.to(device, torch.int32)
-
-
-def _pad(x: torch.Tensor, length: int, value: int) -> torch.Tensor:
-    out = torch.full((length,), value, dtype=x.dtype, device=x.device)
-    out[: x.shape[0]] = x
-    return out
-
-
-def _block_mask(
-    kv_num_blocks: torch.Tensor,
-    kv_indices: torch.Tensor,
-    tiles: tuple[int, int],
-    mask_mod: MaskMod,
-    seq_lengths: tuple[int, int],
-) -> BlockMask:
-    return BlockMask.from_kv_blocks(
-        kv_num_blocks[None, None],
-        kv_indices[None, None],
-        BLOCK_SIZE=tiles,
-        mask_mod=mask_mod,
-        seq_lengths=seq_lengths,
-        compute_q_blocks=False,  # inference only: the transposed (backward) index is never read
-    )
-
-
 # ---- implementation ------------------------------------------------------------------------------
 
 
@@ -377,7 +229,7 @@ class FlexAttentionImpl(AttentionImpl):
                 "FLEX_ATTENTION: torch.compile'd flex_attention; query lengths padded to powers of two >= %d",
                 Q_TILE,
             )
-        elif _compile_failure is None:  # after a failure, _disable_compile has warned already
+        else:
             _announce_once(
                 "eager",
                 logging.INFO,
@@ -408,13 +260,26 @@ class FlexAttentionImpl(AttentionImpl):
             key_src = key_cache.reshape(-1, self.num_kv_heads, self.head_size)
             value_src = value_cache.reshape(-1, self.num_kv_heads, self.head_size)
 
-        if self.use_compile:
+        compile_key = self._compile_key(query.device, dtype, meta.causal)
+        if self.use_compile and compile_key not in _compile_failures:
             try:
                 return self._attend(query, key_src, value_src, meta, dtype, compiled=True)[:num_tokens]
             except torch._dynamo.exc.TorchDynamoException as exc:  # tracing or backend compile failed
-                _disable_compile(exc)
-                self.use_compile = False
+                _disable_compile(compile_key, exc)
         return self._attend(query, key_src, value_src, meta, dtype, compiled=False)[:num_tokens]
+
+    def _compile_key(self, device: torch.device, dtype: torch.dtype, causal: bool) -> CompileKey:
+        return CompileKey(
+            device=device.type,
+            head_size=self.head_size,
+            dtype=str(dtype).removeprefix("torch."),
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            attn_type=self.attn_type,
+            causal=causal and self.attn_type != "encoder_only",
+            sliding_window=self.sliding_window is not None,
+            soft_cap=self.score_mod is not None,
+        )
 
     def _write_cache(
         self,
@@ -482,71 +347,6 @@ class FlexAttentionImpl(AttentionImpl):
         return meta.masks[key]
 
 
-def build_step_mask(
-    meta: FlexAttentionMetadata,
-    *,
-    encoder: bool,
-    causal: bool,
-    sliding_window: int | None,
-    q_len: int,
-    num_blocks: int,
-    compiled: bool,
-) -> StepMask:
-    """The BlockMask for one layer configuration of one step (q_len a multiple of Q_TILE).
-
-    compiled: KV is the physical cache, with the sparse page structure from the block tables.
-    Eager (paged): KV is a compact copy of the pages the step reads, listed densely, because
-    eager flex_attention evaluates the mask over every (query, key) pair anyway.
-    """
-    num_q_tiles = q_len // Q_TILE
-    q_req = _pad(meta.q_req, q_len, meta.pad_req)
-    q_pos = _pad(meta.q_pos, q_len, -1)
-    if encoder:
-        kv_num_blocks, kv_indices = encoder_kv_blocks(meta, num_q_tiles)
-        mask_mod = encoder_mask_mod(q_req, q_pos, meta.pad_req, sliding_window)
-        return StepMask(
-            _block_mask(kv_num_blocks, kv_indices, (Q_TILE, Q_TILE), mask_mod, (q_len, q_len)), None
-        )
-
-    bs = meta.block_size
-    device = meta.block_table.device
-    inverse = physical_to_logical(meta, num_blocks)
-    if compiled:
-        # The CPU kernel requires kv_indices as wide as the KV sequence has tiles; the GPU
-        # kernel only needs room for what one query tile can read.
-        width = num_blocks if device.type == "cpu" else min(num_blocks, Q_TILE * meta.block_table.shape[1])
-        kv_num_blocks, kv_indices = paged_kv_blocks(
-            meta, causal, sliding_window, num_q_tiles, num_blocks, width
-        )
-        kv_physical = torch.arange(num_blocks, dtype=torch.int32, device=device)
-        mask_mod = paged_mask_mod(
-            q_req, q_pos, meta.block_table, meta.seq_lens, inverse, kv_physical, bs, causal, sliding_window
-        )
-        return StepMask(
-            _block_mask(kv_num_blocks, kv_indices, (Q_TILE, bs), mask_mod, (q_len, num_blocks * bs)), None
-        )
-
-    tile, req, logical = tile_pages(meta, causal, sliding_window)
-    pages = torch.unique(meta.block_table[req.to(device), logical.to(device)].long())
-    num_pages = pages.shape[0]
-    kv_num_blocks = torch.full((num_q_tiles,), num_pages, dtype=torch.int32, device=device)
-    kv_indices = torch.arange(num_pages, dtype=torch.int32, device=device).expand(num_q_tiles, -1)
-    mask_mod = paged_mask_mod(
-        q_req,
-        q_pos,
-        meta.block_table,
-        meta.seq_lens,
-        inverse[pages],
-        pages.to(torch.int32),
-        bs,
-        causal,
-        sliding_window,
-    )
-    return StepMask(
-        _block_mask(kv_num_blocks, kv_indices, (Q_TILE, bs), mask_mod, (q_len, num_pages * bs)), pages
-    )
-
-
 def _pad_rows(x: torch.Tensor, length: int) -> torch.Tensor:
     """A fresh contiguous [length, ...] copy, zero past x's rows. Always a copy: compiled graphs
     are specialized on strides, and the caller's views (e.g. q split from a fused qkv) vary.
@@ -571,14 +371,3 @@ def _kernel_options(device: torch.device, kv_tile: int) -> dict[str, Any] | None
     # The Triton kernel's tiles must divide the BlockMask tiles (Q_TILE x one page); the
     # decoding kernel assumes one query tile per batch row, which a packed batch is not.
     return {"FORCE_USE_FLEX_ATTENTION": True, "BLOCK_M": Q_TILE, "BLOCK_N": math.gcd(kv_tile, 64)}
-
-
-def _disable_compile(exc: Exception) -> None:
-    global _compile_failure
-    _compile_failure = f"torch.compile failed: {type(exc).__name__}: {exc}"
-    _announce_once(
-        "compile-failed",
-        logging.WARNING,
-        "FLEX_ATTENTION: %s; falling back to eager flex_attention for this process",
-        _compile_failure,
-    )
