@@ -2,10 +2,16 @@
 
 Cache layout (one of K or V): [num_blocks, block_size, num_kv_heads, head_size], head dim contiguous.
 Slot s lives in block s // block_size at offset s % block_size; slot -1 is skipped (CUDA-graph padding).
-An fp8 cache stores value / scale (computed in float32), rounded to nearest even like torch's cast.
+An fp8 cache stores value / scale (an IEEE float32 division, tl.math.div_rn: Triton's `/` is an
+approximate division on NVIDIA GPUs) rounded to nearest even: bit-identical to torch's
+`(value.float() / scale).to(fp8)` where that quotient is a true division (on a CUDA tensor, torch divides
+by a Python-float or CPU-scalar divisor as a multiplication by its reciprocal, which is not). Values past
+the fp8 range saturate on the GPU (torch gives NaN / inf there).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -14,13 +20,18 @@ import triton.language as tl
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
+def _interpreting() -> bool:
+    """Triton kernels run in the CPU interpreter (as triton_unified_attention.is_interpreter)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
 @triton.jit
 def _round_to_fp8_grid(x, MANTISSA_BITS: tl.constexpr, MIN_EXPONENT: tl.constexpr):
     """Round float32 x to the nearest (ties to even) value of an fp8 format, staying in float32.
 
-    The cast of the result to fp8 is then exact in any rounding mode. Done by hand because the Triton
-    interpreter's fp32 -> fp8 cast drops the carry when rounding up crosses a power of two
-    (0.4871 -> 0.25 instead of 0.5); on the GPU it costs a few ALU ops in a bandwidth-bound kernel.
+    The cast of the result to fp8 is then exact in any rounding mode. Used only under the Triton
+    interpreter, whose fp32 -> fp8 cast drops the carry when rounding up crosses a power of two
+    (0.4871 -> 0.25 instead of 0.5); compiled kernels use the hardware's round-to-nearest-even cast.
     """
     exponent = ((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
     exponent = tl.maximum(exponent, MIN_EXPONENT)  # subnormals share the smallest normal's ulp
@@ -58,6 +69,7 @@ def _reshape_and_cache_kernel(
     IS_FP8: tl.constexpr,
     FP8_MANTISSA_BITS: tl.constexpr,
     FP8_MIN_EXPONENT: tl.constexpr,
+    FP8_ROUND_BY_HAND: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
@@ -72,10 +84,16 @@ def _reshape_and_cache_kernel(
     k = tl.load(key_ptr + token * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
     v = tl.load(value_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
     if IS_FP8:
-        k = _round_to_fp8_grid(k.to(tl.float32) / tl.load(k_scale_ptr), FP8_MANTISSA_BITS, FP8_MIN_EXPONENT)
-        v = _round_to_fp8_grid(v.to(tl.float32) / tl.load(v_scale_ptr), FP8_MANTISSA_BITS, FP8_MIN_EXPONENT)
-        k = k.to(key_cache_ptr.dtype.element_ty)
-        v = v.to(value_cache_ptr.dtype.element_ty)
+        k = tl.math.div_rn(k.to(tl.float32), tl.load(k_scale_ptr))
+        v = tl.math.div_rn(v.to(tl.float32), tl.load(v_scale_ptr))
+        if FP8_ROUND_BY_HAND:
+            k = _round_to_fp8_grid(k, FP8_MANTISSA_BITS, FP8_MIN_EXPONENT)
+            v = _round_to_fp8_grid(v, FP8_MANTISSA_BITS, FP8_MIN_EXPONENT)
+            k = k.to(key_cache_ptr.dtype.element_ty)
+            v = v.to(value_cache_ptr.dtype.element_ty)
+        else:
+            k = k.to(key_cache_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+            v = v.to(value_cache_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
     else:
         k = k.to(key_cache_ptr.dtype.element_ty)
         v = v.to(value_cache_ptr.dtype.element_ty)
@@ -152,5 +170,6 @@ def reshape_and_cache(
         IS_FP8=is_fp8,
         FP8_MANTISSA_BITS=2 if key_cache.dtype == torch.float8_e5m2 else 3,
         FP8_MIN_EXPONENT=-14 if key_cache.dtype == torch.float8_e5m2 else -6,
+        FP8_ROUND_BY_HAND=is_fp8 and _interpreting(),
         num_warps=4,
     )

@@ -17,9 +17,50 @@ FP8_TORCH_DTYPES = {
 }
 
 
+def fp8_quantize(x: torch.Tensor, fp8_dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """What the KV write stores for x: the IEEE float32 quotient x / scale, rounded to nearest even fp8.
+
+    Divides by a float32 tensor on x's device: on a CUDA tensor, torch turns division by a Python
+    float into a multiplication by its reciprocal, which rounds differently in the last bit.
+    """
+    return (x.float() / torch.tensor(scale, dtype=torch.float32, device=x.device)).to(fp8_dtype)
+
+
 def fp8_roundtrip(x: torch.Tensor, fp8_dtype: torch.dtype, scale: float) -> torch.Tensor:
-    """What an fp8 cache gives back for x: (x / scale) rounded to fp8, times scale, in float32."""
-    return (x.float() / scale).to(fp8_dtype).float() * scale
+    """What an fp8 cache gives back for x: fp8_quantize(x), times scale, in float32."""
+    return fp8_quantize(x, fp8_dtype, scale).float() * scale
+
+
+def read_back(batch: PagedBatch, key_cache: torch.Tensor, value_cache: torch.Tensor, k_scale: float = 1.0,
+              v_scale: float = 1.0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:  # fmt: skip
+    """Every request's whole context [seq_len, Hkv, D] as the cache holds it, dequantized, in float32."""
+    keys, values = [], []
+    for r, seq_len in enumerate(batch.seq_lens):
+        pos = torch.arange(seq_len, device=key_cache.device)
+        blocks = batch.block_table[r].to(key_cache.device).long()[pos // batch.block_size]
+        keys.append(key_cache[blocks, pos % batch.block_size].float() * k_scale)
+        values.append(value_cache[blocks, pos % batch.block_size].float() * v_scale)
+    return keys, values
+
+
+def check_read_back(stored: list[torch.Tensor], original: list[torch.Tensor], fp8_dtype: torch.dtype | None,
+                    scale: float, what: str) -> None:  # fmt: skip
+    """The cache holds every context row (the KV write's new rows too) up to one rounding to its dtype.
+
+    Exact for a model-dtype cache; for fp8, half an ulp of x / scale (eps / 2 relative, or half the
+    smallest subnormal step), times scale. Catches rows written to the wrong slot or not at all.
+    """
+    for r, (got, want) in enumerate(zip(stored, original)):
+        want = want.float()
+        if fp8_dtype is None:
+            bad = got != want
+        else:
+            info = torch.finfo(fp8_dtype)
+            bound = torch.clamp(want.abs() * (info.eps / 2), min=scale * info.tiny * info.eps / 2)
+            bad = (got - want).abs() > bound * (1 + 1e-5)
+        if bad.any():
+            pos = int(bad.nonzero()[0, 0])
+            raise AssertionError(f"{what} cache of request {r} is wrong at context position {pos}")
 
 
 @dataclass
@@ -85,12 +126,11 @@ def run_attention_case(
     )
     batch.fill_cache(staging[0], staging[1])
     if fp8 is not None:
-        kv_cache = torch.stack([(staging[0] / k_scale).to(fp8), (staging[1] / v_scale).to(fp8)])
-        keys = [fp8_roundtrip(k, fp8, k_scale) for k in batch.keys]
-        values = [fp8_roundtrip(v, fp8, v_scale) for v in batch.values]
+        kv_cache = torch.stack(
+            [fp8_quantize(staging[0], fp8, k_scale), fp8_quantize(staging[1], fp8, v_scale)]
+        )
     else:
         kv_cache = staging.to(cache_dtype)
-        keys, values = batch.keys, batch.values
     gen = torch.Generator().manual_seed(seed + 1)
     sinks = (torch.randn(num_heads, generator=gen) * 2).to(device) if use_sinks else None
 
@@ -120,6 +160,14 @@ def run_attention_case(
     )
     out = torch.full_like(batch.query, float("nan"))  # poisoned: every real token must be written
     impl.forward(layer, batch.query, batch.new_keys, batch.new_values, kv_cache, md, output=out)
+    # The reference attends over exactly what the cache holds after the step (the new rows as the KV
+    # write rounded them), so it differs from the kernel only in accumulation order and in the
+    # kernel's roundings of P and of the output; the cache itself is checked against the inputs.
+    if fp8 is None:
+        k_scale = v_scale = 1.0
+    keys, values = read_back(batch, kv_cache[0], kv_cache[1], k_scale, v_scale)
+    check_read_back(keys, batch.keys, fp8, k_scale, "key")
+    check_read_back(values, batch.values, fp8, v_scale, "value")
     ref = reference_attention(
         batch.query,
         keys,
