@@ -6,7 +6,7 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
-from kvllm.config.engine import EngineArgs
+from kvllm.config.engine import EngineArgs, unknown_engine_argument_error
 from kvllm.engine.llm_engine import LLMEngine, PromptType
 from kvllm.outputs import RequestOutput
 from kvllm.sampling_params import SamplingParams
@@ -20,16 +20,15 @@ class LLM:
     `LLM(model=None, **engine_args)` takes every EngineArgs field by keyword
     (dtype, max_model_len, block_size, gpu_memory_utilization, kv_cache_memory_bytes,
     enable_prefix_caching, max_num_seqs, max_num_batched_tokens, seed, load_format,
-    enforce_eager, attention_backend, attention_config, kv_cache_dtype, ...).
+    enforce_eager, attention_backend, attention_config, kv_cache_dtype, ...). vLLM arguments kvllm
+    has no feature for (quantization, speculative_config, swap_space) are accepted and answered with
+    an error or a warning that says so, never silently dropped.
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         unknown = sorted(set(kwargs) - set(EngineArgs.field_names()))
         if unknown:
-            raise TypeError(
-                f"LLM() got unknown engine argument(s): {', '.join(unknown)}. "
-                f"Valid arguments: {', '.join(EngineArgs.field_names())}"
-            )
+            raise unknown_engine_argument_error({name: kwargs[name] for name in unknown})
         self.engine_args = EngineArgs(model=model, **kwargs)
         self.llm_engine = LLMEngine.from_engine_args(self.engine_args)
         self._counter = itertools.count()

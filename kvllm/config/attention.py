@@ -5,7 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvllm.attention.backend import KV_CACHE_DTYPES
 from kvllm.attention.names import AttentionBackendEnum
+
+# Fields some guides put in AttentionConfig although they are engine settings; EngineArgs moves
+# them onto its own fields (block_size, max_model_len, kv_cache_dtype) and clears them here.
+ENGINE_MAPPED_FIELDS = ("block_size", "max_seq_len", "fp8_enabled", "kv_cache_dtype")
 
 
 @dataclass(frozen=True)
@@ -30,6 +35,31 @@ class AttentionConfig:
         default=None,
         metadata={"help": "Prefill backend for MLA models. Default: automatic."},
     )
+    block_size: int | None = field(
+        default=None,
+        metadata={"help": "Same setting as --block-size (tokens per KV-cache block); both given must agree."},
+    )
+    max_seq_len: int | None = field(
+        default=None,
+        metadata={"help": "Same setting as --max-model-len (prompt + output tokens); both given must agree."},
+    )
+    kv_cache_dtype: str | None = field(
+        default=None,
+        metadata={"help": "Same setting as --kv-cache-dtype; both given must agree."},
+    )
+    fp8_enabled: bool | None = field(
+        default=None,
+        metadata={
+            "help": "true = an fp8 KV cache (--kv-cache-dtype fp8); false = an unquantized one. "
+            "Weights are not affected."
+        },
+    )
+    num_kv_heads: int | None = field(
+        default=None,
+        metadata={
+            "help": "A check, not a setting: the model's KV head count (from its config.json) must equal it."
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.backend is not None and not isinstance(self.backend, AttentionBackendEnum):
@@ -44,6 +74,22 @@ class AttentionConfig:
         if self.use_trtllm_attention is not None:
             object.__setattr__(
                 self, "use_trtllm_attention", _as_bool("use_trtllm_attention", self.use_trtllm_attention)
+            )
+        for name in ("block_size", "max_seq_len", "num_kv_heads"):
+            value = getattr(self, name)
+            if value is not None:
+                number = _as_int(name, value)
+                if number <= 0:
+                    raise ValueError(
+                        f"attention_config.{name}={value!r} is not valid; allowed: a positive integer"
+                    )
+                object.__setattr__(self, name, number)
+        if self.fp8_enabled is not None:
+            object.__setattr__(self, "fp8_enabled", _as_bool("fp8_enabled", self.fp8_enabled))
+        if self.kv_cache_dtype is not None and self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"attention_config.kv_cache_dtype={self.kv_cache_dtype!r} is not valid; "
+                f"allowed: {', '.join(KV_CACHE_DTYPES)}"
             )
 
     @classmethod

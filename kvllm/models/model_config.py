@@ -9,10 +9,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvllm.logger import init_logger
+
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
     from kvllm.config.engine import EngineArgs
+
+logger = init_logger(__name__)
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -56,6 +60,8 @@ class ModelConfig:
             ) from e
         architecture = resolve_architecture(getattr(hf_config, "architectures", None))
         windows = {layer_sliding_window(hf_config, i) for i in range(hf_config.num_hidden_layers)} - {None}
+        num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+        check_num_kv_heads(args.attention_config.num_kv_heads, num_kv_heads, model)
         return cls(
             model=model,
             model_path=model_path,
@@ -66,13 +72,26 @@ class ModelConfig:
             max_model_len=resolve_max_model_len(args.max_model_len, hf_config),
             num_hidden_layers=hf_config.num_hidden_layers,
             num_attention_heads=hf_config.num_attention_heads,
-            num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads,
+            num_kv_heads=num_kv_heads,
             head_size=head_size_of(hf_config),
             hidden_size=hf_config.hidden_size,
             vocab_size=hf_config.vocab_size,
             sliding_window=max(windows) if windows else None,
             eos_token_ids=find_eos_token_ids(model_path, tokenizer_path, hf_config),
         )
+
+
+def check_num_kv_heads(expected: int | None, num_kv_heads: int, model: str) -> None:
+    """attention_config.num_kv_heads is a check against the model, not a setting: equal, or an error."""
+    if expected is None:
+        return
+    if expected != num_kv_heads:
+        raise ValueError(
+            f"attention_config.num_kv_heads={expected} does not match the model: {model!r} has "
+            f"num_kv_heads={num_kv_heads} (num_key_value_heads in its config.json). The KV head count is a "
+            f"property of the model and cannot be changed; set num_kv_heads={num_kv_heads} or drop it"
+        )
+    logger.info("attention_config.num_kv_heads=%d matches the model's KV head count", expected)
 
 
 def _resolve_model(model: str | None, revision: str | None, what: str = "Model") -> tuple[str, str]:
