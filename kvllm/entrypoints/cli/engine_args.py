@@ -21,7 +21,7 @@ from typing import Any
 
 from kvllm.attention.names import AttentionBackendEnum
 from kvllm.config.attention import AttentionConfig
-from kvllm.config.engine import EngineArgs
+from kvllm.config.engine import MODEL_PROPERTY_ARGS, EngineArgs, model_property_error
 
 _AC_PREFIXES = ("--attention-config.", "--attention_config.", "-ac.")
 
@@ -129,7 +129,27 @@ def add_engine_args(
             group.add_argument(*flags, type=hint, **common)
         else:
             raise TypeError(f"EngineArgs.{f.name}: no CLI mapping for type {hint!r}; extend add_engine_args")
+    # Hidden flags for model properties (e.g. a guide's "--num-heads 32 --head-dim 128"): argparse
+    # would only say "unrecognized arguments"; these say why they cannot be set.
+    for name in MODEL_PROPERTY_ARGS:
+        flags = [f"--{name.replace('_', '-')}", f"--{name}"]
+        group.add_argument(
+            *dict.fromkeys(flags),
+            dest=f"_model_property_{name}",
+            nargs="?",
+            action=_ModelPropertyFlag,
+            default=argparse.SUPPRESS,
+            help=argparse.SUPPRESS,
+        )
     return parser
+
+
+class _ModelPropertyFlag(argparse.Action):
+    """Rejects a model-property flag with the reason (raised as ValueError: `kvllm: error: ...`)."""
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option_string: str | None = None) -> None:
+        name = self.dest.removeprefix("_model_property_")
+        raise model_property_error(name, values if values is not None else "", flag=True)
 
 
 def engine_arg_parser(positional_model: bool = True) -> argparse.ArgumentParser:
