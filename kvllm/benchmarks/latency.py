@@ -18,11 +18,13 @@ from kvllm.benchmarks.datasets import random_requests
 from kvllm.benchmarks.engine_runner import build_llm, engine_description, run_batch
 from kvllm.benchmarks.gpu_util import GpuUtilSampler
 from kvllm.benchmarks.utils import PERCENTILES, add_common_flags, environment, mean, percentile, write_json
+from kvllm.logger import init_logger
 
 if TYPE_CHECKING:
     from kvllm.llm import LLM
 
 DEFAULT_PROFILE_DIR = "kvllm_profile"
+logger = init_logger(__name__)
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -89,7 +91,56 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="Profile only the first N engine steps of the profiled iteration (implies --profile).",
     )
+    group.add_argument(
+        "--backend",
+        dest="backend",
+        default=None,
+        metavar="NAME",
+        help="An attention backend name, as some guides write it: the same as --attention-backend NAME "
+        "(kvllm is the engine measured; HF transformers is in bench throughput --backend hf).",
+    )
     add_common_flags(group)
+
+
+def is_attention_backend_name(value: str) -> bool:
+    """Whether `value` names an attention backend (implemented here or not), rather than an engine."""
+    from kvllm.attention.names import AttentionBackendEnum
+    from kvllm.attention.registry import registered_backend_names
+
+    key = value.strip().upper()
+    return key in AttentionBackendEnum.__members__ or key in registered_backend_names()
+
+
+def apply_backend_alias(args: argparse.Namespace) -> None:
+    """`--backend NAME` in bench latency: an attention backend name becomes --attention-backend NAME
+    (said at INFO); "kvllm" is the engine measured anyway; anything else is an error that says why."""
+    value = getattr(args, "backend", None)
+    if value is None:
+        return
+    if value.strip().lower() == "kvllm":
+        logger.info("bench latency --backend kvllm: kvllm is the engine this benchmark measures")
+        return
+    if value.strip().lower() == "hf":
+        raise ValueError(
+            "bench latency measures kvllm only; HF transformers is measured by "
+            "`kvllm bench throughput --backend hf`"
+        )
+    if not is_attention_backend_name(value):
+        from kvllm.attention.registry import registered_backend_names
+
+        raise ValueError(
+            f"--backend {value!r} is not valid for bench latency; allowed: an attention backend "
+            f"({', '.join(registered_backend_names())}), the same as --attention-backend"
+        )
+    name = value.strip().upper()
+    current = getattr(args, "attention_backend", None)
+    if current is not None and str(current).strip().upper() != name:
+        raise ValueError(
+            f"--backend {value} and --attention-backend {current} disagree; in bench latency --backend "
+            "is an alias of --attention-backend: give one"
+        )
+    args.attention_backend = name
+    logger.info("bench latency: --backend %s is taken as --attention-backend %s", value, name)
 
 
 def _check(args: argparse.Namespace) -> None:

@@ -37,9 +37,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("throughput benchmark")
     group.add_argument(
         "--backend",
-        choices=BACKENDS,
         default="kvllm",
-        help="kvllm, or hf for HF transformers generate on the same model (default: kvllm).",
+        metavar="{kvllm,hf}",
+        help="The engine measured: kvllm, or hf for HF transformers generate on the same model "
+        "(default: kvllm). The attention backend is --attention-backend.",
     )
     group.add_argument(
         "--dataset-name",
@@ -102,6 +103,21 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="Skip the untimed warm-up request (one short request, as nano-vllm does).",
     )
     add_common_flags(group)
+
+
+def check_backend(value: str) -> None:
+    """--backend is the engine measured; an attention backend name there gets an explanation."""
+    if value in BACKENDS:
+        return
+    from kvllm.benchmarks.latency import is_attention_backend_name
+
+    if is_attention_backend_name(value):
+        raise ValueError(
+            f"--backend {value}: in bench throughput, --backend picks the engine measured (kvllm, or hf for "
+            f"HF transformers), not the attention backend. For the attention backend use --attention-backend "
+            f"{value.strip().upper()} (bench latency also takes --backend {value} as that alias)"
+        )
+    raise ValueError(f"--backend {value!r} is not valid; allowed: {', '.join(BACKENDS)}")
 
 
 def make_requests(args: argparse.Namespace, vocab_size: int, seed: int) -> list[BenchRequest]:
@@ -196,6 +212,7 @@ def measure_throughput(
 ) -> dict[str, Any]:
     """Run the workload on the chosen backend; `llm` / `hf_runner` reuse an engine or HF model already
     built from the same `engine_kwargs`."""
+    check_backend(args.backend)
     engine_kwargs = dict(engine_kwargs)
     if args.dataset_name == "nano-vllm":
         engine_kwargs.setdefault("max_model_len", NANO_VLLM_MAX_MODEL_LEN)

@@ -64,12 +64,14 @@ def _print_help(parser: argparse.ArgumentParser) -> int:
 def run_latency(args: argparse.Namespace) -> int:
     from kvllm.benchmarks import latency
 
+    latency.apply_backend_alias(args)
     return latency.main(args, engine_kwargs_from_cli(args))
 
 
 def run_throughput(args: argparse.Namespace) -> int:
     from kvllm.benchmarks import throughput
 
+    throughput.check_backend(args.backend)
     return throughput.main(args, engine_kwargs_from_cli(args))
 
 
