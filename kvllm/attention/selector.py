@@ -87,10 +87,42 @@ def _choose_manual(
     if reasons:
         raise ValueError(
             f"Selected backend {requested.name} is not valid for this configuration. Reason: {reasons}"
+            + _head_size_alternatives(config, device, requested.name, reasons)
         )
     backend = registry.get_backend_class(requested.name)
     logger.info("Using %s attention backend (selected by the user).", requested.name)
     return BackendChoice(backend, _block_size(backend, config))
+
+
+def _head_size_alternatives(
+    config: AttentionSelectorConfig, device: DeviceInfo, rejected: str, reasons: list[str]
+) -> str:
+    """When the head size is among the reasons: the registered backends whose declarations allow it,
+    and which of them are valid for the whole configuration here."""
+    if not any(r.startswith(f"head_size {config.head_size} ") for r in reasons):
+        return ""
+    allowing, valid = [], []
+    for name in registry.registered_backend_names():
+        if name == rejected:
+            continue
+        try:
+            backend = registry.get_backend_class(name)
+        except ImportError:
+            continue
+        if backend.is_mla == config.use_mla and backend.head_sizes.allows(config.head_size):
+            allowing.append(f"{name} ({', '.join(backend.platforms)})")
+            if not backend_reasons(name, config, device):
+                valid.append(name)
+    if not allowing:
+        return f"\nNo registered backend supports head_size {config.head_size}."
+    text = f"\nBackends that support head_size {config.head_size}: {', '.join(allowing)}."
+    priority = [n.name for n in backend_priority(device, config.use_mla)]
+    valid.sort(key=lambda n: priority.index(n) if n in priority else len(priority))
+    if valid:
+        text += f" Valid for this configuration: {', '.join(valid)} (e.g. --attention-backend {valid[0]})."
+    else:
+        text += " None of them is valid for the rest of this configuration here; see `kvllm backends`."
+    return text
 
 
 def _choose_automatic(config: AttentionSelectorConfig, device: DeviceInfo) -> BackendChoice:
