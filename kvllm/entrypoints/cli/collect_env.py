@@ -81,7 +81,7 @@ def _devices() -> list[str]:
     try:
         import torch
     except ImportError as exc:
-        return [f"torch not importable: {exc}"]
+        return [f"torch not importable: {exc}{_library_fix(exc, 'torch')}"]
     lines = [f"torch CUDA build: {torch.version.cuda}, HIP build: {torch.version.hip}"]
     if not torch.cuda.is_available():
         return [*lines, "GPUs: none visible (CPU only)"]
@@ -94,6 +94,51 @@ def _devices() -> list[str]:
     return lines
 
 
+_SHARED_LIBRARY = re.compile(r"(lib[\w+-]+\.so(?:\.\d+)*)")
+_CUDA_LIBRARIES = (
+    "libcuda",
+    "libcudart",
+    "libcublas",
+    "libcudnn",
+    "libnccl",
+    "libnvrtc",
+    "libcusparse",
+    "libnvjit",
+)
+
+
+def _library_fix(exc: BaseException, package: str = "the package") -> str:
+    """For an import that failed because a shared library did not load: which library, and the fix.
+
+    Empty when the error names no shared library (then the caller's generic fix applies).
+    """
+    match = _SHARED_LIBRARY.search(str(exc))
+    if match is None:
+        return ""
+    library = match.group(1)
+    if not library.startswith(_CUDA_LIBRARIES):
+        return (
+            f" (the shared library {library} could not be loaded: install the system package that provides "
+            f"it, or add its folder to LD_LIBRARY_PATH)"
+        )
+    version = re.search(r"\.so\.(\d+)", library)
+    major = int(version.group(1)) if version else None
+    needs = f"CUDA {major}" if major else "a CUDA runtime"
+    if major is None:
+        wheel = "the CUDA toolkit"
+    elif major >= 13:
+        wheel = f"pip install 'nvidia-cuda-runtime=={major}.*'"
+    else:
+        wheel = f"pip install nvidia-cuda-runtime-cu{major}"
+    return (
+        f" (the CUDA library {library} could not be loaded: {package} was built for {needs}, whose "
+        f"runtime is not installed or not on the library path. Fix: install a build of {package} for the "
+        "CUDA version your driver supports (see `nvidia-smi`; torch's build is listed under Devices), or "
+        f"install that runtime ({wheel}, or conda install cuda -c nvidia) and put its lib folder on "
+        "LD_LIBRARY_PATH, e.g. export LD_LIBRARY_PATH=$CONDA_PREFIX/lib:$LD_LIBRARY_PATH)"
+    )
+
+
 def backend_import_status() -> list[str]:
     """One line per registered backend: declarations and kernel module import, or why not."""
     from kvllm.attention import registry
@@ -103,7 +148,7 @@ def backend_import_status() -> list[str]:
         try:
             backend = registry.get_backend_class(name)
         except ImportError as exc:
-            lines.append(f"  ❌ {name}: declarations do not import: {exc}")
+            lines.append(f"  ❌ {name}: declarations do not import: {exc}{_library_fix(exc)}")
             continue
         missing = backend.missing_package_reason()
         if missing:
@@ -115,7 +160,10 @@ def backend_import_status() -> list[str]:
         except Exception as exc:  # any failure of a kernel library's import is reported, not raised
             library = backend.required_package or "its kernel module"
             fix = f"pip install 'kvllm[{backend.pip_extra}]'" if backend.pip_extra else "reinstall kvllm"
-            lines.append(f"  ❌ {name}: importing {library} failed: {type(exc).__name__}: {exc} (fix: {fix})")
+            explained = _library_fix(exc, library)
+            if not explained:
+                explained = f" (fix: {fix})"
+            lines.append(f"  ❌ {name}: importing {library} failed: {type(exc).__name__}: {exc}{explained}")
             continue
         lines.append(f"  ✅ {name}: imports")
     return lines
