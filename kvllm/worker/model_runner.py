@@ -27,6 +27,21 @@ GiB = 1 << 30
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * GiB
 
 
+def out_of_memory_error(
+    stage: str, exc: BaseException, args: EngineArgs, model_config: ModelConfig
+) -> ValueError:
+    """A start-up out-of-memory error turned into one that names the settings that change memory use."""
+    first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return ValueError(
+        f"Out of GPU memory while {stage} ({first_line}). The knobs: gpu_memory_utilization (now "
+        f"{args.gpu_memory_utilization}; the fraction of GPU memory kvllm may use: lower it if other processes "
+        f"share the GPU), max_model_len (now {model_config.max_model_len}) and max_num_seqs (now "
+        f"{args.max_num_seqs}), which bound the KV cache and the profiling batch (with max_num_batched_tokens); "
+        "kv_cache_memory_bytes sets the KV cache size directly. If the weights alone do not fit, use a smaller "
+        "model or --dtype float16/bfloat16. (swap_space does not help: kvllm never swaps.)"
+    )
+
+
 @dataclass
 class StepResult:
     """Sampled tokens of one step, for the requests that reached their last token."""
@@ -66,7 +81,10 @@ class ModelRunner:
         self.block_size = choice.block_size
 
         torch.manual_seed(args.seed)
-        self.model = load_model(model_config, args.load_format, device)
+        try:
+            self.model = load_model(model_config, args.load_format, device)
+        except torch.OutOfMemoryError as exc:
+            raise out_of_memory_error("loading the model weights", exc, args, model_config) from exc
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for layer in self.attention_layers:
             layer.bind_backend(self.attn_backend, args.kv_cache_dtype)
@@ -92,8 +110,23 @@ class ModelRunner:
         if self.args.kv_cache_memory_bytes is not None:
             budget = self.args.kv_cache_memory_bytes
         elif self.device.type == "cuda":
-            budget = self._profile_free_gpu_memory()
+            try:
+                budget = self._profile_free_gpu_memory()
+            except torch.OutOfMemoryError as exc:
+                raise out_of_memory_error(
+                    "profiling a forward pass of max_num_batched_tokens tokens",
+                    exc,
+                    self.args,
+                    self.model_config,
+                ) from exc
         else:
+            if self.args.gpu_memory_utilization != EngineArgs.gpu_memory_utilization:
+                logger.info(
+                    "gpu_memory_utilization=%s applies to GPUs only; on the CPU the KV cache is sized by "
+                    "kv_cache_memory_bytes (default: up to %d GiB)",
+                    self.args.gpu_memory_utilization,
+                    DEFAULT_CPU_KV_CACHE_BYTES // GiB,
+                )
             # No more than every sequence at full length could ever use.
             needed = self.args.max_num_seqs * -(-self.model_config.max_model_len // self.block_size) + 1
             budget = min(DEFAULT_CPU_KV_CACHE_BYTES, needed * per_block)
@@ -133,6 +166,12 @@ class ModelRunner:
         return budget
 
     def initialize_kv_cache(self, num_blocks: int, max_num_reqs: int) -> None:
+        try:
+            self._allocate_kv_cache(num_blocks, max_num_reqs)
+        except torch.OutOfMemoryError as exc:
+            raise out_of_memory_error("allocating the KV cache", exc, self.args, self.model_config) from exc
+
+    def _allocate_kv_cache(self, num_blocks: int, max_num_reqs: int) -> None:
         spec = self.kv_cache_spec
         shape = self.attn_backend.get_kv_cache_shape(
             num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size
