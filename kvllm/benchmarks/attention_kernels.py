@@ -1,10 +1,15 @@
-"""Kernel-level attention benchmark: TRITON_ATTN against torch SDPA, FlexAttention and FlashAttention-4.
+"""Kernel-level attention benchmark: our backends against torch SDPA, FlexAttention and FlashAttention-4.
 
 Every kernel is first checked against the float32 reference on the same random paged batch; only
 kernels that pass are timed (triton.testing.do_bench, median). Reported per shape and kernel: ms,
 TFLOP/s (4 * H * D * visible (query, key) pairs; causal prefill = 4*B*H*S^2*D/2), TB/s of KV read
 (K and V of every request read once) and the fractions of the measured copy bandwidth (a 2 GiB
 device-to-device copy timed in the same run, bytes read + written) and of 790 TFLOP/s (H200 bf16).
+
+Rows: TRITON_ATTN through its own ops (kernel tile sweeps with --sweep) and its KV write; then every
+other registered backend valid here through its contract (builder.build + impl.forward, the forward
+including the step's KV write; build() host time in the build column), see attention_backend_rows;
+backends not valid here get a "skipped" row with their reasons. Then the peer (reference) kernels.
 
 GPU (H200):   PYTHONPATH=. python -m kvllm.benchmarks.attention_kernels --output-json out.json
 CPU (CI):     PYTHONPATH=. python -m kvllm.benchmarks.attention_kernels --tiny
@@ -98,6 +103,7 @@ class Row:
     rel_error: float | None = None
     note: str = ""
     extra: dict = field(default_factory=dict)
+    build_ms: float | None = None  # host time of the backend's metadata builder build() (backend rows)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -110,6 +116,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", action="append", default=[], help="extra shape NAME:COUNTxQLEN@CTX[+...]")
     parser.add_argument("--only-shapes", action="store_true", help="run only the --shape ones")
     parser.add_argument("--peers", default=",".join(PEERS), help=f"comma list from {PEERS}")
+    parser.add_argument(
+        "--backends",
+        default=None,
+        help="comma list of registered backends to give rows (default: all; 'none': peers only). "
+        "TRITON_ATTN's rows are the triton and triton-kv-write peers: leaving it out drops them",
+    )
     parser.add_argument(
         "--dtype", default=None, help="bfloat16 (GPU default), float16, float32 (CPU default)"
     )
@@ -142,26 +154,32 @@ def main(argv: list[str] | None = None) -> int:
     shapes = [] if args.only_shapes else list(TINY_SHAPES if args.tiny else STANDARD_SHAPES)
     shapes += [parse_shape(s) for s in args.shape]
     peers = [p.strip() for p in args.peers.split(",") if p.strip()]
+    from kvllm.benchmarks.attention_backend_rows import resolve_backend_names
+
+    backends = resolve_backend_names(args.backends)
+    if args.backends is not None and "TRITON_ATTN" not in backends:
+        peers = [p for p in peers if p not in ("triton", "triton-kv-write")]
 
     bench = _Bench(args, dtype, device, on_gpu)
     rows: list[Row] = []
     copy_tbps = bench.copy_bandwidth()
     print(f"device copy bandwidth: {copy_tbps:.3f} TB/s (read + write)", flush=True)
     for shape in shapes:
-        rows += bench.run_shape(shape, peers, copy_tbps)
-
-    if args.output_json:
-        report = {
-            "date": datetime.datetime.now(datetime.UTC).isoformat(),
-            "argv": sys.argv if argv is None else argv,
-            "device": torch.cuda.get_device_name() if on_gpu else platform.processor() or "cpu",
-            "versions": _versions(),
-            "dtype": str(dtype),
-            "copy_tbps": copy_tbps,
-            "rows": [asdict(r) for r in rows],
-        }
-        with open(args.output_json, "w") as f:
-            json.dump(report, f, indent=2)
+        rows += bench.run_shape(shape, peers, copy_tbps, backends)
+        # Written after every shape, so a run cut short by a time limit keeps what it measured.
+        if args.output_json:
+            report = {
+                "date": datetime.datetime.now(datetime.UTC).isoformat(),
+                "argv": sys.argv if argv is None else argv,
+                "device": torch.cuda.get_device_name() if on_gpu else platform.processor() or "cpu",
+                "versions": _versions(),
+                "dtype": str(dtype),
+                "copy_tbps": copy_tbps,
+                "backends": backends,
+                "rows": [asdict(r) for r in rows],
+            }
+            with open(args.output_json, "w") as f:
+                json.dump(report, f, indent=2)
     _print_table(rows)
     return 0 if all(r.status in ("ok", "skipped") for r in rows) else 1
 
@@ -200,7 +218,13 @@ class _Bench:
 
     # ---- one shape --------------------------------------------------------------------------
 
-    def run_shape(self, shape: Shape, peers: list[str], copy_tbps: float) -> list[Row]:
+    def sync(self) -> None:
+        if self.on_gpu:
+            import torch
+
+            torch.cuda.synchronize()
+
+    def run_shape(self, shape: Shape, peers: list[str], copy_tbps: float, backends: list[str]) -> list[Row]:
         import torch
 
         from kvllm.attention.ops.triton_testing import FP8_TORCH_DTYPES
@@ -240,11 +264,61 @@ class _Bench:
         tol = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 1.5e-2}[self.dtype]
 
         rows = []
+        ours = [p for p in peers if p.startswith("triton")]
+        for peer in ours:
+            self._peer_rows(rows, peer, shape, batch, kv_cache, k_scale, scale, ref, tol, flops, kv_bytes,
+                            copy_tbps, cache_dtype)  # fmt: skip
+        rows += self._backend_rows(shape, batch, backends, scale, ref, tol, flops, kv_bytes, copy_tbps,
+                                   cache_dtype)  # fmt: skip
         for peer in peers:
-            runners = self._runners(peer, shape, batch, kv_cache, k_scale, scale)
-            for label, make in runners:
-                rows.append(self._measure(shape, label, make, ref, tol, flops, kv_bytes, copy_tbps))
-                print(f"  {_fmt_row(rows[-1])}", flush=True)
+            if peer not in ours:
+                self._peer_rows(rows, peer, shape, batch, kv_cache, k_scale, scale, ref, tol, flops, kv_bytes,
+                                copy_tbps, cache_dtype)  # fmt: skip
+        return rows
+
+    def _peer_rows(self, rows, peer, shape, batch, kv_cache, k_scale, scale, ref, tol, flops, kv_bytes,
+                   copy_tbps, cache_dtype) -> None:  # fmt: skip
+        for label, make in self._runners(peer, shape, batch, kv_cache, k_scale, scale):
+            row = self._measure(shape, label, make, ref, tol, flops, kv_bytes, copy_tbps)
+            if label == "TRITON_ATTN" and row.status == "ok":
+                from kvllm.benchmarks.attention_backend_rows import build_ms
+
+                a = self.args
+                try:
+                    row.build_ms = build_ms("TRITON_ATTN", batch, a.num_kv_heads, a.head_size, cache_dtype,
+                                            a.kv_cache_dtype, self.device, self.sync, self._build_budget_ms())  # fmt: skip
+                except Exception as exc:  # the kernel row stands; say why its build time is missing
+                    row.note += f"; build() not timed ({type(exc).__name__}: {str(exc)[:100]})"
+            rows.append(row)
+            print(f"  {_fmt_row(row)}", flush=True)
+
+    def _build_budget_ms(self) -> float:
+        return float(self.args.rep_ms) if self.on_gpu else 20.0
+
+    def _backend_rows(self, shape, batch, backends, scale, ref, tol, flops, kv_bytes, copy_tbps,
+                      cache_dtype) -> list[Row]:  # fmt: skip
+        from kvllm.benchmarks.attention_backend_rows import backend_results
+
+        a = self.args
+        rows: list[Row] = []
+
+        def add(res) -> None:
+            if res.status == "ok":
+                row = self._ok_row(
+                    shape, res.kernel, res.ms, flops, kv_bytes, copy_tbps, res.rel_error, res.note
+                )
+            else:
+                row = Row(shape.name, res.kernel, res.status, rel_error=res.rel_error, note=res.note)
+            row.build_ms, row.extra = res.build_ms, res.extra
+            rows.append(row)
+            print(f"  {_fmt_row(row)}", flush=True)
+
+        backend_results(
+            backends, batch, num_heads=a.num_heads, num_kv_heads=a.num_kv_heads, head_size=a.head_size,
+            scale=scale, dtype=self.dtype, cache_dtype=cache_dtype, kv_cache_dtype=a.kv_cache_dtype,
+            device=self.device, ref=ref, tol=tol, time_ms=self.time_ms, sync=self.sync,
+            build_budget_ms=self._build_budget_ms(), on_result=add,
+        )  # fmt: skip
         return rows
 
     def _measure(self, shape, label, make, ref, tol, flops, kv_bytes, copy_tbps) -> Row:
@@ -265,8 +339,13 @@ class _Bench:
         except Exception as exc:  # a peer that cannot run this shape is a result, not a crash
             return Row(shape.name, label, "error", note=f"{type(exc).__name__}: {str(exc)[:200]}")
         nbytes = bytes_override if bytes_override is not None else kv_bytes
+        return self._ok_row(shape, label, ms, 0.0 if bytes_override is not None else flops, nbytes, copy_tbps,
+                            err, note)  # fmt: skip
+
+    @staticmethod
+    def _ok_row(shape, label, ms, flops, nbytes, copy_tbps, err, note) -> Row:
         tbps = nbytes / (ms * 1e-3) / 1e12
-        tflops = 0.0 if bytes_override is not None else flops / (ms * 1e-3) / 1e12
+        tflops = flops / (ms * 1e-3) / 1e12
         return Row(shape.name, label, "ok", ms=ms, tflops=tflops, tbps=tbps, frac_copy_bw=tbps / copy_tbps,
                    frac_peak_flops=tflops / PEAK_TFLOPS, rel_error=err, note=note)  # fmt: skip
 
@@ -483,7 +562,7 @@ def _fmt_row(r: Row) -> str:
     return (
         f"{r.kernel:<34} {r.status:<7} {_fmt(r.ms, '.4f'):>9} ms {_fmt(r.tflops, '.1f'):>7} TFLOP/s "
         f"{_fmt(r.tbps, '.3f'):>7} TB/s {_fmt(r.frac_copy_bw, '.0%'):>5} copy {_fmt(r.frac_peak_flops, '.0%'):>5} peak "
-        f"err {_fmt(r.rel_error, '.1e'):>7}  {r.note}"
+        f"err {_fmt(r.rel_error, '.1e'):>7} build {_fmt(r.build_ms, '.3f'):>7} ms  {r.note}"
     )
 
 

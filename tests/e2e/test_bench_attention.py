@@ -50,9 +50,59 @@ def test_attention_tiny_run_checks_before_timing(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stdout + done.stderr
-    rows = json.loads(out.read_text())["rows"]
+    report = json.loads(out.read_text())
+    rows = report["rows"]
+    shapes = {r["shape"] for r in rows}
     triton = [r for r in rows if r["kernel"] == "TRITON_ATTN"]
     assert triton and all(r["status"] == "ok" and r["rel_error"] < 1e-3 and r["ms"] > 0 for r in triton)
+    # Every backend valid on the CPU gets a row per shape through its own builder and impl.forward,
+    # checked against the float32 reference (float32 here: tolerance 1e-4) before it is timed.
+    for name in ("CPU_ATTN", "FLEX_ATTENTION"):
+        mine = [r for r in rows if r["kernel"] == name]
+        assert {r["shape"] for r in mine} == shapes, name
+        for r in mine:
+            assert r["status"] == "ok", r
+            assert r["rel_error"] < 1e-4 and r["ms"] > 0 and r["build_ms"] > 0, r
+            assert "KV write" in r["note"] and r["extra"]["first_layer_ms"] > 0, r
+    # Backends not valid here are reported with their reasons, not left out.
+    for name in set(report["backends"]) - {"CPU_ATTN", "FLEX_ATTENTION", "TRITON_ATTN"}:
+        mine = [r for r in rows if r["kernel"] == name]
+        assert mine and all(r["status"] == "skipped" and "not valid on cpu" in r["note"] for r in mine), name
+
+
+@needs_kernel_bench
+def test_attention_backends_filter(tmp_path):
+    out = tmp_path / "attention.json"
+    cmd = [sys.executable, "-m", "kvllm.benchmarks.attention_kernels", "--tiny", "--only-shapes",
+           "--shape", "one:2x1@20", "--backends", "CPU_ATTN", "--peers", "triton,sdpa",
+           "--output-json", str(out)]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    kernels = [r["kernel"] for r in json.loads(out.read_text())["rows"]]
+    # TRITON_ATTN not named: its own rows go too; the peer kernels stay.
+    assert kernels == ["CPU_ATTN", "SDPA (cpu default)"]
+
+
+def test_kv_cache_views_follow_each_backends_layout():
+    import torch
+
+    from kvllm.attention.registry import get_backend_class, registered_backend_names
+    from kvllm.benchmarks.attention_backend_rows import kv_cache_views
+
+    nb, bs, h, d = 3, 4, 2, 8
+    for name in registered_backend_names():
+        backend = get_backend_class(name)
+        cache = torch.zeros(backend.get_kv_cache_shape(nb, bs, h, d))
+        key, value = kv_cache_views(backend, cache)
+        assert key.shape == value.shape == (nb, bs, h, d), name
+        key[1, 2, 1] = 1.0
+        value[2, 3, 0] = 2.0
+        assert cache.sum() == 3.0 * d, name
+        if name == "FLASHINFER":
+            assert cache[1, 0, 2, 1].eq(1.0).all() and cache[2, 1, 3, 0].eq(2.0).all()
+        else:
+            assert cache[0, 1, 2, 1].eq(1.0).all() and cache[1, 2, 3, 0].eq(2.0).all(), name
 
 
 @needs_kernel_bench
