@@ -572,3 +572,13 @@ def test_each_seed_setting_changes_the_config_or_says_why_not(argv, expected, lo
         assert getattr(args, name) != getattr(DEFAULTS, name) or logs.records, name
     if "--swap-space" in argv:
         assert "swap_space=16 has no effect" in logs.text(logging.WARNING)
+
+
+def test_seed_000_import_paths_work_with_kvllm():
+    """Seed 000's Python snippet imports, with `vllm` replaced by `kvllm`."""
+    from kvllm import LLM  # noqa: F401
+    from kvllm.config import AttentionConfig
+    from kvllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    config = AttentionConfig(backend=AttentionBackendEnum.CPU_ATTN)
+    assert config.backend is AttentionBackendEnum.CPU_ATTN
