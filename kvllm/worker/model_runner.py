@@ -96,7 +96,9 @@ class ModelRunner:
             kv_cache_dtype=args.kv_cache_dtype,
         )
         if device.type == "cuda" and not args.enforce_eager:
-            logger.info("CUDA graphs are not implemented in this version: running eagerly (as enforce_eager=True)")
+            logger.info(
+                "CUDA graphs are not implemented in this version: running eagerly (as enforce_eager=True)"
+            )
         self.sampler = Sampler()
         self.metadata_builder = None
         self.num_blocks = 0
