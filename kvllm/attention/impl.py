@@ -38,6 +38,10 @@ class AttentionImpl(ABC):
         kv_cache_dtype: str = "auto",
         sinks: torch.Tensor | None = None,
     ) -> None:
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+        if sinks is not None and tuple(sinks.shape) != (num_heads,):
+            raise ValueError(f"sinks must have shape ({num_heads},), got {tuple(sinks.shape)}")
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = scale

@@ -83,43 +83,18 @@ def _load_varlen_kernel() -> Callable[..., Any]:
 class FlashAttentionImpl(AttentionImpl):
     """One layer's attention through FA4: cache write, then one varlen call for the whole batch."""
 
-    def __init__(
-        self,
-        num_heads: int,
-        head_size: int,
-        scale: float,
-        num_kv_heads: int,
-        sliding_window: int | None = None,
-        logits_soft_cap: float | None = None,
-        attn_type: str = "decoder",
-        kv_cache_dtype: str = "auto",
-        sinks: torch.Tensor | None = None,
-    ) -> None:
-        super().__init__(
-            num_heads,
-            head_size,
-            scale,
-            num_kv_heads,
-            sliding_window,
-            logits_soft_cap,
-            attn_type,
-            kv_cache_dtype,
-            sinks,
-        )
-        if kv_cache_dtype not in ("auto", "float16", "bfloat16"):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.kv_cache_dtype not in ("auto", "float16", "bfloat16"):
             raise ValueError(
-                f"FLASH_ATTN: kv_cache_dtype {kv_cache_dtype} not supported (supported: auto, bfloat16, float16)"
+                f"FLASH_ATTN: kv_cache_dtype {self.kv_cache_dtype} not supported (supported: auto, bfloat16, float16)"
             )
-        if attn_type != "decoder":
-            raise ValueError(f"FLASH_ATTN: attention type {attn_type} not supported (supported: decoder)")
-        if num_heads % num_kv_heads:
+        if self.attn_type != "decoder":
             raise ValueError(
-                f"FLASH_ATTN: num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}"
+                f"FLASH_ATTN: attention type {self.attn_type} not supported (supported: decoder)"
             )
-        if sinks is not None and sinks.shape != (num_heads,):
-            raise ValueError(f"FLASH_ATTN: sinks must have shape ({num_heads},), got {tuple(sinks.shape)}")
         # Our window w admits keys k with p - w < k; FA's left window admits p - k <= left.
-        self.window_size = (sliding_window - 1, 0) if sliding_window else (None, None)
+        self.window_size = (self.sliding_window - 1, 0) if self.sliding_window else (None, None)
         self._varlen = _load_varlen_kernel()
 
     def forward(

@@ -279,40 +279,17 @@ def write_to_paged_cache(
 class FlashInferImpl(AttentionImpl):
     """One layer's attention through FlashInfer: cache write, decode run, prefill run."""
 
-    def __init__(
-        self,
-        num_heads: int,
-        head_size: int,
-        scale: float,
-        num_kv_heads: int,
-        sliding_window: int | None = None,
-        logits_soft_cap: float | None = None,
-        attn_type: str = "decoder",
-        kv_cache_dtype: str = "auto",
-        sinks: torch.Tensor | None = None,
-    ) -> None:
-        super().__init__(
-            num_heads,
-            head_size,
-            scale,
-            num_kv_heads,
-            sliding_window,
-            logits_soft_cap,
-            attn_type,
-            kv_cache_dtype,
-            sinks,
-        )
-        if sinks is not None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.sinks is not None:
             raise ValueError("FLASHINFER: attention sinks not supported (they need the TRT-LLM kernels)")
-        if attn_type != "decoder":
-            raise ValueError(f"FLASHINFER: attention type {attn_type} not supported (supported: decoder)")
-        if num_heads % num_kv_heads:
+        if self.attn_type != "decoder":
             raise ValueError(
-                f"FLASHINFER: num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}"
+                f"FLASHINFER: attention type {self.attn_type} not supported (supported: decoder)"
             )
         # Our window w admits keys k with p - w < k; FlashInfer's window_left admits p - k <= window_left.
-        self.window_left = sliding_window - 1 if sliding_window else -1
-        self._is_fp8 = kv_cache_dtype.startswith("fp8")
+        self.window_left = self.sliding_window - 1 if self.sliding_window else -1
+        self._is_fp8 = self.kv_cache_dtype.startswith("fp8")
         self._scales: tuple[float, float] | None = None
 
     def forward(

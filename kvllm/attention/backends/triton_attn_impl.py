@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -150,40 +150,17 @@ class TritonAttentionImpl(AttentionImpl):
     `decode_config` / `prefill_config` override the shape-chosen tile sizes (tests, tuning).
     """
 
-    def __init__(
-        self,
-        num_heads: int,
-        head_size: int,
-        scale: float,
-        num_kv_heads: int,
-        sliding_window: int | None = None,
-        logits_soft_cap: float | None = None,
-        attn_type: str = "decoder",
-        kv_cache_dtype: str = "auto",
-        sinks: torch.Tensor | None = None,
-    ) -> None:
-        super().__init__(
-            num_heads,
-            head_size,
-            scale,
-            num_kv_heads,
-            sliding_window,
-            logits_soft_cap,
-            attn_type,
-            kv_cache_dtype,
-            sinks,
-        )
-        if attn_type != "decoder":
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.attn_type != "decoder":
             raise NotImplementedError(
-                f"TRITON_ATTN does not support attention type {attn_type} (supported: decoder)"
+                f"TRITON_ATTN does not support attention type {self.attn_type} (supported: decoder)"
             )
-        if num_heads % num_kv_heads:
-            raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-        if sinks is not None and sinks.shape != (num_heads,):
-            raise ValueError(f"sinks must have shape ({num_heads},), got {tuple(sinks.shape)}")
-        self.sliding_window = sliding_window if sliding_window and sliding_window > 0 else None
-        self.logits_soft_cap = logits_soft_cap if logits_soft_cap and logits_soft_cap > 0 else None
-        self.fp8_dtype = FP8_CACHE_DTYPES.get(kv_cache_dtype)
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            self.sliding_window = None
+        if self.logits_soft_cap is not None and self.logits_soft_cap <= 0:
+            self.logits_soft_cap = None
+        self.fp8_dtype = FP8_CACHE_DTYPES.get(self.kv_cache_dtype)
         self.decode_config: KernelConfig | None = None
         self.prefill_config: KernelConfig | None = None
 
