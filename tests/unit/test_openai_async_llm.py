@@ -16,7 +16,7 @@ from kvllm.sampling_params import SamplingParams
 @pytest.fixture(scope="module")
 def engine(tiny_llama_path) -> LLMEngine:
     args = EngineArgs(
-        model=str(tiny_llama_path), dtype="float32", max_model_len=256, kv_cache_memory_bytes=1 << 21
+        model=str(tiny_llama_path), dtype="float32", max_model_len=2048, kv_cache_memory_bytes=1 << 22
     )
     return LLMEngine.from_engine_args(args)
 
@@ -73,14 +73,15 @@ def test_drain_finishes_short_requests_and_aborts_long_ones(engine):
         llm = AsyncLLM(engine)
         await llm.start()
         short = _last(llm.generate("a", SamplingParams(max_tokens=3, ignore_eos=True), "short"))
-        long = _last(llm.generate("b", SamplingParams(max_tokens=250, ignore_eos=True), "long"))
+        # 2000 steps take seconds even on a fast machine, so the 0.5 s below cannot finish it.
+        long = _last(llm.generate("b", SamplingParams(max_tokens=2000, ignore_eos=True), "long"))
         tasks = [asyncio.create_task(short), asyncio.create_task(long)]
         await asyncio.sleep(0.2)
         assert await llm.drain(timeout=0.3) == 1
         short_out, long_out = await asyncio.gather(*tasks)
         assert short_out.outputs[0].finish_reason == "length"
         assert long_out.finished and long_out.outputs[0].finish_reason == "abort"
-        assert 0 < len(long_out.outputs[0].token_ids) < 250
+        assert 0 < len(long_out.outputs[0].token_ids) < 2000
         with pytest.raises(EngineNotAcceptingError):
             await llm.add_request("late", "c", SamplingParams())
         await llm.shutdown()
