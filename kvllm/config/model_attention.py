@@ -43,15 +43,22 @@ def config_dtype_name(hf_config: Any) -> str | None:
 
 
 def resolve_model_dtype(requested: str, hf_config: Any, device: DeviceInfo) -> str:
-    """The dtype the model runs in: the user's, else the checkpoint's (float32 checkpoints run in
-    bfloat16 on GPUs that have it, float16 on older ones; CPU keeps float32), else bfloat16."""
+    """The dtype the model runs in; the one rule the engine and `kvllm backends` share.
+
+    The user's choice wins. "auto" is float32 on the CPU (fast there, and exact against
+    float32 references); on a GPU it is the checkpoint's float16/bfloat16, with float32 or
+    unnamed checkpoints in bfloat16, and bfloat16 replaced by float16 on GPUs without
+    native bfloat16 (CUDA compute capability below 8.0).
+    """
     if requested != "auto":
         return _DTYPE_NAMES.get(requested, requested)
-    dtype = config_dtype_name(hf_config) or "bfloat16"
-    if dtype == "float32" and device.platform != "cpu":
-        capable = device.platform == "rocm" or (device.capability or (0, 0)) >= (8, 0)
-        return "bfloat16" if capable else "float16"
-    return dtype
+    if device.platform == "cpu":
+        return "float32"
+    dtype = config_dtype_name(hf_config)
+    if dtype not in ("float16", "bfloat16"):
+        dtype = "bfloat16"
+    has_bf16 = device.platform == "rocm" or device.capability is None or device.capability >= (8, 0)
+    return dtype if dtype == "float16" or has_bf16 else "float16"
 
 
 def _text_config(hf_config: Any) -> Any:

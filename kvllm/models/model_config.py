@@ -9,7 +9,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvllm.attention.backend import DeviceInfo
+from kvllm.config.model_attention import resolve_model_dtype
 from kvllm.logger import init_logger
+from kvllm.platforms import current_device_info
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -113,17 +116,15 @@ def _resolve_model(model: str | None, revision: str | None, what: str = "Model")
 
 
 def resolve_dtype(dtype: str, hf_config: Any, device: torch.device) -> torch.dtype:
-    """ "auto": float32 on CPU; on GPUs the checkpoint's float16/bfloat16, else bfloat16."""
-    if dtype != "auto":
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype={dtype!r} is not valid; allowed: auto, {', '.join(_DTYPES)}")
-        return _DTYPES[dtype]
-    if torch.device(device).type == "cpu":
-        return torch.float32
-    config_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
-    if isinstance(config_dtype, str):
-        config_dtype = _DTYPES.get(config_dtype)
-    return config_dtype if config_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+    """The model's torch dtype on `device` (see resolve_model_dtype for the rule)."""
+    if dtype != "auto" and dtype not in _DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not valid; allowed: auto, {', '.join(_DTYPES)}")
+    info = DeviceInfo("cpu")
+    if torch.device(device).type == "cuda":
+        info = current_device_info()
+        if info.platform == "cpu":  # a CUDA device named without a GPU (tests): capability unknown
+            info = DeviceInfo("cuda")
+    return _DTYPES[resolve_model_dtype(dtype, hf_config, info)]
 
 
 def resolve_max_model_len(max_model_len: int | None, hf_config: Any) -> int:
