@@ -41,6 +41,7 @@ COLUMNS = [
     "Compute Cap.",
     "Platforms",
     "Needs",
+    "Verified on",
 ]
 
 HEADER = f"""# Attention Backend Feature Support
@@ -133,9 +134,9 @@ backend used instead.
 """
 
 FOOTNOTES = """
-\\* FlashAttention version: `-ac.flash_attn_version=2|3|4`. The default is FA4 on SM 10.x and
-newer, FA3 on SM 9.0 and FA2 otherwise; a version this build or the GPU cannot run is a rejection
-reason naming the version.
+\\* FlashAttention version: `-ac.flash_attn_version=2|3|4`. This build has FlashAttention-4 only
+(the one verified on our GPU): left unset it uses FA4 wherever FA4 runs (SM 9.0 and newer); 2 or 3,
+or FA4 on an older GPU, is a rejection reason naming the version.
 
 † FlashInfer on Blackwell (SM 10.x) uses TRT-LLM attention kernels, which support sinks; turn
 that off with `-ac.use_trtllm_attention=0`.
@@ -179,6 +180,7 @@ def backend_row(backend: type[AttentionBackend]) -> list[str]:
         _compute_cap(backend),
         ", ".join(backend.platforms),
         _needs(backend),
+        backend.verified_on or "not yet: declared from the library's documentation, unverified",
     ]
 
 

@@ -158,6 +158,9 @@ class AttentionBackend:
     required_package: ClassVar[str | None] = None  # import name of the kernel library
     pip_extra: ClassVar[str | None] = None  # pip install 'kvllm[<extra>]'
     preferred_block_size: ClassVar[int] = 16
+    # Where the declared combinations were last run against the float32 reference
+    # (the declared-equals-implemented tests); "" = not yet run on its target hardware.
+    verified_on: ClassVar[str] = ""
     kv_cache_layout: ClassVar[str] = "NHD"  # cache shape, see get_kv_cache_shape
 
     # ---- validation -------------------------------------------------------------------------

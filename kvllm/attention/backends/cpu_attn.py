@@ -34,6 +34,7 @@ class CpuAttentionBackend(AttentionBackend):
     supports_non_causal = True
     attn_types: ClassVar[tuple[str, ...]] = ("decoder", "encoder_only")
     preferred_block_size = 16
+    verified_on = "CPU (CI, every declared combination)"
 
     @classmethod
     def get_impl_cls(cls) -> type[AttentionImpl]:

@@ -46,6 +46,7 @@ class FlexAttentionBackend(AttentionBackend):
     cudagraph_support = "never"
     required_package = None  # torch itself
     preferred_block_size = 16
+    verified_on = "H200 (SM 9.0); CPU (CI)"
 
     @classmethod
     def get_impl_cls(cls) -> type[AttentionImpl]:

@@ -53,6 +53,9 @@ class TritonAttentionBackend(AttentionBackend):
     required_package: ClassVar[str | None] = "triton"
     pip_extra: ClassVar[str | None] = "triton"
     preferred_block_size: ClassVar[int] = 16
+    verified_on: ClassVar[str] = (
+        "H200 (SM 9.0, bf16/fp16, fp8 KV); CPU via the Triton interpreter (fp16/fp32)"
+    )
     kv_cache_layout: ClassVar[str] = "NHD"
 
     @classmethod
