@@ -93,8 +93,18 @@ class RotaryEmbedding(nn.Module):
             rotated = torch.cat([rotated, x[..., self.rotary_dim :]], dim=-1)
         return rotated.reshape(num_tokens, -1)
 
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin ([T, 1, rotary_dim / 2]) for the positions; computed once per forward pass."""
+        cos, sin = self.cos_sin_cache[positions].to(dtype).unsqueeze(1).chunk(2, dim=-1)
+        return cos, sin
+
+    def apply(
+        self, cos_sin: tuple[torch.Tensor, torch.Tensor], query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = cos_sin
+        return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
+
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.cos_sin_cache[positions].to(query.dtype).unsqueeze(1).chunk(2, dim=-1)
-        return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
+        return self.apply(self.cos_sin(positions, query.dtype), query, key)

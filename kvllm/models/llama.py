@@ -78,12 +78,13 @@ class LlamaAttention(nn.Module):
     def _head_norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
         return norm(x.view(x.shape[0], -1, self.head_size)).view(x.shape)
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden_states: torch.Tensor) -> torch.Tensor:
+        """`rope`: this step's (cos, sin), looked up once for all layers (RotaryEmbedding.cos_sin)."""
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden_states))
         if self.q_norm is not None and self.k_norm is not None:
             q = self._head_norm(self.q_norm, q)
             k = self._head_norm(self.k_norm, k)
-        q, k = self.rotary_emb(positions, q, k)
+        q, k = self.rotary_emb.apply(rope, q, k)
         return self.o_proj(self.attn(q, k, v.contiguous()))
 
 
@@ -115,14 +116,17 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
 
     def forward(
-        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
+        self,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states)
+        hidden_states = self.self_attn(rope, hidden_states)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
 
@@ -134,7 +138,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size)
         # One cos/sin cache shared by all layers (it can be tens of MB for long contexts).
-        rotary_emb = RotaryEmbedding(
+        self.rotary_emb = rotary_emb = RotaryEmbedding(
             head_size_of(hf_config), hf_config.max_position_embeddings, rope_parameters_from_config(hf_config)
         )
         self.layers = nn.ModuleList(
@@ -145,9 +149,10 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)
+        rope = self.rotary_emb.cos_sin(positions, hidden_states.dtype)
         residual = None
         for layer in self.layers:
-            hidden_states, residual = layer(positions, hidden_states, residual)
+            hidden_states, residual = layer(rope, hidden_states, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
