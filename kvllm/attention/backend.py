@@ -8,6 +8,7 @@ lives in `kvllm.attention.impl` and in each backend's own `*_impl` module, impor
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
@@ -266,13 +267,17 @@ class AttentionBackend:
 
     # ---- the torch side, imported lazily ---------------------------------------------------------
 
+    # "module:Class" of the torch side, imported on first use so declarations stay importable anywhere.
+    impl_path: ClassVar[str] = ""
+    builder_path: ClassVar[str] = ""
+
     @classmethod
     def get_impl_cls(cls) -> type[AttentionImpl]:
-        raise NotImplementedError
+        return _import_class(cls.impl_path, cls.name, "impl_path")
 
     @classmethod
     def get_builder_cls(cls) -> type[AttentionMetadataBuilder]:
-        raise NotImplementedError
+        return _import_class(cls.builder_path, cls.name, "builder_path")
 
     @classmethod
     def get_kv_cache_shape(
@@ -280,3 +285,10 @@ class AttentionBackend:
     ) -> tuple[int, ...]:
         """Shape of one layer's KV cache. Default: K and V stacked in front, NHD pages."""
         return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+
+def _import_class(path: str, backend_name: str, attribute: str) -> type:
+    if not path:
+        raise NotImplementedError(f"attention backend {backend_name} declares no {attribute}")
+    module_name, _, class_name = path.partition(":")
+    return getattr(importlib.import_module(module_name), class_name)

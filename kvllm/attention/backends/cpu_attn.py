@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 from kvllm.attention.backend import AttentionBackend, MultipleOf, SizeRule
-
-if TYPE_CHECKING:
-    from kvllm.attention.impl import AttentionImpl, AttentionMetadataBuilder
 
 
 class CpuAttentionBackend(AttentionBackend):
@@ -36,14 +33,5 @@ class CpuAttentionBackend(AttentionBackend):
     preferred_block_size = 16
     verified_on = "CPU (CI, every declared combination)"
 
-    @classmethod
-    def get_impl_cls(cls) -> type[AttentionImpl]:
-        from kvllm.attention.backends.cpu_attn_impl import CpuAttentionImpl
-
-        return CpuAttentionImpl
-
-    @classmethod
-    def get_builder_cls(cls) -> type[AttentionMetadataBuilder]:
-        from kvllm.attention.backends.cpu_attn_impl import CpuAttentionMetadataBuilder
-
-        return CpuAttentionMetadataBuilder
+    impl_path = "kvllm.attention.backends.cpu_attn_impl:CpuAttentionImpl"
+    builder_path = "kvllm.attention.backends.cpu_attn_impl:CpuAttentionMetadataBuilder"

@@ -12,12 +12,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from typing import TYPE_CHECKING
 
 from kvllm.attention.backend import AttentionBackend, AttentionSelectorConfig, DeviceInfo, OneOf
-
-if TYPE_CHECKING:
-    from kvllm.attention.impl import AttentionImpl, AttentionMetadataBuilder
 
 # Versions this build implements and verifies; 2 and 3 would need their own kernels and tests.
 AVAILABLE_FLASH_ATTN_VERSIONS: tuple[int, ...] = (4,)
@@ -114,17 +110,8 @@ class FlashAttentionBackend(AttentionBackend):
             f"(pip install 'kvllm[{cls.pip_extra}]')"
         )
 
-    @classmethod
-    def get_impl_cls(cls) -> type[AttentionImpl]:
-        from kvllm.attention.backends.flash_attn_impl import FlashAttentionImpl
-
-        return FlashAttentionImpl
-
-    @classmethod
-    def get_builder_cls(cls) -> type[AttentionMetadataBuilder]:
-        from kvllm.attention.backends.flash_attn_impl import FlashAttentionMetadataBuilder
-
-        return FlashAttentionMetadataBuilder
+    impl_path = "kvllm.attention.backends.flash_attn_impl:FlashAttentionImpl"
+    builder_path = "kvllm.attention.backends.flash_attn_impl:FlashAttentionMetadataBuilder"
 
     @classmethod
     def get_kv_cache_shape(

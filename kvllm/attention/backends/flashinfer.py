@@ -6,12 +6,9 @@ Declarations only: importable without torch or flashinfer. The kernel side lives
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 from kvllm.attention.backend import AttentionBackend, AttentionSelectorConfig, DeviceInfo, OneOf
-
-if TYPE_CHECKING:
-    from kvllm.attention.impl import AttentionImpl, AttentionMetadataBuilder
 
 
 def trtllm_attention_reasons(
@@ -86,17 +83,8 @@ class FlashInferBackend(AttentionBackend):
             getattr(config, "use_trtllm_attention", None), device.capability
         )
 
-    @classmethod
-    def get_impl_cls(cls) -> type[AttentionImpl]:
-        from kvllm.attention.backends.flashinfer_impl import FlashInferImpl
-
-        return FlashInferImpl
-
-    @classmethod
-    def get_builder_cls(cls) -> type[AttentionMetadataBuilder]:
-        from kvllm.attention.backends.flashinfer_impl import FlashInferMetadataBuilder
-
-        return FlashInferMetadataBuilder
+    impl_path = "kvllm.attention.backends.flashinfer_impl:FlashInferImpl"
+    builder_path = "kvllm.attention.backends.flashinfer_impl:FlashInferMetadataBuilder"
 
     @classmethod
     def get_kv_cache_shape(

@@ -7,12 +7,7 @@ block tables, torch.compile with bucketed shapes, an eager fallback) lives in
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from kvllm.attention.backend import AttentionBackend, MultipleOf
-
-if TYPE_CHECKING:
-    from kvllm.attention.impl import AttentionImpl, AttentionMetadataBuilder
 
 
 class FlexAttentionBackend(AttentionBackend):
@@ -48,14 +43,5 @@ class FlexAttentionBackend(AttentionBackend):
     preferred_block_size = 16
     verified_on = "H200 (SM 9.0); CPU (CI)"
 
-    @classmethod
-    def get_impl_cls(cls) -> type[AttentionImpl]:
-        from kvllm.attention.backends.flex_attention_impl import FlexAttentionImpl
-
-        return FlexAttentionImpl
-
-    @classmethod
-    def get_builder_cls(cls) -> type[AttentionMetadataBuilder]:
-        from kvllm.attention.backends.flex_attention_impl import FlexAttentionMetadataBuilder
-
-        return FlexAttentionMetadataBuilder
+    impl_path = "kvllm.attention.backends.flex_attention_impl:FlexAttentionImpl"
+    builder_path = "kvllm.attention.backends.flex_attention_impl:FlexAttentionMetadataBuilder"

@@ -7,7 +7,7 @@ Kernels: `kvllm.attention.ops.triton_reshape_and_cache` and `kvllm.attention.ops
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 from kvllm.attention.backend import (
     AttentionBackend,
@@ -16,9 +16,6 @@ from kvllm.attention.backend import (
     MultipleOf,
     SizeRule,
 )
-
-if TYPE_CHECKING:
-    from kvllm.attention.impl import AttentionImpl, AttentionMetadataBuilder
 
 _FP8_KV_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")
 
@@ -75,14 +72,5 @@ class TritonAttentionBackend(AttentionBackend):
             )
         return reasons
 
-    @classmethod
-    def get_impl_cls(cls) -> type[AttentionImpl]:
-        from kvllm.attention.backends.triton_attn_impl import TritonAttentionImpl
-
-        return TritonAttentionImpl
-
-    @classmethod
-    def get_builder_cls(cls) -> type[AttentionMetadataBuilder]:
-        from kvllm.attention.backends.triton_attn_impl import TritonAttentionMetadataBuilder
-
-        return TritonAttentionMetadataBuilder
+    impl_path = "kvllm.attention.backends.triton_attn_impl:TritonAttentionImpl"
+    builder_path = "kvllm.attention.backends.triton_attn_impl:TritonAttentionMetadataBuilder"
