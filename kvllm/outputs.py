@@ -35,6 +35,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: dict[str, float] = field(default_factory=dict)
+    # With SamplingParams.prompt_logprobs: per prompt token, its logprob and the top candidates
+    # given the tokens before it (None for the first token, which nothing predicts).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def num_output_tokens(self) -> int:

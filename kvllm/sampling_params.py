@@ -95,9 +95,7 @@ class SamplingParams:
                 )
             _check_int("logprobs", self.logprobs, minimum=0, allowed="None or an integer >= 0")
         if self.prompt_logprobs is not None:
-            raise ValueError(
-                f"prompt_logprobs={self.prompt_logprobs!r} is not supported in this version; allowed: None"
-            )
+            _check_int("prompt_logprobs", self.prompt_logprobs, minimum=0, allowed="None or an integer >= 0")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 _fail("stop", self.stop, "a non-empty string or a list of non-empty strings")

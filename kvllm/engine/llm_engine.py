@@ -18,6 +18,7 @@ from kvllm.models.loader import load_tokenizer
 from kvllm.models.model_config import ModelConfig
 from kvllm.outputs import CompletionOutput, RequestOutput
 from kvllm.platforms import current_device_info
+from kvllm.sample.logprobs import decode_logprobs
 from kvllm.sampling_params import SamplingParams
 from kvllm.worker.model_runner import ModelRunner
 
@@ -153,6 +154,8 @@ class LLMEngine:
             child_params = params
             if params.n > 1 and params.seed is not None:
                 child_params = params.replace(seed=params.seed + i)
+            if i > 0 and params.prompt_logprobs is not None:  # the prompt is shared: score it once
+                child_params = child_params.replace(prompt_logprobs=None)
             generator = None
             if child_params.seed is not None:
                 generator = torch.Generator(device=self.device).manual_seed(child_params.seed)
@@ -222,6 +225,8 @@ class LLMEngine:
             return []
         result = self.runner.execute_model(plan)
         self.scheduler.update_after_step(plan)
+        for index, (first_position, entries) in result.prompt_logprobs.items():
+            self._record_prompt_logprobs(plan.scheduled[index].request, first_position, entries)
         if result.sampler_output is None:
             return []
         now = time.monotonic()
@@ -243,15 +248,20 @@ class LLMEngine:
                 del self.parents[parent.request_id]
         return outputs
 
+    def _record_prompt_logprobs(self, request: Request, first_position: int, entries: list) -> None:
+        """Keep prompt logprobs in position order; a recompute after preemption repeats none."""
+        recorded = request.prompt_logprobs
+        for position, entry in enumerate(entries, start=first_position):
+            if position == len(recorded):
+                recorded.append(decode_logprobs(self.tokenizer, entry))
+
     def _append_token(self, seq: _Sequence, token_id: int, logprob: float, top_logprobs: dict | None) -> None:
         request = seq.request
         params = request.sampling_params
         request.append_output_token(token_id)
         request.cumulative_logprob += logprob
         if top_logprobs is not None:
-            for tid, lp in top_logprobs.items():
-                lp.decoded_token = self.tokenizer.decode([tid])
-            request.logprobs.append(top_logprobs)
+            request.logprobs.append(decode_logprobs(self.tokenizer, top_logprobs))
         num_out = request.num_output_tokens
         may_stop = num_out >= params.min_tokens
         stop_token = may_stop and token_id in (params.stop_token_ids or ())
@@ -301,8 +311,15 @@ class LLMEngine:
         metrics = {"arrival_time": first.arrival_time, "num_cached_tokens": first.num_cached_prompt_tokens}
         if first.first_token_time is not None:
             metrics["first_token_time"] = first.first_token_time
+        prompt_logprobs = first.prompt_logprobs if first.sampling_params.prompt_logprobs is not None else None
         return RequestOutput(
-            parent.request_id, parent.prompt, parent.prompt_token_ids, outputs, parent.finished, metrics
+            parent.request_id,
+            parent.prompt,
+            parent.prompt_token_ids,
+            outputs,
+            parent.finished,
+            metrics,
+            prompt_logprobs=prompt_logprobs,
         )
 
     # ---- introspection -----------------------------------------------------------------------

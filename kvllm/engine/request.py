@@ -46,6 +46,8 @@ class Request:
     stop_reason: int | str | None = None
     cumulative_logprob: float = 0.0
     logprobs: list = field(default_factory=list)
+    # Entry i: logprobs of prompt token i given the tokens before it (entry 0 is None).
+    prompt_logprobs: list = field(default_factory=lambda: [None])
     all_token_ids: list[int] = field(init=False)  # prompt + output, kept in step with output_token_ids
 
     def __post_init__(self) -> None:

@@ -106,7 +106,9 @@ class Scheduler:
 
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             request = self.waiting[0]
-            cached = self.kv.find_cached_prefix(request)
+            # Prompt logprobs need logits at every prompt position, so such prompts are computed whole.
+            wants_prompt_logprobs = request.sampling_params.prompt_logprobs is not None
+            cached = [] if wants_prompt_logprobs else self.kv.find_cached_prefix(request)
             num_cached_tokens = len(cached) * self.kv.block_size
             remaining = request.num_tokens - num_cached_tokens
             n = min(remaining, budget)

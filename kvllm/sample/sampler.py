@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvllm.sample.logprobs import Logprob, PositionLogprobs
+from kvllm.sample.logprobs import PositionLogprobs, position_logprobs
 from kvllm.sample.penalties import apply_penalties, suppress_tokens
 from kvllm.sample.topk_topp import apply_min_p, apply_top_k_top_p
 from kvllm.sampling_params import SamplingParams
@@ -74,7 +74,7 @@ class Sampler:
             sampled_logprobs = raw.gather(1, token_ids.unsqueeze(1)).squeeze(1) - raw.logsumexp(dim=-1)
         out_logprobs: list[PositionLogprobs | None] = [None] * len(rows)
         if want_logprobs:
-            self._fill_logprobs(out_logprobs, raw_logprobs, token_ids, sampled_logprobs, rows, want_logprobs)
+            self._fill_logprobs(out_logprobs, raw_logprobs, token_ids, rows, want_logprobs)
         return SamplerOutput(
             token_ids=token_ids.tolist(), sampled_logprobs=sampled_logprobs.tolist(), logprobs=out_logprobs
         )
@@ -163,25 +163,10 @@ class Sampler:
         out: list[PositionLogprobs | None],
         raw_logprobs: torch.Tensor,
         token_ids: torch.Tensor,
-        sampled_logprobs: torch.Tensor,
         rows: list[SamplingRow],
         wanted: list[int],
     ) -> None:
         index = torch.tensor(wanted, device=raw_logprobs.device)
-        logprobs = raw_logprobs[index]
-        sampled = sampled_logprobs[index]
-        ranks = ((logprobs > sampled.unsqueeze(1)).sum(dim=-1) + 1).tolist()
-        max_k = min(max(rows[i].params.logprobs or 0 for i in wanted), logprobs.shape[-1])
-        top_values: list[list[float]] = [[] for _ in wanted]
-        top_ids: list[list[int]] = [[] for _ in wanted]
-        if max_k > 0:
-            top = logprobs.topk(max_k, dim=-1)
-            top_values, top_ids = top.values.tolist(), top.indices.tolist()
-        sampled_ids = token_ids[index].tolist()
-        sampled_values = sampled.tolist()
-        for j, i in enumerate(wanted):
-            k = rows[i].params.logprobs or 0
-            entry = {sampled_ids[j]: Logprob(sampled_values[j], ranks[j])}
-            for r in range(min(k, max_k)):
-                entry.setdefault(top_ids[j][r], Logprob(top_values[j][r], r + 1))
+        ks = [rows[i].params.logprobs or 0 for i in wanted]
+        for i, entry in zip(wanted, position_logprobs(raw_logprobs[index], token_ids[index], ks)):
             out[i] = entry

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -17,9 +17,10 @@ from kvllm.forward_context import set_forward_context
 from kvllm.layers.attention import Attention
 from kvllm.models.loader import load_model
 from kvllm.models.model_config import ModelConfig
+from kvllm.sample.logprobs import PositionLogprobs, position_logprobs
 from kvllm.sample.sampler import Sampler, SamplerOutput, SamplingRow
 from kvllm.utils.dtypes import dtype_name, kv_cache_torch_dtype
-from kvllm.worker.input_batch import prepare_inputs
+from kvllm.worker.input_batch import ModelInputs, prepare_inputs
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,8 @@ class StepResult:
 
     request_indices: list[int]  # positions in the step's `scheduled` list
     sampler_output: SamplerOutput | None
+    # scheduled index -> (prompt position of the first entry, logprobs of consecutive prompt tokens)
+    prompt_logprobs: dict[int, tuple[int, list[PositionLogprobs]]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -201,8 +204,9 @@ class ModelRunner:
         attn_metadata = self.metadata_builder.build(inputs.attn_metadata)
         with set_forward_context(attn_metadata):
             hidden = self.model(inputs.input_ids, inputs.positions)
+        prompt_logprobs = self._prompt_logprobs(step, inputs, hidden)
         if not inputs.sampling_request_indices:
-            return StepResult([], None)
+            return StepResult([], None, prompt_logprobs)
         logits = self.model.compute_logits(hidden[inputs.logits_indices]).float()
         rows = []
         for i in inputs.sampling_request_indices:
@@ -216,4 +220,39 @@ class ModelRunner:
                     eos_token_ids=request.eos_token_ids,
                 )
             )
-        return StepResult(inputs.sampling_request_indices, self.sampler(logits, rows))
+        return StepResult(inputs.sampling_request_indices, self.sampler(logits, rows), prompt_logprobs)
+
+    def _prompt_logprobs(
+        self, step: SchedulerOutput, inputs: ModelInputs, hidden: torch.Tensor
+    ) -> dict[int, tuple[int, list[PositionLogprobs]]]:
+        """Logprobs of each prompt token this step's chunks predict (token p + 1 from position p)."""
+        spans = []  # (scheduled index, first hidden row, first predicted position, count)
+        token_starts = inputs.attn_metadata.query_start_loc_cpu.tolist()
+        for i, item in enumerate(step.scheduled):
+            request = item.request
+            if request.sampling_params.prompt_logprobs is None:
+                continue
+            start = request.num_computed_tokens
+            last = min(start + item.num_new_tokens, len(request.prompt_token_ids) - 1)
+            if last > start:
+                spans.append((i, token_starts[i], start + 1, last - start))
+        if not spans:
+            return {}
+        rows = torch.cat([torch.arange(r, r + n) for _, r, _, n in spans]).to(hidden.device)
+        targets = [
+            t
+            for i, _, first, n in spans
+            for t in step.scheduled[i].request.prompt_token_ids[first : first + n]
+        ]
+        logprobs = self.model.compute_logits(hidden[rows]).float().log_softmax(dim=-1)
+        ks = [
+            step.scheduled[i].request.sampling_params.prompt_logprobs
+            for i, _, _, n in spans
+            for _ in range(n)
+        ]
+        entries = position_logprobs(logprobs, torch.tensor(targets, device=logprobs.device), ks)
+        out, offset = {}, 0
+        for i, _, first, n in spans:
+            out[i] = (first, entries[offset : offset + n])
+            offset += n
+        return out

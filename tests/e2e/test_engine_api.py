@@ -145,3 +145,32 @@ def test_abort_frees_blocks(tiny_qwen3_path):
         for out in engine.step():
             assert out.request_id not in ("r0", "r3")
     assert engine.stats().num_free_blocks == engine.stats().num_blocks
+
+
+@pytest.mark.parametrize("budget", [None, 16])
+def test_prompt_logprobs_match_hf(tiny_qwen3_path, budget):
+    """Prompt logprobs equal HF's log-softmax over the prompt, whole or chunked, cached prefix or not."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {"max_num_batched_tokens": budget} if budget else {}
+    llm = LLM(
+        str(tiny_qwen3_path), dtype="float32", max_model_len=256, kv_cache_memory_bytes=1 << 22, **kwargs
+    )
+    prompt = list(range(5, 45))
+    # A first request caches the prefix; the prompt-logprobs request must still score every token.
+    llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=1), use_tqdm=False)
+    out = llm.generate(
+        {"prompt_token_ids": prompt}, SamplingParams(max_tokens=1, prompt_logprobs=3), use_tqdm=False
+    )[0]
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_qwen3_path), dtype=torch.float32)
+    with torch.inference_mode():
+        ref = hf(torch.tensor([prompt])).logits[0].float().log_softmax(-1)
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    for position in range(1, len(prompt)):
+        entry = out.prompt_logprobs[position]
+        token = prompt[position]
+        assert entry[token].logprob == pytest.approx(float(ref[position - 1, token]), abs=1e-3)
+        assert entry[token].rank == int((ref[position - 1] > ref[position - 1, token]).sum()) + 1
+        assert set(ref[position - 1].topk(3).indices.tolist()) <= set(entry)
+    assert_no_leak(llm)

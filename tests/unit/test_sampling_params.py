@@ -52,7 +52,7 @@ def test_sampling_type():
         ({"min_tokens": 20, "max_tokens": 10}, ["min_tokens=20", "max_tokens (10)"]),
         ({"logprobs": -2}, ["logprobs=-2", ">= 0"]),
         ({"logprobs": -1}, ["logprobs=-1", "not supported"]),
-        ({"prompt_logprobs": 1}, ["prompt_logprobs=1", "not supported"]),
+        ({"prompt_logprobs": -1}, ["prompt_logprobs=-1", "integer >= 0"]),
         ({"seed": "7"}, ["seed", "'7'", "integer"]),
         ({"seed": 1.5}, ["seed", "1.5", "integer"]),
         ({"stop": ["ok", ""]}, ["stop", "non-empty"]),
