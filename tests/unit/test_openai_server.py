@@ -89,7 +89,6 @@ def assert_engine_idle(engine: LLMEngine) -> None:
         ({"model": "tiny", "prompt": "x", "top_k": -3}, 400, "top_k", None),
         ({"model": "tiny", "prompt": "x", "n": 0}, 400, "n", None),
         ({"model": "tiny", "prompt": "x", "logprobs": 50}, 400, "logprobs", "0 to 20"),
-        ({"model": "tiny", "prompt": "x", "echo": True, "logprobs": 1}, 400, "echo", None),
         ({"model": "tiny", "prompt": "x", "best_of": 3}, 400, "best_of", None),
         ({"model": "tiny", "prompt": "x", "logit_bias": {"5": 1.0}}, 400, "logit_bias", None),
         ({"model": "tiny", "prompt": []}, 400, "prompt", "empty"),
@@ -203,10 +202,21 @@ def test_completion_shapes_usage_and_token_ids(client, engine):
         client, "/v1/completions", {**body, "prompt": "hello", "n": 1, "logprobs": None, "echo": True}
     )
     assert echo.json()["choices"][0]["text"].startswith("hello")
+    # echo with logprobs: the prompt's tokens lead, the first without a logprob (as OpenAI and vLLM do).
+    scored = post(
+        client,
+        "/v1/completions",
+        {**body, "prompt": [5, 6, 7, 8], "n": 1, "logprobs": 2, "echo": True, "max_tokens": 3},
+    ).json()["choices"][0]["logprobs"]
+    assert len(scored["tokens"]) == len(scored["token_logprobs"]) == len(scored["text_offset"]) == 4 + 3
+    assert scored["token_logprobs"][0] is None and scored["top_logprobs"][0] is None
+    assert all(isinstance(v, float) for v in scored["token_logprobs"][1:])
+    assert scored["text_offset"] == sorted(scored["text_offset"])
     assert_engine_idle(engine)
 
 
-def test_streams_equal_full_responses(client, engine):
+@pytest.mark.parametrize("echo", [False, True])
+def test_streams_equal_full_responses(client, engine, echo):
     body = {
         "model": "tiny",
         "prompt": ["hello", "the cat"],
@@ -215,6 +225,7 @@ def test_streams_equal_full_responses(client, engine):
         "ignore_eos": True,
         "n": 2,
         "logprobs": 1,
+        "echo": echo,
     }
     full = post(client, "/v1/completions", body).json()
     with client.stream(

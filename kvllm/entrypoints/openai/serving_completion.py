@@ -37,18 +37,14 @@ class OpenAIServingCompletion(OpenAIServing):
                 param="best_of",
             )
         self.check_logprobs(request.logprobs, "logprobs")
-        if request.echo and request.logprobs is not None:
-            raise OpenAIError(
-                "echo with logprobs needs prompt logprobs, which this server does not compute; "
-                "drop one of them",
-                param="echo",
-            )
         requested = request.max_tokens if "max_tokens" in request.model_fields_set else None
         texts, prompts = [], []
         for text, ids in self._parse_prompts(request.prompt):
             self.check_prompt_ids(ids, "prompt")
             max_tokens = self.resolve_max_tokens(len(ids), requested, DEFAULT_MAX_TOKENS, "prompt")
             params = self.sampling_params(request, max_tokens, request.logprobs)
+            if request.echo and request.logprobs is not None:  # the echoed prompt gets logprobs too
+                params = params.replace(prompt_logprobs=request.logprobs)
             engine_prompt: dict[str, Any] = {"prompt_token_ids": ids}
             if text is not None:
                 engine_prompt["prompt"] = text
@@ -80,6 +76,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         self._echo_text(request, texts[i], final),
                         0,
                         len(c.token_ids),
+                        prompt_logprobs=final.prompt_logprobs,
                     )
                 )
         usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
@@ -116,12 +113,21 @@ class OpenAIServingCompletion(OpenAIServing):
         end: int,
         text_start: int = 0,
         offset: int = 0,
+        prompt_logprobs: list[PositionLogprobs | None] | None = None,
     ) -> CompletionChoice:
         logprobs = None
         if request.logprobs is not None and c.logprobs is not None:
+            echoed = None
+            if prefix and prompt_logprobs is not None:
+                echoed = self._prompt_part(prompt_token_ids, prompt_logprobs, request.logprobs)
+                offset = len(prefix)
             logprobs = completion_logprobs(
                 c.token_ids[start:end], c.logprobs[start:end], request.logprobs, offset
             )
+            if echoed is not None:
+                for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                    getattr(echoed, name).extend(getattr(logprobs, name))
+                logprobs = echoed
         choice = CompletionChoice(
             index=prompt_index * request.n + c.index,
             text=prefix + c.text[text_start:],
@@ -134,6 +140,33 @@ class OpenAIServingCompletion(OpenAIServing):
             if start == 0:
                 choice.prompt_token_ids = prompt_token_ids
         return choice
+
+    def _prompt_part(
+        self, token_ids: list[int], positions: list[PositionLogprobs | None], k: int
+    ) -> CompletionLogProbs:
+        """The echoed prompt's logprobs; the first token has none (nothing predicts it)."""
+        out = CompletionLogProbs()
+        offset = 0
+        for token_id, position in zip(token_ids, positions):
+            token = (
+                self.tokenizer.decode([token_id])
+                if position is None
+                else position[token_id].decoded_token or ""
+            )
+            out.tokens.append(token)
+            out.token_logprobs.append(None if position is None else position[token_id].logprob)
+            out.top_logprobs.append(
+                None
+                if position is None
+                else {
+                    (lp.decoded_token or ""): lp.logprob
+                    for tid, lp in position.items()
+                    if tid == token_id or (lp.rank is not None and lp.rank <= k)
+                }
+            )
+            out.text_offset.append(offset)
+            offset += len(token)
+        return out
 
     async def _stream(
         self,
@@ -172,6 +205,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         len(c.token_ids),
                         sent_text[idx],
                         offsets[idx],
+                        prompt_logprobs=output.prompt_logprobs,
                     )
                     if choice.logprobs is not None and choice.logprobs.tokens:
                         offsets[idx] = choice.logprobs.text_offset[-1] + len(choice.logprobs.tokens[-1])
