@@ -36,6 +36,11 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams() with the model's generation_config.json defaults applied (see
+        EngineArgs.generation_config); used when generate() or chat() get no sampling_params."""
+        return SamplingParams(**self.llm_engine.model_config.default_sampling)
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
@@ -45,7 +50,7 @@ class LLM:
         """Generate completions; returns one RequestOutput per prompt, in prompt order."""
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None:
-            params_list = [SamplingParams()] * len(prompt_list)
+            params_list = [self.get_default_sampling_params()] * len(prompt_list)
         elif isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompt_list)
         else:

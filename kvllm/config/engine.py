@@ -74,6 +74,13 @@ class EngineArgs:
     load_format: str = field(default="auto", metadata=_help(f"Weight format: {', '.join(LOAD_FORMATS)}."))
     enforce_eager: bool = field(default=False, metadata=_help("Never capture CUDA graphs."))
     device: str = field(default="auto", metadata=_help(f"Device: {', '.join(DEVICES)}."))
+    generation_config: str = field(
+        default="auto",
+        metadata=_help(
+            "auto: sampling defaults (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens) "
+            "come from the model's generation_config.json, as in vLLM; vllm: ignore that file."
+        ),
+    )
     trust_remote_code: bool = field(default=False, metadata=_help("Allow custom model code from the hub."))
     attention_backend: AttentionBackendEnum | None = field(
         default=None, metadata=_help("Attention backend (mutually exclusive with attention_config.backend).")
@@ -138,6 +145,7 @@ class EngineArgs:
         _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _check_choice("load_format", self.load_format, LOAD_FORMATS)
         _check_choice("device", self.device, DEVICES)
+        _check_choice("generation_config", self.generation_config, ("auto", "vllm"))
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization={self.gpu_memory_utilization} is out of range; allowed: (0, 1]"

@@ -94,6 +94,12 @@ class LLMEngine:
         )
         self.parents: dict[str, _ParentRequest] = {}
         self._log_cache_size(num_blocks)
+        if self.model_config.default_sampling:
+            logger.info(
+                "Sampling defaults from the model's generation_config.json: %s (used where a request does "
+                "not set them; --generation-config vllm ignores the file)",
+                self.model_config.default_sampling,
+            )
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -43,6 +43,8 @@ class ModelConfig:
     vocab_size: int
     sliding_window: int | None  # the window of the layers that have one; None if all attend fully
     eos_token_ids: tuple[int, ...]
+    # Sampling defaults from generation_config.json (as vLLM applies them): SamplingParams field -> value.
+    default_sampling: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, device: torch.device) -> ModelConfig:
@@ -81,7 +83,36 @@ class ModelConfig:
             vocab_size=hf_config.vocab_size,
             sliding_window=max(windows) if windows else None,
             eos_token_ids=find_eos_token_ids(model_path, tokenizer_path, hf_config),
+            default_sampling=(
+                generation_config_sampling_defaults(model_path) if args.generation_config == "auto" else {}
+            ),
         )
+
+
+# generation_config.json key -> SamplingParams field, for the keys vLLM takes as sampling defaults.
+_GENERATION_CONFIG_SAMPLING = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+
+def generation_config_sampling_defaults(model_path: str) -> dict[str, Any]:
+    """The sampling settings a model ships in generation_config.json (empty when it has none)."""
+    path = Path(model_path) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        logger.warning("ignoring unreadable %s", path)
+        return {}
+    return {
+        name: config[key] for key, name in _GENERATION_CONFIG_SAMPLING.items() if config.get(key) is not None
+    }
 
 
 def check_num_kv_heads(expected: int | None, num_kv_heads: int, model: str) -> None:

@@ -174,3 +174,34 @@ def test_prompt_logprobs_match_hf(tiny_qwen3_path, budget):
         assert entry[token].rank == int((ref[position - 1] > ref[position - 1, token]).sum()) + 1
         assert set(ref[position - 1].topk(3).indices.tolist()) <= set(entry)
     assert_no_leak(llm)
+
+
+def test_generation_config_sampling_defaults(tmp_path, tiny_qwen3_path):
+    """As in vLLM: the model's generation_config.json sets sampling defaults; `vllm` ignores them."""
+    import json
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_qwen3_path, model)
+    config = json.loads((model / "generation_config.json").read_text())
+    config.update({"temperature": 0.0, "top_k": 20, "max_new_tokens": 5, "do_sample": True})
+    (model / "generation_config.json").write_text(json.dumps(config))
+
+    llm = LLM(str(model), dtype="float32", max_model_len=256, kv_cache_memory_bytes=1 << 22)
+    defaults = llm.get_default_sampling_params()
+    assert (defaults.temperature, defaults.top_k, defaults.max_tokens) == (0.0, 20, 5)
+    out = llm.generate("Once upon a time", use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) <= 5
+    again = llm.generate("Once upon a time", use_tqdm=False)[0].outputs[0]
+    assert again.token_ids == out.token_ids  # temperature 0 from the file: greedy
+
+    plain = LLM(
+        str(model),
+        dtype="float32",
+        max_model_len=256,
+        kv_cache_memory_bytes=1 << 22,
+        generation_config="vllm",
+    )
+    assert plain.get_default_sampling_params().temperature == 1.0
+    with pytest.raises(ValueError, match="generation_config"):
+        LLM(str(model), generation_config="nonsense")

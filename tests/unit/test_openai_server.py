@@ -321,3 +321,21 @@ def test_engine_crash_fails_requests_and_marks_unhealthy(engine, monkeypatch, st
     monkeypatch.undo()
     engine.abort_request(list(engine.parents))  # the crashed step left its request in the engine
     assert_engine_idle(engine)
+
+
+def test_generation_config_defaults_fill_unset_fields():
+    """Fields a request leaves unset take the model's generation_config.json defaults; set ones win."""
+    from types import SimpleNamespace
+
+    from kvllm.entrypoints.openai.protocol import CompletionRequest
+    from kvllm.entrypoints.openai.serving_engine import OpenAIServing
+
+    model_config = SimpleNamespace(default_sampling={"temperature": 0.25, "top_k": 7})
+    llm = SimpleNamespace(
+        tokenizer=None, max_model_len=128, engine=SimpleNamespace(model_config=model_config)
+    )
+    serving = OpenAIServing(llm, ["tiny"])
+    unset = serving.sampling_params(CompletionRequest(model="tiny", prompt="x"), 4, None)
+    assert (unset.temperature, unset.top_k) == (0.25, 7)
+    explicit = serving.sampling_params(CompletionRequest(model="tiny", prompt="x", temperature=0.9), 4, None)
+    assert (explicit.temperature, explicit.top_k) == (0.9, 7)

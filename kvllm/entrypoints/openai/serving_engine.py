@@ -33,6 +33,8 @@ class OpenAIServing:
         self.served_model_names = list(served_model_names)
         self.tokenizer = llm.tokenizer
         self.max_model_len = llm.max_model_len
+        # Sampling defaults from the model's generation_config.json, for fields a request leaves unset.
+        self.default_sampling = llm.engine.model_config.default_sampling
 
     @property
     def model_name(self) -> str:
@@ -95,9 +97,12 @@ class OpenAIServing:
             "spaces_between_special_tokens": request.spaces_between_special_tokens,
             "include_stop_str_in_output": request.include_stop_str_in_output,
         }
+        defaults = self.default_sampling
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
             if getattr(request, name) is not None:
                 kwargs[name] = getattr(request, name)
+            elif name in defaults:
+                kwargs[name] = defaults[name]
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(request, name) is not None:
                 kwargs[name] = getattr(request, name)
