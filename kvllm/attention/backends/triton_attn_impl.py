@@ -8,12 +8,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvllm.attention.impl import AttentionImpl, AttentionMetadataBuilder
-from kvllm.attention.metadata import CommonAttentionMetadata, KVCacheSpec
+from kvllm.attention.metadata import CommonAttentionMetadata
 from kvllm.attention.ops.triton_reshape_and_cache import reshape_and_cache
 from kvllm.attention.ops.triton_unified_attention import KernelConfig, unified_attention
 
 if TYPE_CHECKING:
-    from kvllm.attention.backend import AttentionBackend
     from kvllm.layers.attention import Attention
 
 FP8_CACHE_DTYPES = {
@@ -56,22 +55,15 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
     query length <= 1) must be replayed with uniform-decode batches.
     """
 
-    def __init__(
-        self,
-        backend: type[AttentionBackend],
-        kv_cache_spec: KVCacheSpec,
-        device: torch.device,
-        max_num_reqs: int,
-        max_num_tokens: int,
-        max_model_len: int,
-    ) -> None:
-        super().__init__(backend, kv_cache_spec, device, max_num_reqs, max_num_tokens, max_model_len)
-        device = torch.device(device)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        device = torch.device(self.device)
+        max_num_reqs, max_num_tokens = self.max_num_reqs, self.max_num_tokens
         if device.type == "cuda":
             self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
         else:
             self.num_sms = 16  # interpreter runs: any fixed value keeps the plan deterministic
-        max_blocks = -(-max_model_len // kv_cache_spec.block_size)
+        max_blocks = -(-self.max_model_len // self.kv_cache_spec.block_size)
         self.query_start_loc = torch.zeros(max_num_reqs + 1, dtype=torch.int32, device=device)
         self.seq_lens = torch.zeros(max_num_reqs, dtype=torch.int32, device=device)
         self.block_table = torch.zeros(max_num_reqs, max_blocks, dtype=torch.int32, device=device)
