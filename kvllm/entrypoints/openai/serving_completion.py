@@ -145,27 +145,12 @@ class OpenAIServingCompletion(OpenAIServing):
         self, token_ids: list[int], positions: list[PositionLogprobs | None], k: int
     ) -> CompletionLogProbs:
         """The echoed prompt's logprobs; the first token has none (nothing predicts it)."""
-        out = CompletionLogProbs()
-        offset = 0
-        for token_id, position in zip(token_ids, positions):
-            token = (
-                self.tokenizer.decode([token_id])
-                if position is None
-                else position[token_id].decoded_token or ""
-            )
-            out.tokens.append(token)
-            out.token_logprobs.append(None if position is None else position[token_id].logprob)
-            out.top_logprobs.append(
-                None
-                if position is None
-                else {
-                    (lp.decoded_token or ""): lp.logprob
-                    for tid, lp in position.items()
-                    if tid == token_id or (lp.rank is not None and lp.rank <= k)
-                }
-            )
-            out.text_offset.append(offset)
-            offset += len(token)
+        first = self.tokenizer.decode([token_ids[0]])
+        out = completion_logprobs(token_ids[1:], positions[1:], k, offset=len(first))
+        out.tokens.insert(0, first)
+        out.token_logprobs.insert(0, None)
+        out.top_logprobs.insert(0, None)
+        out.text_offset.insert(0, 0)
         return out
 
     async def _stream(
