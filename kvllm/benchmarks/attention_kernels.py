@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 PEAK_TFLOPS = 790.0  # H200 dense bf16 matmul measured on this workplace's machine
-PEERS = ("triton", "triton-kv-write", "sdpa", "flex", "fa4")
+PEERS = ("triton", "triton-kv-write", "sdpa", "flex", "fa4", "flashinfer")
 
 
 @dataclass(frozen=True)
@@ -386,6 +386,16 @@ class _Bench:
             if self.args.kv_cache_dtype != "auto":
                 return [("FA4", "skipped: fp8 KV cache not set up here")]
             return [("FA4 paged varlen", lambda: self._fa4(batch, kv_cache, scale))]
+        if peer == "flashinfer":
+            if not self.on_gpu:
+                return [("FlashInfer", gpu_only)]
+            try:
+                import flashinfer  # noqa: F401
+            except Exception as exc:
+                return [("FlashInfer", f"skipped: flashinfer not importable ({type(exc).__name__})")]
+            if self.args.kv_cache_dtype != "auto":
+                return [("FlashInfer", "skipped: fp8 KV cache not set up here")]
+            return [("FlashInfer library", lambda: self._flashinfer(batch, kv_cache, scale))]
         raise SystemExit(f"unknown peer {peer!r} (known: {', '.join(PEERS)})")
 
     def _triton(self, batch, kv_cache, k_scale, scale, configs):
@@ -517,6 +527,53 @@ class _Bench:
 
         return fn, out, None, "page_table over the same cache"
 
+    def _flashinfer(self, batch, kv_cache, scale):
+        """The library alone: its wrappers planned once outside the timing, then run() per call."""
+        import flashinfer
+        import torch
+
+        md = batch.metadata
+        a = self.args
+        fi_cache = kv_cache.transpose(0, 1).contiguous()  # FlashInfer's NHD (num_blocks, 2, bs, Hkv, D)
+        seq_lens = md.seq_lens.tolist()
+        table = md.block_table.tolist()
+        pages = [table[r][: (n + a.block_size - 1) // a.block_size] for r, n in enumerate(seq_lens)]
+
+        def page_lists(reqs):
+            indptr = [0]
+            for r in reqs:
+                indptr.append(indptr[-1] + len(pages[r]))
+            indices = [p for r in reqs for p in pages[r]]
+            last = [(seq_lens[r] - 1) % a.block_size + 1 for r in reqs]
+            as_int32 = lambda x: torch.tensor(x, dtype=torch.int32, device=self.device)  # noqa: E731
+            return as_int32(indptr), as_int32(indices), as_int32(last)
+
+        num_decodes, num_reqs = md.num_decodes, len(seq_lens)
+        qsl = md.query_start_loc.tolist()
+        heads = dict(num_qo_heads=a.num_heads, num_kv_heads=a.num_kv_heads, page_size=a.block_size,
+                     q_data_type=self.dtype, kv_data_type=kv_cache.dtype, sm_scale=scale)  # fmt: skip
+        runs = []
+        if num_decodes:
+            ws = torch.zeros(128 << 20, dtype=torch.uint8, device=self.device)
+            decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
+            decode.plan(*page_lists(range(num_decodes)), head_dim=a.head_size, **heads)
+            runs.append((decode, 0, qsl[num_decodes]))
+        if num_decodes < num_reqs:
+            ws = torch.zeros(128 << 20, dtype=torch.uint8, device=self.device)
+            prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
+            qo_indptr = torch.tensor([q - qsl[num_decodes] for q in qsl[num_decodes:]], dtype=torch.int32,
+                                     device=self.device)  # fmt: skip
+            prefill.plan(qo_indptr, *page_lists(range(num_decodes, num_reqs)), head_dim_qk=a.head_size,
+                         causal=True, **heads)  # fmt: skip
+            runs.append((prefill, qsl[num_decodes], qsl[-1]))
+        out = torch.empty_like(batch.query)
+
+        def fn():
+            for wrapper, start, end in runs:
+                wrapper.run(batch.query[start:end], fi_cache, out=out[start:end])
+
+        return fn, out, None, "decode + prefill wrappers, planned once (not timed)"
+
 
 def _sweep_configs(has_decodes: bool, has_prefills: bool):
     from kvllm.attention.ops.triton_unified_attention import KernelConfig
@@ -545,12 +602,11 @@ def _versions() -> dict[str, str]:
     import triton
 
     versions = {"python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__}
-    try:
-        import flash_attn
-
-        versions["flash_attn"] = getattr(flash_attn, "__version__", "?")
-    except Exception:
-        pass
+    for name in ("flash_attn", "flashinfer"):
+        try:
+            versions[name] = getattr(__import__(name), "__version__", "?")
+        except Exception:
+            pass
     return versions
 
 

@@ -95,3 +95,24 @@ def test_kv_write_rejects_mismatched_shapes() -> None:
         reshape_and_cache(
             torch.zeros(3, 2, 32), torch.zeros(3, 2, 32), cache, cache, torch.zeros(3).long(), one, one
         )
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.float8_e4m3fn, torch.float8_e5m2])
+def test_paged_cache_write_paths_agree_on_interleaved_layout(cache_dtype: torch.dtype) -> None:
+    """FlashInfer's (num_blocks, 2, block_size, Hkv, D) cache: the Triton path (CUDA) equals the torch one."""
+    from kvllm.attention.ops.paged_cache_write import write_kv_to_paged_cache
+
+    gen = torch.Generator().manual_seed(3)
+    key = torch.randn(9, 2, 32, generator=gen).half()
+    value = torch.randn(9, 2, 32, generator=gen).half()
+    slots = torch.randperm(5 * 16, generator=gen)[:9]
+    slots[4] = -1
+    scales = (torch.tensor(0.75), torch.tensor(1.5)) if cache_dtype.itemsize == 1 else (None, None)
+    caches = []
+    for use_triton in (True, False):
+        cache = torch.full((5, 2, 16, 2, 32), SENTINEL).to(cache_dtype)
+        write_kv_to_paged_cache(cache[:, 0], cache[:, 1], key, value, slots, *scales, use_triton=use_triton)
+        caches.append(cache)
+    assert torch.equal(bits(caches[0]), bits(caches[1]))
+    written = caches[1].float().ne(SENTINEL).any(-1).any(-1)  # [block, k/v, offset]
+    assert int(written.sum()) == 2 * 8

@@ -241,7 +241,10 @@ def sweep(args: argparse.Namespace) -> int:
     plan: list[tuple[str, str | None]] = []
     if backends:
         plan.append(("kvllm", backends[0]))
-    plan += [("hf", None), ("nano-kvllm", None)]
+    if not args.skip_hf:
+        plan.append(("hf", None))
+    if not args.skip_nano_kvllm:
+        plan.append(("nano-kvllm", None))
     for backend in backends[1:]:
         module = optional.get(backend)
         if module is not None and not _has_module(module):
@@ -365,6 +368,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--num-iters", type=int, default=3, help="Timed latency iterations (default: 3).")
     parser.add_argument("--skip-nano-hf", action="store_true", help="Do not run nano-vllm's workload on HF.")
+    parser.add_argument("--skip-hf", action="store_true", help="Do not run the HF transformers group.")
+    parser.add_argument(
+        "--skip-nano-kvllm", action="store_true", help="Do not run nano-vllm's workload on kvllm."
+    )
     parser.add_argument("--model", help="Model folder (default: a config-only Qwen3-0.6B, dummy weights).")
     sub = parser.add_subparsers(dest="mode", help="Without one: the whole sweep.")
     w = sub.add_parser("worker", help="Internal: one group of measurements.")

@@ -15,6 +15,7 @@ import torch
 
 from kvllm.attention.impl import AttentionImpl, AttentionMetadataBuilder
 from kvllm.attention.metadata import CommonAttentionMetadata
+from kvllm.attention.ops.paged_cache_write import write_kv_to_paged_cache
 
 if TYPE_CHECKING:
     from kvllm.layers.attention import Attention
@@ -60,13 +61,7 @@ def write_to_paged_cache(
     slot_mapping: torch.Tensor,  # int64 [num_tokens]; -1 = skip
 ) -> None:
     """Store each token's K/V at its slot (block * block_size + offset), skipping slot -1."""
-    # Boolean masking costs one device sync; acceptable while the backend declares no CUDA graphs.
-    valid = slot_mapping >= 0
-    slots = slot_mapping[valid]
-    block_size = key_cache.shape[1]
-    blocks, offsets = slots // block_size, slots % block_size
-    key_cache[blocks, offsets] = key[valid].to(key_cache.dtype)
-    value_cache[blocks, offsets] = value[valid].to(value_cache.dtype)
+    write_kv_to_paged_cache(key_cache, value_cache, key, value, slot_mapping)
 
 
 def _load_varlen_kernel() -> Callable[..., Any]:

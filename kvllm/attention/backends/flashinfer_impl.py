@@ -25,6 +25,7 @@ import torch
 
 from kvllm.attention.impl import AttentionImpl, AttentionMetadataBuilder
 from kvllm.attention.metadata import CommonAttentionMetadata
+from kvllm.attention.ops.paged_cache_write import write_kv_to_paged_cache
 
 if TYPE_CHECKING:
     from types import ModuleType
@@ -262,18 +263,7 @@ def write_to_paged_cache(
     v_scale: torch.Tensor | None = None,
 ) -> None:
     """Store each token's K/V at its slot (block * block_size + offset), skipping slot -1."""
-    # Boolean masking costs one device sync; acceptable while the backend declares no CUDA graphs.
-    valid = slot_mapping >= 0
-    slots = slot_mapping[valid]
-    block_size = kv_cache.shape[2]
-    blocks, offsets = slots // block_size, slots % block_size
-    key, value = key[valid], value[valid]
-    if k_scale is not None:
-        key = key.float() / k_scale
-    if v_scale is not None:
-        value = value.float() / v_scale
-    kv_cache[blocks, 0, offsets] = key.to(kv_cache.dtype)
-    kv_cache[blocks, 1, offsets] = value.to(kv_cache.dtype)
+    write_kv_to_paged_cache(kv_cache[:, 0], kv_cache[:, 1], key, value, slot_mapping, k_scale, v_scale)
 
 
 class FlashInferImpl(AttentionImpl):
