@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
 import json
 import os
 import platform
@@ -377,26 +378,28 @@ class _Bench:
                 return [("FlexAttention", "skipped: no fp8 KV cache")]
             return [("FlexAttention compiled", lambda: self._flex(batch, scale))]
         if peer == "fa4":
-            if not self.on_gpu:
-                return [("FA4", gpu_only)]
-            try:
-                from flash_attn.cute import flash_attn_varlen_func  # noqa: F401
-            except Exception as exc:
-                return [("FA4", f"skipped: flash_attn.cute not importable ({type(exc).__name__})")]
-            if self.args.kv_cache_dtype != "auto":
-                return [("FA4", "skipped: fp8 KV cache not set up here")]
+            why_not = self._library_peer_skip("flash_attn.cute")
+            if why_not:
+                return [("FA4", why_not)]
             return [("FA4 paged varlen", lambda: self._fa4(batch, kv_cache, scale))]
         if peer == "flashinfer":
-            if not self.on_gpu:
-                return [("FlashInfer", gpu_only)]
-            try:
-                import flashinfer  # noqa: F401
-            except Exception as exc:
-                return [("FlashInfer", f"skipped: flashinfer not importable ({type(exc).__name__})")]
-            if self.args.kv_cache_dtype != "auto":
-                return [("FlashInfer", "skipped: fp8 KV cache not set up here")]
+            why_not = self._library_peer_skip("flashinfer")
+            if why_not:
+                return [("FlashInfer", why_not)]
             return [("FlashInfer library", lambda: self._flashinfer(batch, kv_cache, scale))]
         raise SystemExit(f"unknown peer {peer!r} (known: {', '.join(PEERS)})")
+
+    def _library_peer_skip(self, module: str) -> str | None:
+        """Why a GPU library peer (16-bit cache only) cannot run here; None when it can."""
+        if not self.on_gpu:
+            return "skipped: GPU-only peer (no CUDA device)"
+        try:
+            importlib.import_module(module)
+        except Exception as exc:
+            return f"skipped: {module} not importable ({type(exc).__name__})"
+        if self.args.kv_cache_dtype != "auto":
+            return "skipped: fp8 KV cache not set up here"
+        return None
 
     def _triton(self, batch, kv_cache, k_scale, scale, configs):
         import torch

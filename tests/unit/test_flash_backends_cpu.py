@@ -21,7 +21,7 @@ import torch
 from kvllm.attention.backend import AttentionSelectorConfig, DeviceInfo
 from kvllm.attention.backends import flashinfer_impl
 from kvllm.attention.backends.flash_attn import FlashAttentionBackend
-from kvllm.attention.backends.flash_attn_impl import FlashAttentionMetadataBuilder, write_to_paged_cache
+from kvllm.attention.backends.flash_attn_impl import FlashAttentionMetadataBuilder
 from kvllm.attention.backends.flashinfer import FlashInferBackend
 from kvllm.attention.backends.flashinfer_impl import (
     paged_kv_host_arrays,
@@ -31,6 +31,7 @@ from kvllm.attention.backends.flashinfer_impl import (
     write_to_paged_cache as write_to_flashinfer_cache,
 )
 from kvllm.attention.metadata import KVCacheSpec
+from kvllm.attention.ops.paged_cache_write import write_kv_to_paged_cache
 from kvllm.attention.reference import make_paged_batch
 
 CPU = DeviceInfo("cpu")
@@ -311,7 +312,7 @@ def test_cache_writes_skip_padding_slots() -> None:
     key = torch.cat([batch.new_keys, torch.full((2, 2, 64), 99.0)])
     value = torch.cat([batch.new_values, torch.full((2, 2, 64), 99.0)])
     fa_cache = torch.zeros(2, batch.num_blocks, 16, 2, 64)
-    write_to_paged_cache(fa_cache[0], fa_cache[1], key, value, slots)
+    write_kv_to_paged_cache(fa_cache[0], fa_cache[1], key, value, slots)
     fi_cache = torch.zeros(batch.num_blocks, 2, 16, 2, 64)
     write_to_flashinfer_cache(fi_cache, key, value, slots)
     for t, slot in enumerate(batch.metadata.slot_mapping.tolist()):

@@ -53,17 +53,6 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder):
         )
 
 
-def write_to_paged_cache(
-    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size], any strides
-    value_cache: torch.Tensor,
-    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
-    value: torch.Tensor,
-    slot_mapping: torch.Tensor,  # int64 [num_tokens]; -1 = skip
-) -> None:
-    """Store each token's K/V at its slot (block * block_size + offset), skipping slot -1."""
-    write_kv_to_paged_cache(key_cache, value_cache, key, value, slot_mapping)
-
-
 def _load_varlen_kernel() -> Callable[..., Any]:
     try:
         from flash_attn.cute import flash_attn_varlen_func
@@ -103,7 +92,7 @@ class FlashAttentionImpl(AttentionImpl):
     ) -> torch.Tensor:
         num_tokens = attn_metadata.num_actual_tokens
         key_cache, value_cache = kv_cache[0], kv_cache[1]
-        write_to_paged_cache(
+        write_kv_to_paged_cache(
             key_cache, value_cache, key[:num_tokens], value[:num_tokens], attn_metadata.slot_mapping
         )
         sinks = self.sinks
