@@ -72,7 +72,23 @@ class EngineArgs:
     )
     seed: int = field(default=0, metadata=_help("Random seed."))
     load_format: str = field(default="auto", metadata=_help(f"Weight format: {', '.join(LOAD_FORMATS)}."))
-    enforce_eager: bool = field(default=False, metadata=_help("Never capture CUDA graphs."))
+    enforce_eager: bool = field(
+        default=False, metadata=_help("Never capture CUDA graphs: every step runs eagerly.")
+    )
+    cudagraph_capture_sizes: list[int] | None = field(
+        default=None,
+        metadata=_help(
+            "Decode batch sizes to capture CUDA graphs for (a batch runs in the smallest graph that holds "
+            "it). Default: 1, 2, 4, then every 8 up to 256 and every 16 beyond, up to "
+            "max_cudagraph_capture_size."
+        ),
+    )
+    max_cudagraph_capture_size: int | None = field(
+        default=None,
+        metadata=_help(
+            "Largest decode batch run in a CUDA graph; larger ones run eagerly. Default: min(max_num_seqs, 512)."
+        ),
+    )
     device: str = field(default="auto", metadata=_help(f"Device: {', '.join(DEVICES)}."))
     generation_config: str = field(
         default="auto",
@@ -156,6 +172,23 @@ class EngineArgs:
                 raise ValueError(f"{name}={value!r} is not valid; allowed: a positive integer")
         if self.max_num_seqs <= 0:
             raise ValueError(f"max_num_seqs={self.max_num_seqs} is not valid; allowed: a positive integer")
+        if self.max_cudagraph_capture_size is not None and (
+            not isinstance(self.max_cudagraph_capture_size, int) or self.max_cudagraph_capture_size <= 0
+        ):
+            raise ValueError(
+                f"max_cudagraph_capture_size={self.max_cudagraph_capture_size!r} is not valid; "
+                "allowed: a positive integer"
+            )
+        if self.cudagraph_capture_sizes is not None:
+            sizes = self.cudagraph_capture_sizes
+            if isinstance(sizes, str):
+                sizes = [int(x) for x in sizes.replace(",", " ").split()] if sizes.strip() else []
+            if not sizes or not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in sizes):
+                raise ValueError(
+                    f"cudagraph_capture_sizes={self.cudagraph_capture_sizes!r} is not valid; allowed: a "
+                    "non-empty list of positive integers, e.g. [1, 2, 4, 8]"
+                )
+            set_("cudagraph_capture_sizes", sorted(set(sizes)))
 
     def _resolve_attention_config_fields(self) -> None:
         """Move attention_config's engine settings (block_size, max_seq_len, kv_cache_dtype,

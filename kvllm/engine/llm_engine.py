@@ -244,9 +244,8 @@ class LLMEngine:
             seq = parent.sequences[request.index]
             if request.first_token_time is None:
                 request.first_token_time = now
-            self._append_token(
-                seq, sampled.token_ids[row], sampled.sampled_logprobs[row], sampled.logprobs[row]
-            )
+            logprob = sampled.sampled_logprobs[row] if sampled.sampled_logprobs is not None else None
+            self._append_token(seq, sampled.token_ids[row], logprob, sampled.logprobs[row])
             touched[parent.request_id] = parent
         outputs = [self._make_output(p) for p in touched.values()]
         for parent in touched.values():
@@ -261,11 +260,14 @@ class LLMEngine:
             if position == len(recorded):
                 recorded.append(decode_logprobs(self.tokenizer, entry))
 
-    def _append_token(self, seq: _Sequence, token_id: int, logprob: float, top_logprobs: dict | None) -> None:
+    def _append_token(
+        self, seq: _Sequence, token_id: int, logprob: float | None, top_logprobs: dict | None
+    ) -> None:
         request = seq.request
         params = request.sampling_params
         request.append_output_token(token_id)
-        request.cumulative_logprob += logprob
+        if logprob is not None:  # computed only for requests that report logprobs
+            request.cumulative_logprob += logprob
         if top_logprobs is not None:
             request.logprobs.append(decode_logprobs(self.tokenizer, top_logprobs))
         num_out = request.num_output_tokens

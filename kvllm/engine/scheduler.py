@@ -18,10 +18,17 @@ class ScheduledRequest:
 
 @dataclass
 class SchedulerOutput:
-    """One step's work: decodes (one new token each) first, then prefill chunks."""
+    """One step's work: decodes (one new token each) first, then prefill chunks.
+
+    With it the worker learns what changed since the previous step: requests finished or aborted
+    since then (`finished_req_ids`) and requests preempted now (`preempted`) lose their state;
+    a scheduled request the worker does not know joins; `block_ids` is the request's whole block
+    list (the KV-cache manager's own list, not a copy), of which the worker takes the new tail.
+    """
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    finished_req_ids: set[str] = field(default_factory=set)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -57,6 +64,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.finished_req_ids: set[str] = set()  # since the last schedule(), for the worker
 
     # ---- bookkeeping -------------------------------------------------------------------------
 
@@ -72,6 +80,7 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = RequestStatus.FINISHED
         self.kv.free(request)
+        self.finished_req_ids.add(request.request_id)
 
     @property
     def num_unfinished(self) -> int:
@@ -80,7 +89,8 @@ class Scheduler:
     # ---- scheduling --------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+        out = SchedulerOutput(finished_req_ids=self.finished_req_ids)
+        self.finished_req_ids = set()
         budget = self.max_num_batched_tokens
         scheduled: list[Request] = []
         num_new: dict[int, int] = {}
@@ -134,6 +144,10 @@ class Scheduler:
         out.scheduled = [
             ScheduledRequest(r, num_new[id(r)], self.kv.get_block_ids(r.request_id)) for r in scheduled
         ]
+        if not out.scheduled:
+            # An empty step is not run, so the worker hears of these with the next one.
+            self.finished_req_ids |= out.finished_req_ids
+            self.finished_req_ids.update(r.request_id for r in out.preempted)
         return out
 
     def _preempt(self, request: Request) -> None:

@@ -10,6 +10,8 @@ from collections.abc import Sequence
 
 import torch
 
+from kvllm.sample.metadata import PenaltyInputs
+
 
 def token_counts(token_lists: Sequence[Sequence[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
     """[n, vocab_size] float32 counts of each token id in each row's list (float: used in arithmetic)."""
@@ -29,32 +31,25 @@ def token_counts(token_lists: Sequence[Sequence[int]], vocab_size: int, device: 
     return counts[:, :vocab_size]
 
 
-def apply_penalties(
-    logits: torch.Tensor,
-    prompt_token_ids: Sequence[Sequence[int]],
-    output_token_ids: Sequence[Sequence[int]],
-    repetition_penalties: torch.Tensor,
-    frequency_penalties: torch.Tensor,
-    presence_penalties: torch.Tensor,
-) -> torch.Tensor:
-    """Penalise `logits` (may modify it in place; use the result); penalties: [n] float32, same device.
+def apply_penalties(logits: torch.Tensor, penalties: PenaltyInputs) -> torch.Tensor:
+    """Penalise `logits` ([P, V] float32, the penalised rows; may be modified in place: use the result).
 
     Repetition (HF/vLLM semantics) applies to tokens seen in the prompt or the output: positive
     logits are divided by the penalty, negative ones multiplied. Frequency subtracts
-    penalty * count and presence subtracts penalty * (count > 0), over output tokens only.
+    penalty * count and presence subtracts penalty * (count > 0), over output tokens only. Which
+    penalties are active is host-known (`penalties.any_*`), so nothing here reads the device.
     """
-    vocab_size = logits.shape[-1]
-    output_counts = token_counts(output_token_ids, vocab_size, logits.device)
-    if bool((repetition_penalties != 1.0).any()):
-        seen = token_counts(prompt_token_ids, vocab_size, logits.device).add_(output_counts) > 0
-        penalty = repetition_penalties.unsqueeze(1)
+    prompt_counts, output_counts = penalties.token_counts(logits.shape[-1])
+    if penalties.any_repetition:
+        seen = (prompt_counts + output_counts) > 0
+        penalty = penalties.repetition.unsqueeze(1)
         # Divide (not multiply by the reciprocal) so results match HF/vLLM bit for bit.
         penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
         logits = torch.where(seen, penalised, logits)
-    if bool((frequency_penalties != 0.0).any()):
-        logits.sub_(output_counts * frequency_penalties.unsqueeze(1))
-    if bool((presence_penalties != 0.0).any()):
-        logits.sub_((output_counts > 0) * presence_penalties.unsqueeze(1))
+    if penalties.any_frequency:
+        logits.sub_(output_counts * penalties.frequency.unsqueeze(1))
+    if penalties.any_presence:
+        logits.sub_((output_counts > 0) * penalties.presence.unsqueeze(1))
     return logits
 
 

@@ -1,10 +1,13 @@
-"""Sampler: one token per row from [N, V] logits, with vLLM v1 semantics.
+"""Sampler: one token per row from [N, V] logits, with vLLM v1 semantics, without host reads.
 
 Order: min_tokens suppression -> penalties -> greedy rows take argmax -> temperature -> top-k ->
 top-p -> min-p -> sample. Reported logprobs (and ranks) come from the raw logits, before any
 processing. Random rows sample by an exponential race (argmax of p / E with E ~ Exp(1)), which is
 exact and needs no sorting; a seeded row draws its own E from its generator, V values per step, so
 its tokens do not depend on what else is in the batch.
+
+Every branch is decided by `SamplingMetadata`'s host-known flags, so sampling enqueues device work
+only; the one device-to-host copy happens in `SampledTokens.to_host`, after everything is queued.
 """
 
 from __future__ import annotations
@@ -14,20 +17,20 @@ from dataclasses import dataclass
 
 import torch
 
-from kvllm.sample.logprobs import PositionLogprobs, position_logprobs
-from kvllm.sample.penalties import apply_penalties, suppress_tokens
+from kvllm.sample.logprobs import Logprob, PositionLogprobs
+from kvllm.sample.metadata import SamplingMetadata, penalty_inputs
+from kvllm.sample.penalties import apply_penalties, suppress_tokens, token_counts
 from kvllm.sample.topk_topp import apply_min_p, apply_top_k_top_p
 from kvllm.sampling_params import SamplingParams
 
 
 @dataclass
 class SamplingRow:
-    """One sequence to sample a token for.
+    """One sequence to sample a token for (the list-based interface, used by tests and tools).
 
-    `generator` is the request's own generator when `params.seed` is set (the engine creates it
-    once: `torch.Generator(device=logits.device).manual_seed(seed)` and keeps it across steps);
-    None uses the default RNG. `eos_token_ids` (unless `params.ignore_eos`) and
-    `params.stop_token_ids` are suppressed while len(output_token_ids) < params.min_tokens.
+    `generator` is the request's own generator when `params.seed` is set; None uses the default
+    RNG. `eos_token_ids` (unless `params.ignore_eos`) and `params.stop_token_ids` are suppressed
+    while len(output_token_ids) < params.min_tokens.
     """
 
     params: SamplingParams
@@ -39,134 +42,182 @@ class SamplingRow:
 
 @dataclass
 class SamplerOutput:
-    """Per row: the token, its raw logprob, and the requested top logprobs (or None)."""
+    """Per row, on the host: the token, its raw logprob (or None), the requested top logprobs (or None)."""
 
     token_ids: list[int]
-    sampled_logprobs: list[float]
+    sampled_logprobs: list[float] | None
     logprobs: list[PositionLogprobs | None]
 
 
+@dataclass
+class SampledTokens:
+    """A step's sampling result still on the device; `to_host` copies it back in one go."""
+
+    token_ids: torch.Tensor  # int64 [N]
+    sampled_logprobs: torch.Tensor | None  # float32 [N]
+    # Only when some row asked for logprobs: rank of the sampled token, and the top max_k values/ids.
+    ranks: torch.Tensor | None = None  # int64 [N]
+    top_values: torch.Tensor | None = None  # float32 [N, max_k]
+    top_ids: torch.Tensor | None = None  # int64 [N, max_k]
+    num_logprobs: list[int | None] | None = None
+
+    def to_host(self) -> SamplerOutput:
+        """Copy to pinned host memory without blocking the stream, then wait once for the copies."""
+        device_tensors = [
+            t
+            for t in (self.token_ids, self.sampled_logprobs, self.ranks, self.top_values, self.top_ids)
+            if t is not None
+        ]
+        if self.token_ids.device.type == "cuda":
+            host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in device_tensors]
+            for dst, src in zip(host, device_tensors):
+                dst.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            event.synchronize()
+        else:
+            host = device_tensors
+        it = iter(host)
+        token_ids = next(it).tolist()
+        sampled = next(it).tolist() if self.sampled_logprobs is not None else None
+        logprobs: list[PositionLogprobs | None] = [None] * len(token_ids)
+        if self.ranks is not None and self.num_logprobs is not None:
+            ranks, values, ids = next(it).tolist(), next(it).tolist(), next(it).tolist()
+            assert sampled is not None  # computed whenever logprobs are
+            for row, k in enumerate(self.num_logprobs):
+                if k is None:
+                    continue
+                entry = {token_ids[row]: Logprob(sampled[row], ranks[row])}
+                for r in range(min(k, len(values[row]))):
+                    entry.setdefault(ids[row][r], Logprob(values[row][r], r + 1))
+                logprobs[row] = entry
+        return SamplerOutput(token_ids=token_ids, sampled_logprobs=sampled, logprobs=logprobs)
+
+
 class Sampler:
-    """Turns logits into tokens for a batch of rows; stateless (generators live in the rows)."""
+    """Turns logits into tokens for a batch of rows; stateless (generators live in the metadata)."""
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        """The list-based interface: every row's sampled logprob is reported, as before."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [num_rows={len(rows)}, vocab], got {tuple(logits.shape)}")
+        return self.sample(logits, metadata_from_rows(rows, logits, need_sampled_logprobs=True)).to_host()
+
+    def sample(self, logits: torch.Tensor, md: SamplingMetadata) -> SampledTokens:
+        """Sample one token per row; enqueues device work only (no host reads)."""
+        if logits.dim() != 2 or logits.shape[0] != md.num_rows:
+            raise ValueError(f"logits must be [num_rows={md.num_rows}, vocab], got {tuple(logits.shape)}")
         raw = logits.float()
-        work = self._apply_sequence_processors(raw, rows)
-
-        token_ids = work.argmax(dim=-1)
-        random_rows = [i for i, row in enumerate(rows) if not row.params.is_greedy]
-        if random_rows:
-            if len(random_rows) == len(rows):
-                token_ids = self._draw(self._random_probs(work, rows), rows)
-            else:
-                index = torch.tensor(random_rows, device=raw.device)
-                subset_rows = [rows[i] for i in random_rows]
-                sampled = self._draw(self._random_probs(work[index], subset_rows), subset_rows)
-                token_ids = token_ids.index_copy(0, index, sampled)
-
-        want_logprobs = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
-        if want_logprobs:
-            raw_logprobs = raw.log_softmax(dim=-1)
-            sampled_logprobs = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+        work = apply_sequence_processors(raw, md)
+        if md.all_greedy:
+            token_ids = work.argmax(dim=-1)
         else:
-            sampled_logprobs = raw.gather(1, token_ids.unsqueeze(1)).squeeze(1) - raw.logsumexp(dim=-1)
-        out_logprobs: list[PositionLogprobs | None] = [None] * len(rows)
-        if want_logprobs:
-            self._fill_logprobs(out_logprobs, raw_logprobs, token_ids, rows, want_logprobs)
-        return SamplerOutput(
-            token_ids=token_ids.tolist(), sampled_logprobs=sampled_logprobs.tolist(), logprobs=out_logprobs
-        )
-
-    @staticmethod
-    def _apply_sequence_processors(raw: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """min_tokens suppression and penalties; returns `raw` itself when no row needs either."""
-        suppress = [
-            (i, [*(() if row.params.ignore_eos else row.eos_token_ids), *row.params.stop_token_ids])
-            for i, row in enumerate(rows)
-            if len(row.output_token_ids) < row.params.min_tokens
-        ]
-        penalised = [i for i, row in enumerate(rows) if row.params.has_penalties]
-        if not suppress and not penalised:
-            return raw
-        work = raw.clone()
-        suppress_tokens(work, suppress)
-        if penalised:
-            device = raw.device
-            params = [rows[i].params for i in penalised]
-            subset = work if len(penalised) == len(rows) else work[penalised]
-            subset = apply_penalties(
-                subset,
-                [rows[i].prompt_token_ids for i in penalised],
-                [rows[i].output_token_ids for i in penalised],
-                torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32, device=device),
-                torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32, device=device),
-                torch.tensor([p.presence_penalty for p in params], dtype=torch.float32, device=device),
-            )
-            if len(penalised) == len(rows):
-                work = subset
-            else:
-                work[penalised] = subset
-        return work
+            token_ids = draw(random_probs(work, md), md)
+            if md.is_greedy is not None:
+                token_ids = torch.where(md.is_greedy, work.argmax(dim=-1), token_ids)
+        out = SampledTokens(token_ids=token_ids, sampled_logprobs=None)
+        if md.num_logprobs is not None:
+            raw_logprobs = raw.log_softmax(dim=-1)
+            chosen = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+            out.sampled_logprobs = chosen
+            out.ranks = (raw_logprobs > chosen.unsqueeze(1)).sum(dim=-1) + 1
+            max_k = min(max((k or 0) for k in md.num_logprobs), raw.shape[-1])
+            top = raw_logprobs.topk(max_k, dim=-1)
+            out.top_values, out.top_ids = top.values, top.indices
+            out.num_logprobs = md.num_logprobs
+        elif md.need_sampled_logprobs:
+            out.sampled_logprobs = raw.gather(1, token_ids.unsqueeze(1)).squeeze(1) - raw.logsumexp(dim=-1)
+        return out
 
     def sampling_probs(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """[N, V] distribution each row's token is drawn from (one-hot at the argmax for greedy rows).
 
-        For tests and debugging; `__call__` computes the same thing without materialising greedy rows.
+        For tests and debugging; `sample` computes the same thing without materialising greedy rows.
         """
-        work = self._apply_sequence_processors(logits.float(), rows)
+        md = metadata_from_rows(rows, logits)
+        work = apply_sequence_processors(logits.float(), md)
         probs = torch.zeros_like(work).scatter_(1, work.argmax(dim=-1, keepdim=True), 1.0)
         for i, row in enumerate(rows):
             if not row.params.is_greedy:
-                probs[i] = self._random_probs(work[i : i + 1], [row])[0]
+                probs[i] = Sampler._random_probs(work[i : i + 1], [row])[0]
         return probs
+
+    # Row-based views of the two processing stages (tests compare them with references).
+    @staticmethod
+    def _apply_sequence_processors(raw: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        return apply_sequence_processors(raw, metadata_from_rows(rows, raw))
 
     @staticmethod
     def _random_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """Temperature, top-k, top-p and min-p, then softmax: the distribution to sample from."""
-        device = logits.device
-        vocab_size = logits.shape[-1]
-        params = [row.params for row in rows]
-        temperatures = [p.temperature for p in params]
-        if any(t != 1.0 for t in temperatures):
-            logits = logits / torch.tensor(temperatures, dtype=torch.float32, device=device).unsqueeze(1)
-        top_k = None
-        if any(0 < p.top_k < vocab_size for p in params):
-            values = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
-            top_k = torch.tensor(values, dtype=torch.int64, device=device)
-        top_p = None
-        if any(p.top_p < 1.0 for p in params):
-            top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
-        logits = apply_top_k_top_p(logits, top_k, top_p)
-        if any(p.min_p > 0.0 for p in params):
-            logits = apply_min_p(
-                logits, torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
-            )
-        return logits.softmax(dim=-1)
+        return random_probs(logits, metadata_from_rows(rows, logits))
 
-    @staticmethod
-    def _draw(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """One token per row by exponential race; seeded rows draw their noise from their generator."""
-        # E = -log(U) with U ~ U[0, 1) is Exp(1) and never 0, so p / E is never 0 / 0 (masked
-        # tokens stay at 0); uniform_ + log is several times faster than exponential_ on CPU.
-        noise = torch.empty_like(probs)
-        seeded = [i for i, row in enumerate(rows) if row.generator is not None]
-        if len(seeded) < len(rows):
-            noise.uniform_()
-        for i in seeded:
-            noise[i].uniform_(generator=rows[i].generator)
-        return (probs / noise.log_().neg_()).argmax(dim=-1)
 
-    @staticmethod
-    def _fill_logprobs(
-        out: list[PositionLogprobs | None],
-        raw_logprobs: torch.Tensor,
-        token_ids: torch.Tensor,
-        rows: list[SamplingRow],
-        wanted: list[int],
-    ) -> None:
-        index = torch.tensor(wanted, device=raw_logprobs.device)
-        ks = [rows[i].params.logprobs or 0 for i in wanted]
-        for i, entry in zip(wanted, position_logprobs(raw_logprobs[index], token_ids[index], ks)):
-            out[i] = entry
+def metadata_from_rows(
+    rows: list[SamplingRow], logits: torch.Tensor, need_sampled_logprobs: bool | None = None
+) -> SamplingMetadata:
+    """SamplingMetadata for list-based rows (token counts for penalties built from the lists)."""
+    params = [row.params for row in rows]
+    device, vocab_size = logits.device, logits.shape[-1]
+    penalised = [i for i, p in enumerate(params) if p.has_penalties]
+    penalties = None
+    if penalised:
+
+        def counts(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+            prompt = token_counts([rows[i].prompt_token_ids for i in penalised], vocab, device)
+            output = token_counts([rows[i].output_token_ids for i in penalised], vocab, device)
+            return prompt, output
+
+        penalties = penalty_inputs(params, penalised, len(rows), device, counts)
+    suppressed = [
+        (i, [*(() if row.params.ignore_eos else row.eos_token_ids), *row.params.stop_token_ids])
+        for i, row in enumerate(rows)
+        if len(row.output_token_ids) < row.params.min_tokens
+    ]
+    return SamplingMetadata.from_params(
+        params,
+        device,
+        vocab_size,
+        generators={i: row.generator for i, row in enumerate(rows) if row.generator is not None},
+        penalties=penalties,
+        suppressed=suppressed,
+        need_sampled_logprobs=need_sampled_logprobs,
+    )
+
+
+def apply_sequence_processors(raw: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """min_tokens suppression and penalties; returns `raw` itself when no row needs either."""
+    if not md.suppressed and md.penalties is None:
+        return raw
+    work = raw.clone()
+    suppress_tokens(work, md.suppressed)
+    pen = md.penalties
+    if pen is not None:
+        subset = work if pen.rows is None else work.index_select(0, pen.rows)
+        subset = apply_penalties(subset, pen)
+        if pen.rows is None:
+            work = subset
+        else:
+            work.index_copy_(0, pen.rows, subset)
+    return work
+
+
+def random_probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """Temperature, top-k, top-p and min-p, then softmax: the distribution to sample from."""
+    if md.temperature is not None:
+        logits = logits / md.temperature.unsqueeze(1)
+    logits = apply_top_k_top_p(logits, md.top_k, md.top_p, md.max_top_k, md.all_top_k)
+    if md.min_p is not None:
+        logits = apply_min_p(logits, md.min_p)
+    return logits.softmax(dim=-1)
+
+
+def draw(probs: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """One token per row by exponential race; seeded rows draw their noise from their generator."""
+    # E = -log(U) with U ~ U[0, 1) is Exp(1) and never 0, so p / E is never 0 / 0 (masked tokens
+    # stay at 0); uniform_ + log is several times faster than exponential_ on CPU.
+    noise = torch.empty_like(probs)
+    if len(md.generators) < md.num_rows:
+        noise.uniform_()
+    for i, generator in md.generators.items():
+        noise[i].uniform_(generator=generator)
+    return (probs / noise.log_().neg_()).argmax(dim=-1)

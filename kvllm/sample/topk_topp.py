@@ -9,12 +9,17 @@ import torch
 
 
 def apply_top_k_top_p(
-    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+    logits: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    max_top_k: int,
+    all_top_k: bool,
 ) -> torch.Tensor:
     """Return logits with tokens outside each row's top-k and nucleus masked.
 
     `top_k` is [n] int64 with values in [1, V] (V = disabled); `top_p` is [n] float32 in (0, 1]
-    (1 = disabled). Top-k keeps tokens whose logit is >= the k-th largest (ties may keep more).
+    (1 = disabled). `max_top_k` is the largest active k and `all_top_k` says whether every row has
+    one; both are known on the host, so no device value is read here. Top-k keeps tokens whose logit is >= the k-th largest (ties may keep more).
     Top-p keeps the smallest set of most likely tokens whose probability mass reaches p,
     computed on the distribution that top-k left.
     """
@@ -24,12 +29,11 @@ def apply_top_k_top_p(
     if top_p is None:
         assert top_k is not None
         is_active = (top_k < vocab_size).unsqueeze(1)
-        max_k = int(top_k.masked_fill(~is_active.squeeze(1), 1).max())  # avoid a full sort for disabled rows
-        top_values = logits.topk(max_k, dim=-1).values
-        kth = top_values.gather(1, (top_k - 1).clamp(max=max_k - 1).unsqueeze(1))
+        top_values = logits.topk(max_top_k, dim=-1).values  # no full sort for disabled rows
+        kth = top_values.gather(1, (top_k - 1).clamp(max=max_top_k - 1).unsqueeze(1))
         return logits.masked_fill(is_active & (logits < kth), float("-inf"))
-    if top_k is not None and bool((top_k < vocab_size).all()):
-        return _top_p_within_top_k(logits, top_k, top_p)
+    if top_k is not None and all_top_k:
+        return _top_p_within_top_k(logits, top_k, top_p, max_top_k)
     sorted_logits, order = logits.sort(dim=-1)  # ascending
     if top_k is not None:
         kth = sorted_logits.gather(1, (vocab_size - top_k).unsqueeze(1))
@@ -42,9 +46,10 @@ def apply_top_k_top_p(
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
-def _top_p_within_top_k(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def _top_p_within_top_k(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, max_k: int
+) -> torch.Tensor:
     """Top-k then top-p when every row has a top-k: sorts only the max_k candidates, not the vocab."""
-    max_k = int(top_k.max())
     candidates = logits.topk(max_k, dim=-1).values  # descending
     positions = torch.arange(max_k, device=logits.device)
     kth = candidates.gather(1, (top_k - 1).unsqueeze(1))

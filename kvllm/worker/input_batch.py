@@ -1,4 +1,20 @@
-"""Turns a scheduler step into the flat tensors one forward pass needs."""
+"""The persistent input batch: the worker's per-request state, and the flat tensors of each step.
+
+Each running request owns a row, from the step it is first scheduled until it finishes or is
+preempted. A row keeps the request's token ids, its block table and its sampling parameters, on
+the host (numpy views of pinned memory) and on the device, written when something changes: a new
+request writes its prompt once, a step appends the blocks the scheduler added and the token it
+sampled. Nothing is rebuilt per step.
+
+A step's inputs are computed with numpy over the step's requests and tokens, written into one
+pinned staging buffer per dtype at fixed offsets, and uploaded with one non-blocking copy each;
+the device-side views of those buffers are what the model, the attention builder and the CUDA
+graphs read (their addresses never change). Rows are in arbitrary order; the step's order
+(decodes first) is applied on the device by gathering rows.
+
+Host buffers are reused every step: callers must not prepare a step before the previous step's
+uploads have run (the synchronous engine waits for each step's sampled tokens, which orders them).
+"""
 
 from __future__ import annotations
 
@@ -8,81 +24,491 @@ import numpy as np
 import torch
 
 from kvllm.attention.metadata import CommonAttentionMetadata
+from kvllm.engine.request import Request
 from kvllm.engine.scheduler import SchedulerOutput
+from kvllm.sample.metadata import SamplingMetadata, penalty_inputs
+from kvllm.sampling_params import SamplingParams
+
+
+class CpuGpuBuffer:
+    """A host tensor (pinned when the device is a GPU), its numpy view, and a device twin.
+
+    On the CPU the device twin *is* the host tensor, so uploads cost nothing.
+    """
+
+    def __init__(self, shape: tuple[int, ...] | int, dtype: torch.dtype, device: torch.device) -> None:
+        on_gpu = device.type != "cpu"
+        self.cpu = torch.zeros(shape, dtype=dtype, pin_memory=on_gpu)
+        self.np = self.cpu.numpy()
+        self.gpu = torch.zeros(shape, dtype=dtype, device=device) if on_gpu else self.cpu
+
+    def upload(self, n: int | None = None) -> torch.Tensor:
+        """Copy the first `n` entries (all when None) to the device; returns the device tensor."""
+        if self.gpu is not self.cpu:
+            if n is None:
+                self.gpu.copy_(self.cpu, non_blocking=True)
+            elif n > 0:
+                self.gpu[:n].copy_(self.cpu[:n], non_blocking=True)
+        return self.gpu
+
+
+@dataclass
+class RequestState:
+    """What the worker keeps about one request (read from the Request once, when it joins)."""
+
+    req_id: str
+    row: int
+    params: SamplingParams
+    generator: torch.Generator | None
+    eos_token_ids: tuple[int, ...]
+    num_prompt_tokens: int
+    prompt_token_ids: list[int]
 
 
 @dataclass
 class ModelInputs:
-    input_ids: torch.Tensor  # int64 [T]
-    positions: torch.Tensor  # int64 [T]
+    input_ids: torch.Tensor  # int32 [T] (padded: [B] for a CUDA-graph batch)
+    positions: torch.Tensor  # int32 [T]
     attn_metadata: CommonAttentionMetadata
-    logits_indices: torch.Tensor  # int64 [N]: last token of each request that samples this step
-    sampling_request_indices: list[int]  # positions in `scheduled` of those N requests
+    logits_indices: torch.Tensor | None  # int64 [N]: the token of each sampling request; None = [0, N)
+    sampling_request_indices: list[int]  # positions in `scheduled` of the N requests that sample
+    sampling_metadata: SamplingMetadata | None
+    num_tokens: int  # real tokens (T); the padded count is attn_metadata.num_actual_tokens
 
 
-def prepare_inputs(step: SchedulerOutput, block_size: int, device: torch.device) -> ModelInputs:
-    """Flatten the scheduled requests (already ordered decodes first) into model inputs.
+class InputBatch:
+    """Rows of per-request state plus the staging buffers of one step, at maximum sizes."""
 
-    Token-level arrays are built with numpy from per-request slices; the only Python loop is
-    over requests.
-    """
-    scheduled = step.scheduled
-    num_reqs = len(scheduled)
-    query_lens = np.fromiter((s.num_new_tokens for s in scheduled), dtype=np.int64, count=num_reqs)
-    starts = np.fromiter((s.request.num_computed_tokens for s in scheduled), dtype=np.int64, count=num_reqs)
-    seq_lens = starts + query_lens
-    cu = np.zeros(num_reqs + 1, dtype=np.int64)
-    np.cumsum(query_lens, out=cu[1:])
-    num_tokens = int(cu[-1])
+    def __init__(
+        self,
+        max_num_reqs: int,
+        max_num_tokens: int,
+        max_model_len: int,
+        block_size: int,
+        vocab_size: int,
+        device: torch.device,
+    ) -> None:
+        self.max_num_reqs = max_num_reqs
+        self.max_num_tokens = max_num_tokens
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.device = device
+        self.max_blocks_per_req = -(-max_model_len // block_size)
 
-    input_ids = np.concatenate(
-        [
-            np.asarray(s.request.all_token_ids[st : st + n], dtype=np.int64)
-            for s, st, n in zip(scheduled, starts, query_lens)
-        ]
-    )
-    # Absolute position of every token: its request's start plus its offset in the chunk.
-    req_of_token = np.repeat(np.arange(num_reqs), query_lens)
-    positions = starts[req_of_token] + (np.arange(num_tokens) - cu[:-1][req_of_token])
+        # ---- rows ----
+        self.states: dict[str, RequestState] = {}
+        self.row_states: list[RequestState | None] = [None] * max_num_reqs
+        self.free_rows = list(range(max_num_reqs - 1, -1, -1))  # pop() hands out low rows first
+        self.token_ids = CpuGpuBuffer((max_num_reqs, max_model_len), torch.int32, device)
+        self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)  # known tokens (prompt + sampled)
+        self.num_computed = np.zeros(max_num_reqs, dtype=np.int64)  # tokens whose K/V is cached
+        self.block_table = CpuGpuBuffer((max_num_reqs, self.max_blocks_per_req), torch.int32, device)
+        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        # Sampling parameters per row, as the sampler's tensors want them (host copies decide flags).
+        self.temperature = CpuGpuBuffer(max_num_reqs, torch.float32, device)
+        self.top_p = CpuGpuBuffer(max_num_reqs, torch.float32, device)
+        self.min_p = CpuGpuBuffer(max_num_reqs, torch.float32, device)
+        self.top_k = CpuGpuBuffer(max_num_reqs, torch.int64, device)
+        self.is_greedy = CpuGpuBuffer(max_num_reqs, torch.bool, device)
+        # Host-only flags that select the sampler's rarer paths without a per-request Python loop.
+        self.has_generator = np.zeros(max_num_reqs, dtype=bool)
+        self.has_penalties = np.zeros(max_num_reqs, dtype=bool)
+        self.min_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_logprobs = np.full(max_num_reqs, -1, dtype=np.int64)  # -1 = none asked
+        self._params_dirty = False
 
-    max_blocks = max(len(s.block_ids) for s in scheduled)
-    block_table = np.zeros((num_reqs, max_blocks), dtype=np.int32)
-    for i, s in enumerate(scheduled):
-        block_table[i, : len(s.block_ids)] = s.block_ids
-    slot_mapping = block_table[req_of_token, positions // block_size].astype(np.int64) * block_size
-    slot_mapping += positions % block_size
+        # ---- one step's staging, fixed offsets (int32 and int64 sections) ----
+        t, r = max_num_tokens, max_num_reqs
+        self._i32_layout = _Layout(ids=t, positions=t, query_start_loc=r + 1, seq_lens=r)
+        self._i64_layout = _Layout(slots=t, rows=r, logits_indices=r, sample_slots=r, samples=r)
+        self.step_i32 = CpuGpuBuffer(self._i32_layout.size, torch.int32, device)
+        self.step_i64 = CpuGpuBuffer(self._i64_layout.size, torch.int64, device)
+        # Block-table entries appended this step: flat index and block id, uploaded when any.
+        self.block_updates = CpuGpuBuffer((2, max_num_reqs * self.max_blocks_per_req), torch.int64, device)
+        self._num_block_updates = 0
+        self._new_rows: list[int] = []
 
-    num_decodes = 0
-    while num_decodes < num_reqs and query_lens[num_decodes] == 1:
-        num_decodes += 1
+    # ---- row bookkeeping ------------------------------------------------------------------------
 
-    # Only requests whose chunk reaches their last known token produce a next token.
-    samples = [i for i, s in enumerate(scheduled) if seq_lens[i] == s.request.num_tokens]
-    logits_indices = cu[1:][samples] - 1
+    @property
+    def num_rows(self) -> int:
+        return len(self.states)
 
-    def to_dev(array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(array).to(device, non_blocking=True)
+    def update_states(self, step: SchedulerOutput) -> tuple[np.ndarray, np.ndarray]:
+        """Apply the scheduler's changes: drop finished and preempted requests, add new ones, and
+        append the blocks allocated this step. O(changes) plus one pass over the step's requests;
+        returns the step's rows and query lengths, in step order."""
+        for req_id in step.finished_req_ids:
+            self.remove(req_id)
+        for request in step.preempted:
+            self.remove(request.request_id)
+        self._num_block_updates = 0
+        num_reqs = len(step.scheduled)
+        rows = np.empty(num_reqs, dtype=np.int64)
+        query_lens = np.empty(num_reqs, dtype=np.int64)
+        states = self.states
+        for i, item in enumerate(step.scheduled):
+            state = states.get(item.request.request_id)
+            if state is None:
+                state = self._add(item.request)
+            row = state.row
+            rows[i] = row
+            query_lens[i] = item.num_new_tokens
+            if len(item.block_ids) > self.num_blocks[row]:
+                self._append_blocks(row, item.block_ids)
+        return rows, query_lens
 
-    qsl_cpu = torch.from_numpy(cu.astype(np.int32))
-    seq_lens_cpu = torch.from_numpy(seq_lens.astype(np.int32))
-    metadata = CommonAttentionMetadata(
-        num_reqs=num_reqs,
-        num_actual_tokens=num_tokens,
-        num_decodes=num_decodes,
-        num_decode_tokens=num_decodes,
-        query_start_loc=qsl_cpu.to(device, non_blocking=True),
-        query_start_loc_cpu=qsl_cpu,
-        seq_lens=seq_lens_cpu.to(device, non_blocking=True),
-        seq_lens_cpu=seq_lens_cpu,
-        max_query_len=int(query_lens.max()),
-        max_seq_len=int(seq_lens.max()),
-        block_table=to_dev(block_table),
-        slot_mapping=to_dev(slot_mapping),
-    )
-    return ModelInputs(
-        input_ids=to_dev(input_ids),
-        positions=to_dev(positions),
-        attn_metadata=metadata,
-        logits_indices=to_dev(np.asarray(logits_indices, dtype=np.int64)),
-        sampling_request_indices=samples,
-    )
+    def _add(self, request: Request) -> RequestState:
+        if not self.free_rows:
+            raise RuntimeError(f"input batch is full ({self.max_num_reqs} rows): max_num_seqs exceeded")
+        row = self.free_rows.pop()
+        tokens = request.all_token_ids
+        n = len(tokens)
+        self.token_ids.np[row, :n] = tokens
+        self._new_rows.append(row)
+        self.num_tokens[row] = n
+        self.num_computed[row] = request.num_computed_tokens
+        self.num_blocks[row] = 0
+        params = request.sampling_params
+        greedy = params.is_greedy
+        self.is_greedy.np[row] = greedy
+        self.has_generator[row] = request.generator is not None and not greedy
+        self.has_penalties[row] = params.has_penalties
+        self.min_tokens[row] = params.min_tokens
+        self.num_prompt_tokens[row] = len(request.prompt_token_ids)
+        self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
+        self.temperature.np[row] = 1.0 if greedy else params.temperature
+        self.top_p.np[row] = 1.0 if greedy else params.top_p
+        self.min_p.np[row] = 0.0 if greedy else params.min_p
+        self.top_k.np[row] = (
+            params.top_k if (not greedy and 0 < params.top_k < self.vocab_size) else self.vocab_size
+        )
+        self._params_dirty = True
+        state = RequestState(
+            req_id=request.request_id,
+            row=row,
+            params=params,
+            generator=request.generator,
+            eos_token_ids=tuple(request.eos_token_ids),
+            num_prompt_tokens=len(request.prompt_token_ids),
+            prompt_token_ids=request.prompt_token_ids,
+        )
+        self.states[request.request_id] = state
+        self.row_states[row] = state
+        return state
+
+    def remove(self, req_id: str) -> None:
+        """Free a request's row (unknown ids are ignored: it may never have been scheduled)."""
+        state = self.states.pop(req_id, None)
+        if state is None:
+            return
+        row = state.row
+        self.row_states[row] = None
+        self.block_table.np[row, : self.num_blocks[row]] = 0
+        self.num_blocks[row] = 0
+        self.free_rows.append(row)
+
+    def _append_blocks(self, row: int, block_ids: list[int]) -> None:
+        have = int(self.num_blocks[row])
+        if len(block_ids) <= have:
+            return
+        new = block_ids[have:]
+        count = len(new)
+        self.block_table.np[row, have : have + count] = new
+        start = self._num_block_updates
+        updates = self.block_updates.np
+        updates[0, start : start + count] = np.arange(have, have + count) + row * self.max_blocks_per_req
+        updates[1, start : start + count] = new
+        self._num_block_updates += count
+        self.num_blocks[row] = have + count
+
+    def _sync_rows_to_device(self) -> None:
+        """Upload what changed in the rows since the last step (prompts, blocks, parameters)."""
+        if self.device.type == "cpu":
+            self._new_rows.clear()
+            return
+        for row in self._new_rows:
+            n = int(self.num_tokens[row])
+            self.token_ids.gpu[row, :n].copy_(self.token_ids.cpu[row, :n], non_blocking=True)
+        self._new_rows.clear()
+        if self._num_block_updates:
+            n = self._num_block_updates
+            self.block_updates.gpu[:, :n].copy_(self.block_updates.cpu[:, :n], non_blocking=True)
+            flat = self.block_table.gpu.view(-1)
+            flat.index_copy_(0, self.block_updates.gpu[0, :n], self.block_updates.gpu[1, :n].to(torch.int32))
+        if self._params_dirty:
+            for buffer in (self.temperature, self.top_p, self.min_p, self.top_k, self.is_greedy):
+                buffer.upload()
+            self._params_dirty = False
+
+    # ---- one step -------------------------------------------------------------------------------
+
+    def prepare(self, step: SchedulerOutput, pad_to: int | None = None) -> ModelInputs:
+        """The step's flat inputs (requests already ordered decodes first by the scheduler).
+
+        With `pad_to` (a CUDA-graph size >= the number of requests, uniform decode only) the
+        metadata covers `pad_to` requests and tokens, the extra ones padding (query length 0,
+        sequence length 0, slot -1).
+        """
+        rows, query_lens = self.update_states(step)
+        self._sync_rows_to_device()
+        num_reqs = len(rows)
+        starts = self.num_computed[rows]
+        seq_lens = starts + query_lens
+        num_tokens = int(query_lens.sum())
+        max_query_len = int(query_lens.max())
+        is_uniform_decode = max_query_len == 1
+        if pad_to is not None and (not is_uniform_decode or pad_to < num_reqs):
+            raise ValueError(f"pad_to={pad_to} needs a uniform decode batch of at most {pad_to} requests")
+        padded = pad_to if pad_to is not None else num_reqs
+
+        i32 = self._i32_layout.views(self.step_i32.np)
+        i64 = self._i64_layout.views(self.step_i64.np)
+        cu = i32["query_start_loc"]
+        cu[0] = 0
+        np.cumsum(query_lens, out=cu[1 : num_reqs + 1])
+        if is_uniform_decode:
+            positions = starts
+            token_rows = rows
+        else:
+            req_of_token = np.repeat(np.arange(num_reqs), query_lens)
+            token_rows = rows[req_of_token]
+            positions = starts[req_of_token] + (np.arange(num_tokens) - cu[:num_reqs][req_of_token])
+        i32["ids"][:num_tokens] = self.token_ids.np[token_rows, positions]
+        i32["positions"][:num_tokens] = positions
+        slots = i64["slots"]
+        slots[:num_tokens] = self.block_table.np[token_rows, positions // self.block_size]
+        slots[:num_tokens] *= self.block_size
+        slots[:num_tokens] += positions % self.block_size
+        i32["seq_lens"][:num_reqs] = seq_lens
+        i64["rows"][:num_reqs] = rows
+        if padded > num_reqs:
+            cu[num_reqs + 1 : padded + 1] = num_tokens
+            i32["seq_lens"][num_reqs:padded] = 0
+            i64["rows"][num_reqs:padded] = rows[0]
+            slots[num_tokens:padded] = -1
+
+        # Only requests whose chunk reaches their last known token produce a next token.
+        samples_mask = seq_lens == self.num_tokens[rows]
+        samples = np.flatnonzero(samples_mask)
+        num_samples = len(samples)
+        all_sample = num_samples == num_reqs and num_tokens == num_reqs
+        if not all_sample:
+            i64["logits_indices"][:num_samples] = cu[1:][samples] - 1
+        sample_rows = rows[samples]
+        i64["samples"][:num_samples] = samples
+        # Where each sampled token will sit in the device token table.
+        i64["sample_slots"][:num_samples] = sample_rows * self.max_model_len + self.num_tokens[sample_rows]
+
+        dev32 = self._i32_layout.views(self.step_i32.upload())
+        dev64 = self._i64_layout.views(self.step_i64.upload())
+        max_cols = int(self.num_blocks[rows].max())
+        block_table = self.block_table.gpu[dev64["rows"][:padded], :max_cols]
+        cpu32 = self._i32_layout.views(self.step_i32.cpu)
+        metadata = CommonAttentionMetadata(
+            num_reqs=padded,
+            num_actual_tokens=max(num_tokens, padded),
+            num_decodes=padded if is_uniform_decode else _leading_ones(query_lens),
+            num_decode_tokens=padded if is_uniform_decode else _leading_ones(query_lens),
+            query_start_loc=dev32["query_start_loc"][: padded + 1],
+            query_start_loc_cpu=cpu32["query_start_loc"][: padded + 1],
+            seq_lens=dev32["seq_lens"][:padded],
+            seq_lens_cpu=cpu32["seq_lens"][:padded],
+            max_query_len=max_query_len,
+            max_seq_len=int(seq_lens.max()),
+            block_table=block_table,
+            slot_mapping=dev64["slots"][: max(num_tokens, padded)],
+        )
+        self._pending = _PendingStep(rows, query_lens, sample_rows, dev64["sample_slots"][:num_samples])
+        sampling_metadata = None
+        if num_samples:
+            index = dev64["rows"][:num_reqs] if all_sample else dev64["rows"][dev64["samples"][:num_samples]]
+            sampling_metadata = self._sampling_metadata(sample_rows, index)
+        return ModelInputs(
+            input_ids=dev32["ids"][: max(num_tokens, padded)],
+            positions=dev32["positions"][: max(num_tokens, padded)],
+            attn_metadata=metadata,
+            logits_indices=None if all_sample else dev64["logits_indices"][:num_samples],
+            sampling_request_indices=samples.tolist(),
+            sampling_metadata=sampling_metadata,
+            num_tokens=num_tokens,
+        )
+
+    def capture_metadata(self, num_reqs: int) -> CommonAttentionMetadata:
+        """A uniform-decode batch of `num_reqs` dummy requests for CUDA-graph capture: each has one
+        token at position 0 that reads block 0 and writes nothing (slot -1)."""
+        if num_reqs > min(self.max_num_reqs, self.max_num_tokens):
+            raise ValueError(f"cannot capture {num_reqs} requests: the batch holds {self.max_num_reqs}")
+        i32 = self._i32_layout.views(self.step_i32.np)
+        i64 = self._i64_layout.views(self.step_i64.np)
+        i32["ids"][:num_reqs] = 0
+        i32["positions"][:num_reqs] = 0
+        i32["query_start_loc"][: num_reqs + 1] = np.arange(num_reqs + 1)
+        i32["seq_lens"][:num_reqs] = 1
+        i64["slots"][:num_reqs] = -1
+        i64["rows"][:num_reqs] = 0
+        dev32 = self._i32_layout.views(self.step_i32.upload())
+        dev64 = self._i64_layout.views(self.step_i64.upload())
+        cpu32 = self._i32_layout.views(self.step_i32.cpu)
+        return CommonAttentionMetadata(
+            num_reqs=num_reqs,
+            num_actual_tokens=num_reqs,
+            num_decodes=num_reqs,
+            num_decode_tokens=num_reqs,
+            query_start_loc=dev32["query_start_loc"][: num_reqs + 1],
+            query_start_loc_cpu=cpu32["query_start_loc"][: num_reqs + 1],
+            seq_lens=dev32["seq_lens"][:num_reqs],
+            seq_lens_cpu=cpu32["seq_lens"][:num_reqs],
+            max_query_len=1,
+            max_seq_len=1,
+            block_table=torch.zeros((num_reqs, 1), dtype=torch.int32, device=self.device),
+            slot_mapping=dev64["slots"][:num_reqs],
+        )
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        """The device buffer every step's token ids are uploaded to (fixed address)."""
+        return self._i32_layout.views(self.step_i32.gpu)["ids"]
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self._i32_layout.views(self.step_i32.gpu)["positions"]
+
+    def _sampling_metadata(self, sample_rows: np.ndarray, index: torch.Tensor) -> SamplingMetadata:
+        """The sampled rows' parameters: flags from the host copies, tensors gathered on the device
+        (`index`: the rows, int64 on the device)."""
+        num = len(sample_rows)
+        greedy = self.is_greedy.np[sample_rows]
+        all_greedy, all_random = bool(greedy.all()), not bool(greedy.any())
+
+        def gather(buffer: CpuGpuBuffer) -> torch.Tensor:
+            return buffer.gpu.index_select(0, index)
+
+        temperature = top_k = top_p = min_p = None
+        max_top_k, all_top_k = 0, False
+        if not all_greedy:
+            if (self.temperature.np[sample_rows] != 1.0).any():
+                temperature = gather(self.temperature)
+            ks = self.top_k.np[sample_rows]
+            active_k = ks < self.vocab_size
+            if active_k.any():
+                top_k = gather(self.top_k)
+                max_top_k = int(ks[active_k].max())
+                all_top_k = bool(active_k.all())
+            if (self.top_p.np[sample_rows] < 1.0).any():
+                top_p = gather(self.top_p)
+            if (self.min_p.np[sample_rows] > 0.0).any():
+                min_p = gather(self.min_p)
+        states = self.row_states
+        generators = {
+            int(i): states[sample_rows[i]].generator for i in np.flatnonzero(self.has_generator[sample_rows])
+        }
+        num_output = self.num_tokens[sample_rows] - self.num_prompt_tokens[sample_rows]
+        suppressed = []
+        for i in np.flatnonzero(num_output < self.min_tokens[sample_rows]).tolist():
+            state = states[sample_rows[i]]
+            eos = () if state.params.ignore_eos else state.eos_token_ids
+            suppressed.append((i, [*eos, *state.params.stop_token_ids]))
+        penalties = None
+        penalised = np.flatnonzero(self.has_penalties[sample_rows])
+        if len(penalised):
+            pen_rows = sample_rows[penalised]
+            params = [states[r].params for r in sample_rows.tolist()]
+            penalties = penalty_inputs(
+                params,
+                penalised.tolist(),
+                num,
+                self.device,
+                lambda vocab: self._token_counts(pen_rows, vocab),
+            )
+        num_logprobs = self.num_logprobs[sample_rows]
+        wants_logprobs = bool((num_logprobs >= 0).any())
+        return SamplingMetadata(
+            num_rows=num,
+            all_greedy=all_greedy,
+            all_random=all_random,
+            is_greedy=None if all_greedy or all_random else gather(self.is_greedy),
+            temperature=temperature,
+            top_k=top_k,
+            max_top_k=max_top_k,
+            all_top_k=all_top_k,
+            top_p=top_p,
+            min_p=min_p,
+            generators=generators,
+            penalties=penalties,
+            suppressed=suppressed,
+            num_logprobs=[None if k < 0 else k for k in num_logprobs.tolist()] if wants_logprobs else None,
+            need_sampled_logprobs=wants_logprobs,
+        )
+
+    def _token_counts(self, rows: np.ndarray, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prompt and output token counts of the given rows, from the device token table."""
+        device = self.device
+        num_prompt = self.num_prompt_tokens[rows]
+        num_tokens = self.num_tokens[rows]
+        width = int(num_tokens.max())
+        index = torch.from_numpy(rows).to(device)
+        tokens = self.token_ids.gpu.index_select(0, index)[:, :width].long()
+        positions = torch.arange(width, device=device)
+        prompt_len = torch.from_numpy(num_prompt).to(device).unsqueeze(1)
+        total_len = torch.from_numpy(num_tokens).to(device).unsqueeze(1)
+        outside = torch.full_like(tokens, vocab_size)
+        # Ids outside [0, vocab) (and positions outside each span) land in the extra column.
+        valid = (tokens >= 0) & (tokens < vocab_size)
+        prompt_ids = torch.where(valid & (positions < prompt_len), tokens, outside)
+        output_ids = torch.where(valid & (positions >= prompt_len) & (positions < total_len), tokens, outside)
+        ones = torch.ones_like(tokens, dtype=torch.float32)
+        shape = (len(rows), vocab_size + 1)
+        prompt = torch.zeros(shape, dtype=torch.float32, device=device).scatter_add_(1, prompt_ids, ones)
+        output = torch.zeros(shape, dtype=torch.float32, device=device).scatter_add_(1, output_ids, ones)
+        return prompt[:, :vocab_size], output[:, :vocab_size]
+
+    # ---- after the forward pass ---------------------------------------------------------------------
+
+    def record_sampled_on_device(self, token_ids: torch.Tensor) -> None:
+        """Write the step's sampled ids into the device token table (before they reach the host)."""
+        pending = self._pending
+        if self.device.type != "cpu" and len(pending.sample_rows):
+            self.token_ids.gpu.view(-1).index_copy_(0, pending.sample_slots, token_ids.to(torch.int32))
+
+    def advance(self, sampled_token_ids: list[int] | None) -> None:
+        """After a step: its tokens are computed, and the sampled ids join the host token table."""
+        pending = self._pending
+        self.num_computed[pending.rows] += pending.query_lens
+        if sampled_token_ids:
+            rows = pending.sample_rows
+            self.token_ids.np[rows, self.num_tokens[rows]] = sampled_token_ids
+            self.num_tokens[rows] += 1
+
+
+@dataclass
+class _PendingStep:
+    """What `advance` and `record_sampled_on_device` need of the step `prepare` built."""
+
+    rows: np.ndarray  # the step's rows, in step order
+    query_lens: np.ndarray
+    sample_rows: np.ndarray  # rows that sample this step, in sampling order
+    sample_slots: torch.Tensor  # int64 flat positions of their next token in the device token table
+
+
+class _Layout:
+    """Named sections of a flat buffer at fixed offsets."""
+
+    def __init__(self, **sizes: int) -> None:
+        self.offsets: dict[str, tuple[int, int]] = {}
+        offset = 0
+        for name, size in sizes.items():
+            self.offsets[name] = (offset, size)
+            offset += size
+        self.size = offset
+
+    def views(self, buffer):  # numpy array or tensor
+        return {name: buffer[start : start + size] for name, (start, size) in self.offsets.items()}
+
+
+def _leading_ones(query_lens: np.ndarray) -> int:
+    """How many requests at the front have exactly one query token (the decodes)."""
+    not_one = np.flatnonzero(query_lens != 1)
+    return int(not_one[0]) if len(not_one) else len(query_lens)

@@ -18,9 +18,10 @@ from kvllm.layers.attention import Attention
 from kvllm.models.loader import load_model
 from kvllm.models.model_config import ModelConfig
 from kvllm.sample.logprobs import PositionLogprobs, position_logprobs
-from kvllm.sample.sampler import Sampler, SamplerOutput, SamplingRow
+from kvllm.sample.sampler import Sampler, SamplerOutput
 from kvllm.utils.dtypes import dtype_name, kv_cache_torch_dtype
-from kvllm.worker.input_batch import ModelInputs, prepare_inputs
+from kvllm.worker.cuda_graph import CudaGraphRunner, default_capture_sizes
+from kvllm.worker.input_batch import InputBatch, ModelInputs
 
 logger = logging.getLogger(__name__)
 
@@ -98,12 +99,10 @@ class ModelRunner:
             dtype=kv_cache_torch_dtype(args.kv_cache_dtype, model_config.dtype),
             kv_cache_dtype=args.kv_cache_dtype,
         )
-        if device.type == "cuda" and not args.enforce_eager:
-            logger.info(
-                "CUDA graphs are not implemented in this version: running eagerly (as enforce_eager=True)"
-            )
         self.sampler = Sampler()
         self.metadata_builder = None
+        self.input_batch: InputBatch | None = None
+        self.graph_runner: CudaGraphRunner | None = None
         self.num_blocks = 0
 
     # ---- KV cache ----------------------------------------------------------------------------
@@ -187,40 +186,98 @@ class ModelRunner:
             # Zeroed, not empty: kernels may read (and mask) slots never written.
             layer.kv_cache = torch.zeros(shape, dtype=spec.dtype, device=self.device)
         self.num_blocks = num_blocks
+        capture_sizes = self._cudagraph_capture_sizes(max_num_reqs)
+        # Graph batches are padded to their size, so the token buffers hold the largest one.
+        max_num_tokens = max(self.max_num_batched_tokens, max(capture_sizes, default=0))
         self.metadata_builder = self.attn_backend.get_builder_cls()(
             self.attn_backend,
             spec,
             self.device,
             max_num_reqs,
-            self.max_num_batched_tokens,
+            max_num_tokens,
             self.model_config.max_model_len,
         )
+        self.input_batch = InputBatch(
+            max_num_reqs,
+            max_num_tokens,
+            self.model_config.max_model_len,
+            spec.block_size,
+            self.model_config.vocab_size,
+            self.device,
+        )
+        if capture_sizes:
+            self.graph_runner = CudaGraphRunner(
+                self.model,
+                self.metadata_builder,
+                self.input_batch.input_ids,
+                self.input_batch.positions,
+                capture_sizes,
+                self.input_batch.capture_metadata,
+            )
+            with torch.inference_mode():
+                stats = self.graph_runner.capture()
+            logger.info(
+                "Captured CUDA graphs for %d decode batch sizes (%d..%d) in %.1f s, using %.2f GiB",
+                len(stats.sizes),
+                stats.sizes[0],
+                stats.sizes[-1],
+                stats.seconds,
+                stats.memory_bytes / GiB,
+            )
+
+    def _cudagraph_capture_sizes(self, max_num_reqs: int) -> list[int]:
+        """The decode batch sizes to capture, or [] when steps run eagerly (and why, logged)."""
+        args = self.args
+        if self.device.type != "cuda" or args.enforce_eager:
+            return []
+        support = self.attn_backend.cudagraph_support
+        if support == "never":
+            logger.info(
+                "CUDA graphs off: the %s attention backend declares cudagraph_support='never' "
+                "(steps run eagerly; TRITON_ATTN, FLASHINFER and FLASH_ATTN capture decode steps)",
+                self.attn_backend.name,
+            )
+            return []
+        cap = min(args.max_cudagraph_capture_size or min(max_num_reqs, 512), max_num_reqs)
+        sizes = args.cudagraph_capture_sizes or default_capture_sizes(max_num_reqs, cap)
+        return sorted(s for s in sizes if s <= cap) or [min(sizes)]
 
     # ---- execution ---------------------------------------------------------------------------
 
     @torch.inference_mode()
     def execute_model(self, step: SchedulerOutput) -> StepResult:
-        inputs = prepare_inputs(step, self.block_size, self.device)
-        attn_metadata = self.metadata_builder.build(inputs.attn_metadata)
-        with set_forward_context(attn_metadata):
-            hidden = self.model(inputs.input_ids, inputs.positions)
+        assert self.input_batch is not None and self.metadata_builder is not None
+        pad_to = self._graph_size(step)
+        inputs = self.input_batch.prepare(step, pad_to)
+        if pad_to is not None:
+            assert self.graph_runner is not None
+            hidden = self.graph_runner.replay(inputs.attn_metadata, inputs.num_tokens)
+        else:
+            attn_metadata = self.metadata_builder.build(inputs.attn_metadata)
+            with set_forward_context(attn_metadata):
+                hidden = self.model(inputs.input_ids, inputs.positions)
         prompt_logprobs = self._prompt_logprobs(step, inputs, hidden)
-        if not inputs.sampling_request_indices:
+        if inputs.sampling_metadata is None:
+            self.input_batch.advance(None)
             return StepResult([], None, prompt_logprobs)
-        logits = self.model.compute_logits(hidden[inputs.logits_indices]).float()
-        rows = []
-        for i in inputs.sampling_request_indices:
-            request = step.scheduled[i].request
-            rows.append(
-                SamplingRow(
-                    params=request.sampling_params,
-                    prompt_token_ids=request.prompt_token_ids,
-                    output_token_ids=request.output_token_ids,
-                    generator=request.generator,
-                    eos_token_ids=request.eos_token_ids,
-                )
-            )
-        return StepResult(inputs.sampling_request_indices, self.sampler(logits, rows), prompt_logprobs)
+        sampled_hidden = (
+            hidden[: inputs.num_tokens] if inputs.logits_indices is None else hidden[inputs.logits_indices]
+        )
+        logits = self.model.compute_logits(sampled_hidden)
+        sampled = self.sampler.sample(logits, inputs.sampling_metadata)
+        self.input_batch.record_sampled_on_device(sampled.token_ids)
+        output = sampled.to_host()
+        self.input_batch.advance(output.token_ids)
+        return StepResult(inputs.sampling_request_indices, output, prompt_logprobs)
+
+    def _graph_size(self, step: SchedulerOutput) -> int | None:
+        """The CUDA-graph size to pad this step to, or None to run it eagerly."""
+        runner = self.graph_runner
+        if runner is None or len(step.scheduled) > runner.max_size:
+            return None
+        if any(item.num_new_tokens != 1 for item in step.scheduled):
+            return None
+        return runner.padded_size(len(step.scheduled))
 
     def _prompt_logprobs(
         self, step: SchedulerOutput, inputs: ModelInputs, hidden: torch.Tensor

@@ -127,6 +127,8 @@ def add_engine_args(
             group.add_argument(*flags, metavar="NAME", **common)
         elif hint in (int, float, str):
             group.add_argument(*flags, type=hint, **common)
+        elif hint == list[int]:
+            group.add_argument(*flags, type=int, nargs="+", metavar="N", **common)
         else:
             raise TypeError(f"EngineArgs.{f.name}: no CLI mapping for type {hint!r}; extend add_engine_args")
     # Hidden flags for model properties (e.g. a guide's "--num-heads 32 --head-dim 128"): argparse
