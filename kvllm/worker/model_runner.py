@@ -44,6 +44,11 @@ def out_of_memory_error(
     )
 
 
+def graphs_available(device: torch.device) -> bool:
+    """Whether decode steps are captured on this device (tests replace it to run graphs eagerly on the CPU)."""
+    return device.type == "cuda"
+
+
 @dataclass
 class StepResult:
     """Sampled tokens of one step, for the requests that reached their last token."""
@@ -228,7 +233,7 @@ class ModelRunner:
     def _cudagraph_capture_sizes(self, max_num_reqs: int) -> list[int]:
         """The decode batch sizes to capture, or [] when steps run eagerly (and why, logged)."""
         args = self.args
-        if self.device.type != "cuda" or args.enforce_eager:
+        if not graphs_available(self.device) or args.enforce_eager:
             return []
         support = self.attn_backend.cudagraph_support
         if support == "never":
