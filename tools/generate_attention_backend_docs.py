@@ -40,6 +40,7 @@ COLUMNS = [
     "Attention Types",
     "Compute Cap.",
     "Platforms",
+    "CUDA Graphs",
     "Needs",
     "Verified on",
 ]
@@ -143,6 +144,9 @@ that off with `-ac.use_trtllm_attention=0`.
 """
 
 
+_CUDAGRAPH_TEXT = {"never": "eager", "decode_only": "decode steps", "always": "all steps"}
+
+
 def _sizes(rule: object) -> str:
     return rule.short()  # type: ignore[attr-defined]
 
@@ -179,6 +183,7 @@ def backend_row(backend: type[AttentionBackend]) -> list[str]:
         else ", ".join(backend.attn_types),
         _compute_cap(backend),
         ", ".join(backend.platforms),
+        _CUDAGRAPH_TEXT[backend.cudagraph_support],
         _needs(backend),
         backend.verified_on or "not yet: declared from the library's documentation, unverified",
     ]

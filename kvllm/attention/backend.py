@@ -155,7 +155,9 @@ class AttentionBackend:
     is_mla: ClassVar[bool] = False
     is_sparse: ClassVar[bool] = False
     attn_types: ClassVar[tuple[str, ...]] = ("decoder",)
-    cudagraph_support: ClassVar[str] = "never"  # "never", "decode_only", "always"
+    # What the engine captures in CUDA graphs with this backend: "never" (every step eager),
+    # "decode_only" (uniform single-token decode steps; steps with prefill run eagerly), "always".
+    cudagraph_support: ClassVar[str] = "never"
     required_package: ClassVar[str | None] = None  # import name of the kernel library
     pip_extra: ClassVar[str | None] = None  # pip install 'kvllm[<extra>]'
     preferred_block_size: ClassVar[int] = 16

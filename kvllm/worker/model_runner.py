@@ -219,8 +219,15 @@ class ModelRunner:
                 capture_sizes,
                 self.input_batch.capture_metadata,
             )
-            with torch.inference_mode():
-                stats = self.graph_runner.capture()
+            try:
+                with torch.inference_mode():
+                    stats = self.graph_runner.capture()
+            except Exception as exc:
+                raise RuntimeError(
+                    f"Capturing CUDA graphs with the {self.attn_backend.name} attention backend failed "
+                    f"({type(exc).__name__}: {exc}). Run with enforce_eager=True (--enforce-eager) to serve "
+                    "without graphs, or choose another backend."
+                ) from exc
             logger.info(
                 "Captured CUDA graphs for %d decode batch sizes (%d..%d) in %.1f s, using %.2f GiB",
                 len(stats.sizes),

@@ -86,7 +86,8 @@ class FlashAttentionBackend(AttentionBackend):
     supports_sliding_window = True
     supports_logits_soft_cap = True
     attn_types = ("decoder",)
-    cudagraph_support = "never"
+    # Decode steps in CUDA graphs through fixed buffers (builder hooks); prefill steps run eagerly.
+    cudagraph_support = "decode_only"
     required_package = "flash_attn"  # the FA4 wheel's module is flash_attn.cute
     pip_extra = "flash-attn"
     preferred_block_size = 16

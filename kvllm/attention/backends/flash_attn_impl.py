@@ -38,7 +38,50 @@ class FlashAttentionMetadata:
 
 
 class FlashAttentionMetadataBuilder(AttentionMetadataBuilder):
-    """Passes the common metadata through, with the dtypes and contiguity FA4 asserts on."""
+    """Passes the common metadata through, with the dtypes and contiguity FA4 asserts on.
+
+    For CUDA graphs (uniform decode), the batch is copied into buffers allocated once at maximum
+    sizes, and the launch sizes are fixed: max_seqlen_q = 1, max_seqlen_k = max_model_len.
+    Padded requests have query length 0 and seqused_k 0.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        max_blocks = -(-self.max_model_len // self.kv_cache_spec.block_size)
+        device = self.device
+        self._query_start_loc = torch.zeros(self.max_num_reqs + 1, dtype=torch.int32, device=device)
+        self._seq_lens = torch.zeros(self.max_num_reqs, dtype=torch.int32, device=device)
+        self._block_table = torch.zeros(self.max_num_reqs, max_blocks, dtype=torch.int32, device=device)
+        self._slot_mapping = torch.full((self.max_num_tokens,), -1, dtype=torch.int64, device=device)
+
+    def prepare_for_capture(self, common: CommonAttentionMetadata) -> FlashAttentionMetadata:
+        return self._build_static(common)
+
+    def prepare_for_replay(self, common: CommonAttentionMetadata) -> FlashAttentionMetadata:
+        return self._build_static(common)
+
+    def _build_static(self, common: CommonAttentionMetadata) -> FlashAttentionMetadata:
+        num_reqs, num_tokens = common.num_reqs, common.num_actual_tokens
+        if common.max_query_len > 1 or num_reqs > self.max_num_reqs or num_tokens > self.max_num_tokens:
+            raise ValueError(
+                f"FLASH_ATTN graphs take uniform decode batches of at most {self.max_num_reqs} requests "
+                f"(got {num_reqs} requests, {num_tokens} tokens, max query length {common.max_query_len})"
+            )
+        cols = common.block_table.shape[1]
+        self._query_start_loc[: num_reqs + 1].copy_(common.query_start_loc, non_blocking=True)
+        self._seq_lens[:num_reqs].copy_(common.seq_lens, non_blocking=True)
+        self._block_table[:num_reqs, :cols].copy_(common.block_table, non_blocking=True)
+        self._slot_mapping[:num_tokens].copy_(common.slot_mapping[:num_tokens], non_blocking=True)
+        return FlashAttentionMetadata(
+            num_actual_tokens=num_tokens,
+            max_query_len=1,
+            max_seq_len=self.max_model_len,
+            query_start_loc=self._query_start_loc[: num_reqs + 1],
+            seq_lens=self._seq_lens[:num_reqs],
+            block_table=self._block_table[:num_reqs],
+            slot_mapping=self._slot_mapping[:num_tokens],
+            causal=common.causal,
+        )
 
     def build(self, common: CommonAttentionMetadata) -> FlashAttentionMetadata:
         return FlashAttentionMetadata(

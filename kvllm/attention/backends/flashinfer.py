@@ -76,7 +76,8 @@ class FlashInferBackend(AttentionBackend):
     supports_sliding_window = False  # implemented, not yet verified on the H200 (IMPLEMENTS_SLIDING_WINDOW)
     supports_logits_soft_cap = False  # implemented, not yet verified on the H200 (IMPLEMENTS_LOGITS_SOFT_CAP)
     attn_types = ("decoder",)
-    cudagraph_support = "never"
+    # Decode steps in CUDA graphs: one graph decode wrapper per batch size, planned before each replay.
+    cudagraph_support = "decode_only"
     required_package = "flashinfer"
     pip_extra = "flashinfer"
     preferred_block_size = 16

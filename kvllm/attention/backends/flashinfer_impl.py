@@ -147,6 +147,7 @@ class FlashInferMetadata:
     prefill_indices: torch.Tensor  # device int32
     builder: FlashInferMetadataBuilder
     planned: dict[FlashInferPlanParams, _Wrappers] = field(default_factory=dict)
+    graph_size: int | None = None  # a CUDA-graph batch: planned on that size's graph wrappers
 
     def wrappers(self, params: FlashInferPlanParams) -> _Wrappers:
         """The wrappers planned for this step and these layer parameters (planning them at most once)."""
@@ -169,8 +170,32 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
         self._flashinfer = import_flashinfer()
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         self._wrappers: dict[FlashInferPlanParams, _Wrappers] = {}
+        # CUDA graphs: one decode wrapper per (layer parameters, batch size), over fixed buffers
+        # shared by all sizes (one graph runs at a time and is re-planned before it replays).
+        self._graph_wrappers: dict[tuple[FlashInferPlanParams, int], Any] = {}
+        max_pages = self.max_num_reqs * -(-self.max_model_len // self.kv_cache_spec.block_size)
+        self._graph_indptr = torch.zeros(self.max_num_reqs + 1, dtype=torch.int32, device=self.device)
+        self._graph_indices = torch.zeros(
+            max(max_pages, self.max_num_reqs), dtype=torch.int32, device=self.device
+        )
+        self._graph_last_page_len = torch.ones(self.max_num_reqs, dtype=torch.int32, device=self.device)
 
     def build(self, common: CommonAttentionMetadata) -> FlashInferMetadata:
+        return self._build(common, graph_size=None)
+
+    def prepare_for_capture(self, common: CommonAttentionMetadata) -> FlashInferMetadata:
+        return self._build(common, graph_size=self._graph_size_of(common))
+
+    def prepare_for_replay(self, common: CommonAttentionMetadata) -> FlashInferMetadata:
+        """Plan the size's graph wrappers for this batch (host work and a copy into their buffers)."""
+        return self._build(common, graph_size=self._graph_size_of(common))
+
+    def _graph_size_of(self, common: CommonAttentionMetadata) -> int:
+        if common.max_query_len > 1 or common.num_decodes != common.num_reqs:
+            raise ValueError("FLASHINFER captures uniform single-token decode batches only")
+        return common.num_reqs
+
+    def _build(self, common: CommonAttentionMetadata, graph_size: int | None) -> FlashInferMetadata:
         num_decodes = common.num_decodes
         if common.num_decode_tokens != num_decodes:
             raise ValueError(
@@ -178,7 +203,12 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
                 f"(num_decodes={num_decodes}, num_decode_tokens={common.num_decode_tokens})"
             )
         block_table = common.block_table
-        host = paged_kv_host_arrays(common.seq_lens_cpu, self.kv_cache_spec.block_size, block_table.shape[1])
+        seq_lens_cpu = common.seq_lens_cpu
+        if graph_size is not None:
+            # A graph's batch size is fixed, so padded requests (length 0) must be planned too:
+            # each reads one token of the first page of its (arbitrary) block-table row.
+            seq_lens_cpu = seq_lens_cpu.clamp(min=1)
+        host = paged_kv_host_arrays(seq_lens_cpu, self.kv_cache_spec.block_size, block_table.shape[1])
         indices = paged_kv_indices(block_table, host.gather_index)
         split = int(host.indptr[num_decodes])
         qsl = common.query_start_loc_cpu.to(torch.int32)
@@ -196,6 +226,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
             decode_indices=indices[:split],
             prefill_indices=indices[split:],
             builder=self,
+            graph_size=graph_size,
         )
         for params in self._wrappers:
             metadata.wrappers(params)
@@ -218,6 +249,8 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
             kv_data_type=spec.dtype,
             sm_scale=params.sm_scale,
         )
+        if metadata.graph_size is not None:
+            wrappers = _Wrappers(decode=self._graph_wrapper(params, metadata.graph_size), prefill=None)
         if metadata.num_decodes:
             wrappers.decode.plan(
                 metadata.decode_indptr,
@@ -237,6 +270,22 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
                 **common_args,
             )
         return wrappers
+
+    def _graph_wrapper(self, params: FlashInferPlanParams, size: int) -> Any:
+        wrapper = self._graph_wrappers.get((params, size))
+        if wrapper is None:
+            gqa = params.num_qo_heads // self.kv_cache_spec.num_kv_heads
+            wrapper = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace,
+                "NHD",
+                use_cuda_graph=True,
+                use_tensor_cores=gqa >= TENSOR_CORE_DECODE_MIN_GQA,
+                paged_kv_indptr_buffer=self._graph_indptr[: size + 1],
+                paged_kv_indices_buffer=self._graph_indices,
+                paged_kv_last_page_len_buffer=self._graph_last_page_len[:size],
+            )
+            self._graph_wrappers[(params, size)] = wrapper
+        return wrapper
 
     def _new_wrappers(self, params: FlashInferPlanParams) -> _Wrappers:
         fi = self._flashinfer

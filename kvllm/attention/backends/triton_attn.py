@@ -46,7 +46,7 @@ class TritonAttentionBackend(AttentionBackend):
     supports_sliding_window: ClassVar[bool] = True
     supports_logits_soft_cap: ClassVar[bool] = True
     attn_types: ClassVar[tuple[str, ...]] = ("decoder",)
-    cudagraph_support: ClassVar[str] = "always"
+    cudagraph_support: ClassVar[str] = "decode_only"
     required_package: ClassVar[str | None] = "triton"
     pip_extra: ClassVar[str | None] = "triton"
     preferred_block_size: ClassVar[int] = 16
