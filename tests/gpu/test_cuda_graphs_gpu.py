@@ -1,0 +1,89 @@
+"""On a CUDA GPU: decode steps replayed from CUDA graphs give the eager engine's greedy ids.
+
+Eager and graph steps run the same kernels, but a graph's launch sizes are fixed at capture
+(TRITON_ATTN splits the KV by max_model_len, FLASH_ATTN gets max_seqlen_k = max_model_len), so the
+float reductions may run in another order. A greedy choice may then flip only where the eager run's
+own top-2 logprob gap is a bf16 tie; every prompt must match token for token until such a step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import pytest
+import torch
+
+from kvllm import LLM, SamplingParams
+from tests.gpu.test_engine_cuda import _backend_usable
+from tests.model_factory import make_tiny_qwen3
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+TIE_GAP = 0.05  # logprob nats: below this the two best tokens are a bf16 tie
+GRAPH_BACKENDS = ["TRITON_ATTN", "FLASHINFER", "FLASH_ATTN"]
+
+
+@pytest.fixture(scope="module")
+def qwen3_small(tmp_path_factory):
+    """Qwen3-shaped: 16 q / 8 kv heads of 128 (as Qwen3-0.6B), 2 layers, hidden 512."""
+    return str(
+        make_tiny_qwen3(
+            tmp_path_factory.mktemp("qwen3_graphs"),
+            hidden_size=512,
+            intermediate_size=1024,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+        )
+    )
+
+
+def _run(path: str, backend: str, enforce_eager: bool, prompts, max_tokens):
+    llm = LLM(
+        path,
+        dtype="bfloat16",
+        attention_backend=backend,
+        gpu_memory_utilization=0.25,
+        max_model_len=2048,
+        max_num_seqs=32,
+        enforce_eager=enforce_eager,
+    )
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=2) for n in max_tokens]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    runner = llm.llm_engine.runner.graph_runner
+    replays = runner.num_replays if runner is not None else 0
+    result = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+    del llm
+    torch.cuda.empty_cache()
+    return result, replays
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_graph_decode_matches_eager(qwen3_small, backend):
+    why_not = _backend_usable(backend)
+    if why_not:
+        pytest.skip(why_not)
+    rng = random.Random(1)
+    lengths = [1, 5, 17, 64, 130, 300, 511, 9, 33, 700, 2, 80]
+    prompts = [[rng.randrange(3, 400) for _ in range(n)] for n in lengths]
+    # Different lengths: the batch shrinks through many graph sizes (12 -> 1) and is padded.
+    max_tokens = [40 - 3 * i for i in range(len(prompts))]
+    eager, eager_replays = _run(qwen3_small, backend, True, prompts, max_tokens)
+    graphs, replays = _run(qwen3_small, backend, False, prompts, max_tokens)
+    assert eager_replays == 0 and replays > 0
+    report = []
+    for prompt, (ref_ids, ref_lps), (ids, _) in zip(prompts, eager, graphs):
+        step = next((i for i, (a, b) in enumerate(zip(ids, ref_ids)) if a != b), None)
+        entry = {"prompt_len": len(prompt), "tokens": len(ref_ids), "first_difference": step}
+        if step is not None:
+            values = sorted((lp.logprob for lp in ref_lps[step].values()), reverse=True)
+            entry["eager_top2_gap"] = values[0] - values[1]
+        report.append(entry)
+    if out_dir := os.environ.get("KVLLM_GPU_REPORT_DIR"):
+        with open(os.path.join(out_dir, f"graphs_vs_eager_{backend}.json"), "w") as f:
+            json.dump({"backend": backend, "graph_replays": replays, "prompts": report}, f, indent=1)
+    for entry in report:
+        assert entry["first_difference"] is None or entry["eager_top2_gap"] < TIE_GAP, entry
+    assert sum(e["first_difference"] is not None for e in report) <= 1, report
