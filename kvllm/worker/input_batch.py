@@ -31,25 +31,69 @@ from kvllm.sampling_params import SamplingParams
 
 
 class CpuGpuBuffer:
-    """A host tensor (pinned when the device is a GPU), its numpy view, and a device twin.
+    """A host array (numpy) and its device twin, for state written rarely (rows' parameters, blocks).
 
-    On the CPU the device twin *is* the host tensor, so uploads cost nothing.
+    `upload` sends a snapshot of the host array, so the host may write it again at once, even while
+    the copy waits on the stream. On the CPU the device twin *is* the host array.
     """
 
     def __init__(self, shape: tuple[int, ...] | int, dtype: torch.dtype, device: torch.device) -> None:
-        on_gpu = device.type != "cpu"
-        self.cpu = torch.zeros(shape, dtype=dtype, pin_memory=on_gpu)
+        self.device = device
+        self.cpu = torch.zeros(shape, dtype=dtype)
         self.np = self.cpu.numpy()
-        self.gpu = torch.zeros(shape, dtype=dtype, device=device) if on_gpu else self.cpu
+        self.gpu = torch.zeros(shape, dtype=dtype, device=device) if device.type != "cpu" else self.cpu
 
-    def upload(self, n: int | None = None) -> torch.Tensor:
-        """Copy the first `n` entries (all when None) to the device; returns the device tensor."""
+    def upload(self) -> torch.Tensor:
         if self.gpu is not self.cpu:
-            if n is None:
-                self.gpu.copy_(self.cpu, non_blocking=True)
-            elif n > 0:
-                self.gpu[:n].copy_(self.cpu[:n], non_blocking=True)
+            self.gpu.copy_(upload_from_host(self.cpu.clone(), self.device), non_blocking=True)
         return self.gpu
+
+
+class StagingBuffer:
+    """A fixed device buffer written each step from one of two pinned host buffers, in turn.
+
+    With overlapped scheduling the host prepares step N+1 while step N's upload may still be queued
+    behind step N-1 on the stream, so it writes the other host buffer, and waits (normally not at
+    all) for the upload that last read it. On the CPU the host buffer is the device buffer.
+    """
+
+    def __init__(self, size: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.on_gpu = device.type != "cpu"
+        self.gpu = torch.zeros(size, dtype=dtype, device=device)
+        if self.on_gpu:
+            self._hosts = [torch.zeros(size, dtype=dtype, pin_memory=True) for _ in range(2)]
+            self._uploaded: list[torch.cuda.Event | None] = [None, None]
+        else:
+            self._hosts = [self.gpu]
+        self._current = 0
+
+    def next_host(self) -> torch.Tensor:
+        """The host buffer to fill for the next step (safe to overwrite once this returns)."""
+        if self.on_gpu:
+            self._current ^= 1
+            event = self._uploaded[self._current]
+            if event is not None:
+                event.synchronize()
+        return self._hosts[self._current]
+
+    @property
+    def host(self) -> torch.Tensor:
+        return self._hosts[self._current]
+
+    def upload(self) -> torch.Tensor:
+        if self.on_gpu:
+            self.gpu.copy_(self._hosts[self._current], non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self._uploaded[self._current] = event
+        return self.gpu
+
+
+def upload_from_host(values: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on the device without a synchronous copy (through pinned memory on a GPU)."""
+    if device.type == "cpu":
+        return values
+    return values.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass
@@ -100,8 +144,11 @@ class InputBatch:
         self.states: dict[str, RequestState] = {}
         self.row_states: list[RequestState | None] = [None] * max_num_reqs
         self.free_rows = list(range(max_num_reqs - 1, -1, -1))  # pop() hands out low rows first
-        self.token_ids = CpuGpuBuffer((max_num_reqs, max_model_len), torch.int32, device)
-        self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)  # known tokens (prompt + sampled)
+        # Token ids live on the device only: prompts are written once, sampled ids are scattered in
+        # by the step that sampled them, and each step gathers its input ids from here. So a decode
+        # never needs the previous step's tokens on the host (what overlapped scheduling relies on).
+        self.token_ids = torch.zeros((max_num_reqs, max_model_len), dtype=torch.int32, device=device)
+        self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)  # prompt + sampled (or being sampled)
         self.num_computed = np.zeros(max_num_reqs, dtype=np.int64)  # tokens whose K/V is cached
         self.block_table = CpuGpuBuffer((max_num_reqs, self.max_blocks_per_req), torch.int32, device)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
@@ -121,14 +168,16 @@ class InputBatch:
 
         # ---- one step's staging, fixed offsets (int32 and int64 sections) ----
         t, r = max_num_tokens, max_num_reqs
-        self._i32_layout = _Layout(ids=t, positions=t, query_start_loc=r + 1, seq_lens=r)
-        self._i64_layout = _Layout(slots=t, rows=r, logits_indices=r, sample_slots=r, samples=r)
-        self.step_i32 = CpuGpuBuffer(self._i32_layout.size, torch.int32, device)
-        self.step_i64 = CpuGpuBuffer(self._i64_layout.size, torch.int64, device)
-        # Block-table entries appended this step: flat index and block id, uploaded when any.
-        self.block_updates = CpuGpuBuffer((2, max_num_reqs * self.max_blocks_per_req), torch.int64, device)
-        self._num_block_updates = 0
-        self._new_rows: list[int] = []
+        self._i32_layout = _Layout(positions=t, query_start_loc=r + 1, seq_lens=r)
+        self._i64_layout = _Layout(
+            token_index=t, slots=t, rows=r, logits_indices=r, sample_slots=r, samples=r
+        )
+        self.step_i32 = StagingBuffer(self._i32_layout.size, torch.int32, device)
+        self.step_i64 = StagingBuffer(self._i64_layout.size, torch.int64, device)
+        self.input_ids = torch.zeros(t, dtype=torch.int32, device=device)  # gathered each step, fixed address
+        # Block-table entries appended this step (flat index, block id) and prompts of new rows.
+        self._block_updates: list[tuple[np.ndarray, list[int]]] = []
+        self._new_tokens: list[tuple[int, list[int]]] = []
 
     # ---- row bookkeeping ------------------------------------------------------------------------
 
@@ -144,7 +193,6 @@ class InputBatch:
             self.remove(req_id)
         for request in step.preempted:
             self.remove(request.request_id)
-        self._num_block_updates = 0
         num_reqs = len(step.scheduled)
         rows = np.empty(num_reqs, dtype=np.int64)
         query_lens = np.empty(num_reqs, dtype=np.int64)
@@ -165,10 +213,8 @@ class InputBatch:
             raise RuntimeError(f"input batch is full ({self.max_num_reqs} rows): max_num_seqs exceeded")
         row = self.free_rows.pop()
         tokens = request.all_token_ids
-        n = len(tokens)
-        self.token_ids.np[row, :n] = tokens
-        self._new_rows.append(row)
-        self.num_tokens[row] = n
+        self._new_tokens.append((row, tokens))
+        self.num_tokens[row] = len(tokens)
         self.num_computed[row] = request.num_computed_tokens
         self.num_blocks[row] = 0
         params = request.sampling_params
@@ -212,32 +258,38 @@ class InputBatch:
 
     def _append_blocks(self, row: int, block_ids: list[int]) -> None:
         have = int(self.num_blocks[row])
-        if len(block_ids) <= have:
-            return
         new = block_ids[have:]
         count = len(new)
         self.block_table.np[row, have : have + count] = new
-        start = self._num_block_updates
-        updates = self.block_updates.np
-        updates[0, start : start + count] = np.arange(have, have + count) + row * self.max_blocks_per_req
-        updates[1, start : start + count] = new
-        self._num_block_updates += count
+        self._block_updates.append((np.arange(have, have + count) + row * self.max_blocks_per_req, new))
         self.num_blocks[row] = have + count
 
     def _sync_rows_to_device(self) -> None:
         """Upload what changed in the rows since the last step (prompts, blocks, parameters)."""
-        if self.device.type == "cpu":
-            self._new_rows.clear()
-            return
-        for row in self._new_rows:
-            n = int(self.num_tokens[row])
-            self.token_ids.gpu[row, :n].copy_(self.token_ids.cpu[row, :n], non_blocking=True)
-        self._new_rows.clear()
-        if self._num_block_updates:
-            n = self._num_block_updates
-            self.block_updates.gpu[:, :n].copy_(self.block_updates.cpu[:, :n], non_blocking=True)
-            flat = self.block_table.gpu.view(-1)
-            flat.index_copy_(0, self.block_updates.gpu[0, :n], self.block_updates.gpu[1, :n].to(torch.int32))
+        if self._new_tokens:
+            index = np.concatenate(
+                [
+                    np.arange(row * self.max_model_len, row * self.max_model_len + len(t))
+                    for row, t in self._new_tokens
+                ]
+            )
+            values = torch.tensor([x for _, t in self._new_tokens for x in t], dtype=torch.int32)
+            self.token_ids.view(-1).index_copy_(
+                0,
+                upload_from_host(torch.from_numpy(index), self.device),
+                upload_from_host(values, self.device),
+            )
+            self._new_tokens.clear()
+        if self._block_updates:
+            if self.device.type != "cpu":
+                index = np.concatenate([i for i, _ in self._block_updates])
+                values = torch.tensor([b for _, ids in self._block_updates for b in ids], dtype=torch.int32)
+                self.block_table.gpu.view(-1).index_copy_(
+                    0,
+                    upload_from_host(torch.from_numpy(index), self.device),
+                    upload_from_host(values, self.device),
+                )
+            self._block_updates.clear()
         if self._params_dirty:
             for buffer in (self.temperature, self.top_p, self.min_p, self.top_k, self.is_greedy):
                 buffer.upload()
@@ -264,8 +316,8 @@ class InputBatch:
             raise ValueError(f"pad_to={pad_to} needs a uniform decode batch of at most {pad_to} requests")
         padded = pad_to if pad_to is not None else num_reqs
 
-        i32 = self._i32_layout.views(self.step_i32.np)
-        i64 = self._i64_layout.views(self.step_i64.np)
+        i32 = self._i32_layout.views(self.step_i32.next_host().numpy())
+        i64 = self._i64_layout.views(self.step_i64.next_host().numpy())
         cu = i32["query_start_loc"]
         cu[0] = 0
         np.cumsum(query_lens, out=cu[1 : num_reqs + 1])
@@ -276,7 +328,7 @@ class InputBatch:
             req_of_token = np.repeat(np.arange(num_reqs), query_lens)
             token_rows = rows[req_of_token]
             positions = starts[req_of_token] + (np.arange(num_tokens) - cu[:num_reqs][req_of_token])
-        i32["ids"][:num_tokens] = self.token_ids.np[token_rows, positions]
+        i64["token_index"][:num_tokens] = token_rows * self.max_model_len + positions
         i32["positions"][:num_tokens] = positions
         slots = i64["slots"]
         slots[:num_tokens] = self.block_table.np[token_rows, positions // self.block_size]
@@ -289,6 +341,8 @@ class InputBatch:
             i32["seq_lens"][num_reqs:padded] = 0
             i64["rows"][num_reqs:padded] = rows[0]
             slots[num_tokens:padded] = -1
+            i64["token_index"][num_tokens:padded] = 0
+            i32["positions"][num_tokens:padded] = 0
 
         # Only requests whose chunk reaches their last known token produce a next token.
         samples_mask = seq_lens == self.num_tokens[rows]
@@ -304,9 +358,13 @@ class InputBatch:
 
         dev32 = self._i32_layout.views(self.step_i32.upload())
         dev64 = self._i64_layout.views(self.step_i64.upload())
+        num_inputs = max(num_tokens, padded)
+        torch.index_select(
+            self.token_ids.view(-1), 0, dev64["token_index"][:num_inputs], out=self.input_ids[:num_inputs]
+        )
         max_cols = int(self.num_blocks[rows].max())
         block_table = self.block_table.gpu[dev64["rows"][:padded], :max_cols]
-        cpu32 = self._i32_layout.views(self.step_i32.cpu)
+        cpu32 = self._i32_layout.views(self.step_i32.host)
         metadata = CommonAttentionMetadata(
             num_reqs=padded,
             num_actual_tokens=max(num_tokens, padded),
@@ -326,9 +384,13 @@ class InputBatch:
         if num_samples:
             index = dev64["rows"][:num_reqs] if all_sample else dev64["rows"][dev64["samples"][:num_samples]]
             sampling_metadata = self._sampling_metadata(sample_rows, index)
+        # The step is launched: its tokens count as computed and its samples as known tokens (their
+        # ids reach the device token table before the next step reads them; the host never needs them).
+        self.num_computed[rows] += query_lens
+        self.num_tokens[sample_rows] += 1
         return ModelInputs(
-            input_ids=dev32["ids"][: max(num_tokens, padded)],
-            positions=dev32["positions"][: max(num_tokens, padded)],
+            input_ids=self.input_ids[:num_inputs],
+            positions=dev32["positions"][:num_inputs],
             attn_metadata=metadata,
             logits_indices=None if all_sample else dev64["logits_indices"][:num_samples],
             sampling_request_indices=samples.tolist(),
@@ -341,9 +403,9 @@ class InputBatch:
         token at position 0 that reads block 0 and writes nothing (slot -1)."""
         if num_reqs > min(self.max_num_reqs, self.max_num_tokens):
             raise ValueError(f"cannot capture {num_reqs} requests: the batch holds {self.max_num_reqs}")
-        i32 = self._i32_layout.views(self.step_i32.np)
-        i64 = self._i64_layout.views(self.step_i64.np)
-        i32["ids"][:num_reqs] = 0
+        i32 = self._i32_layout.views(self.step_i32.next_host().numpy())
+        i64 = self._i64_layout.views(self.step_i64.next_host().numpy())
+        self.input_ids[:num_reqs] = 0
         i32["positions"][:num_reqs] = 0
         i32["query_start_loc"][: num_reqs + 1] = np.arange(num_reqs + 1)
         i32["seq_lens"][:num_reqs] = 1
@@ -351,7 +413,7 @@ class InputBatch:
         i64["rows"][:num_reqs] = 0
         dev32 = self._i32_layout.views(self.step_i32.upload())
         dev64 = self._i64_layout.views(self.step_i64.upload())
-        cpu32 = self._i32_layout.views(self.step_i32.cpu)
+        cpu32 = self._i32_layout.views(self.step_i32.host)
         return CommonAttentionMetadata(
             num_reqs=num_reqs,
             num_actual_tokens=num_reqs,
@@ -368,12 +430,8 @@ class InputBatch:
         )
 
     @property
-    def input_ids(self) -> torch.Tensor:
-        """The device buffer every step's token ids are uploaded to (fixed address)."""
-        return self._i32_layout.views(self.step_i32.gpu)["ids"]
-
-    @property
     def positions(self) -> torch.Tensor:
+        """The device buffer every step's positions are uploaded to (fixed address, as input_ids)."""
         return self._i32_layout.views(self.step_i32.gpu)["positions"]
 
     def _sampling_metadata(self, sample_rows: np.ndarray, index: torch.Tensor) -> SamplingMetadata:
@@ -415,13 +473,14 @@ class InputBatch:
         penalised = np.flatnonzero(self.has_penalties[sample_rows])
         if len(penalised):
             pen_rows = sample_rows[penalised]
+            known = self.num_tokens[pen_rows].copy()  # this step's count, before its sample joins
             params = [states[r].params for r in sample_rows.tolist()]
             penalties = penalty_inputs(
                 params,
                 penalised.tolist(),
                 num,
                 self.device,
-                lambda vocab: self._token_counts(pen_rows, vocab),
+                lambda vocab: self._token_counts(pen_rows, known, vocab),
             )
         num_logprobs = self.num_logprobs[sample_rows]
         wants_logprobs = bool((num_logprobs >= 0).any())
@@ -443,14 +502,15 @@ class InputBatch:
             need_sampled_logprobs=wants_logprobs,
         )
 
-    def _token_counts(self, rows: np.ndarray, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _token_counts(
+        self, rows: np.ndarray, num_tokens: np.ndarray, vocab_size: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Prompt and output token counts of the given rows, from the device token table."""
         device = self.device
         num_prompt = self.num_prompt_tokens[rows]
-        num_tokens = self.num_tokens[rows]
         width = int(num_tokens.max())
         index = torch.from_numpy(rows).to(device)
-        tokens = self.token_ids.gpu.index_select(0, index)[:, :width].long()
+        tokens = self.token_ids.index_select(0, index)[:, :width].long()
         positions = torch.arange(width, device=device)
         prompt_len = torch.from_numpy(num_prompt).to(device).unsqueeze(1)
         total_len = torch.from_numpy(num_tokens).to(device).unsqueeze(1)
@@ -468,24 +528,15 @@ class InputBatch:
     # ---- after the forward pass ---------------------------------------------------------------------
 
     def record_sampled_on_device(self, token_ids: torch.Tensor) -> None:
-        """Write the step's sampled ids into the device token table (before they reach the host)."""
+        """Write the step's sampled ids into the device token table, where the next step reads them."""
         pending = self._pending
-        if self.device.type != "cpu" and len(pending.sample_rows):
-            self.token_ids.gpu.view(-1).index_copy_(0, pending.sample_slots, token_ids.to(torch.int32))
-
-    def advance(self, sampled_token_ids: list[int] | None) -> None:
-        """After a step: its tokens are computed, and the sampled ids join the host token table."""
-        pending = self._pending
-        self.num_computed[pending.rows] += pending.query_lens
-        if sampled_token_ids:
-            rows = pending.sample_rows
-            self.token_ids.np[rows, self.num_tokens[rows]] = sampled_token_ids
-            self.num_tokens[rows] += 1
+        if len(pending.sample_rows):
+            self.token_ids.view(-1).index_copy_(0, pending.sample_slots, token_ids.to(torch.int32))
 
 
 @dataclass
 class _PendingStep:
-    """What `advance` and `record_sampled_on_device` need of the step `prepare` built."""
+    """What `record_sampled_on_device` needs of the step `prepare` built."""
 
     rows: np.ndarray  # the step's rows, in step order
     query_lens: np.ndarray

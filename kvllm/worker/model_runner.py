@@ -270,7 +270,6 @@ class ModelRunner:
                 hidden = self.model(inputs.input_ids, inputs.positions)
         prompt_logprobs = self._prompt_logprobs(step, inputs, hidden)
         if inputs.sampling_metadata is None:
-            self.input_batch.advance(None)
             return StepResult([], None, prompt_logprobs)
         sampled_hidden = (
             hidden[: inputs.num_tokens] if inputs.logits_indices is None else hidden[inputs.logits_indices]
@@ -278,9 +277,7 @@ class ModelRunner:
         logits = self.model.compute_logits(sampled_hidden)
         sampled = self.sampler.sample(logits, inputs.sampling_metadata)
         self.input_batch.record_sampled_on_device(sampled.token_ids)
-        output = sampled.to_host()
-        self.input_batch.advance(output.token_ids)
-        return StepResult(inputs.sampling_request_indices, output, prompt_logprobs)
+        return StepResult(inputs.sampling_request_indices, sampled.to_host(), prompt_logprobs)
 
     def _graph_size(self, step: SchedulerOutput) -> int | None:
         """The CUDA-graph size to pad this step to, or None to run it eagerly."""

@@ -52,18 +52,19 @@ def test_mixed_step_layout():
 
 
 def test_rows_persist_and_grow_across_steps():
-    """A prefill then decodes: sampled tokens and new blocks are appended, nothing is re-sent."""
+    """A prefill then decodes: sampled tokens and new blocks are appended, nothing is re-sent, and
+    a decode's input id is read from the device token table (the host need not know it)."""
     b = batch()
     r = request("a", [5, 6, 7], computed=0)
     blocks = [4]  # the KV-cache manager's own list: later steps append to it in place
     b.prepare(SchedulerOutput([ScheduledRequest(r, 3, blocks)]))
-    b.advance([42])
+    b.record_sampled_on_device(torch.tensor([42]))
     r.append_output_token(42)
     r.num_computed_tokens = 3
     inputs = b.prepare(SchedulerOutput([ScheduledRequest(r, 1, blocks)]))
     assert inputs.input_ids.tolist() == [42] and inputs.positions.tolist() == [3]
     assert inputs.attn_metadata.slot_mapping.tolist() == [4 * BLOCK + 3]
-    b.advance([43])
+    b.record_sampled_on_device(torch.tensor([43]))
     blocks.append(9)  # the request crossed into a second block
     inputs = b.prepare(SchedulerOutput([ScheduledRequest(r, 1, blocks)]))
     assert inputs.input_ids.tolist() == [43] and inputs.positions.tolist() == [4]
@@ -71,21 +72,21 @@ def test_rows_persist_and_grow_across_steps():
     assert inputs.attn_metadata.block_table.tolist() == [[4, 9]]
     assert inputs.logits_indices is None  # every token samples: hidden[:N] is used as it is
     row = b.states["a"].row
-    assert b.token_ids.np[row, :5].tolist() == [5, 6, 7, 42, 43]
+    assert b.token_ids[row, :5].tolist() == [5, 6, 7, 42, 43]
 
 
 def test_finished_and_preempted_requests_free_their_rows():
     b = batch(max_reqs=2)
     x, y = request("x", [1, 2], 0), request("y", [3], 0)
     b.prepare(SchedulerOutput([ScheduledRequest(x, 2, [1]), ScheduledRequest(y, 1, [2])]))
-    b.advance([7, 8])
+    b.record_sampled_on_device(torch.tensor([7, 8]))
     assert b.num_rows == 2 and not b.free_rows
     z = request("z", [9, 9, 9], 0)
     inputs = b.prepare(SchedulerOutput([ScheduledRequest(z, 3, [5])], preempted=[y], finished_req_ids={"x"}))
     assert set(b.states) == {"z"} and inputs.input_ids.tolist() == [9, 9, 9]
     assert inputs.attn_metadata.block_table.tolist() == [[5]]
     # A preempted request comes back as new: its whole token list (prompt and outputs) again.
-    b.advance([4])
+    b.record_sampled_on_device(torch.tensor([4]))
     y.append_output_token(8)
     y.num_computed_tokens = 0
     inputs = b.prepare(SchedulerOutput([ScheduledRequest(y, 2, [6])], finished_req_ids={"z"}))
@@ -133,7 +134,7 @@ def test_token_counts_split_prompt_and_output():
     b = batch()
     r = request("a", [3, 3, 5], 0, SamplingParams(frequency_penalty=0.5))
     b.prepare(SchedulerOutput([ScheduledRequest(r, 3, [0])]))
-    b.advance([5])
+    b.record_sampled_on_device(torch.tensor([5]))
     r.append_output_token(5)
     r.num_computed_tokens = 3
     inputs = b.prepare(SchedulerOutput([ScheduledRequest(r, 1, [0])]))
