@@ -182,9 +182,11 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: [T] -> hidden states [T, hidden_size]."""
         return self.model(input_ids, positions)
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """hidden states [N, hidden_size] -> float32 logits [N, vocab_size] over the full (padded) vocab."""
-        return F.linear(hidden_states, self.lm_head_weight).float()
+    def compute_logits(self, hidden_states: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        """hidden states [N, hidden_size] -> logits [N, vocab_size] over the full (padded) vocab, in
+        float32 (or, with upcast=False, in the model's dtype: the sampler reads those directly)."""
+        logits = F.linear(hidden_states, self.lm_head_weight)
+        return logits.float() if upcast else logits
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load HF-named checkpoint tensors; returns the names of the parameters that were filled."""

@@ -95,7 +95,14 @@ class SampledTokens:
 
 
 class Sampler:
-    """Turns logits into tokens for a batch of rows; stateless (generators live in the metadata)."""
+    """Turns logits into tokens for a batch of rows; stateless (generators live in the metadata).
+
+    `fused`: sample rows that need no truncation and no per-request generator with one Triton pass
+    over the logits (`gumbel.py`); None = on CUDA devices only (tests force it under the interpreter).
+    """
+
+    def __init__(self, fused: bool | None = None) -> None:
+        self.fused = fused
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         """The list-based interface: every row's sampled logprob is reported, as before."""
@@ -107,15 +114,24 @@ class Sampler:
         """Sample one token per row; enqueues device work only (no host reads)."""
         if logits.dim() != 2 or logits.shape[0] != md.num_rows:
             raise ValueError(f"logits must be [num_rows={md.num_rows}, vocab], got {tuple(logits.shape)}")
-        raw = logits.float()
+        # Penalties and the torch path work in float32; the fused pass reads the model's dtype.
+        needs_float = md.penalties is not None or bool(md.suppressed) or not self._can_fuse(logits, md)
+        raw = logits.float() if needs_float else logits
         work = apply_sequence_processors(raw, md)
-        if md.all_greedy:
+        if self._can_fuse(work, md):
+            from kvllm.sample.gumbel import gumbel_sample
+
+            # A fresh Philox seed per step from the host generator (seeded by the engine's seed).
+            seed = int(torch.randint(0, 2**31 - 1, (1,)).item()) if not md.all_greedy else 0
+            token_ids = gumbel_sample(work, md.temperature, md.is_greedy, seed, all_greedy=md.all_greedy)
+        elif md.all_greedy:
             token_ids = work.argmax(dim=-1)
         else:
             token_ids = draw(random_probs(work, md), md)
             if md.is_greedy is not None:
                 token_ids = torch.where(md.is_greedy, work.argmax(dim=-1), token_ids)
         out = SampledTokens(token_ids=token_ids, sampled_logprobs=None)
+        raw = raw.float()
         if md.num_logprobs is not None:
             raw_logprobs = raw.log_softmax(dim=-1)
             chosen = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
@@ -128,6 +144,17 @@ class Sampler:
         elif md.need_sampled_logprobs:
             out.sampled_logprobs = raw.gather(1, token_ids.unsqueeze(1)).squeeze(1) - raw.logsumexp(dim=-1)
         return out
+
+    def _can_fuse(self, logits: torch.Tensor, md: SamplingMetadata) -> bool:
+        enabled = logits.is_cuda if self.fused is None else self.fused
+        return (
+            enabled
+            and md.top_k is None
+            and md.top_p is None
+            and md.min_p is None
+            and not md.generators
+            and logits.stride(-1) == 1
+        )
 
     def sampling_probs(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """[N, V] distribution each row's token is drawn from (one-hot at the argmax for greedy rows).

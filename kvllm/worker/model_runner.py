@@ -274,7 +274,7 @@ class ModelRunner:
         sampled_hidden = (
             hidden[: inputs.num_tokens] if inputs.logits_indices is None else hidden[inputs.logits_indices]
         )
-        logits = self.model.compute_logits(sampled_hidden)
+        logits = self.model.compute_logits(sampled_hidden, upcast=False)
         sampled = self.sampler.sample(logits, inputs.sampling_metadata)
         self.input_batch.record_sampled_on_device(sampled.token_ids)
         return StepResult(inputs.sampling_request_indices, sampled.to_host(), prompt_logprobs)

@@ -1,0 +1,75 @@
+"""The fused one-pass sampler (Triton, run by the interpreter here) against the distribution it must
+draw from, and the Sampler's choice between it and the torch path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvllm.sample.gumbel import gumbel_sample
+from kvllm.sample.sampler import Sampler, SamplingRow
+from kvllm.sampling_params import SamplingParams
+
+
+def test_greedy_rows_are_argmax_with_first_index_on_ties():
+    logits = torch.randn(5, 3000, generator=torch.Generator().manual_seed(0))
+    logits[2, 7] = logits[2, 2500] = 50.0  # a tie across blocks: the first index wins, as torch.argmax
+    out = gumbel_sample(logits, None, None, seed=1, all_greedy=True)
+    assert out.tolist() == logits.argmax(-1).tolist() and out[2] == 7
+
+
+def test_frequencies_match_softmax_of_logits_over_temperature():
+    vocab, rows = 6, 1500  # the interpreter runs one program (row) at a time
+    base = torch.randn(vocab, generator=torch.Generator().manual_seed(3)) * 1.5
+    temperature = 0.7
+    logits = base.expand(rows, vocab).contiguous().to(torch.float16)
+    temps = torch.full((rows,), temperature)
+    out = gumbel_sample(logits, temps, None, seed=1234)
+    counts = torch.bincount(out, minlength=vocab).double()
+    expected = (logits[0].float() / temperature).double().softmax(-1) * rows
+    chi2 = ((counts - expected) ** 2 / expected).sum().item()
+    assert chi2 < 30.0, (chi2, counts, expected)  # df = 5: p(chi2 > 30) ~ 1.5e-5
+    # Another seed, other draws; the same seed, the same draws.
+    assert not torch.equal(gumbel_sample(logits[:64], temps[:64], None, seed=99), out[:64])
+    assert torch.equal(gumbel_sample(logits[:64], temps[:64], None, seed=1234), out[:64])
+
+
+def test_mixed_greedy_and_random_rows():
+    logits = torch.randn(6, 500, generator=torch.Generator().manual_seed(5))
+    is_greedy = torch.tensor([True, False, True, False, False, True])
+    out = gumbel_sample(logits, torch.full((6,), 5.0), is_greedy, seed=7)
+    greedy_rows = is_greedy.nonzero().squeeze(1)
+    assert out[greedy_rows].tolist() == logits[greedy_rows].argmax(-1).tolist()
+    # At temperature 5 the random rows spread out: not all of them land on their argmax.
+    draws = torch.stack([gumbel_sample(logits, torch.full((6,), 5.0), is_greedy, seed=s) for s in range(20)])
+    assert (draws[:, ~is_greedy] != logits[~is_greedy].argmax(-1)).any()
+
+
+def test_sampler_uses_the_fused_pass_only_where_it_applies(monkeypatch):
+    import kvllm.sample.gumbel as gumbel
+
+    calls = []
+    real = gumbel.gumbel_sample
+    monkeypatch.setattr(gumbel, "gumbel_sample", lambda *a, **k: calls.append(1) or real(*a, **k))
+    logits = torch.randn(3, 64, generator=torch.Generator().manual_seed(2))
+    sampler = Sampler(fused=True)
+    rows = [SamplingRow(SamplingParams(temperature=0.8), [], []) for _ in range(3)]
+    out = sampler(logits, rows)
+    assert len(calls) == 1 and len(out.token_ids) == 3
+    # Truncation or a seeded generator: the torch path.
+    sampler(logits, [SamplingRow(SamplingParams(top_k=5), [], []) for _ in range(3)])
+    generator = torch.Generator().manual_seed(0)
+    sampler(logits, [SamplingRow(SamplingParams(seed=1), [], [], generator) for _ in range(3)])
+    assert len(calls) == 1
+    # Penalties still apply before the fused pass (in float32).
+    penalised = [
+        SamplingRow(SamplingParams(temperature=0.0, repetition_penalty=50.0), [int(logits[0].argmax())], [])
+    ]
+    token = sampler(logits[:1], penalised).token_ids[0]
+    assert len(calls) == 2 and token != int(logits[0].argmax())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rejects_bad_layouts(dtype):
+    with pytest.raises(ValueError, match="contiguous"):
+        gumbel_sample(torch.randn(64, 4, dtype=dtype).t(), None, None, seed=0)
