@@ -89,7 +89,12 @@ class VLLMRunner:
         self.kwargs = kwargs
 
     def describe(self) -> dict[str, Any]:
-        return {"engine": "vllm", "version": self.version, "startup_seconds": self.startup_seconds, **self.kwargs}
+        return {
+            "engine": "vllm",
+            "version": self.version,
+            "startup_seconds": self.startup_seconds,
+            **self.kwargs,
+        }
 
     def generate(self, requests: Sequence[BenchRequest], temperature: float) -> VLLMRunResult:
         """Generate every request in one `LLM.generate` call (EOS ignored, as kvllm's benchmark)."""

@@ -89,6 +89,13 @@ class EngineArgs:
             "Largest decode batch run in a CUDA graph; larger ones run eagerly. Default: min(max_num_seqs, 512)."
         ),
     )
+    async_scheduling: bool = field(
+        default=True,
+        metadata=_help(
+            "Overlap the host's work for the next step (scheduling, inputs, outputs) with the device's "
+            "work for the current one (vLLM's flag); --no-async-scheduling waits for every step."
+        ),
+    )
     device: str = field(default="auto", metadata=_help(f"Device: {', '.join(DEVICES)}."))
     generation_config: str = field(
         default="auto",

@@ -168,6 +168,8 @@ class KVCacheManager:
         if num_full <= start:
             return
         self.update_block_hashes(request)
+        # A block whose last token is still being sampled has no hash yet: registered once it has.
+        num_full = min(num_full, len(request.block_hashes))
         blocks = self.req_blocks[request.request_id]
         tokens = request.all_token_ids
         for i in range(start, num_full):

@@ -13,14 +13,14 @@ from kvllm.config.engine import EngineArgs
 from kvllm.engine.detokenizer import IncrementalDetokenizer
 from kvllm.engine.kv_cache_manager import KVCacheManager
 from kvllm.engine.request import Request
-from kvllm.engine.scheduler import Scheduler
+from kvllm.engine.scheduler import Scheduler, SchedulerOutput
 from kvllm.models.loader import load_tokenizer
 from kvllm.models.model_config import ModelConfig
 from kvllm.outputs import CompletionOutput, RequestOutput
 from kvllm.platforms import current_device_info
 from kvllm.sample.logprobs import decode_logprobs
 from kvllm.sampling_params import SamplingParams
-from kvllm.worker.model_runner import ModelRunner
+from kvllm.worker.model_runner import ModelRunner, PendingStepResult, StepResult
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +93,8 @@ class LLMEngine:
             self.kv_cache_manager, args.max_num_seqs, max_batched, args.enable_chunked_prefill
         )
         self.parents: dict[str, _ParentRequest] = {}
+        self.async_scheduling = args.async_scheduling
+        self._in_flight: tuple[SchedulerOutput, PendingStepResult] | None = None
         self._log_cache_size(num_blocks)
         if self.model_config.default_sampling:
             logger.info(
@@ -225,12 +227,30 @@ class LLMEngine:
     # ---- stepping ----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model, and process its output: one iteration of continuous batching."""
+        """One iteration of continuous batching: schedule, execute, update the outputs.
+
+        With async_scheduling (the default, as in vLLM) the step launched here is not waited for:
+        the outputs returned are those of the step launched by the previous call, processed on the
+        host while this one runs on the device. The scheduler counts in-flight tokens as
+        placeholders, so no request is ever given a token past its stop: a step launched before a
+        stop was seen still computes that request, but its token is dropped here.
+        """
         plan = self.scheduler.schedule()
-        if plan.is_empty:
-            return []
-        result = self.runner.execute_model(plan)
-        self.scheduler.update_after_step(plan)
+        pending = self.runner.execute_model_async(plan) if not plan.is_empty else None
+        if not self.async_scheduling:
+            return self._update(plan, pending.result()) if pending is not None else []
+        previous = self._in_flight
+        self._in_flight = (plan, pending) if pending is not None else None
+        outputs = self._update(previous[0], previous[1].result()) if previous is not None else []
+        if self._in_flight is not None and not self.scheduler.has_work_beyond_in_flight():
+            # Nothing more could be scheduled until this step's tokens arrive: wait for them now
+            # rather than on the next call, so the last tokens come without an extra step.
+            done, self._in_flight = self._in_flight, None
+            outputs += self._update(done[0], done[1].result())
+        return outputs
+
+    def _update(self, plan: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
+        """Apply one finished step: record prompt logprobs, append sampled tokens, check stops."""
         for index, (first_position, entries) in result.prompt_logprobs.items():
             self._record_prompt_logprobs(plan.scheduled[index].request, first_position, entries)
         if result.sampler_output is None:
@@ -240,6 +260,9 @@ class LLMEngine:
         sampled = result.sampler_output
         for row, index in enumerate(result.request_indices):
             request = plan.scheduled[index].request
+            request.resolve_placeholder()
+            if request.is_finished:
+                continue  # stopped or aborted after this step was launched: its token is dropped
             parent = self.parents[request.parent_id]
             seq = parent.sequences[request.index]
             if request.first_token_time is None:

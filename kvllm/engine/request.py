@@ -37,6 +37,8 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
+    # Tokens scheduled to be sampled whose ids have not reached the host yet (see Scheduler.schedule).
+    num_output_placeholders: int = 0
     num_cached_prompt_tokens: int = 0  # prefix-cache hits at the first schedule
     num_preemptions: int = 0
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks, see KVCacheManager
@@ -56,6 +58,11 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    def resolve_placeholder(self) -> None:
+        """A sampled token of this request reached the host (appended, or dropped after a stop)."""
+        assert self.num_output_placeholders > 0, f"{self.request_id}: no token was in flight"
+        self.num_output_placeholders -= 1
 
     @property
     def num_tokens(self) -> int:

@@ -89,16 +89,35 @@ class Scheduler:
     # ---- scheduling --------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        """One step's work. Counts are advanced here, at schedule time: a scheduled chunk counts as
+        computed, and a chunk that reaches the request's end leaves a placeholder for the token it
+        will sample (`num_output_placeholders`), which the engine fills when the step's result
+        arrives. With overlapped scheduling that is after the next step was scheduled: a request
+        whose last token is in flight is scheduled again on that token (the worker reads its id on
+        the device), except when the in-flight token is certain to end it (`max_tokens`)."""
         out = SchedulerOutput(finished_req_ids=self.finished_req_ids)
         self.finished_req_ids = set()
         budget = self.max_num_batched_tokens
-        scheduled: list[Request] = []
-        num_new: dict[int, int] = {}
+        decodes: list[ScheduledRequest] = []
+        prefills: list[ScheduledRequest] = []
+        block_size = self.kv.block_size
 
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            pending = request.num_output_placeholders
+            if pending and request.num_output_tokens + pending >= request.max_tokens:
+                i += 1  # its last token is already being sampled
+                continue
+            n = min(request.num_tokens + pending - request.num_computed_tokens, budget)
+            blocks = self.kv.get_block_ids(request.request_id)
+            end = request.num_computed_tokens + n
+            # Decode fast path: the slot exists and no block becomes full (nothing to allocate or hash).
+            if n == 1 and end <= len(blocks) * block_size and end % block_size:
+                decodes.append(ScheduledRequest(request, 1, blocks))
+                budget -= 1
+                i += 1
+                continue
             while not self.kv.can_allocate(request, n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -107,8 +126,8 @@ class Scheduler:
                     break
             else:
                 self.kv.allocate(request, n)
-                scheduled.append(request)
-                num_new[id(request)] = n
+                item = ScheduledRequest(request, n, self.kv.get_block_ids(request.request_id))
+                (decodes if n == 1 else prefills).append(item)
                 budget -= n
                 i += 1
                 continue
@@ -116,6 +135,8 @@ class Scheduler:
 
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             request = self.waiting[0]
+            if request.num_output_placeholders:
+                break  # preempted while its last token was in flight: admitted once the token is known
             # Prompt logprobs need logits at every prompt position, so such prompts are computed whole.
             wants_prompt_logprobs = request.sampling_params.prompt_logprobs is not None
             cached = [] if wants_prompt_logprobs else self.kv.find_cached_prefix(request)
@@ -135,20 +156,32 @@ class Scheduler:
             self.kv.allocate(request, n, cached)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            scheduled.append(request)
-            num_new[id(request)] = n
+            item = ScheduledRequest(request, n, self.kv.get_block_ids(request.request_id))
+            (decodes if n == 1 else prefills).append(item)
             budget -= n
 
         # Decodes first, as the attention backends expect; order is otherwise kept.
-        scheduled.sort(key=lambda r: num_new[id(r)] != 1)
-        out.scheduled = [
-            ScheduledRequest(r, num_new[id(r)], self.kv.get_block_ids(r.request_id)) for r in scheduled
-        ]
+        out.scheduled = decodes + prefills
+        for item in out.scheduled:
+            request = item.request
+            request.num_computed_tokens += item.num_new_tokens
+            if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
+                request.num_output_placeholders += 1
         if not out.scheduled:
             # An empty step is not run, so the worker hears of these with the next one.
             self.finished_req_ids |= out.finished_req_ids
             self.finished_req_ids.update(r.request_id for r in out.preempted)
         return out
+
+    def has_work_beyond_in_flight(self) -> bool:
+        """Whether a step could be scheduled now: a waiting request, or a running one whose tokens in
+        flight do not already take it to max_tokens."""
+        if self.waiting:
+            return True
+        return any(
+            not r.num_output_placeholders or r.num_output_tokens + r.num_output_placeholders < r.max_tokens
+            for r in self.running
+        )
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -158,8 +191,3 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
-
-    def update_after_step(self, output: SchedulerOutput) -> None:
-        """Advance computed-token counts once the step's forward pass has run."""
-        for item in output.scheduled:
-            item.request.num_computed_tokens += item.num_new_tokens

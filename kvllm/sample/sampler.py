@@ -62,29 +62,47 @@ class SampledTokens:
     num_logprobs: list[int | None] | None = None
 
     def to_host(self) -> SamplerOutput:
-        """Copy to pinned host memory without blocking the stream, then wait once for the copies."""
-        device_tensors = [
+        """Copy to the host and wait for it (see `copy_to_host` for the non-blocking half)."""
+        return self.copy_to_host().wait()
+
+    def copy_to_host(self) -> HostCopy:
+        """Start the copies into pinned host memory without blocking; `wait()` on the result."""
+        tensors = [
             t
             for t in (self.token_ids, self.sampled_logprobs, self.ranks, self.top_values, self.top_ids)
             if t is not None
         ]
+        event = None
         if self.token_ids.device.type == "cuda":
-            host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in device_tensors]
-            for dst, src in zip(host, device_tensors):
+            host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+            for dst, src in zip(host, tensors):
                 dst.copy_(src, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
-            event.synchronize()
-        else:
-            host = device_tensors
-        it = iter(host)
+            tensors = host
+        return HostCopy(self, tensors, event)
+
+
+@dataclass
+class HostCopy:
+    """Sampled results on their way to the host: `wait()` blocks on an event, not on the stream."""
+
+    sampled: SampledTokens
+    tensors: list[torch.Tensor]
+    event: torch.cuda.Event | None
+
+    def wait(self) -> SamplerOutput:
+        if self.event is not None:
+            self.event.synchronize()
+        it = iter(self.tensors)
         token_ids = next(it).tolist()
-        sampled = next(it).tolist() if self.sampled_logprobs is not None else None
+        sampled = next(it).tolist() if self.sampled.sampled_logprobs is not None else None
         logprobs: list[PositionLogprobs | None] = [None] * len(token_ids)
-        if self.ranks is not None and self.num_logprobs is not None:
+        num_logprobs = self.sampled.num_logprobs
+        if self.sampled.ranks is not None and num_logprobs is not None:
             ranks, values, ids = next(it).tolist(), next(it).tolist(), next(it).tolist()
             assert sampled is not None  # computed whenever logprobs are
-            for row, k in enumerate(self.num_logprobs):
+            for row, k in enumerate(num_logprobs):
                 if k is None:
                     continue
                 entry = {token_ids[row]: Logprob(sampled[row], ranks[row])}

@@ -118,6 +118,8 @@ class ModelInputs:
     sampling_request_indices: list[int]  # positions in `scheduled` of the N requests that sample
     sampling_metadata: SamplingMetadata | None
     num_tokens: int  # real tokens (T); the padded count is attn_metadata.num_actual_tokens
+    query_starts: np.ndarray  # per scheduled request: the position of its first token this step
+    prompt_logprob_indices: list[int]  # scheduled requests that asked for prompt logprobs
 
 
 class InputBatch:
@@ -164,6 +166,7 @@ class InputBatch:
         self.min_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_logprobs = np.full(max_num_reqs, -1, dtype=np.int64)  # -1 = none asked
+        self.wants_prompt_logprobs = np.zeros(max_num_reqs, dtype=bool)
         self._params_dirty = False
 
         # ---- one step's staging, fixed offsets (int32 and int64 sections) ----
@@ -200,7 +203,7 @@ class InputBatch:
         for i, item in enumerate(step.scheduled):
             state = states.get(item.request.request_id)
             if state is None:
-                state = self._add(item.request)
+                state = self._add(item.request, item.num_new_tokens)
             row = state.row
             rows[i] = row
             query_lens[i] = item.num_new_tokens
@@ -208,14 +211,15 @@ class InputBatch:
                 self._append_blocks(row, item.block_ids)
         return rows, query_lens
 
-    def _add(self, request: Request) -> RequestState:
+    def _add(self, request: Request, num_new_tokens: int) -> RequestState:
         if not self.free_rows:
             raise RuntimeError(f"input batch is full ({self.max_num_reqs} rows): max_num_seqs exceeded")
         row = self.free_rows.pop()
         tokens = request.all_token_ids
         self._new_tokens.append((row, tokens))
         self.num_tokens[row] = len(tokens)
-        self.num_computed[row] = request.num_computed_tokens
+        # The scheduler has already counted this step's chunk as computed.
+        self.num_computed[row] = request.num_computed_tokens - num_new_tokens
         self.num_blocks[row] = 0
         params = request.sampling_params
         greedy = params.is_greedy
@@ -225,6 +229,7 @@ class InputBatch:
         self.min_tokens[row] = params.min_tokens
         self.num_prompt_tokens[row] = len(request.prompt_token_ids)
         self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
+        self.wants_prompt_logprobs[row] = params.prompt_logprobs is not None
         self.temperature.np[row] = 1.0 if greedy else params.temperature
         self.top_p.np[row] = 1.0 if greedy else params.top_p
         self.min_p.np[row] = 0.0 if greedy else params.min_p
@@ -396,6 +401,8 @@ class InputBatch:
             sampling_request_indices=samples.tolist(),
             sampling_metadata=sampling_metadata,
             num_tokens=num_tokens,
+            query_starts=starts,
+            prompt_logprob_indices=np.flatnonzero(self.wants_prompt_logprobs[rows]).tolist(),
         )
 
     def capture_metadata(self, num_reqs: int) -> CommonAttentionMetadata:

@@ -18,7 +18,7 @@ from kvllm.layers.attention import Attention
 from kvllm.models.loader import load_model
 from kvllm.models.model_config import ModelConfig
 from kvllm.sample.logprobs import PositionLogprobs, position_logprobs
-from kvllm.sample.sampler import Sampler, SamplerOutput
+from kvllm.sample.sampler import HostCopy, Sampler, SamplerOutput
 from kvllm.utils.dtypes import dtype_name, kv_cache_torch_dtype
 from kvllm.worker.cuda_graph import CudaGraphRunner, default_capture_sizes
 from kvllm.worker.input_batch import InputBatch, ModelInputs
@@ -57,6 +57,19 @@ class StepResult:
     sampler_output: SamplerOutput | None
     # scheduled index -> (prompt position of the first entry, logprobs of consecutive prompt tokens)
     prompt_logprobs: dict[int, tuple[int, list[PositionLogprobs]]] = field(default_factory=dict)
+
+
+@dataclass
+class PendingStepResult:
+    """A launched step: its sampled ids are on their way to the host; `result()` waits for them."""
+
+    request_indices: list[int]
+    copy: HostCopy | None
+    prompt_logprobs: dict[int, tuple[int, list[PositionLogprobs]]]
+
+    def result(self) -> StepResult:
+        output = self.copy.wait() if self.copy is not None else None
+        return StepResult(self.request_indices, output, self.prompt_logprobs)
 
 
 class ModelRunner:
@@ -256,8 +269,15 @@ class ModelRunner:
 
     # ---- execution ---------------------------------------------------------------------------
 
-    @torch.inference_mode()
     def execute_model(self, step: SchedulerOutput) -> StepResult:
+        """Run one step and wait for its sampled tokens."""
+        return self.execute_model_async(step).result()
+
+    @torch.inference_mode()
+    def execute_model_async(self, step: SchedulerOutput) -> PendingStepResult:
+        """Launch one step: inputs, forward (a CUDA graph for uniform decode), sampling; the sampled
+        ids are written to the device token table for the next step and copied to the host without
+        waiting. Only prompt logprobs, when asked for, read results back before this returns."""
         assert self.input_batch is not None and self.metadata_builder is not None
         pad_to = self._graph_size(step)
         inputs = self.input_batch.prepare(step, pad_to)
@@ -270,14 +290,15 @@ class ModelRunner:
                 hidden = self.model(inputs.input_ids, inputs.positions)
         prompt_logprobs = self._prompt_logprobs(step, inputs, hidden)
         if inputs.sampling_metadata is None:
-            return StepResult([], None, prompt_logprobs)
-        sampled_hidden = (
-            hidden[: inputs.num_tokens] if inputs.logits_indices is None else hidden[inputs.logits_indices]
-        )
+            return PendingStepResult([], None, prompt_logprobs)
+        if inputs.logits_indices is None:
+            sampled_hidden = hidden[: inputs.num_tokens]
+        else:
+            sampled_hidden = hidden[inputs.logits_indices]
         logits = self.model.compute_logits(sampled_hidden, upcast=False)
         sampled = self.sampler.sample(logits, inputs.sampling_metadata)
         self.input_batch.record_sampled_on_device(sampled.token_ids)
-        return StepResult(inputs.sampling_request_indices, sampled.to_host(), prompt_logprobs)
+        return PendingStepResult(inputs.sampling_request_indices, sampled.copy_to_host(), prompt_logprobs)
 
     def _graph_size(self, step: SchedulerOutput) -> int | None:
         """The CUDA-graph size to pad this step to, or None to run it eagerly."""
@@ -292,13 +313,14 @@ class ModelRunner:
         self, step: SchedulerOutput, inputs: ModelInputs, hidden: torch.Tensor
     ) -> dict[int, tuple[int, list[PositionLogprobs]]]:
         """Logprobs of each prompt token this step's chunks predict (token p + 1 from position p)."""
+        if not inputs.prompt_logprob_indices:
+            return {}
         spans = []  # (scheduled index, first hidden row, first predicted position, count)
         token_starts = inputs.attn_metadata.query_start_loc_cpu.tolist()
-        for i, item in enumerate(step.scheduled):
+        for i in inputs.prompt_logprob_indices:
+            item = step.scheduled[i]
             request = item.request
-            if request.sampling_params.prompt_logprobs is None:
-                continue
-            start = request.num_computed_tokens
+            start = int(inputs.query_starts[i])
             last = min(start + item.num_new_tokens, len(request.prompt_token_ids) - 1)
             if last > start:
                 spans.append((i, token_starts[i], start + 1, last - start))

@@ -20,6 +20,12 @@ def request(rid: str, tokens: list[int], computed: int, params: SamplingParams |
     return r
 
 
+def sched(r: Request, num_new_tokens: int, block_ids: list[int]) -> ScheduledRequest:
+    """What the scheduler hands over: the chunk already counted as computed (see Scheduler.schedule)."""
+    r.num_computed_tokens += num_new_tokens
+    return ScheduledRequest(r, num_new_tokens, block_ids)
+
+
 def batch(max_reqs: int = 8, max_tokens: int = 64, max_len: int = 48) -> InputBatch:
     return InputBatch(max_reqs, max_tokens, max_len, BLOCK, VOCAB, torch.device("cpu"))
 
@@ -30,9 +36,9 @@ def test_mixed_step_layout():
     last = request("l", [21, 22, 23], computed=0)  # whole prompt, samples this step
     step = SchedulerOutput(
         [
-            ScheduledRequest(decode, 1, [7, 2]),
-            ScheduledRequest(chunk, 4, [5, 0, 9]),
-            ScheduledRequest(last, 3, [3]),
+            sched(decode, 1, [7, 2]),
+            sched(chunk, 4, [5, 0, 9]),
+            sched(last, 3, [3]),
         ]
     )
     inputs = batch().prepare(step)
@@ -57,16 +63,15 @@ def test_rows_persist_and_grow_across_steps():
     b = batch()
     r = request("a", [5, 6, 7], computed=0)
     blocks = [4]  # the KV-cache manager's own list: later steps append to it in place
-    b.prepare(SchedulerOutput([ScheduledRequest(r, 3, blocks)]))
+    b.prepare(SchedulerOutput([sched(r, 3, blocks)]))
     b.record_sampled_on_device(torch.tensor([42]))
     r.append_output_token(42)
-    r.num_computed_tokens = 3
-    inputs = b.prepare(SchedulerOutput([ScheduledRequest(r, 1, blocks)]))
+    inputs = b.prepare(SchedulerOutput([sched(r, 1, blocks)]))
     assert inputs.input_ids.tolist() == [42] and inputs.positions.tolist() == [3]
     assert inputs.attn_metadata.slot_mapping.tolist() == [4 * BLOCK + 3]
     b.record_sampled_on_device(torch.tensor([43]))
     blocks.append(9)  # the request crossed into a second block
-    inputs = b.prepare(SchedulerOutput([ScheduledRequest(r, 1, blocks)]))
+    inputs = b.prepare(SchedulerOutput([sched(r, 1, blocks)]))
     assert inputs.input_ids.tolist() == [43] and inputs.positions.tolist() == [4]
     assert inputs.attn_metadata.slot_mapping.tolist() == [9 * BLOCK + 0]
     assert inputs.attn_metadata.block_table.tolist() == [[4, 9]]
@@ -78,27 +83,27 @@ def test_rows_persist_and_grow_across_steps():
 def test_finished_and_preempted_requests_free_their_rows():
     b = batch(max_reqs=2)
     x, y = request("x", [1, 2], 0), request("y", [3], 0)
-    b.prepare(SchedulerOutput([ScheduledRequest(x, 2, [1]), ScheduledRequest(y, 1, [2])]))
+    b.prepare(SchedulerOutput([sched(x, 2, [1]), sched(y, 1, [2])]))
     b.record_sampled_on_device(torch.tensor([7, 8]))
     assert b.num_rows == 2 and not b.free_rows
     z = request("z", [9, 9, 9], 0)
-    inputs = b.prepare(SchedulerOutput([ScheduledRequest(z, 3, [5])], preempted=[y], finished_req_ids={"x"}))
+    inputs = b.prepare(SchedulerOutput([sched(z, 3, [5])], preempted=[y], finished_req_ids={"x"}))
     assert set(b.states) == {"z"} and inputs.input_ids.tolist() == [9, 9, 9]
     assert inputs.attn_metadata.block_table.tolist() == [[5]]
     # A preempted request comes back as new: its whole token list (prompt and outputs) again.
     b.record_sampled_on_device(torch.tensor([4]))
     y.append_output_token(8)
-    y.num_computed_tokens = 0
-    inputs = b.prepare(SchedulerOutput([ScheduledRequest(y, 2, [6])], finished_req_ids={"z"}))
+    y.num_computed_tokens = 0  # preempted: recomputed from the start
+    inputs = b.prepare(SchedulerOutput([sched(y, 2, [6])], finished_req_ids={"z"}))
     assert inputs.input_ids.tolist() == [3, 8] and inputs.positions.tolist() == [0, 1]
     with pytest.raises(RuntimeError, match="full"):
-        b.prepare(SchedulerOutput([ScheduledRequest(request(f"n{i}", [1], 0), 1, [0]) for i in range(2)]))
+        b.prepare(SchedulerOutput([sched(request(f"n{i}", [1], 0), 1, [0]) for i in range(2)]))
 
 
 def test_padding_for_a_cuda_graph_batch():
     b = batch()
     reqs = [request(f"r{i}", [10 + i, 20 + i], computed=1) for i in range(3)]
-    inputs = b.prepare(SchedulerOutput([ScheduledRequest(r, 1, [i]) for i, r in enumerate(reqs)]), pad_to=8)
+    inputs = b.prepare(SchedulerOutput([sched(r, 1, [i]) for i, r in enumerate(reqs)]), pad_to=8)
     md = inputs.attn_metadata
     assert md.num_reqs == 8 and md.num_actual_tokens == 8 and md.num_decodes == 8 and inputs.num_tokens == 3
     assert md.query_start_loc_cpu.tolist() == [0, 1, 2, 3, 3, 3, 3, 3, 3]  # padded requests: no tokens
@@ -107,7 +112,7 @@ def test_padding_for_a_cuda_graph_batch():
     assert inputs.input_ids[:3].tolist() == [20, 21, 22]
     assert inputs.sampling_request_indices == [0, 1, 2]
     with pytest.raises(ValueError, match="uniform decode"):
-        b.prepare(SchedulerOutput([ScheduledRequest(request("p", [1, 2, 3], 0), 3, [3])]), pad_to=8)
+        b.prepare(SchedulerOutput([sched(request("p", [1, 2, 3], 0), 3, [3])]), pad_to=8)
 
 
 def test_sampling_metadata_comes_from_host_flags():
@@ -115,9 +120,7 @@ def test_sampling_metadata_comes_from_host_flags():
     greedy = request("g", [1, 2], 0, SamplingParams(temperature=0.0))
     hot = request("h", [1, 2], 0, SamplingParams(temperature=0.5, top_k=7, top_p=0.9, logprobs=2))
     plain = request("p", [1, 2], 0, SamplingParams(min_tokens=2, repetition_penalty=1.2))
-    inputs = b.prepare(
-        SchedulerOutput([ScheduledRequest(r, 2, [i]) for i, r in enumerate([greedy, hot, plain])])
-    )
+    inputs = b.prepare(SchedulerOutput([sched(r, 2, [i]) for i, r in enumerate([greedy, hot, plain])]))
     md = inputs.sampling_metadata
     assert not md.all_greedy and not md.all_random and md.is_greedy.tolist() == [True, False, False]
     assert md.temperature.tolist() == [1.0, 0.5, 1.0]
@@ -133,11 +136,10 @@ def test_sampling_metadata_comes_from_host_flags():
 def test_token_counts_split_prompt_and_output():
     b = batch()
     r = request("a", [3, 3, 5], 0, SamplingParams(frequency_penalty=0.5))
-    b.prepare(SchedulerOutput([ScheduledRequest(r, 3, [0])]))
+    b.prepare(SchedulerOutput([sched(r, 3, [0])]))
     b.record_sampled_on_device(torch.tensor([5]))
     r.append_output_token(5)
-    r.num_computed_tokens = 3
-    inputs = b.prepare(SchedulerOutput([ScheduledRequest(r, 1, [0])]))
+    inputs = b.prepare(SchedulerOutput([sched(r, 1, [0])]))
     prompt_counts, output_counts = inputs.sampling_metadata.penalties.token_counts(VOCAB)
     expected_prompt = np.zeros(VOCAB)
     expected_prompt[[3, 5]] = [2, 1]

@@ -13,12 +13,13 @@ def make_request(rid: str, num_tokens: int, offset: int = 0) -> Request:
 
 
 def run_step(scheduler: Scheduler):
-    """Schedule, pretend the model ran, and sample one token for requests that reached their end."""
+    """Schedule, pretend the model ran, and sample one token for requests that reached their end
+    (the scheduler left a placeholder for each), as the synchronous engine does."""
     out = scheduler.schedule()
-    scheduler.update_after_step(out)
     for item in out.scheduled:
         r = item.request
-        if r.num_computed_tokens == r.num_tokens:
+        if r.num_output_placeholders:
+            r.resolve_placeholder()
             r.append_output_token(7)
     return out
 
@@ -82,3 +83,40 @@ def test_prefix_hits_are_counted_once_per_request():
     run_step(s)
     assert kv.prefix_cache_queries == 26
     assert kv.prefix_cache_hits == 12
+
+
+def test_in_flight_tokens_are_scheduled_on_and_max_tokens_stops_in_time():
+    """Overlapped scheduling: the next step is scheduled before this step's tokens are known."""
+    kv = KVCacheManager(100, 4, enable_prefix_caching=False)
+    s = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=100)
+    r = Request("a", [1, 2, 3], SamplingParams(), max_tokens=3, eos_token_ids=(0,))
+    s.add_request(r)
+    first = s.schedule()  # prefill: its token will be sampled
+    assert first.scheduled[0].num_new_tokens == 3 and r.num_output_placeholders == 1
+    second = s.schedule()  # decodes the in-flight token (position 3) before its id is known
+    assert [(i.request.request_id, i.num_new_tokens) for i in second.scheduled] == [("a", 1)]
+    assert r.num_computed_tokens == 4 and r.num_output_placeholders == 2
+    third = s.schedule()  # 2 in flight; max_tokens 3 allows one more
+    assert third.scheduled and r.num_output_placeholders == 3
+    assert s.schedule().is_empty  # 3 tokens in flight reach max_tokens: nothing more to compute
+    for _ in range(3):
+        r.resolve_placeholder()
+        r.append_output_token(5)
+    assert r.num_output_placeholders == 0 and r.num_computed_tokens == 5  # the last token needs no KV
+
+
+def test_a_request_preempted_with_a_token_in_flight_waits_for_it():
+    kv = KVCacheManager(num_blocks=4, block_size=4, enable_prefix_caching=False)
+    s = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=100)
+    a, b = make_request("a", 8), make_request("b", 8, offset=50)
+    s.add_request(a)
+    s.add_request(b)
+    s.schedule()  # both prefilled, both have a token in flight
+    out = s.schedule()  # "a" decodes into a 3rd block: "b" is preempted with its token unknown
+    assert [r.request_id for r in out.preempted] == ["b"] and b.num_output_placeholders == 1
+    s.finish_request(a)
+    assert s.schedule().is_empty  # "b" cannot be recomputed before its in-flight token arrives
+    b.resolve_placeholder()
+    b.append_output_token(7)
+    out = s.schedule()
+    assert out.scheduled[0].request is b and out.scheduled[0].num_new_tokens == 9
