@@ -201,8 +201,13 @@ class AsyncLLM:
         self._commands.put(_Add(request_id, prompt, params, arrival, done))
         try:
             await asyncio.wrap_future(done)
+        except asyncio.CancelledError:
+            # The caller left; the engine thread may have added the request already. Closing aborts
+            # it (an abort of an id the engine never took is ignored).
+            stream.close()
+            raise
         except BaseException:
-            state.finished = not done.cancelled() and done.exception() is not None  # never added: no abort
+            state.finished = True  # refused by the engine: nothing to abort
             stream.close()
             raise
         return stream
@@ -270,14 +275,7 @@ class AsyncLLM:
             if isinstance(command, _Stop):
                 return False
             if isinstance(command, _Add):
-                try:
-                    self.engine.add_request(
-                        command.request_id, command.prompt, command.params, command.arrival_time
-                    )
-                except Exception as exc:  # ValueError and anything else go to the caller
-                    command.done.set_exception(exc)
-                else:
-                    command.done.set_result(None)
+                self._add(command)
             else:
                 self.engine.abort_request(command.request_ids)
                 aborted.extend(command.request_ids)
@@ -289,6 +287,18 @@ class AsyncLLM:
             self._post(self._on_aborted, aborted, self.engine.stats())
         return True
 
+    def _add(self, command: _Add) -> None:
+        # Once running, the future cannot be cancelled, so setting its result cannot fail; a future
+        # cancelled before (its caller left while the add was queued) means there is nothing to add.
+        if not command.done.set_running_or_notify_cancel():
+            return
+        try:
+            self.engine.add_request(command.request_id, command.prompt, command.params, command.arrival_time)
+        except Exception as exc:  # ValueError and anything else fail this request only
+            command.done.set_exception(exc)
+        else:
+            command.done.set_result(None)
+
     def _fail_pending_commands(self, exc: BaseException) -> None:
         """Fail queued adds (safe from either thread once the engine thread has stopped)."""
         error = exc
@@ -299,7 +309,7 @@ class AsyncLLM:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(command, _Add) and not command.done.done():
+            if isinstance(command, _Add) and command.done.set_running_or_notify_cancel():
                 command.done.set_exception(error)
 
     def _post(self, callback: Callable[..., None], *args: Any) -> None:
