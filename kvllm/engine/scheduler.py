@@ -22,6 +22,8 @@ class SchedulerOutput:
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # Finished with finish_reason "error": they need more blocks than the whole cache holds.
+    failed: list[Request] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -41,6 +43,11 @@ class Scheduler:
     2. waiting requests, oldest first, are admitted while budget, `max_num_seqs` and free
        blocks allow, their cached prefix taken from the prefix cache; a prompt longer than the
        budget is chunked over several steps unless chunked prefill is off.
+
+    No livelock: a request alone always fits the cache once every other request is preempted or
+    finished, except one whose tokens need more blocks than the whole cache; that one is failed
+    (finish_reason "error") instead of waiting forever in front of the queue. The engine refuses a
+    cache smaller than one max_model_len request at start-up, so this only guards the invariant.
     """
 
     def __init__(
@@ -88,6 +95,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if self._fail_if_it_can_never_fit(request, out):
+                continue
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             while not self.kv.can_allocate(request, n):
                 victim = self.running[-1]
@@ -106,6 +115,8 @@ class Scheduler:
 
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             request = self.waiting[0]
+            if self._fail_if_it_can_never_fit(request, out):
+                continue
             # Prompt logprobs need logits at every prompt position, so such prompts are computed whole.
             wants_prompt_logprobs = request.sampling_params.prompt_logprobs is not None
             cached = [] if wants_prompt_logprobs else self.kv.find_cached_prefix(request)
@@ -135,6 +146,20 @@ class Scheduler:
             ScheduledRequest(r, num_new[id(r)], self.kv.get_block_ids(r.request_id)) for r in scheduled
         ]
         return out
+
+    def _fail_if_it_can_never_fit(self, request: Request, out: SchedulerOutput) -> bool:
+        needed = self.kv.blocks_needed(request.num_tokens)
+        if needed <= self.kv.num_blocks:
+            return False
+        request.finish_reason = "error"
+        request.stop_reason = (
+            f"The request has {request.num_tokens} tokens, which need {needed} KV blocks, but the whole KV "
+            f"cache has {self.kv.num_blocks} blocks ({self.kv.num_blocks * self.kv.block_size} tokens); it "
+            "can never run. Raise kv_cache_memory_bytes / gpu_memory_utilization or lower max_model_len"
+        )
+        self.finish_request(request)
+        out.failed.append(request)
+        return True
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
