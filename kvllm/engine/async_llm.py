@@ -6,7 +6,9 @@ between steps, so a step never races an add or an abort. Outputs go back to the 
 `loop.call_soon_threadsafe`, one call per step, and land in each request's asyncio.Queue.
 
 A crash of the engine thread fails every in-flight request with EngineDeadError and leaves the
-AsyncLLM permanently `errored` (the server then answers /health with 503).
+AsyncLLM permanently `errored` (the server then answers /health with 503 and exits; `wait_dead`).
+A fault that belongs to one request (the engine refusing it, its caller leaving while it is being
+added) fails that request only.
 """
 
 from __future__ import annotations
@@ -95,6 +97,7 @@ class AsyncLLM:
         self._thread: threading.Thread | None = None
         self._accepting = False
         self._idle = asyncio.Event()
+        self._dead = asyncio.Event()
         self.dead_error: BaseException | None = None
         self.latest_stats: EngineStats = engine.stats()  # updated after every step, on the event loop
 
@@ -161,6 +164,12 @@ class AsyncLLM:
         except TimeoutError:
             return False
         return True
+
+    async def wait_dead(self) -> BaseException:
+        """Wait until the engine thread has crashed; return the error that ended it."""
+        await self._dead.wait()
+        assert self.dead_error is not None
+        return self.dead_error
 
     async def shutdown(self, timeout: float = 5.0) -> None:
         """Stop the engine thread (waiting up to `timeout` s for a running step) and fail what is left."""
@@ -357,6 +366,7 @@ class AsyncLLM:
     def _on_engine_dead(self, exc: BaseException) -> None:
         self.dead_error = exc
         self._accepting = False
+        self._dead.set()
         # Adds queued after the engine thread's last look at the queue would otherwise wait forever.
         self._fail_pending_commands(exc)
         self._fail_all(EngineDeadError(f"The engine has stopped after an error: {exc!r}"))
