@@ -136,7 +136,10 @@ class _Budget:
 
 # The budget of the render running in this thread (renders run in worker threads).
 _budget: contextvars.ContextVar[_Budget] = contextvars.ContextVar("kvllm_chat_template_budget")
-_FORMAT_NUMBER = re.compile(r"\d+")
+# Widths and precisions: inside str.format fields ("{:>99}") and %-specs ("%099.5d").
+_FORMAT_FIELD = re.compile(r"\{[^{}]*\}")
+_PERCENT_SPEC = re.compile(r"%[#0 +\-]*(\d*)(?:\.(\d*))?")
+_NUMBER = re.compile(r"\d+")
 
 
 class _BoundedSandbox(ImmutableSandboxedEnvironment):
@@ -161,13 +164,13 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
     def getattr(self, obj: Any, attribute: str) -> Any:
         _budget.get().tick()
         if attribute in ("format", "format_map") and isinstance(obj, str):
-            _check_format_string(obj)
+            _check_format_fields(obj)
         return super().getattr(obj, attribute)
 
     def getitem(self, obj: Any, argument: Any) -> Any:
         _budget.get().tick()
         if argument in ("format", "format_map") and isinstance(obj, str):
-            _check_format_string(obj)
+            _check_format_fields(obj)
         return super().getitem(obj, argument)
 
     def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
@@ -194,7 +197,10 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
                         f"The chat template computed a power of more than {self.bounds.max_power_bits} bits"
                     )
         elif operator == "%" and isinstance(left, str):
-            _check_format_string(left)
+            for spec in _PERCENT_SPEC.finditer(left):
+                for number in spec.groups():
+                    if number:
+                        budget.check_number(int(number))
             for value in right if isinstance(right, tuple) else (right,):
                 budget.check_number(value)
         return super().call_binop(context, operator, left, right)
@@ -259,10 +265,10 @@ def _bounded_filter(f: Callable[..., Any]) -> Callable[..., Any]:
     return bounded
 
 
-def _check_format_string(text: str) -> None:
+def _check_format_fields(text: str) -> None:
     budget = _budget.get()
-    for number in _FORMAT_NUMBER.findall(text):
-        if len(number) > 7:
+    for field in _FORMAT_FIELD.findall(text):
+        for number in _NUMBER.findall(field):
             budget.check_number(int(number))
 
 
