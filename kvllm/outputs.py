@@ -18,8 +18,10 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None
     logprobs: list[dict[int, Logprob]] | None
-    finish_reason: str | None = None  # "stop", "length", "abort" or None while running
-    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+    # "stop", "length", "abort", "error" (the engine could not run it) or None while running.
+    finish_reason: str | None = None
+    # The stop string or stop token id that ended it; with finish_reason "error", what went wrong.
+    stop_reason: int | str | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

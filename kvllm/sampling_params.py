@@ -11,6 +11,7 @@ from typing import Any
 
 # Below this temperature a request is greedy (vLLM's threshold): dividing by it would overflow.
 _GREEDY_TEMPERATURE = 1e-5
+_MIN_SEED, _MAX_SEED = -(2**63), 2**64 - 1
 
 
 class SamplingType(enum.IntEnum):
@@ -80,8 +81,10 @@ class SamplingParams:
         if not _is_int(self.top_k) or self.top_k < 0:
             _fail("top_k", self.top_k, "-1 or 0 (disabled) or an integer >= 1")
         _check_range("min_p", self.min_p, 0.0, 1.0, "[0, 1]")
-        if self.seed is not None and not _is_int(self.seed):
-            _fail("seed", self.seed, "an integer or None")
+        if self.seed is not None and not (_is_int(self.seed) and _MIN_SEED <= self.seed <= _MAX_SEED):
+            _fail(
+                "seed", self.seed, "an integer from -2**63 to 2**64 - 1 (what torch.Generator takes), or None"
+            )
         if self.max_tokens is not None:
             _check_int("max_tokens", self.max_tokens, minimum=1, allowed="an integer >= 1 or None")
         _check_int("min_tokens", self.min_tokens, minimum=0)

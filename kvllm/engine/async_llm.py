@@ -6,7 +6,9 @@ between steps, so a step never races an add or an abort. Outputs go back to the 
 `loop.call_soon_threadsafe`, one call per step, and land in each request's asyncio.Queue.
 
 A crash of the engine thread fails every in-flight request with EngineDeadError and leaves the
-AsyncLLM permanently `errored` (the server then answers /health with 503).
+AsyncLLM permanently `errored` (the server then answers /health with 503 and exits; `wait_dead`).
+A fault that belongs to one request (the engine refusing it, its caller leaving while it is being
+added) fails that request only.
 """
 
 from __future__ import annotations
@@ -95,6 +97,7 @@ class AsyncLLM:
         self._thread: threading.Thread | None = None
         self._accepting = False
         self._idle = asyncio.Event()
+        self._dead = asyncio.Event()
         self.dead_error: BaseException | None = None
         self.latest_stats: EngineStats = engine.stats()  # updated after every step, on the event loop
 
@@ -162,6 +165,12 @@ class AsyncLLM:
             return False
         return True
 
+    async def wait_dead(self) -> BaseException:
+        """Wait until the engine thread has crashed; return the error that ended it."""
+        await self._dead.wait()
+        assert self.dead_error is not None
+        return self.dead_error
+
     async def shutdown(self, timeout: float = 5.0) -> None:
         """Stop the engine thread (waiting up to `timeout` s for a running step) and fail what is left."""
         self._accepting = False
@@ -201,8 +210,13 @@ class AsyncLLM:
         self._commands.put(_Add(request_id, prompt, params, arrival, done))
         try:
             await asyncio.wrap_future(done)
+        except asyncio.CancelledError:
+            # The caller left; the engine thread may have added the request already. Closing aborts
+            # it (an abort of an id the engine never took is ignored).
+            stream.close()
+            raise
         except BaseException:
-            state.finished = not done.cancelled() and done.exception() is not None  # never added: no abort
+            state.finished = True  # refused by the engine: nothing to abort
             stream.close()
             raise
         return stream
@@ -270,14 +284,7 @@ class AsyncLLM:
             if isinstance(command, _Stop):
                 return False
             if isinstance(command, _Add):
-                try:
-                    self.engine.add_request(
-                        command.request_id, command.prompt, command.params, command.arrival_time
-                    )
-                except Exception as exc:  # ValueError and anything else go to the caller
-                    command.done.set_exception(exc)
-                else:
-                    command.done.set_result(None)
+                self._add(command)
             else:
                 self.engine.abort_request(command.request_ids)
                 aborted.extend(command.request_ids)
@@ -289,6 +296,18 @@ class AsyncLLM:
             self._post(self._on_aborted, aborted, self.engine.stats())
         return True
 
+    def _add(self, command: _Add) -> None:
+        # Once running, the future cannot be cancelled, so setting its result cannot fail; a future
+        # cancelled before (its caller left while the add was queued) means there is nothing to add.
+        if not command.done.set_running_or_notify_cancel():
+            return
+        try:
+            self.engine.add_request(command.request_id, command.prompt, command.params, command.arrival_time)
+        except Exception as exc:  # ValueError and anything else fail this request only
+            command.done.set_exception(exc)
+        else:
+            command.done.set_result(None)
+
     def _fail_pending_commands(self, exc: BaseException) -> None:
         """Fail queued adds (safe from either thread once the engine thread has stopped)."""
         error = exc
@@ -299,7 +318,7 @@ class AsyncLLM:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(command, _Add) and not command.done.done():
+            if isinstance(command, _Add) and command.done.set_running_or_notify_cancel():
                 command.done.set_exception(error)
 
     def _post(self, callback: Callable[..., None], *args: Any) -> None:
@@ -347,6 +366,7 @@ class AsyncLLM:
     def _on_engine_dead(self, exc: BaseException) -> None:
         self.dead_error = exc
         self._accepting = False
+        self._dead.set()
         # Adds queued after the engine thread's last look at the queue would otherwise wait forever.
         self._fail_pending_commands(exc)
         self._fail_all(EngineDeadError(f"The engine has stopped after an error: {exc!r}"))

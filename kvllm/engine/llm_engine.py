@@ -86,6 +86,9 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(self.model_config)
         self.runner = ModelRunner(args, self.model_config, self.device, current_device_info(), max_batched)
         num_blocks = self.runner.determine_num_blocks()
+        _check_kv_cache_holds_one_request(
+            num_blocks, self.runner.block_size, self.runner.bytes_per_block(), self.model_config.max_model_len
+        )
         self.runner.initialize_kv_cache(num_blocks, args.max_num_seqs)
         self.block_size = self.runner.block_size
         self.kv_cache_manager = KVCacheManager(num_blocks, self.block_size, args.enable_prefix_caching)
@@ -236,12 +239,15 @@ class LLMEngine:
         stop was seen still computes that request, but its token is dropped here.
         """
         plan = self.scheduler.schedule()
+        # Requests the scheduler failed (finish_reason "error") report that like a finish, at once.
+        outputs = self._collect_outputs({r.parent_id: self.parents[r.parent_id] for r in plan.failed})
         pending = self.runner.execute_model_async(plan) if not plan.is_empty else None
         if not self.async_scheduling:
-            return self._update(plan, pending.result()) if pending is not None else []
+            return outputs + (self._update(plan, pending.result()) if pending is not None else [])
         previous = self._in_flight
         self._in_flight = (plan, pending) if pending is not None else None
-        outputs = self._update(previous[0], previous[1].result()) if previous is not None else []
+        if previous is not None:
+            outputs += self._update(previous[0], previous[1].result())
         if self._in_flight is not None and not self.scheduler.has_work_beyond_in_flight():
             # Nothing more could be scheduled until this step's tokens arrive: wait for them now
             # rather than on the next call, so the last tokens come without an extra step.
@@ -251,12 +257,12 @@ class LLMEngine:
 
     def _update(self, plan: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
         """Apply one finished step: record prompt logprobs, append sampled tokens, check stops."""
+        touched: dict[str, _ParentRequest] = {}
         for index, (first_position, entries) in result.prompt_logprobs.items():
             self._record_prompt_logprobs(plan.scheduled[index].request, first_position, entries)
         if result.sampler_output is None:
-            return []
+            return self._collect_outputs(touched)
         now = time.monotonic()
-        touched: dict[str, _ParentRequest] = {}
         sampled = result.sampler_output
         for row, index in enumerate(result.request_indices):
             request = plan.scheduled[index].request
@@ -270,6 +276,9 @@ class LLMEngine:
             logprob = sampled.sampled_logprobs[row] if sampled.sampled_logprobs is not None else None
             self._append_token(seq, sampled.token_ids[row], logprob, sampled.logprobs[row])
             touched[parent.request_id] = parent
+        return self._collect_outputs(touched)
+
+    def _collect_outputs(self, touched: dict[str, _ParentRequest]) -> list[RequestOutput]:
         outputs = [self._make_output(p) for p in touched.values()]
         for parent in touched.values():
             if parent.finished:
@@ -371,6 +380,23 @@ class LLMEngine:
     @property
     def attention_backend_name(self) -> str:
         return self.runner.attn_backend.name
+
+
+def _check_kv_cache_holds_one_request(
+    num_blocks: int, block_size: int, bytes_per_block: int, max_model_len: int
+) -> None:
+    """Refuse a cache in which one request of max_model_len tokens could never run (as vLLM does)."""
+    needed = -(-max_model_len // block_size)
+    if num_blocks >= needed:
+        return
+    tokens = num_blocks * block_size
+    raise ValueError(
+        f"The KV cache holds {tokens} tokens ({num_blocks} blocks of {block_size}), fewer than one request "
+        f"of max_model_len={max_model_len} tokens needs ({needed} blocks, {needed * bytes_per_block} bytes), "
+        "so such a request could never finish. Give the cache more memory (kv_cache_memory_bytes of at "
+        f"least {needed * bytes_per_block}, or on a GPU a higher gpu_memory_utilization), or lower "
+        f"max_model_len to at most {tokens}"
+    )
 
 
 def _resolve_device(device: str) -> torch.device:

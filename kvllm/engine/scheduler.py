@@ -29,6 +29,8 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     finished_req_ids: set[str] = field(default_factory=set)
+    # Finished with finish_reason "error": they need more blocks than the whole cache holds.
+    failed: list[Request] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -48,6 +50,11 @@ class Scheduler:
     2. waiting requests, oldest first, are admitted while budget, `max_num_seqs` and free
        blocks allow, their cached prefix taken from the prefix cache; a prompt longer than the
        budget is chunked over several steps unless chunked prefill is off.
+
+    No livelock: a request alone always fits the cache once every other request is preempted or
+    finished, except one whose tokens need more blocks than the whole cache; that one is failed
+    (finish_reason "error") instead of waiting forever in front of the queue. The engine refuses a
+    cache smaller than one max_model_len request at start-up, so this only guards the invariant.
     """
 
     def __init__(
@@ -105,6 +112,12 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if self._can_never_fit(request):
+                if not request.num_output_placeholders:
+                    self._fail(request, out)  # leaves self.running: i is the next request now
+                else:
+                    i += 1  # failed once its tokens in flight arrive, as without overlap
+                continue
             pending = request.num_output_placeholders
             if pending and request.num_output_tokens + pending >= request.max_tokens:
                 i += 1  # its last token is already being sampled
@@ -137,6 +150,9 @@ class Scheduler:
             request = self.waiting[0]
             if request.num_output_placeholders:
                 break  # preempted while its last token was in flight: admitted once the token is known
+            if self._can_never_fit(request):
+                self._fail(request, out)
+                continue
             # Prompt logprobs need logits at every prompt position, so such prompts are computed whole.
             wants_prompt_logprobs = request.sampling_params.prompt_logprobs is not None
             cached = [] if wants_prompt_logprobs else self.kv.find_cached_prefix(request)
@@ -182,6 +198,24 @@ class Scheduler:
             not r.num_output_placeholders or r.num_output_tokens + r.num_output_placeholders < r.max_tokens
             for r in self.running
         )
+
+    def _can_never_fit(self, request: Request) -> bool:
+        """More tokens (counting those in flight) than the whole KV cache holds."""
+        return (
+            self.kv.blocks_needed(request.num_tokens + request.num_output_placeholders) > self.kv.num_blocks
+        )
+
+    def _fail(self, request: Request, out: SchedulerOutput) -> None:
+        num_tokens = request.num_tokens
+        needed = self.kv.blocks_needed(num_tokens)
+        request.finish_reason = "error"
+        request.stop_reason = (
+            f"The request has {num_tokens} tokens, which need {needed} KV blocks, but the whole KV "
+            f"cache has {self.kv.num_blocks} blocks ({self.kv.num_blocks * self.kv.block_size} tokens); it "
+            "can never run. Raise kv_cache_memory_bytes / gpu_memory_utilization or lower max_model_len"
+        )
+        self.finish_request(request)
+        out.failed.append(request)
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)

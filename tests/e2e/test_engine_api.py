@@ -205,3 +205,43 @@ def test_generation_config_sampling_defaults(tmp_path, tiny_qwen3_path):
     assert plain.get_default_sampling_params().temperature == 1.0
     with pytest.raises(ValueError, match="generation_config"):
         LLM(str(model), generation_config="nonsense")
+
+
+# 8 blocks of 16 tokens (2 layers x K,V x 2 heads x 32 x float32 = 16 KiB a block): 128 tokens.
+EIGHT_BLOCKS = 8 * 16 * 2 * 2 * 2 * 32 * 4
+
+
+def test_start_up_refuses_a_kv_cache_smaller_than_one_request(tiny_qwen3_path):
+    with pytest.raises(ValueError) as info:
+        LLM(str(tiny_qwen3_path), dtype="float32", max_model_len=256, kv_cache_memory_bytes=EIGHT_BLOCKS)
+    message = str(info.value)
+    assert "holds 128 tokens (8 blocks of 16)" in message and "max_model_len=256" in message
+    assert f"kv_cache_memory_bytes of at least {2 * EIGHT_BLOCKS}" in message
+    assert "gpu_memory_utilization" in message and "max_model_len to at most 128" in message
+    # The same cache with a max_model_len it can hold is accepted.
+    LLM(str(tiny_qwen3_path), dtype="float32", max_model_len=128, kv_cache_memory_bytes=EIGHT_BLOCKS)
+
+
+def test_a_request_that_can_never_fit_fails_and_the_engine_moves_on(tiny_qwen3_path, monkeypatch):
+    """With the start-up check bypassed: the request outgrowing the cache ends with "error"."""
+    import kvllm.engine.llm_engine as llm_engine
+
+    monkeypatch.setattr(llm_engine, "_check_kv_cache_holds_one_request", lambda *args: None)
+    engine = LLMEngine.from_engine_args(
+        __import__("kvllm").EngineArgs(
+            model=str(tiny_qwen3_path), dtype="float32", max_model_len=256, kv_cache_memory_bytes=EIGHT_BLOCKS
+        )
+    )
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    engine.add_request("big", {"prompt_token_ids": list(range(3, 103))}, params)
+    engine.add_request("next", {"prompt_token_ids": list(range(3, 13))}, params.replace(max_tokens=4))
+    finished = {}
+    for _ in range(500):
+        if not engine.has_unfinished_requests():
+            break
+        finished.update({o.request_id: o.outputs[0] for o in engine.step() if o.finished})
+    assert set(finished) == {"big", "next"}, "the engine livelocked"
+    assert finished["big"].finish_reason == "error" and "can never run" in finished["big"].stop_reason
+    assert len(finished["big"].token_ids) == 128 - 100 + 1  # the 129th token has no room in the cache
+    assert finished["next"].finish_reason == "length"
+    assert engine.stats().num_free_blocks == engine.stats().num_blocks

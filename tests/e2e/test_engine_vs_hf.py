@@ -42,8 +42,13 @@ MODES = {
     "default": {},
     "chunked_prefill": {"max_num_batched_tokens": 32},
     "prefix_caching": {"max_num_seqs": 4},
-    # 48 blocks of 16 tokens: too few for all prompts at once, so requests are preempted and recomputed.
-    "preemption": {"kv_cache_memory_bytes": 48 * 16 * 2 * 2 * 2 * 32 * 4, "block_size": 16},
+    # 48 blocks of 16 tokens: too few for all prompts at once, so requests are preempted and recomputed;
+    # enough for the longest (500 + 10 tokens), and for max_model_len=512, as start-up requires.
+    "preemption": {
+        "kv_cache_memory_bytes": 48 * 16 * 2 * 2 * 2 * 32 * 4,
+        "block_size": 16,
+        "max_model_len": 512,
+    },
 }
 
 

@@ -37,16 +37,25 @@ def free_port() -> int:
 
 
 class RemoteServer:
-    """A `kvllm serve` subprocess on 127.0.0.1 and a free port; its log goes to a file."""
+    """A `kvllm serve` subprocess on 127.0.0.1 and a free port; its log goes to a file.
 
-    def __init__(self, model: Path, *flags: str, startup_timeout: float = 180.0) -> None:
+    `prelude` is Python run in the server process before `kvllm serve` starts (to inject faults).
+    """
+
+    def __init__(
+        self, model: Path, *flags: str, startup_timeout: float = 180.0, prelude: str | None = None
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(tempfile.mkstemp(prefix="kvllm-serve-", suffix=".log")[1])
+        if prelude is None:
+            launcher = ["-m", "kvllm.entrypoints.cli.main"]
+        else:
+            main = "import sys\nfrom kvllm.entrypoints.cli.main import main\nsys.exit(main(sys.argv[1:]))\n"
+            launcher = ["-c", f"{prelude}\n{main}"]
         cmd = [
             sys.executable,
-            "-m",
-            "kvllm.entrypoints.cli.main",
+            *launcher,
             "serve",
             str(model),
             "--host",
@@ -263,19 +272,49 @@ def test_64_concurrent_streams_complete_and_free_every_block(server):
     assert httpx.get(f"{server.url}/health").status_code == 200
 
 
-def test_disconnecting_clients_are_aborted_and_free_their_blocks(server):
+@pytest.fixture(scope="module")
+def long_server(tiny_qwen3_path) -> Iterator[RemoteServer]:
+    """Room for 2000-token requests, which no machine finishes before its client can leave."""
+    srv = RemoteServer(
+        tiny_qwen3_path,
+        *("--max-model-len", "2048", "--kv-cache-memory-bytes", str(1 << 25), "--log-stats-interval", "0"),
+    )
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+LONG = 2000  # tokens: thousands of engine steps, against the milliseconds a disconnect takes
+
+
+def open_raw_completion(server: RemoteServer, body: dict) -> socket.socket:
+    """A non-streaming completion sent on a raw connection that nobody reads."""
+    payload = json.dumps(body).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {API_KEY}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n"
+    )
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+    sock.sendall(head.encode() + payload)
+    return sock
+
+
+def wait_for_metric(server: RemoteServer, name: str, value: float, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while (current := server.metrics()[name]) != value:
+        assert time.monotonic() < deadline, f"{name} is {current}, not {value}, after {timeout} s"
+        time.sleep(0.02)
+
+
+def test_disconnecting_clients_are_aborted_and_free_their_blocks(long_server):
+    server = long_server
     before = wait_until_idle(server)
     aborted = series("kvllm:request_success_total", finished_reason="abort")
 
     async def disconnect_after_first_token(client: httpx.AsyncClient, i: int) -> None:
-        body = {
-            "model": MODEL_NAME,
-            "prompt": f"Client {i} says",
-            "max_tokens": 150,
-            "stream": True,
-            "ignore_eos": True,
-        }
-        async with client.stream("POST", "/v1/completions", json=body) as response:
+        body = {"model": MODEL_NAME, "prompt": f"Client {i} says", "max_tokens": LONG, "stream": True}
+        async with client.stream("POST", "/v1/completions", json={**body, "ignore_eos": True}) as response:
             assert response.status_code == 200
             async for line in response.aiter_lines():
                 if line.startswith("data: ") and json.loads(line[6:])["choices"]:
@@ -287,17 +326,25 @@ def test_disconnecting_clients_are_aborted_and_free_their_blocks(server):
         )
 
     asyncio.run(concurrent())
-    # Non-streaming clients that give up (a read timeout closes the connection) are aborted too.
-    for i in range(2):
-        with pytest.raises(httpx.ReadTimeout):
-            httpx.post(
-                f"{server.url}/v1/completions",
-                headers={"Authorization": f"Bearer {API_KEY}"},
-                json={"model": MODEL_NAME, "prompt": f"Impatient {i}", "max_tokens": 200, "ignore_eos": True},
-                timeout=httpx.Timeout(10, read=0.3),
-            )
-    after = wait_until_idle(server)
+    wait_until_idle(server, timeout=60)
+    # Non-streaming clients that give up: once the server runs both, their connections close.
+    sockets = [
+        open_raw_completion(
+            server, {"model": MODEL_NAME, "prompt": f"Impatient {i}", "max_tokens": LONG, "ignore_eos": True}
+        )
+        for i in range(2)
+    ]
+    wait_for_metric(server, RUNNING, 2)
+    for sock in sockets:
+        sock.close()
+    after = wait_until_idle(server, timeout=60)
     assert after[aborted] - before[aborted] == 22
+    # One INFO line per disconnect, and no traceback.
+    deadline = time.monotonic() + 30
+    while server.log().count("Client disconnected") < 22 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    log = server.log()
+    assert log.count("Client disconnected") == 22 and "Traceback" not in log and "ERROR" not in log
     assert httpx.get(f"{server.url}/health").status_code == 200
     out = server.client().completions.create(
         model=MODEL_NAME, prompt="still serving", max_tokens=4, extra_body={"ignore_eos": True}

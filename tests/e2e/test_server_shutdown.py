@@ -1,13 +1,16 @@
 """SIGTERM during traffic: `kvllm serve` stops taking requests, lets short ones finish, aborts the rest
-(they end with finish_reason "abort"), and exits with 0 within SHUTDOWN_BOUND seconds."""
+(they end with finish_reason "abort"), and exits with 0 within SHUTDOWN_BOUND seconds. An engine fault:
+in-flight requests get an error, /health turns 503, and the process exits with code 1."""
 
 from __future__ import annotations
 
 import signal
+import socket
 import threading
 import time
 
 import httpx
+import pytest
 
 from tests.e2e.test_server_openai import API_KEY, MODEL_NAME, RemoteServer
 
@@ -91,3 +94,77 @@ def test_sigterm_during_traffic_drains_and_exits(tiny_qwen3_path):
     )
     log = server.log()
     assert "Received SIGTERM" in log and "Aborting 5 request(s)" in log
+
+
+# Makes the engine step raise once a request with this prompt is running.
+FAULT_PROMPT = "inject an engine fault"
+FAULTY_STEP = f"""
+from kvllm.engine.llm_engine import LLMEngine
+_step = LLMEngine.step
+def _faulty_step(self):
+    if any(parent.prompt == {FAULT_PROMPT!r} for parent in self.parents.values()):
+        raise RuntimeError("injected engine fault")
+    return _step(self)
+LLMEngine.step = _faulty_step
+"""
+
+
+def hold_a_request_in_flight(server: RemoteServer) -> socket.socket:
+    """A request whose body never completes, so it stays in flight until the socket closes.
+
+    uvicorn runs the app for a request once its headers are parsed; a request sent after it on
+    another connection and answered shows the server has taken it.
+    """
+    holder = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+    holder.sendall(
+        b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{"
+    )
+    assert httpx.get(f"{server.url}/version", timeout=10).status_code == 200
+    return holder
+
+
+def stream_until_done(server: RemoteServer, prompt: str) -> list[str]:
+    with httpx.stream(
+        "POST",
+        f"{server.url}/v1/completions",
+        json={"model": MODEL_NAME, "prompt": prompt, "max_tokens": 50, "stream": True},
+        headers={"Authorization": f"Bearer {API_KEY}"},
+        timeout=60,
+    ) as response:
+        assert response.status_code == 200
+        return [line for line in response.iter_lines() if line.startswith("data: ")]
+
+
+@pytest.mark.parametrize("keep_alive", [False, True])
+def test_an_engine_fault_fails_requests_turns_health_503_and_exits_non_zero(tiny_qwen3_path, keep_alive):
+    flags = ["--shutdown-timeout", "60", "--log-stats-interval", "0"]
+    if keep_alive:
+        flags.append("--keep-alive-on-engine-death")
+    server = RemoteServer(tiny_qwen3_path, *flags, prelude=FAULTY_STEP)
+    holder = None
+    try:
+        assert httpx.get(f"{server.url}/health").status_code == 200
+        holder = hold_a_request_in_flight(server)
+        events = stream_until_done(server, FAULT_PROMPT)
+        assert events[-1] == "data: [DONE]" and "injected engine fault" in events[-2]
+        assert '"code":500' in events[-2].replace(" ", "")
+        health = httpx.get(f"{server.url}/health", timeout=10)
+        assert health.status_code == 503 and "injected engine fault" in health.json()["error"]["message"]
+        late = httpx.post(
+            f"{server.url}/v1/completions",
+            json={"model": MODEL_NAME, "prompt": "after the fault"},
+            headers={"Authorization": f"Bearer {API_KEY}"},
+            timeout=10,
+        )
+        assert late.status_code == 503
+        assert server.proc.poll() is None  # still up while a request is in flight
+        holder.close()
+        if keep_alive:  # up until told to stop, and then still not a clean exit
+            assert httpx.get(f"{server.url}/health", timeout=10).status_code == 503
+            server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(SHUTDOWN_BOUND) == 1, server.log()[-3000:]
+        assert "Server stopped after its engine failed: exit code 1" in server.log()
+    finally:
+        if holder is not None:
+            holder.close()
+        server.stop()

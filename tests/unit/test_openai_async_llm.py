@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -115,3 +116,77 @@ async def _last(stream):
     async for output in stream:
         last = output
     return last
+
+
+def _assert_engine_idle(engine: LLMEngine) -> None:
+    stats = engine.stats()
+    assert not engine.has_unfinished_requests()
+    assert stats.num_free_blocks == stats.num_blocks
+
+
+def test_a_client_leaving_while_the_engine_thread_adds_its_request_is_not_fatal(engine, monkeypatch):
+    """Cancelled while `engine.add_request` runs: the request is added, then aborted; the engine lives."""
+    in_add, left = threading.Event(), threading.Event()
+    real_add = engine.add_request
+
+    def add_while_the_client_leaves(request_id, *args, **kwargs):
+        if request_id == "leaver":
+            in_add.set()
+            assert left.wait(30), "the test never cancelled the client"
+        return real_add(request_id, *args, **kwargs)
+
+    monkeypatch.setattr(engine, "add_request", add_while_the_client_leaves)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+    async def main():
+        llm = AsyncLLM(engine)
+        await llm.start()
+        client = asyncio.create_task(llm.add_request("leaver", "hello", params))
+        assert await asyncio.to_thread(in_add.wait, 30)
+        client.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await client
+        left.set()
+        after = await _last(llm.generate("hello", params, "after"))
+        assert after.outputs[0].finish_reason == "length"
+        assert not llm.errored
+        await llm.wait_idle(10)
+        await llm.shutdown()
+
+    run(main())
+    _assert_engine_idle(engine)
+
+
+def test_a_client_leaving_before_the_engine_thread_takes_its_request_is_not_fatal(engine, monkeypatch):
+    """Cancelled while its add waits in the command queue (the engine thread is mid-step)."""
+    in_step, release = threading.Event(), threading.Event()
+    real_step = engine.step
+
+    def step_held_once():
+        if not in_step.is_set():
+            in_step.set()
+            assert release.wait(30), "the test never released the step"
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", step_held_once)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+    async def main():
+        llm = AsyncLLM(engine)
+        await llm.start()
+        first = asyncio.create_task(_last(llm.generate("first", params, "first")))
+        assert await asyncio.to_thread(in_step.wait, 30)
+        client = asyncio.create_task(llm.add_request("leaver", "hello", params))
+        await asyncio.sleep(0)  # the add command is queued
+        client.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await client
+        release.set()
+        assert (await first).outputs[0].finish_reason == "length"
+        after = await _last(llm.generate("hello", params, "after"))
+        assert after.outputs[0].finish_reason == "length" and not llm.errored
+        await llm.wait_idle(10)
+        await llm.shutdown()
+
+    run(main())
+    _assert_engine_idle(engine)

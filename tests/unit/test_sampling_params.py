@@ -55,6 +55,7 @@ def test_sampling_type():
         ({"prompt_logprobs": -1}, ["prompt_logprobs=-1", "integer >= 0"]),
         ({"seed": "7"}, ["seed", "'7'", "integer"]),
         ({"seed": 1.5}, ["seed", "1.5", "integer"]),
+        ({"seed": 2**64}, ["seed", "18446744073709551616", "-2**63 to 2**64 - 1"]),
         ({"stop": ["ok", ""]}, ["stop", "non-empty"]),
         ({"stop_token_ids": [-1]}, ["stop_token_ids", "-1"]),
         ({"stop": "x", "detokenize": False}, ["stop", "detokenize=True"]),

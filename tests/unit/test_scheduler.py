@@ -120,3 +120,32 @@ def test_a_request_preempted_with_a_token_in_flight_waits_for_it():
     b.append_output_token(7)
     out = s.schedule()
     assert out.scheduled[0].request is b and out.scheduled[0].num_new_tokens == 9
+
+
+def test_a_request_that_outgrows_the_whole_cache_fails_and_the_queue_moves_on():
+    """16 tokens of cache: "big" grows past it while decoding; it fails with "error" (no livelock)."""
+    kv = KVCacheManager(num_blocks=4, block_size=4, enable_prefix_caching=False)
+    s = Scheduler(kv, max_num_seqs=1, max_num_batched_tokens=100)
+    big, small = make_request("big", 12), make_request("small", 3, offset=50)
+    s.add_request(big)
+    s.add_request(small)
+    outs = []
+    while not small.num_output_tokens and len(outs) < 30:
+        outs.append(run_step(s))
+    assert small.num_output_tokens == 1, "the request queued behind the one that cannot fit never ran"
+    assert [r for out in outs for r in out.failed] == [big]
+    assert big.is_finished and big.finish_reason == "error"
+    assert "17 tokens" in big.stop_reason and "16 tokens" in big.stop_reason
+    s.finish_request(small)
+    assert kv.num_free_blocks == 4
+
+
+def test_a_prompt_longer_than_the_whole_cache_fails_instead_of_blocking_the_queue():
+    kv = KVCacheManager(num_blocks=4, block_size=4, enable_prefix_caching=False)
+    s = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=100)
+    huge, small = make_request("huge", 20), make_request("small", 3, offset=50)
+    s.add_request(huge)
+    s.add_request(small)
+    out = run_step(s)
+    assert [i.request for i in out.scheduled] == [small]
+    assert out.failed == [huge] and huge.finish_reason == "error"

@@ -30,6 +30,10 @@ from kvllm.platforms import simulate_platform
 from tests import model_factory
 
 SMALL = {"kv_cache_memory_bytes": 1 << 22, "max_num_seqs": 4}
+# The KV cache must hold one max_model_len request: 8192 tokens of qwen3_06b_shape (2 layers, 8 KV heads
+# of 128) take 128 MiB in float32, 32 MiB in fp8. Tests that do not check max_model_len lower it instead.
+FULL_8192_FLOAT32 = 8192 * 2 * 2 * 8 * 128 * 4
+FULL_8192_FP8 = FULL_8192_FLOAT32 // 4
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +144,11 @@ def test_flash_attn_on_a_simulated_h100_names_what_is_missing(qwen3_06b_shape):
 
 def test_serve_settings_reach_the_engine_on_cpu(qwen3_06b_shape, logs):
     llm = LLM(
-        qwen3_06b_shape, attention_backend="CPU_ATTN", max_model_len=8192, gpu_memory_utilization=0.9, **SMALL
+        qwen3_06b_shape,
+        attention_backend="CPU_ATTN",
+        max_model_len=8192,
+        gpu_memory_utilization=0.9,
+        **{**SMALL, "kv_cache_memory_bytes": FULL_8192_FLOAT32},
     )
     assert llm.llm_engine.model_config.max_model_len == 8192
     assert llm.llm_engine.attention_backend_name == "CPU_ATTN"
@@ -168,7 +176,7 @@ def test_serve_ac_json_maps_fields_then_fails_on_triton_without_cuda(
 
 def test_ac_fields_run_on_cpu_with_cpu_attn(qwen3_06b_shape, logs):
     ac = {**json.loads(SEED_AC), "backend": "CPU_ATTN"}
-    llm = LLM(qwen3_06b_shape, attention_config=ac, **SMALL)
+    llm = LLM(qwen3_06b_shape, attention_config=ac, max_model_len=1024, **SMALL)
     engine = llm.llm_engine
     assert engine.block_size == 64
     assert engine.args.block_size == 64 and engine.args.kv_cache_dtype == "fp8"
@@ -278,7 +286,7 @@ def test_python_snippet_runs_with_cpu_attn(qwen3_06b_shape):
         model=qwen3_06b_shape,
         attention_config=AttentionConfig(backend="CPU_ATTN", max_seq_len=8192, kv_cache_dtype="fp8"),
         enable_prefix_caching=True,
-        **SMALL,
+        **{**SMALL, "kv_cache_memory_bytes": FULL_8192_FP8},
     )
     assert llm.llm_engine.model_config.max_model_len == 8192
     assert llm.llm_engine.kv_cache_manager.enable_prefix_caching
@@ -300,7 +308,13 @@ def test_speculative_decoding_is_not_available(qwen3_06b_shape, name, no_weights
 
 
 def test_chunked_prefill_settings_without_speculation_run(qwen3_06b_shape):
-    llm = LLM(model=qwen3_06b_shape, enable_chunked_prefill=True, max_num_batched_tokens=4096, **SMALL)
+    llm = LLM(
+        model=qwen3_06b_shape,
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=4096,
+        max_model_len=256,
+        **SMALL,
+    )
     assert llm.llm_engine.max_num_batched_tokens == 4096 and llm.llm_engine.args.enable_chunked_prefill
     generate_one(llm)
 

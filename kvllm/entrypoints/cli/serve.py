@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Mapping
+from dataclasses import fields
 from typing import Any
 
+from kvllm.config.serving import ServingLimits
 from kvllm.entrypoints.cli.engine_args import engine_arg_parser, engine_args_from_cli
+from kvllm.logger import init_logger
+
+logger = init_logger(__name__)
 
 
 def register(subparsers: Any) -> None:
@@ -29,7 +35,8 @@ def register(subparsers: Any) -> None:
         "--api_key",
         dest="api_key",
         default=None,
-        help="Require 'Authorization: Bearer KEY' on /v1/* (default: the KVLLM_API_KEY environment variable).",
+        help="Require 'Authorization: Bearer KEY' on /v1/* (default: the KVLLM_API_KEY environment "
+        "variable, else VLLM_API_KEY, as vLLM reads it).",
     )
     server.add_argument(
         "--served-model-name",
@@ -71,7 +78,56 @@ def register(subparsers: Any) -> None:
         action="store_true",
         help="Do not log one line per HTTP request.",
     )
+    server.add_argument(
+        "--keep-alive-on-engine-death",
+        "--keep_alive_on_engine_death",
+        dest="keep_alive_on_engine_death",
+        action=argparse.BooleanOptionalAction,
+        default=_env_flag("VLLM_KEEP_ALIVE_ON_ENGINE_DEATH"),
+        help="After the engine fails, keep answering 503 instead of exiting with code 1 (default: off, "
+        "or the VLLM_KEEP_ALIVE_ON_ENGINE_DEATH environment variable, as in vLLM).",
+    )
+    _add_limit_flags(parser)
     parser.set_defaults(dispatch=run)
+
+
+def _add_limit_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per ServingLimits field, help and default from the field."""
+    group = parser.add_argument_group("request limits", "What one request may ask of the server.")
+    for f in fields(ServingLimits):
+        names = dict.fromkeys([ServingLimits.flag(f.name), f"--{f.name}"])
+        if isinstance(f.default, bool):
+            group.add_argument(
+                *names,
+                dest=f.name,
+                action=argparse.BooleanOptionalAction,
+                default=f.default,
+                help=f"{f.metadata['help']} (default: {'on' if f.default else 'off'})",
+            )
+        else:
+            group.add_argument(
+                *names,
+                dest=f.name,
+                type=int,
+                default=f.default,
+                help=f"{f.metadata['help']} (default: {f.default})",
+            )
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def resolve_api_key(flag: str | None, environ: Mapping[str, str]) -> str | None:
+    """--api-key, else KVLLM_API_KEY, else VLLM_API_KEY (a vLLM user's setting must not open the server)."""
+    if flag:
+        return flag
+    if environ.get("KVLLM_API_KEY"):
+        return environ["KVLLM_API_KEY"]
+    if environ.get("VLLM_API_KEY"):
+        logger.info("Using the API key from VLLM_API_KEY")
+        return environ["VLLM_API_KEY"]
+    return None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -85,16 +141,19 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(
             f"--log-stats-interval {args.log_stats_interval} is not valid; allowed: >= 0 (0 = off)"
         )
+    limits = ServingLimits.from_kwargs(vars(args))
     from kvllm.entrypoints.openai.server import run_server
 
     return run_server(
         engine_args,
         host=args.host,
         port=args.port,
-        api_key=args.api_key or os.environ.get("KVLLM_API_KEY") or None,
+        api_key=resolve_api_key(args.api_key, os.environ),
         served_model_name=args.served_model_name,
         shutdown_timeout=args.shutdown_timeout,
         log_stats_interval=args.log_stats_interval,
         uvicorn_log_level=args.uvicorn_log_level,
         access_log=not args.disable_uvicorn_access_log,
+        limits=limits,
+        keep_alive_on_engine_death=args.keep_alive_on_engine_death,
     )

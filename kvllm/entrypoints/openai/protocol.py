@@ -146,6 +146,7 @@ class ChatCompletionRequest(SamplingExtras):
     tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    chat_template: str | None = None  # vLLM's: refused unless --trust-request-chat-template
     chat_template_kwargs: dict[str, Any] | None = None
 
 

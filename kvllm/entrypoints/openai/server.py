@@ -3,12 +3,16 @@
 Shutdown (SIGINT/SIGTERM): new requests get 503 at once; in-flight requests may finish for
 `shutdown_timeout` seconds; the rest are aborted and end with finish_reason "abort"; then uvicorn
 closes the connections and the engine thread stops. A second SIGINT/SIGTERM exits without waiting.
+
+Engine death (the engine thread crashed): in-flight requests get an error and /health answers 503
+at once; once the HTTP requests in flight are answered (at most `shutdown_timeout` s) the process
+exits with code 1, so a supervisor restarts it (vLLM's behaviour; `keep_alive_on_engine_death`
+keeps it up answering 503, as vLLM's VLLM_KEEP_ALIVE_ON_ENGINE_DEATH does).
 """
 
 from __future__ import annotations
 
 import asyncio
-import secrets
 import signal
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from contextlib import asynccontextmanager
@@ -17,17 +21,27 @@ from typing import Any, TypeVar
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvllm.config.engine import EngineArgs
+from kvllm.config.serving import ServingLimits
 from kvllm.engine.async_llm import AsyncLLM
 from kvllm.engine.llm_engine import LLMEngine
-from kvllm.entrypoints.openai.errors import OpenAIError, error_response
+from kvllm.entrypoints.chat_utils import ChatTemplateRenderer
+from kvllm.entrypoints.openai.errors import (
+    OpenAIError,
+    error_response,
+    error_responses,
+    install_error_handlers,
+)
 from kvllm.entrypoints.openai.metrics import LoggingStatLogger, PrometheusStatLogger, StatsCollector
+from kvllm.entrypoints.openai.middleware import (
+    APIKeyMiddleware,
+    InFlightMiddleware,
+    InFlightRequests,
+    RequestBodyLimitMiddleware,
+)
 from kvllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -38,6 +52,7 @@ from kvllm.entrypoints.openai.protocol import (
 )
 from kvllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from kvllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from kvllm.entrypoints.openai.serving_engine import tokenizer_executor
 from kvllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from kvllm.logger import init_logger
 
@@ -52,13 +67,16 @@ def build_app(
     api_key: str | None = None,
     log_stats_interval: float = 10.0,
     engine: LLMEngine | None = None,
+    limits: ServingLimits | None = None,
 ) -> FastAPI:
     """The FastAPI app serving one model. Builds the engine from `engine_args` unless `engine` is given.
 
     The engine thread starts and stops with the app's lifespan. `served_model_name` is the name (or
     names) clients use in "model" (default: the model argument); `api_key` protects /v1/*;
-    `log_stats_interval` is the period of the stats log line in seconds (0 disables it).
+    `log_stats_interval` is the period of the stats log line in seconds (0 disables it); `limits`
+    bound what one request may ask for.
     """
+    limits = limits or ServingLimits()
     if engine is None:
         engine = LLMEngine.from_engine_args(engine_args or EngineArgs())
     if isinstance(served_model_name, str):
@@ -68,6 +86,7 @@ def build_app(
     registry = CollectorRegistry()
     logging_stats = LoggingStatLogger()
     llm = AsyncLLM(engine, [StatsCollector([PrometheusStatLogger(registry, names[0]), logging_stats])])
+    executor = tokenizer_executor()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -83,16 +102,26 @@ def build_app(
             if log_task is not None:
                 log_task.cancel()
             await llm.shutdown()
+            executor.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="kvllm OpenAI-compatible server", lifespan=lifespan)
     app.state.llm = llm
     app.state.registry = registry
     app.state.served_model_names = names
+    app.state.in_flight = InFlightRequests()
+    # Starlette runs the last added outermost: count every request, then check keys, then body sizes.
+    app.add_middleware(RequestBodyLimitMiddleware, max_bytes=limits.max_request_body_bytes)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
-    _add_error_handlers(app)
-    _add_routes(app, llm, names, registry)
+    app.add_middleware(InFlightMiddleware, tracker=app.state.in_flight)
+    install_error_handlers(app)
+    renderer = ChatTemplateRenderer()
+    serving = [cls(llm, names, limits, executor, renderer) for cls in _SERVING_CLASSES]
+    _add_routes(app, llm, names, registry, serving, protected=bool(api_key))
     return app
+
+
+_SERVING_CLASSES = (OpenAIServingCompletion, OpenAIServingChat, OpenAIServingTokenization)
 
 
 async def _log_stats(stat_logger: LoggingStatLogger, interval: float) -> None:
@@ -101,65 +130,18 @@ async def _log_stats(stat_logger: LoggingStatLogger, interval: float) -> None:
         stat_logger.log_interval()
 
 
-class APIKeyMiddleware:
-    """Requires `Authorization: Bearer <api key>` on every /v1/* request (401 otherwise)."""
-
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not secrets.compare_digest(given, self.expected):
-                message = (
-                    "Invalid API key"
-                    if given
-                    else "Missing API key: send the header Authorization: Bearer <key>"
-                )
-                await error_response(message, 401)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-def _add_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(OpenAIError)
-    async def openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
-        return exc.to_response()
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        # Like vLLM: a body that does not fit the schema is a 400 in OpenAI's shape, not FastAPI's 422.
-        errors = exc.errors()
-        if any(e.get("type") == "json_invalid" for e in errors):
-            detail = errors[0].get("ctx", {}).get("error", "")
-            return error_response(f"The request body is not valid JSON: {detail}".rstrip(": "), 400)
-        parts, param = [], None
-        for e in errors:
-            loc = [str(x) for x in e.get("loc", ()) if x != "body"]
-            name = ".".join(loc)
-            param = param or (loc[0] if loc else None)
-            parts.append(
-                f"{name or 'body'}: {e.get('msg')} (got {e.get('input')!r})" if loc else str(e.get("msg"))
-            )
-        return error_response("; ".join(parts), 400, param)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        if exc.status_code == 404:
-            return error_response(f"Not found: {request.method} {request.url.path}", 404)
-        return error_response(str(exc.detail), exc.status_code)
-
-    @app.exception_handler(Exception)
-    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
-        logger.exception("Internal error while serving a request")
-        return error_response(f"Internal server error: {exc!r}", 500)
-
-
-def _add_routes(app: FastAPI, llm: AsyncLLM, names: list[str], registry: CollectorRegistry) -> None:
-    completions = OpenAIServingCompletion(llm, names)
-    chat = OpenAIServingChat(llm, names)
-    tokenization = OpenAIServingTokenization(llm, names)
+def _add_routes(
+    app: FastAPI,
+    llm: AsyncLLM,
+    names: list[str],
+    registry: CollectorRegistry,
+    serving: list[Any],
+    protected: bool,
+) -> None:
+    completions, chat, tokenization = serving
+    auth = (401,) if protected else ()
+    generation_errors = error_responses(400, *auth, 404, 413, 500, 503)
+    text_errors = error_responses(400, 404, 413, 500)
 
     def check_serving() -> None:
         if llm.errored:
@@ -169,22 +151,22 @@ def _add_routes(app: FastAPI, llm: AsyncLLM, names: list[str], registry: Collect
         if not llm.is_accepting:
             raise OpenAIError("The server is shutting down and takes no new requests", 503)
 
-    @app.post("/v1/completions", response_model=None)
+    @app.post("/v1/completions", response_model=None, responses=generation_errors)
     async def create_completion(body: CompletionRequest, raw: Request) -> Any:
         check_serving()
         return _as_response(await _until_disconnect(raw, completions.create_completion(body)))
 
-    @app.post("/v1/chat/completions", response_model=None)
+    @app.post("/v1/chat/completions", response_model=None, responses=generation_errors)
     async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Any:
         check_serving()
         return _as_response(await _until_disconnect(raw, chat.create_chat_completion(body)))
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=error_responses(*auth))
     async def list_models() -> ModelList:
         root = llm.engine.model_config.model_path
         return ModelList(data=[ModelCard(id=n, root=root, max_model_len=llm.max_model_len) for n in names])
 
-    @app.get("/health")
+    @app.get("/health", responses=error_responses(503))
     async def health() -> Response:
         if llm.errored:
             return error_response(f"The engine has stopped after an error: {llm.dead_error!r}", 503)
@@ -198,13 +180,13 @@ def _add_routes(app: FastAPI, llm: AsyncLLM, names: list[str], registry: Collect
 
         return {"version": __version__}
 
-    @app.post("/tokenize", response_model=None)
-    async def tokenize(body: TokenizeRequest) -> Any:
-        return tokenization.tokenize(body)
+    @app.post("/tokenize", response_model=None, responses=text_errors)
+    async def tokenize(body: TokenizeRequest, raw: Request) -> Any:
+        return await _until_disconnect(raw, tokenization.tokenize(body))
 
-    @app.post("/detokenize", response_model=None)
-    async def detokenize(body: DetokenizeRequest) -> Any:
-        return tokenization.detokenize(body)
+    @app.post("/detokenize", response_model=None, responses=text_errors)
+    async def detokenize(body: DetokenizeRequest, raw: Request) -> Any:
+        return await _until_disconnect(raw, tokenization.detokenize(body))
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -226,14 +208,23 @@ async def _until_disconnect(raw: Request, handler: Awaitable[T]) -> T | Response
     task = asyncio.ensure_future(handler)
     watcher = asyncio.ensure_future(_wait_for_disconnect(raw))
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watcher.cancel()
         if not task.done():
             task.cancel()
-    if task.cancelled():
-        return Response(status_code=499)  # the client is gone; nobody reads this
-    return task.result()
+    if task in done:
+        return task.result()
+    # The client left first: let the handler's cancellation run (it aborts the engine requests).
+    await asyncio.wait({task})
+    if not task.cancelled() and task.exception() is not None:
+        logger.debug("%s %s failed after its client left: %r", raw.method, raw.url.path, task.exception())
+    logger.info(
+        "Client disconnected before the response to %s %s; its requests were aborted",
+        raw.method,
+        raw.url.path,
+    )
+    return Response(status_code=499)  # nobody reads this
 
 
 async def _wait_for_disconnect(raw: Request) -> None:
@@ -244,17 +235,47 @@ async def _wait_for_disconnect(raw: Request) -> None:
 class _GracefulServer(uvicorn.Server):
     """uvicorn with kvllm's drain on the first SIGINT/SIGTERM (see the module docstring)."""
 
-    def __init__(self, config: uvicorn.Config, llm: AsyncLLM, shutdown_timeout: float) -> None:
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        llm: AsyncLLM,
+        in_flight: InFlightRequests,
+        shutdown_timeout: float,
+        keep_alive_on_engine_death: bool,
+    ) -> None:
         super().__init__(config)
         self.llm = llm
+        self.in_flight = in_flight
         self.shutdown_timeout = shutdown_timeout
+        self.keep_alive_on_engine_death = keep_alive_on_engine_death
         self._loop: asyncio.AbstractEventLoop | None = None
         self._signalled = False
         self._drain_task: asyncio.Task[None] | None = None
+        self._death_watch: asyncio.Task[None] | None = None
 
     async def startup(self, sockets: Any = None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().startup(sockets=sockets)
+        self._death_watch = asyncio.ensure_future(self._exit_when_the_engine_dies())
+
+    async def _exit_when_the_engine_dies(self) -> None:
+        error = await self.llm.wait_dead()
+        if self.keep_alive_on_engine_death:
+            logger.error(
+                "The engine has stopped after an error (%r); keeping the server up (keep-alive on engine "
+                "death): every request gets 503 until it is stopped",
+                error,
+            )
+            return
+        logger.error(
+            "The engine has stopped after an error (%r): /health answers 503; exiting with code 1 once "
+            "the %d request(s) in flight are answered (at most %.1f s)",
+            error,
+            self.in_flight.count,
+            self.shutdown_timeout,
+        )
+        await self.in_flight.wait_idle(self.shutdown_timeout)
+        self.should_exit = True
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # Signals are not re-raised after the drain (uvicorn would), so a drained server exits with 0.
@@ -298,13 +319,19 @@ def run_server(
     log_stats_interval: float = 10.0,
     uvicorn_log_level: str = "info",
     access_log: bool = True,
+    limits: ServingLimits | None = None,
+    keep_alive_on_engine_death: bool = False,
 ) -> int:
-    """Serve until SIGINT/SIGTERM; returns the exit code. Exits within shutdown_timeout + ~6 s of the signal."""
+    """Serve until SIGINT/SIGTERM or engine death; returns the exit code (1 after engine death).
+
+    Exits within shutdown_timeout + ~6 s of the signal, or of the engine's death.
+    """
     app = build_app(
         engine_args,
         served_model_name=served_model_name,
         api_key=api_key,
         log_stats_interval=log_stats_interval,
+        limits=limits,
     )
     llm: AsyncLLM = app.state.llm
     config = uvicorn.Config(
@@ -332,8 +359,11 @@ def run_server(
         port,
         " (API key required for /v1/*)" if api_key else "",
     )
-    server = _GracefulServer(config, llm, shutdown_timeout)
+    server = _GracefulServer(config, llm, app.state.in_flight, shutdown_timeout, keep_alive_on_engine_death)
     server.run()
+    if llm.errored:
+        logger.error("Server stopped after its engine failed: exit code 1")
+        return 1
     if server.started:
         logger.info("Server stopped")
         return 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 from kvllm.engine.async_llm import RequestStream
@@ -20,7 +21,14 @@ from kvllm.entrypoints.openai.protocol import (
     UsageInfo,
     random_id,
 )
-from kvllm.entrypoints.openai.serving_engine import OpenAIServing, merge_streams, sse, stream_error_event
+from kvllm.entrypoints.openai.serving_engine import (
+    OpenAIServing,
+    check_valid_unicode,
+    log_client_left,
+    merge_streams,
+    sse,
+    stream_error_event,
+)
 from kvllm.outputs import CompletionOutput, RequestOutput
 from kvllm.sample.logprobs import PositionLogprobs
 
@@ -32,8 +40,10 @@ class OpenAIServingChat(OpenAIServing):
         self, request: ChatCompletionRequest
     ) -> ChatCompletionResponse | AsyncIterator[str]:
         """A ChatCompletionResponse, or (stream=True) an iterator of server-sent events ending in [DONE]."""
+        check_valid_unicode(request)
         self.check_model(request.model)
         self.check_unsupported(request)
+        self.check_limits(request)
         if request.tools and request.tool_choice != "none":
             raise OpenAIError("tools are not supported by this server; omit them", param="tools")
         if request.response_format and request.response_format.get("type", "text") != "text":
@@ -44,8 +54,13 @@ class OpenAIServingChat(OpenAIServing):
         if request.top_logprobs is not None and not request.logprobs:
             raise OpenAIError("top_logprobs needs logprobs=true", param="top_logprobs")
         self.check_logprobs(request.top_logprobs, "top_logprobs")
-        prompt_ids = self.render_chat(
-            request.messages, request.add_generation_prompt, request.chat_template_kwargs
+        template = self.chat_template(request.chat_template, request.chat_template_kwargs)
+        prompt_ids = await self.in_tokenizer_thread(
+            self.render_chat,
+            request.messages,
+            request.add_generation_prompt,
+            request.chat_template_kwargs,
+            template,
         )
         self.check_prompt_ids(prompt_ids, "messages")
         requested = (
@@ -54,6 +69,7 @@ class OpenAIServingChat(OpenAIServing):
         max_tokens = self.resolve_max_tokens(len(prompt_ids), requested, None, "messages")
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         params = self.sampling_params(request, max_tokens, logprobs)
+        self.check_generation_budget([params])
         request_id = random_id("chatcmpl")
         streams = await self.add_requests(request_id, [({"prompt_token_ids": prompt_ids}, params)])
         if request.stream:
@@ -140,6 +156,9 @@ class OpenAIServingChat(OpenAIServing):
         except Exception as exc:
             yield stream_error_event(exc)
             yield "data: [DONE]\n\n"
+        except (asyncio.CancelledError, GeneratorExit):  # the client left mid-stream
+            log_client_left(request_id)
+            raise
         finally:
             stream.close()
 

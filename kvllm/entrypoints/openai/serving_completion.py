@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -15,7 +16,14 @@ from kvllm.entrypoints.openai.protocol import (
     UsageInfo,
     random_id,
 )
-from kvllm.entrypoints.openai.serving_engine import OpenAIServing, merge_streams, sse, stream_error_event
+from kvllm.entrypoints.openai.serving_engine import (
+    OpenAIServing,
+    check_valid_unicode,
+    log_client_left,
+    merge_streams,
+    sse,
+    stream_error_event,
+)
 from kvllm.outputs import CompletionOutput, RequestOutput
 from kvllm.sample.logprobs import PositionLogprobs
 
@@ -27,8 +35,10 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def create_completion(self, request: CompletionRequest) -> CompletionResponse | AsyncIterator[str]:
         """A CompletionResponse, or (stream=True) an iterator of server-sent events ending in [DONE]."""
+        check_valid_unicode(request)
         self.check_model(request.model)
         self.check_unsupported(request)
+        self.check_limits(request, _num_prompts(request.prompt))
         if request.suffix:
             raise OpenAIError("suffix is not supported by this server; omit it", param="suffix")
         if request.best_of is not None and request.best_of != request.n:
@@ -39,7 +49,11 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_logprobs(request.logprobs, "logprobs")
         requested = request.max_tokens if "max_tokens" in request.model_fields_set else None
         texts, prompts = [], []
-        for text, ids in self._parse_prompts(request.prompt):
+        if request.echo or _has_text(request.prompt):
+            parsed = await self.in_tokenizer_thread(self._parse_prompts, request.prompt, request.echo)
+        else:  # token ids only: nothing to wait for the tokenizer thread for
+            parsed = self._parse_prompts(request.prompt, echo=False)
+        for text, ids in parsed:
             self.check_prompt_ids(ids, "prompt")
             max_tokens = self.resolve_max_tokens(len(ids), requested, DEFAULT_MAX_TOKENS, "prompt")
             params = self.sampling_params(request, max_tokens, request.logprobs)
@@ -50,6 +64,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 engine_prompt["prompt"] = text
             texts.append(text)
             prompts.append((engine_prompt, params))
+        self.check_generation_budget([params for _, params in prompts])
         request_id = random_id("cmpl")
         streams = await self.add_requests(request_id, prompts)
         if request.stream:
@@ -73,7 +88,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         i,
                         final.prompt_token_ids,
                         c,
-                        self._echo_text(request, texts[i], final),
+                        self._echo_text(request, texts[i]),
                         0,
                         len(c.token_ids),
                         prompt_logprobs=final.prompt_logprobs,
@@ -82,7 +97,11 @@ class OpenAIServingCompletion(OpenAIServing):
         usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
         return CompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage)
 
-    def _parse_prompts(self, prompt: Any) -> list[tuple[str | None, list[int]]]:
+    def _parse_prompts(self, prompt: Any, echo: bool) -> list[tuple[str | None, list[int]]]:
+        """(text, token ids) per prompt; token-id prompts get their text decoded when echoed.
+
+        CPU-heavy: runs in the tokenizer thread.
+        """
         if isinstance(prompt, str):
             return [(prompt, self.tokenizer(prompt).input_ids)]
         if not prompt:
@@ -91,16 +110,17 @@ class OpenAIServingCompletion(OpenAIServing):
                 "or a list of token-id lists",
                 param="prompt",
             )
-        if all(isinstance(p, int) for p in prompt):
-            return [(None, list(prompt))]
         if all(isinstance(p, str) for p in prompt):
             return [(p, self.tokenizer(p).input_ids) for p in prompt]
-        return [(None, list(p)) for p in prompt]
+        id_lists = [list(prompt)] if all(isinstance(p, int) for p in prompt) else [list(p) for p in prompt]
+        if not echo:
+            return [(None, ids) for ids in id_lists]
+        # Ids the tokenizer lacks decode to nothing (as in the detokenizer); the engine rejects bad ones.
+        vocab_size = len(self.tokenizer)
+        return [(self.tokenizer.decode([t for t in ids if 0 <= t < vocab_size]), ids) for ids in id_lists]
 
-    def _echo_text(self, request: CompletionRequest, text: str | None, output: RequestOutput) -> str:
-        if not request.echo:
-            return ""
-        return text if text is not None else self.tokenizer.decode(output.prompt_token_ids)
+    def _echo_text(self, request: CompletionRequest, text: str | None) -> str:
+        return (text or "") if request.echo else ""
 
     def _choice(
         self,
@@ -172,7 +192,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 last[i] = output
                 for c in output.outputs:
                     idx = i * n + c.index
-                    prefix = self._echo_text(request, texts[i], output) if first else ""
+                    prefix = self._echo_text(request, texts[i]) if first else ""
                     if finished[idx] or (
                         len(c.text) == sent_text[idx]
                         and len(c.token_ids) == sent_tokens[idx]
@@ -208,9 +228,22 @@ class OpenAIServingCompletion(OpenAIServing):
         except Exception as exc:
             yield stream_error_event(exc)
             yield "data: [DONE]\n\n"
+        except (asyncio.CancelledError, GeneratorExit):  # the client left mid-stream
+            log_client_left(request_id)
+            raise
         finally:
             for stream in streams:
                 stream.close()
+
+
+def _has_text(prompt: Any) -> bool:
+    return isinstance(prompt, str) or (isinstance(prompt, list) and any(isinstance(p, str) for p in prompt))
+
+
+def _num_prompts(prompt: Any) -> int:
+    if isinstance(prompt, list) and prompt and not all(isinstance(p, int) for p in prompt):
+        return len(prompt)
+    return 1
 
 
 def completion_logprobs(

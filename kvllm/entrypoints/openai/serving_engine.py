@@ -1,40 +1,71 @@
-"""OpenAIServing: what the completion and chat handlers share (model check, limits, sampling, streams)."""
+"""OpenAIServing: what the completion and chat handlers share (model check, limits, sampling, streams).
+
+CPU-heavy work on a request's text (tokenizing, rendering the chat template, decoding long token
+lists) runs in one tokenizer thread, never on the event loop, so a large request delays only the
+requests queued behind it for that thread, not the streams, /health or /metrics. One thread, as in
+vLLM: HF tokenizers are not safe to use from several threads at once.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
-from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import Executor, ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
-from kvllm.engine.async_llm import (
-    AsyncLLM,
-    EngineDeadError,
-    EngineNotAcceptingError,
-    RequestStream,
-)
-from kvllm.entrypoints.openai.errors import OpenAIError
+from kvllm.config.serving import ServingLimits
+from kvllm.engine.async_llm import AsyncLLM, RequestStream
+from kvllm.entrypoints.chat_utils import ChatTemplateError, ChatTemplateRenderer
+from kvllm.entrypoints.openai.errors import OpenAIError, internal_error, to_openai_error
 from kvllm.entrypoints.openai.protocol import ChatMessage, SamplingExtras
+from kvllm.logger import init_logger
 from kvllm.outputs import RequestOutput
 from kvllm.sampling_params import SamplingParams
 
+logger = init_logger(__name__)
+T = TypeVar("T")
+
 # Most top logprobs a request may ask for (vLLM's default max_logprobs).
 MAX_LOGPROBS = 20
+# Template variables the server sets itself; chat_template_kwargs may not replace them.
+_RESERVED_TEMPLATE_VARIABLES = ("messages", "add_generation_prompt", "tools", "documents")
+
+
+def tokenizer_executor() -> ThreadPoolExecutor:
+    """The one thread the handlers of an app tokenize, render and decode in."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvllm-tokenizer")
 
 
 class OpenAIServing:
     """Base of the OpenAI handlers: validation that turns bad input into 4xx errors before the engine."""
 
-    def __init__(self, llm: AsyncLLM, served_model_names: Sequence[str]) -> None:
+    def __init__(
+        self,
+        llm: AsyncLLM,
+        served_model_names: Sequence[str],
+        limits: ServingLimits | None = None,
+        executor: Executor | None = None,
+        renderer: ChatTemplateRenderer | None = None,
+    ) -> None:
         self.llm = llm
         self.served_model_names = list(served_model_names)
+        self.limits = limits or ServingLimits()
+        self.executor = executor or tokenizer_executor()
+        self.renderer = renderer or ChatTemplateRenderer()
         self.tokenizer = llm.tokenizer
         self.max_model_len = llm.max_model_len
         # Sampling defaults from the model's generation_config.json, for fields a request leaves unset.
         self.default_sampling = llm.engine.model_config.default_sampling
+
+    async def in_tokenizer_thread(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run CPU-heavy `fn` in the tokenizer thread; its OpenAIErrors reach the caller as raised."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.executor, functools.partial(fn, *args, **kwargs))
 
     @property
     def model_name(self) -> str:
@@ -52,6 +83,44 @@ class OpenAIServing:
     def check_unsupported(self, request: SamplingExtras) -> None:
         if request.logit_bias:
             raise OpenAIError("logit_bias is not supported by this server; omit it", param="logit_bias")
+
+    def check_limits(self, request: SamplingExtras, num_prompts: int = 1) -> None:
+        """The per-request limits that need no tokenizing: n, prompts, stop strings (400 naming each)."""
+        limits = self.limits
+        if isinstance(request.n, int) and request.n > limits.max_n_sequences:
+            raise OpenAIError(
+                f"n={request.n} is more than this server allows: {limits.describe('max_n_sequences')} "
+                "completions per prompt",
+                param="n",
+            )
+        if num_prompts > limits.max_prompts_per_request:
+            raise OpenAIError(
+                f"The request has {num_prompts} prompts, more than this server allows: "
+                f"{limits.describe('max_prompts_per_request')}; send them in several requests",
+                param="prompt",
+            )
+        num_stops = 0 if request.stop is None else 1 if isinstance(request.stop, str) else len(request.stop)
+        if num_stops > limits.max_stop_strings:
+            raise OpenAIError(
+                f"stop has {num_stops} strings, more than this server allows: "
+                f"{limits.describe('max_stop_strings')}",
+                param="stop",
+            )
+
+    def check_generation_budget(self, params: Sequence[SamplingParams]) -> None:
+        """n x max_tokens, summed over the request's prompts, within max_generation_tokens_per_request."""
+        total = sum(p.n * (p.max_tokens or self.max_model_len) for p in params)
+        limit = self.limits.max_generation_tokens_per_request
+        if total > limit:
+            first = params[0]
+            parts = f"n={first.n} x max_tokens={first.max_tokens}" + (
+                f" x {len(params)} prompts" if len(params) > 1 else ""
+            )
+            raise OpenAIError(
+                f"The request may generate up to {total} tokens ({parts}), more than this server allows: "
+                f"{self.limits.describe('max_generation_tokens_per_request')}; lower n or max_tokens",
+                param="max_tokens",
+            )
 
     def resolve_max_tokens(
         self, num_prompt_tokens: int, requested: int | None, default: int | None, input_name: str
@@ -119,24 +188,60 @@ class OpenAIServing:
         if not token_ids:
             raise OpenAIError(f"The {param} is empty: at least one token is needed", param=param)
 
-    def render_chat(
-        self, messages: list[ChatMessage], add_generation_prompt: bool, kwargs: dict[str, Any] | None
-    ) -> list[int]:
-        """Token ids of the conversation under the tokenizer's chat template (as `LLM.chat` renders it)."""
-        if not getattr(self.tokenizer, "chat_template", None):
+    def chat_template(self, request_template: str | None, kwargs: dict[str, Any] | None) -> str:
+        """The template to render: the model's, or (with --trust-request-chat-template) the request's."""
+        given = request_template if request_template is not None else (kwargs or {}).get("chat_template")
+        if given is not None:
+            if not self.limits.trust_request_chat_template:
+                raise OpenAIError(
+                    "The request carries a chat template, which this server does not render: it uses its "
+                    "model's template only. Omit chat_template (and chat_template_kwargs.chat_template), or "
+                    "start the server with --trust-request-chat-template",
+                    param="chat_template",
+                )
+            if not isinstance(given, str):
+                raise OpenAIError("chat_template must be a string (a Jinja template)", param="chat_template")
+            return given
+        template = getattr(self.tokenizer, "chat_template", None)
+        if not template:
             raise OpenAIError(
                 "This model's tokenizer has no chat template; use /v1/completions with a plain prompt",
                 param="messages",
             )
+        return template
+
+    def render_chat(
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool,
+        kwargs: dict[str, Any] | None,
+        template: str | None = None,
+    ) -> list[int]:
+        """Token ids of the conversation under the chat template (the text `LLM.chat` renders).
+
+        CPU-heavy: call it through `in_tokenizer_thread`.
+        """
+        template = template or self.chat_template(None, kwargs)
         if not messages:
             raise OpenAIError("messages is empty; send at least one message", param="messages")
+        variables = dict(kwargs or {})
+        variables.pop("chat_template", None)
+        for name in _RESERVED_TEMPLATE_VARIABLES:
+            if name in variables:
+                raise OpenAIError(
+                    f"chat_template_kwargs.{name} is set by the server; use the request field instead",
+                    param="chat_template_kwargs",
+                )
         conversation = [{"role": m.role, "content": _text_content(m)} for m in messages]
         try:
-            text = self.tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=add_generation_prompt, tokenize=False, **(kwargs or {})
+            text = self.renderer.render(
+                template,
+                conversation,
+                add_generation_prompt,
+                {**self.tokenizer.special_tokens_map, **variables},
             )
-        except Exception as exc:  # template errors (jinja) are the request's fault
-            raise OpenAIError(f"The chat template failed on these messages: {exc}", param="messages") from exc
+        except ChatTemplateError as exc:
+            raise OpenAIError(str(exc), param="messages") from None
         return self.tokenizer(text, add_special_tokens=False).input_ids
 
     async def add_requests(
@@ -171,23 +276,44 @@ def _text_content(message: ChatMessage) -> str:
     return "\n".join(parts)
 
 
-def to_openai_error(exc: Exception) -> Exception:
-    if isinstance(exc, OpenAIError):
-        return exc
-    if isinstance(exc, ValueError):
-        return OpenAIError.bad_request(exc)
-    if isinstance(exc, EngineNotAcceptingError):
-        return OpenAIError(str(exc), 503)
-    if isinstance(exc, EngineDeadError):
-        return OpenAIError(str(exc), 500)
-    return exc
+def check_valid_unicode(request: BaseModel) -> None:
+    """Reject text holding a lone surrogate ("\\ud800" in the JSON), which no tokenizer can encode."""
+    for path, text in _strings(request, ""):
+        if text.isascii():
+            continue
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise OpenAIError(
+                f"{path} is not valid Unicode: it holds a lone surrogate (U+{ord(text[exc.start]):04X}) at "
+                f"character {exc.start}; send text that can be encoded as UTF-8",
+                param=path.split(".")[0].split("[")[0].split(" ")[0],
+            ) from None
+
+
+def _strings(value: Any, path: str) -> Any:
+    if isinstance(value, str):
+        yield path, value
+    elif isinstance(value, BaseModel):
+        for name in type(value).model_fields:
+            yield from _strings(getattr(value, name), f"{path}.{name}" if path else name)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _strings(key, f"{path} (a key)")
+            yield from _strings(item, f"{path}.{key}")
+    elif isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            yield from _strings(item, f"{path}[{i}]")
 
 
 async def merge_streams(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Outputs of several streams as they arrive, tagged with the stream's index."""
+    """Outputs of several streams as they arrive, tagged with the stream's index.
+
+    A sequence the engine could not run (finish_reason "error") raises a 500 with the engine's reason.
+    """
     if len(streams) == 1:
         async for output in streams[0]:
-            yield 0, output
+            yield 0, _checked(output)
         return
     pending = {asyncio.ensure_future(anext(s)): i for i, s in enumerate(streams)}
     try:
@@ -200,10 +326,22 @@ async def merge_streams(streams: Sequence[RequestStream]) -> AsyncIterator[tuple
                 except StopAsyncIteration:
                     continue
                 pending[asyncio.ensure_future(anext(streams[i]))] = i
-                yield i, output
+                yield i, _checked(output)
     finally:
         for task in pending:
             task.cancel()
+
+
+def _checked(output: RequestOutput) -> RequestOutput:
+    for c in output.outputs:
+        if c.finish_reason == "error":
+            raise OpenAIError(f"The engine could not finish this request: {c.stop_reason}", 500)
+    return output
+
+
+def log_client_left(request_id: str) -> None:
+    """The one line an ordinary disconnect logs (its engine requests are aborted)."""
+    logger.info("Client disconnected before request %s finished; aborted it", request_id)
 
 
 def sse(payload: BaseModel | dict[str, Any]) -> str:
@@ -216,5 +354,5 @@ def stream_error_event(exc: BaseException) -> str:
     """The event that ends a stream whose response has already started (status 200 was sent)."""
     error = to_openai_error(exc) if isinstance(exc, Exception) else exc
     if not isinstance(error, OpenAIError):
-        error = OpenAIError(f"Internal error: {exc!r}", 500)
+        error = internal_error(exc)
     return sse(error.to_body())

@@ -9,29 +9,37 @@ from kvllm.entrypoints.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from kvllm.entrypoints.openai.serving_engine import OpenAIServing
+from kvllm.entrypoints.openai.serving_engine import OpenAIServing, check_valid_unicode
 
 
 class OpenAIServingTokenization(OpenAIServing):
     """Tokenize a prompt (or chat messages) and detokenize token ids, as the model sees them."""
 
-    def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
+    async def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
+        check_valid_unicode(request)
         self.check_model(request.model)
         if (request.prompt is None) == (request.messages is None):
             raise OpenAIError("Send exactly one of prompt or messages", param="prompt")
         if request.messages is not None:
-            tokens = self.render_chat(request.messages, request.add_generation_prompt, None)
+            tokens = await self.in_tokenizer_thread(
+                self.render_chat, request.messages, request.add_generation_prompt, None
+            )
         else:
-            tokens = self.tokenizer(request.prompt, add_special_tokens=request.add_special_tokens).input_ids
+            tokens = await self.in_tokenizer_thread(
+                lambda: (
+                    self.tokenizer(request.prompt, add_special_tokens=request.add_special_tokens).input_ids
+                )
+            )
         return TokenizeResponse(count=len(tokens), max_model_len=self.max_model_len, tokens=tokens)
 
-    def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
+    async def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
         self.check_model(request.model)
         vocab_size = len(self.tokenizer)
-        bad = [t for t in request.tokens if not 0 <= t < vocab_size]
-        if bad:
+        bad = next((t for t in request.tokens if not 0 <= t < vocab_size), None)
+        if bad is not None:
             raise OpenAIError(
-                f"Token id {bad[0]} is out of range; allowed: 0 <= id < {vocab_size} (the tokenizer's vocabulary)",
+                f"Token id {bad} is out of range; allowed: 0 <= id < {vocab_size} (the tokenizer's vocabulary)",
                 param="tokens",
             )
-        return DetokenizeResponse(prompt=self.tokenizer.decode(request.tokens))
+        text = await self.in_tokenizer_thread(self.tokenizer.decode, request.tokens)
+        return DetokenizeResponse(prompt=text)

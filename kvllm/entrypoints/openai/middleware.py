@@ -1,0 +1,112 @@
+"""ASGI middleware of the OpenAI server: API keys, the request-body limit and in-flight request tracking."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+
+from fastapi import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from kvllm.entrypoints.openai.errors import error_response
+
+
+class APIKeyMiddleware:
+    """Requires `Authorization: Bearer <api key>` on every /v1/* request (401 otherwise)."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):
+                message = (
+                    "Invalid API key"
+                    if given
+                    else "Missing API key: send the header Authorization: Bearer <key>"
+                )
+                await error_response(message, 401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class RequestBodyLimitMiddleware:
+    """413 for a body over `max_bytes`: at once from Content-Length, else as soon as the bytes read pass it."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    def _message(self) -> str:
+        return (
+            f"The request body is larger than {self.max_bytes} bytes, the most this server accepts "
+            "(max_request_body_bytes, --max-request-body-bytes)"
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await error_response(self._message(), 413)(scope, receive, send)
+            return
+        received = 0
+
+        async def limited_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    # FastAPI passes an HTTPException raised while it reads the body through as is.
+                    raise HTTPException(413, self._message())
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+
+class InFlightRequests:
+    """Counts HTTP requests being served, so the server can wait for them before it exits."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait up to `timeout` s until no request is in flight; True if none is."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    def enter(self) -> None:
+        self.count += 1
+        self._idle.clear()
+
+    def leave(self) -> None:
+        self.count -= 1
+        if self.count == 0:
+            self._idle.set()
+
+
+class InFlightMiddleware:
+    """Keeps `tracker` (an InFlightRequests) counting the HTTP requests this app is serving."""
+
+    def __init__(self, app: ASGIApp, tracker: InFlightRequests) -> None:
+        self.app = app
+        self.tracker = tracker
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        self.tracker.enter()
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.tracker.leave()
