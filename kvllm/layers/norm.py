@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvllm.layers.ops.dispatch import use_fused_ops
+
 
 class RMSNorm(nn.Module):
     """Root-mean-square norm. Computes in float32 and scales in the input dtype, as HF Llama/Qwen do."""
@@ -24,6 +26,12 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without `residual`: norm(x). With it: (norm(x + residual), x + residual)."""
+        if use_fused_ops(x):
+            from kvllm.layers.ops.rms_norm import fused_add_rms_norm, rms_norm
+
+            if residual is None:
+                return rms_norm(x, self.weight, self.eps)
+            return fused_add_rms_norm(x, residual, self.weight, self.eps)
         if residual is None:
             return self._norm(x)
         x = x + residual

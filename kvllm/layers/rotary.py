@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -57,6 +57,15 @@ def _inv_freq(rotary_dim: int, params: dict[str, Any]) -> torch.Tensor:
     )
 
 
+class RopeInputs(NamedTuple):
+    """One forward pass's RoPE inputs, prepared once for all layers (RotaryEmbedding.prepare)."""
+
+    positions: torch.Tensor  # [T]
+    # (cos, sin) [T, 1, rotary_dim / 2] in the activations' dtype for the torch path; None when the
+    # layers run the fused kernel, which reads the float32 cache at `positions` itself.
+    cos_sin: tuple[torch.Tensor, torch.Tensor] | None
+
+
 class RotaryEmbedding(nn.Module):
     """Applies RoPE to flat q/k ([T, num_heads * head_size]) at given positions.
 
@@ -97,6 +106,10 @@ class RotaryEmbedding(nn.Module):
         """cos and sin ([T, 1, rotary_dim / 2]) for the positions; computed once per forward pass."""
         cos, sin = self.cos_sin_cache[positions].to(dtype).unsqueeze(1).chunk(2, dim=-1)
         return cos, sin
+
+    def prepare(self, positions: torch.Tensor, dtype: torch.dtype, fused: bool) -> RopeInputs:
+        """This step's inputs; cos/sin are looked up only for the torch path (`fused` False)."""
+        return RopeInputs(positions, None if fused else self.cos_sin(positions, dtype))
 
     def apply(
         self, cos_sin: tuple[torch.Tensor, torch.Tensor], query: torch.Tensor, key: torch.Tensor

@@ -18,7 +18,8 @@ from kvllm.layers.activation import SiluAndMul
 from kvllm.layers.attention import Attention
 from kvllm.layers.linear import MergedLinear, QKVLinear, default_weight_loader
 from kvllm.layers.norm import RMSNorm
-from kvllm.layers.rotary import RotaryEmbedding, rope_parameters_from_config
+from kvllm.layers.ops.dispatch import use_fused_ops
+from kvllm.layers.rotary import RopeInputs, RotaryEmbedding, rope_parameters_from_config
 
 # checkpoint name fragment -> (fused parameter fragment, shard id)
 _STACKED_PARAMS = (
@@ -78,14 +79,30 @@ class LlamaAttention(nn.Module):
     def _head_norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
         return norm(x.view(x.shape[0], -1, self.head_size)).view(x.shape)
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden_states: torch.Tensor) -> torch.Tensor:
-        """`rope`: this step's (cos, sin), looked up once for all layers (RotaryEmbedding.cos_sin)."""
-        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden_states))
-        if self.q_norm is not None and self.k_norm is not None:
-            q = self._head_norm(self.q_norm, q)
-            k = self._head_norm(self.k_norm, k)
-        q, k = self.rotary_emb.apply(rope, q, k)
-        return self.o_proj(self.attn(q, k, v.contiguous()))
+    def _fused_qk_norm_rope(self, rope: RopeInputs, qkv: torch.Tensor) -> None:
+        from kvllm.layers.ops.rotary import qk_norm_rope
+
+        q_norm, k_norm = self.q_norm, self.k_norm
+        qk_norm_rope(
+            qkv, rope.positions, self.rotary_emb.cos_sin_cache, self.num_heads, self.num_kv_heads, self.head_size,
+            q_weight=q_norm.weight if q_norm is not None else None,
+            k_weight=k_norm.weight if k_norm is not None else None,
+            eps=q_norm.eps if q_norm is not None else 0.0,
+        )  # fmt: skip
+
+    def forward(self, rope: RopeInputs, hidden_states: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden_states)
+        if rope.cos_sin is None:  # the fused path: q and k normed and rotated in place in qkv
+            self._fused_qk_norm_rope(rope, qkv)
+            q, k, v = self.qkv_proj.split(qkv)
+        else:
+            q, k, v = self.qkv_proj.split(qkv)
+            if self.q_norm is not None and self.k_norm is not None:
+                q = self._head_norm(self.q_norm, q)
+                k = self._head_norm(self.k_norm, k)
+            q, k = self.rotary_emb.apply(rope.cos_sin, q, k)
+        # Strided views of qkv are fine: every backend's KV write and kernel take row strides.
+        return self.o_proj(self.attn(q, k, v))
 
 
 class LlamaMLP(nn.Module):
@@ -117,7 +134,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(
         self,
-        rope: tuple[torch.Tensor, torch.Tensor],
+        rope: RopeInputs,
         hidden_states: torch.Tensor,
         residual: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,7 +166,7 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)
-        rope = self.rotary_emb.cos_sin(positions, hidden_states.dtype)
+        rope = self.rotary_emb.prepare(positions, hidden_states.dtype, fused=use_fused_ops(hidden_states))
         residual = None
         for layer in self.layers:
             hidden_states, residual = layer(rope, hidden_states, residual)

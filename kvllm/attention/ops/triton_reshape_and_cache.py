@@ -12,6 +12,7 @@ the fp8 range saturate on the GPU (torch gives NaN / inf there).
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 import triton
@@ -40,6 +41,33 @@ def _round_to_fp8_grid(x, MANTISSA_BITS: tl.constexpr, MIN_EXPONENT: tl.constexp
     # goes back on afterwards so that tiny negatives give -0 like torch.
     rounded = ((tl.abs(x) / ulp + 12582912.0) - 12582912.0) * ulp
     return tl.where(x < 0, -rounded, rounded)
+
+
+@triton.jit
+def fp8_quantize(
+    x,
+    scale,
+    FP8_DTYPE: tl.constexpr,
+    FP8_MANTISSA_BITS: tl.constexpr,
+    FP8_MIN_EXPONENT: tl.constexpr,
+    FP8_ROUND_BY_HAND: tl.constexpr,
+):
+    """What an fp8 cache stores for x: x / scale (IEEE float32 division), rounded to nearest even."""
+    y = tl.math.div_rn(x.to(tl.float32), scale)
+    if FP8_ROUND_BY_HAND:
+        y = _round_to_fp8_grid(y, FP8_MANTISSA_BITS, FP8_MIN_EXPONENT).to(FP8_DTYPE)
+    else:
+        y = y.to(FP8_DTYPE, fp_downcast_rounding="rtne")
+    return y
+
+
+def fp8_constexprs(cache_dtype: torch.dtype) -> dict[str, Any]:
+    """The FP8_* compile-time arguments of `fp8_quantize` for a cache of this dtype."""
+    return {
+        "FP8_MANTISSA_BITS": 2 if cache_dtype == torch.float8_e5m2 else 3,
+        "FP8_MIN_EXPONENT": -14 if cache_dtype == torch.float8_e5m2 else -6,
+        "FP8_ROUND_BY_HAND": cache_dtype in FP8_DTYPES and _interpreting(),
+    }
 
 
 @triton.jit
@@ -84,16 +112,10 @@ def _reshape_and_cache_kernel(
     k = tl.load(key_ptr + token * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
     v = tl.load(value_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
     if IS_FP8:
-        k = tl.math.div_rn(k.to(tl.float32), tl.load(k_scale_ptr))
-        v = tl.math.div_rn(v.to(tl.float32), tl.load(v_scale_ptr))
-        if FP8_ROUND_BY_HAND:
-            k = _round_to_fp8_grid(k, FP8_MANTISSA_BITS, FP8_MIN_EXPONENT)
-            v = _round_to_fp8_grid(v, FP8_MANTISSA_BITS, FP8_MIN_EXPONENT)
-            k = k.to(key_cache_ptr.dtype.element_ty)
-            v = v.to(value_cache_ptr.dtype.element_ty)
-        else:
-            k = k.to(key_cache_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
-            v = v.to(value_cache_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+        k = fp8_quantize(k, tl.load(k_scale_ptr), key_cache_ptr.dtype.element_ty, FP8_MANTISSA_BITS,
+                         FP8_MIN_EXPONENT, FP8_ROUND_BY_HAND)  # fmt: skip
+        v = fp8_quantize(v, tl.load(v_scale_ptr), value_cache_ptr.dtype.element_ty, FP8_MANTISSA_BITS,
+                         FP8_MIN_EXPONENT, FP8_ROUND_BY_HAND)  # fmt: skip
     else:
         k = k.to(key_cache_ptr.dtype.element_ty)
         v = v.to(value_cache_ptr.dtype.element_ty)
@@ -168,8 +190,6 @@ def reshape_and_cache(
         HEADS_PER_PROGRAM=heads_per_program,
         BLOCK_SIZE=block_size,
         IS_FP8=is_fp8,
-        FP8_MANTISSA_BITS=2 if key_cache.dtype == torch.float8_e5m2 else 3,
-        FP8_MIN_EXPONENT=-14 if key_cache.dtype == torch.float8_e5m2 else -6,
-        FP8_ROUND_BY_HAND=is_fp8 and _interpreting(),
+        **fp8_constexprs(key_cache.dtype),
         num_warps=4,
     )

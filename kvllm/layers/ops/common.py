@@ -1,0 +1,80 @@
+"""What the fused kernels share: rounding as torch's elementwise ops round, and row views of inputs.
+
+torch computes a 16-bit elementwise op in float32 and rounds the result to the tensor's dtype (to
+nearest, ties to even). The kernels keep values in float32 and call `round_to` at each point where the
+eager code would have produced a 16-bit tensor.
+
+Under the Triton interpreter (INTERPRET, from `interpreting()`) a float32 -> bfloat16 cast truncates
+instead of rounding, so there the rounding is done on the bits; compiled kernels use the hardware's cast.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from kvllm.attention.ops.triton_reshape_and_cache import _interpreting
+
+
+def interpreting() -> bool:
+    """The INTERPRET argument of the helpers below: True when kernels run in the Triton interpreter."""
+    return _interpreting()
+
+
+def as_rows(t: torch.Tensor, name: str) -> torch.Tensor:
+    """t [..., n] as a [rows, n] view with a contiguous last dimension, for a kernel's row loop."""
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name} needs a contiguous last dimension, got strides {tuple(t.stride())}")
+    if t.dim() == 2:
+        return t
+    try:
+        return t.view(-1, t.shape[-1])
+    except RuntimeError as exc:
+        raise ValueError(f"{name} of shape {tuple(t.shape)} and strides {tuple(t.stride())} cannot be "
+                         "viewed as rows; make it contiguous") from exc  # fmt: skip
+
+
+@triton.jit
+def _bf16_rne_bits(x):
+    # Add half an ulp of bfloat16 (less one, plus the kept lowest bit: ties go to even), then drop the
+    # low 16 bits. Exact for every finite value, subnormals and signed zeros included.
+    bits = x.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def round_to(x, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
+    """float32 x rounded to the nearest DTYPE value (ties to even), returned as float32."""
+    if DTYPE == tl.float32:
+        y = x
+    elif INTERPRET and DTYPE == tl.bfloat16:
+        y = _bf16_rne_bits(x)
+    else:
+        y = x.to(DTYPE).to(tl.float32)
+    return y
+
+
+@triton.jit
+def cast_to(x, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
+    """float32 x cast to DTYPE, rounding to nearest even (what a store of a torch result holds)."""
+    if INTERPRET and DTYPE == tl.bfloat16:
+        y = _bf16_rne_bits(x).to(DTYPE)
+    else:
+        y = x.to(DTYPE)
+    return y
+
+
+@triton.jit
+def exp_f32(x, INTERPRET: tl.constexpr):
+    """expf as CUDA's libdevice computes it (what torch's kernels call); numpy's exp in the interpreter.
+
+    tl.exp lowers to an approximate base-2 exponential on NVIDIA GPUs.
+    """
+    if INTERPRET:
+        y = tl.exp(x)
+    else:
+        y = libdevice.exp(x)
+    return y

@@ -1,0 +1,250 @@
+"""The fused decoder-layer kernels compiled on a CUDA GPU, against the layers' torch path on the same GPU.
+
+Run on the H200: `PYTHONPATH=. python -m pytest -q -m gpu tests/gpu/test_layer_ops_gpu.py`.
+
+On the GPU both sides call the same float32 primitives (libdevice expf, IEEE division, rsqrt), so:
+RoPE without QK-norm, silu*mul and the residual add are bit-identical in every dtype (seen on an H200);
+the norms differ only where float32 summation order moves an intermediate across a 16-bit rounding
+boundary (in under 1% of values: at most two ulps of a norm's output, and for QK-norm + RoPE 3 eps of
+the rotated pair's magnitude); float32 within 1e-5. Shapes are
+Qwen3-0.6B's (hidden 1024, 16 q / 8 kv heads of 128, intermediate 3072) and a few odd ones.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvllm.layers.activation import SiluAndMul
+from kvllm.layers.norm import RMSNorm
+from kvllm.layers.ops.dispatch import fused_ops_mode, use_fused_ops
+from kvllm.layers.rotary import RotaryEmbedding
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+DTYPES = pytest.mark.parametrize(
+    "dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"]
+)
+TOKENS = pytest.mark.parametrize("num_tokens", [1, 37, 2048])
+EPS = 1e-6
+TOL32 = 1e-5  # float32: summation order only
+CUDA = torch.device("cuda")
+
+
+def randn(*shape: int, dtype: torch.dtype, seed: int, scale: float = 1.0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=gen) * scale).to(dtype).to(CUDA)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def assert_matches_eager(out: torch.Tensor, ref: torch.Tensor, exact: bool = False) -> None:
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    if exact:
+        differ = int((bits(out) != bits(ref)).sum())
+        assert differ == 0, f"{differ} of {out.numel()} values differ from the eager path"
+        return
+    if out.dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=TOL32, atol=TOL32)
+        return
+    differ = out != ref
+    if differ.any():
+        info = torch.finfo(out.dtype)
+        got, want = out[differ].float(), ref[differ].float()
+        ulp = torch.maximum(got.abs(), want.abs()).clamp_min(info.tiny) * info.eps
+        assert bool(((got - want).abs() <= 2 * ulp).all()), "a 16-bit value is off by more than two ulps"
+        assert float(differ.float().mean()) < 0.01, f"{int(differ.sum())} of {out.numel()} values differ"
+
+
+def assert_qk_norm_rope_matches(
+    out: torch.Tensor, ref: torch.Tensor, head_size: int, rotary_dim: int
+) -> None:
+    """QK-norm then RoPE: a one-ulp flip in a normed value n moves o1 = n1 cos - n2 sin by about
+    eps |n|, which is small against |(n1, n2)| = |(o1, o2)| but may be many ulps of a small o1."""
+    if out.dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=TOL32, atol=TOL32)
+        return
+    differ = out != ref
+    assert float(differ.float().mean()) < 0.01, f"{int(differ.sum())} of {out.numel()} values differ"
+    got = out.float().view(out.shape[0], -1, head_size)
+    want = ref.float().view(ref.shape[0], -1, head_size)
+    half = rotary_dim // 2
+    pair = torch.hypot(want[..., :half], want[..., half:rotary_dim])
+    scale = torch.cat([pair, pair, want[..., rotary_dim:].abs()], dim=-1)
+    info = torch.finfo(out.dtype)
+    assert bool(((got - want).abs() <= 3 * info.eps * scale + info.tiny).all()), (
+        "QK-norm + RoPE off by more than 3 eps"
+    )
+
+
+def both_paths(fn):  # noqa: ANN001, ANN201
+    """fn() with the kernels (the default on CUDA) and with the torch ops."""
+    with torch.no_grad():
+        with fused_ops_mode("auto"):
+            fused = fn()
+        with fused_ops_mode("0"):
+            eager = fn()
+    return fused, eager
+
+
+def random_norm(hidden_size: int, dtype: torch.dtype, seed: int) -> RMSNorm:
+    norm = RMSNorm(hidden_size, EPS).to(dtype=dtype, device=CUDA)
+    norm.weight.data = randn(hidden_size, dtype=dtype, seed=seed)
+    return norm
+
+
+def test_kernels_are_the_default_on_cuda() -> None:
+    with fused_ops_mode("auto"):
+        assert use_fused_ops(torch.zeros(1, device=CUDA))
+
+
+@DTYPES
+@TOKENS
+@pytest.mark.parametrize("hidden_size", [1024, 960, 4096])
+def test_rms_norm(dtype, num_tokens, hidden_size) -> None:
+    norm = random_norm(hidden_size, dtype, seed=1)
+    x = randn(num_tokens, hidden_size, dtype=dtype, seed=2, scale=3.0)
+    residual = randn(num_tokens, hidden_size, dtype=dtype, seed=3, scale=5.0)
+    assert_matches_eager(*both_paths(lambda: norm(x)))
+    (out, new_res), (ref, ref_res) = both_paths(lambda: norm(x, residual))
+    assert_matches_eager(new_res, ref_res, exact=True)
+    assert_matches_eager(out, ref)
+
+
+@DTYPES
+@TOKENS
+@pytest.mark.parametrize("d", [3072, 1536, 80])
+def test_silu_and_mul(dtype, num_tokens, d) -> None:
+    x = randn(num_tokens, 2 * d, dtype=dtype, seed=4, scale=4.0)
+    assert_matches_eager(*both_paths(lambda: SiluAndMul()(x)), exact=True)
+
+
+def eager_or_fused_qk_norm_rope(qkv, positions, rope, num_heads, num_kv_heads, head_size, q_norm, k_norm):  # noqa: ANN001, ANN201
+    """LlamaAttention's step on a copy of qkv: the kernel when dispatch says so, else the torch ops."""
+    from kvllm.layers.ops.dispatch import use_fused_ops
+    from kvllm.layers.ops.rotary import qk_norm_rope
+
+    qkv = qkv.clone()
+    if use_fused_ops(qkv):
+        qk_norm_rope(qkv, positions, rope.cos_sin_cache, num_heads, num_kv_heads, head_size,
+                     q_norm and q_norm.weight, k_norm and k_norm.weight, EPS)  # fmt: skip
+        return qkv
+    num_tokens = qkv.shape[0]
+    q, k, v = qkv.split([num_heads * head_size, num_kv_heads * head_size, num_kv_heads * head_size], -1)
+    if q_norm is not None:
+        q = q_norm(q.reshape(num_tokens, -1, head_size)).reshape(num_tokens, -1)
+        k = k_norm(k.reshape(num_tokens, -1, head_size)).reshape(num_tokens, -1)
+    q, k = rope.apply(rope.cos_sin(positions, qkv.dtype), q, k)
+    return torch.cat([q, k, v], dim=-1)
+
+
+@DTYPES
+@TOKENS
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_size,partial,qk_norm",
+    [
+        (16, 8, 128, 1.0, True),
+        (32, 8, 128, 1.0, False),
+        (12, 2, 80, 1.0, True),
+        (8, 8, 256, 0.25, False),
+        (16, 4, 96, 0.5, True),
+        (8, 1, 64, 1.0, True),
+    ],
+    ids=["qwen3-0.6b", "llama-8b", "d80", "d256-partial", "d96-partial", "d64-mqa"],
+)
+def test_qk_norm_rope(dtype, num_tokens, num_heads, num_kv_heads, head_size, partial, qk_norm) -> None:
+    params = {"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": partial}
+    rope = RotaryEmbedding(head_size, 40960, params).to(CUDA)
+    q_norm = random_norm(head_size, dtype, seed=5) if qk_norm else None
+    k_norm = random_norm(head_size, dtype, seed=6) if qk_norm else None
+    qkv = randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_size, dtype=dtype, seed=7, scale=2.0)
+    positions = torch.randint(0, 40960, (num_tokens,), generator=torch.Generator().manual_seed(8)).to(CUDA)
+    args = (qkv, positions, rope, num_heads, num_kv_heads, head_size, q_norm, k_norm)
+    fused, eager = both_paths(lambda: eager_or_fused_qk_norm_rope(*args))
+    if qk_norm:
+        assert_qk_norm_rope_matches(fused, eager, head_size, rope.rotary_dim)
+    else:  # no sum to reorder: bit-identical, float32 included (the kernels never fuse a*b+c)
+        assert_matches_eager(fused, eager, exact=True)
+
+
+@pytest.mark.parametrize(
+    "dtype,cache_dtype,k_scale,v_scale",
+    [
+        (torch.bfloat16, torch.bfloat16, 1.0, 1.0),
+        (torch.bfloat16, torch.float8_e4m3fn, 0.37, 1.7),
+        (torch.float16, torch.float8_e5m2, 2.5, 0.21),
+        (torch.float32, torch.float32, 1.0, 1.0),
+    ],
+    ids=["bf16", "e4m3-bf16", "e5m2-fp16", "fp32"],
+)
+@pytest.mark.parametrize("layout", ["stacked", "flashinfer"])
+def test_qk_norm_rope_kv_write(dtype, cache_dtype, k_scale, v_scale, layout) -> None:
+    """Same bytes as qk_norm_rope followed by the backends' reshape_and_cache, padding slots skipped."""
+    from kvllm.attention.ops.triton_reshape_and_cache import reshape_and_cache
+    from kvllm.layers.ops.rotary import qk_norm_rope, qk_norm_rope_kv_write
+
+    num_tokens, num_heads, num_kv_heads, head_size, block_size, num_blocks = 300, 16, 8, 128, 16, 40
+    rope = RotaryEmbedding(head_size, 4096, {"rope_type": "default", "rope_theta": 1e6}).to(CUDA)
+    weights = dict(
+        q_weight=random_norm(head_size, dtype, 9).weight, k_weight=random_norm(head_size, dtype, 10).weight
+    )
+    qkv = randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_size, dtype=dtype, seed=11, scale=2.0)
+    positions = torch.randint(0, 4096, (num_tokens,), generator=torch.Generator().manual_seed(12)).to(CUDA)
+    slots = torch.randperm(num_blocks * block_size, generator=torch.Generator().manual_seed(13))[:num_tokens]
+    slots[::7] = -1
+    slots = slots.to(CUDA)
+    scales = torch.tensor(k_scale, device=CUDA), torch.tensor(v_scale, device=CUDA)
+
+    def caches() -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (num_blocks, block_size, num_kv_heads, head_size)
+        if layout == "stacked":
+            kv = torch.full((2, *shape), 7.0, device=CUDA).to(cache_dtype)
+            return kv[0], kv[1]
+        kv = torch.full((num_blocks, 2, *shape[1:]), 7.0, device=CUDA).to(cache_dtype)
+        return kv[:, 0], kv[:, 1]
+
+    ref_qkv = qkv.clone()
+    qk_norm_rope(
+        ref_qkv, positions, rope.cos_sin_cache, num_heads, num_kv_heads, head_size, **weights, eps=EPS
+    )
+    ref_k, ref_v = caches()
+    heads = ref_qkv.view(num_tokens, -1, head_size)
+    reshape_and_cache(heads[:, num_heads : num_heads + num_kv_heads], heads[:, num_heads + num_kv_heads :],
+                      ref_k, ref_v, slots, *scales)  # fmt: skip
+    out_k, out_v = caches()
+    qk_norm_rope_kv_write(qkv, positions, rope.cos_sin_cache, num_heads, num_kv_heads, head_size,
+                          out_k, out_v, slots, *scales, **weights, eps=EPS)  # fmt: skip
+    torch.cuda.synchronize()
+    assert torch.equal(bits(qkv), bits(ref_qkv))
+    assert torch.equal(bits(out_k), bits(ref_k))
+    assert torch.equal(bits(out_v), bits(ref_v))
+
+
+@pytest.fixture(scope="module")
+def qwen3_small(tmp_path_factory):  # noqa: ANN001, ANN201
+    """Qwen3-shaped: 16 q / 8 kv heads of 128 (as Qwen3-0.6B), 2 layers, hidden 512."""
+    from tests.model_factory import make_tiny_qwen3
+
+    return str(make_tiny_qwen3(tmp_path_factory.mktemp("qwen3_small"), hidden_size=512, intermediate_size=1024,
+                               num_attention_heads=16, num_key_value_heads=8, head_dim=128))  # fmt: skip
+
+
+def test_model_bf16_logits_and_greedy_tokens_match_torch_path(qwen3_small) -> None:  # noqa: ANN001
+    """A whole bf16 model through TRITON_ATTN's paged cache: the kernels change (almost) no bit."""
+    from kvllm import LLM, SamplingParams
+
+    llm = LLM(qwen3_small, dtype="bfloat16", attention_backend="TRITON_ATTN", gpu_memory_utilization=0.2,
+              enforce_eager=True)  # fmt: skip
+    gen = torch.Generator().manual_seed(0)
+    prompts = [{"prompt_token_ids": torch.randint(3, 400, (n,), generator=gen).tolist()} for n in (1, 9, 300)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    with fused_ops_mode("auto"):
+        fused = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    with fused_ops_mode("0"):
+        eager = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert fused == eager

@@ -1,0 +1,317 @@
+"""The fused decoder-layer kernels (kvllm/layers/ops) against the layers' torch code, on the CPU interpreter.
+
+The reference is the layer modules themselves with the fused path switched off. Where the kernel
+reorders a float32 sum (the norms) or its exp differs in the last float32 bit (numpy's in the
+interpreter against torch's CPU kernel; on the GPU both call libdevice), an intermediate 16-bit rounding
+can flip by one ulp in a few places, which the following product turns into at most two ulps of the
+result; everything else must be bit-identical.
+bfloat16 runs here too: the kernels round bfloat16 by hand under the interpreter, whose own cast truncates.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvllm.attention.ops.triton_reshape_and_cache import reshape_and_cache
+from kvllm.layers.activation import SiluAndMul
+from kvllm.layers.norm import RMSNorm
+from kvllm.layers.ops.activation import silu_and_mul
+from kvllm.layers.ops.dispatch import fused_ops_mode, use_fused_ops
+from kvllm.layers.ops.rms_norm import fused_add_rms_norm, rms_norm
+from kvllm.layers.ops.rotary import qk_norm_rope, qk_norm_rope_kv_write
+from kvllm.layers.rotary import RotaryEmbedding
+
+DTYPES = pytest.mark.parametrize(
+    "dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "fp32"]
+)
+EPS = 1e-6
+TOL32 = 2e-6  # float32: summation order only
+SENTINEL = 7.0  # exact in every cache dtype below; marks cache entries that must stay untouched
+
+
+def randn(*shape: int, dtype: torch.dtype, seed: int, scale: float = 1.0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=gen) * scale).to(dtype)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def assert_matches_eager(out: torch.Tensor, ref: torch.Tensor, exact: bool = False) -> None:
+    """Bit-identical if `exact`; else float32 within 2e-6 relative, 16-bit within two ulps in under 1%."""
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    if exact:
+        assert torch.equal(bits(out), bits(ref)), f"{int((out != ref).sum())} of {out.numel()} differ"
+        return
+    if out.dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=TOL32, atol=TOL32)
+        return
+    differ = out != ref
+    if differ.any():
+        info = torch.finfo(out.dtype)
+        got, want = out[differ].float(), ref[differ].float()
+        ulp = torch.maximum(got.abs(), want.abs()).clamp_min(info.tiny) * info.eps  # >= one ulp
+        assert ((got - want).abs() <= 2 * ulp).all(), "a 16-bit value is off by more than two ulps"
+        assert differ.float().mean() < 0.01, f"{int(differ.sum())} of {out.numel()} values differ"
+
+
+def assert_qk_norm_rope_matches(
+    out: torch.Tensor, ref: torch.Tensor, head_size: int, rotary_dim: int
+) -> None:
+    """QK-norm then RoPE: a one-ulp flip in a normed value n moves o1 = n1 cos - n2 sin by about
+    eps |n|, which is small against |(n1, n2)| = |(o1, o2)| but may be many ulps of a small o1."""
+    if out.dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=TOL32, atol=TOL32)
+        return
+    differ = out != ref
+    assert float(differ.float().mean()) < 0.01, f"{int(differ.sum())} of {out.numel()} values differ"
+    got = out.float().view(out.shape[0], -1, head_size)
+    want = ref.float().view(ref.shape[0], -1, head_size)
+    half = rotary_dim // 2
+    pair = torch.hypot(want[..., :half], want[..., half:rotary_dim])
+    scale = torch.cat([pair, pair, want[..., rotary_dim:].abs()], dim=-1)
+    info = torch.finfo(out.dtype)
+    assert bool(((got - want).abs() <= 3 * info.eps * scale + info.tiny).all()), (
+        "QK-norm + RoPE off by more than 3 eps"
+    )
+
+
+def eager(module: torch.nn.Module, *args: torch.Tensor):  # noqa: ANN201
+    with fused_ops_mode("0"), torch.no_grad():
+        return module(*args)
+
+
+def random_norm(hidden_size: int, dtype: torch.dtype, seed: int) -> RMSNorm:
+    norm = RMSNorm(hidden_size, EPS).to(dtype)
+    norm.weight.data = randn(hidden_size, dtype=dtype, seed=seed)
+    return norm
+
+
+# ---- RMSNorm ------------------------------------------------------------------------------------------
+
+
+@DTYPES
+@pytest.mark.parametrize("num_tokens,hidden_size", [(7, 576), (1, 960), (5, 1536), (3, 64), (0, 960)])
+def test_rms_norm(dtype, num_tokens, hidden_size) -> None:
+    norm = random_norm(hidden_size, dtype, seed=1)
+    x = randn(num_tokens, hidden_size, dtype=dtype, seed=2, scale=3.0)
+    assert_matches_eager(rms_norm(x, norm.weight, EPS), eager(norm, x))
+
+
+@DTYPES
+@pytest.mark.parametrize("num_tokens,hidden_size", [(7, 576), (1, 960), (5, 1536), (0, 64)])
+def test_fused_add_rms_norm(dtype, num_tokens, hidden_size) -> None:
+    norm = random_norm(hidden_size, dtype, seed=3)
+    x = randn(num_tokens, hidden_size, dtype=dtype, seed=4)
+    residual = randn(num_tokens, hidden_size, dtype=dtype, seed=5, scale=4.0)
+    ref_out, ref_residual = eager(norm, x, residual)
+    out, new_residual = fused_add_rms_norm(x, residual, norm.weight, EPS)
+    assert_matches_eager(new_residual, ref_residual, exact=True)  # the add is one rounding, no sum
+    assert_matches_eager(out, ref_out)
+    # In place: the outputs may be the inputs.
+    fused_add_rms_norm(x, residual, norm.weight, EPS, out=x, residual_out=residual)
+    assert torch.equal(bits(x), bits(out)) and torch.equal(bits(residual), bits(new_residual))
+
+
+def test_rms_norm_strided_rows_and_leading_dims() -> None:
+    norm = random_norm(96, torch.float16, seed=6)
+    wide = randn(6, 200, dtype=torch.float16, seed=7)
+    x = wide[:, 8:104]  # row stride 200
+    assert_matches_eager(rms_norm(x, norm.weight, EPS), eager(norm, x))
+    x3 = randn(2, 3, 96, dtype=torch.float16, seed=8)
+    assert_matches_eager(rms_norm(x3, norm.weight, EPS), eager(norm, x3))
+
+
+def test_rms_norm_promotes_like_torch() -> None:
+    """An fp32 weight over fp16 activations gives an fp32 result, as `weight * normed` does in torch."""
+    norm = RMSNorm(128, EPS)
+    norm.weight.data = randn(128, dtype=torch.float32, seed=9)
+    x = randn(4, 128, dtype=torch.float16, seed=10)
+    out = rms_norm(x, norm.weight, EPS)
+    assert out.dtype == torch.float32
+    assert_matches_eager(out, eager(norm, x))
+
+
+# ---- SiluAndMul ---------------------------------------------------------------------------------------
+
+
+@DTYPES
+@pytest.mark.parametrize("num_tokens,d", [(7, 576), (1, 1536), (3, 80), (0, 64)])
+def test_silu_and_mul(dtype, num_tokens, d) -> None:
+    x = randn(num_tokens, 2 * d, dtype=dtype, seed=11, scale=3.0)
+    assert_matches_eager(silu_and_mul(x), eager(SiluAndMul(), x))
+
+
+# ---- QK-norm + RoPE -----------------------------------------------------------------------------------
+
+
+def make_rope(head_size: int, partial: float) -> RotaryEmbedding:
+    params = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": partial}
+    return RotaryEmbedding(head_size, 4096, params)
+
+
+def eager_qk_norm_rope(qkv, positions, rope, num_heads, num_kv_heads, head_size, q_norm, k_norm):  # noqa: ANN001, ANN201
+    """What LlamaAttention's torch path makes of qkv, as one [T, (H + 2 Hkv) * D] tensor."""
+    num_tokens = qkv.shape[0]
+    q, k, v = qkv.split([num_heads * head_size, num_kv_heads * head_size, num_kv_heads * head_size], -1)
+    if q_norm is not None:
+        q = eager(q_norm, q.reshape(num_tokens, -1, head_size)).reshape(num_tokens, -1)
+        k = eager(k_norm, k.reshape(num_tokens, -1, head_size)).reshape(num_tokens, -1)
+    q, k = rope.apply(rope.cos_sin(positions, qkv.dtype), q, k)
+    return torch.cat([q, k, v], dim=-1)
+
+
+QK_CASES = pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_size,partial,qk_norm",
+    [
+        (4, 2, 128, 1.0, True),  # Qwen3-like
+        (4, 2, 64, 1.0, False),  # Llama-like
+        (3, 3, 80, 1.0, True),  # non-power-of-two head, MHA
+        (4, 1, 96, 0.5, True),  # partial rotary, rotated half 24 of a padded 32
+        (2, 2, 256, 0.25, False),
+        (6, 2, 128, 1.0, True),
+        (16, 8, 128, 1.0, True),  # Qwen3-0.6B: 24 heads in two programs per token
+        (12, 2, 80, 0.5, False),  # 16 heads of a padded 40 + 32 + 16
+    ],
+    ids=["qwen3", "llama", "d80", "d96-partial", "d256-partial", "gqa3", "qwen3-0.6b", "d80-partial"],
+)
+
+
+@DTYPES
+@QK_CASES
+@pytest.mark.parametrize("num_tokens", [1, 9])
+def test_qk_norm_rope(dtype, num_heads, num_kv_heads, head_size, partial, qk_norm, num_tokens) -> None:
+    rope = make_rope(head_size, partial)
+    q_norm = random_norm(head_size, dtype, seed=12) if qk_norm else None
+    k_norm = random_norm(head_size, dtype, seed=13) if qk_norm else None
+    qkv = randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_size, dtype=dtype, seed=14, scale=2.0)
+    positions = torch.randint(0, 4096, (num_tokens,), generator=torch.Generator().manual_seed(15))
+    ref = eager_qk_norm_rope(qkv, positions, rope, num_heads, num_kv_heads, head_size, q_norm, k_norm)
+    out = qkv.clone()
+    qk_norm_rope(out, positions, rope.cos_sin_cache, num_heads, num_kv_heads, head_size,
+                 q_norm and q_norm.weight, k_norm and k_norm.weight, EPS)  # fmt: skip
+    if qk_norm:
+        assert_qk_norm_rope_matches(out, ref, head_size, rope.rotary_dim)
+    else:  # no sum to reorder: every rounding is the eager one
+        assert_matches_eager(out, ref, exact=True)
+
+
+def test_qk_norm_rope_no_tokens_and_int32_positions() -> None:
+    rope = make_rope(64, 1.0)
+    qkv = torch.empty(0, 4 * 64, dtype=torch.float16)
+    qk_norm_rope(qkv, torch.empty(0, dtype=torch.int64), rope.cos_sin_cache, 2, 1, 64)
+    qkv = randn(3, 4 * 64, dtype=torch.float16, seed=16)
+    positions = torch.tensor([0, 7, 4095])
+    ref = eager_qk_norm_rope(qkv, positions, rope, 2, 1, 64, None, None)
+    qk_norm_rope(qkv, positions.int(), rope.cos_sin_cache, 2, 1, 64)
+    assert_matches_eager(qkv, ref, exact=True)
+
+
+# ---- QK-norm + RoPE + KV-cache write ------------------------------------------------------------------
+
+
+def cache_views(layout: str, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Key and value caches as each backend hands them over, filled with SENTINEL."""
+    shape = (num_blocks, block_size, num_kv_heads, head_size)
+    if layout == "separate":
+        return torch.full(shape, SENTINEL).to(dtype), torch.full(shape, SENTINEL).to(dtype)
+    if layout == "stacked":  # TRITON_ATTN, FLASH_ATTN: (2, blocks, ...) -> kv_cache[0], kv_cache[1]
+        kv = torch.full((2, *shape), SENTINEL).to(dtype)
+        return kv[0], kv[1]
+    kv = torch.full((num_blocks, 2, *shape[1:]), SENTINEL).to(dtype)  # FLASHINFER: kv_cache[:, i]
+    return kv[:, 0], kv[:, 1]
+
+
+@pytest.mark.parametrize(
+    "dtype,cache_dtype,k_scale,v_scale",
+    [
+        (torch.float16, torch.float16, 1.0, 1.0),
+        (torch.bfloat16, torch.bfloat16, 1.0, 1.0),
+        (torch.float32, torch.float32, 1.0, 1.0),
+        (torch.float16, torch.float8_e4m3fn, 0.37, 1.7),
+        (torch.bfloat16, torch.float8_e5m2, 2.5, 0.21),
+        (torch.float32, torch.float8_e4m3fn, 1.0, 0.5),
+    ],
+    ids=["fp16", "bf16", "fp32", "e4m3-fp16", "e5m2-bf16", "e4m3-fp32"],
+)
+@pytest.mark.parametrize("layout", ["separate", "stacked", "flashinfer"])
+def test_qk_norm_rope_kv_write(dtype, cache_dtype, k_scale, v_scale, layout) -> None:
+    """The fused write stores the same bytes as qk_norm_rope followed by reshape_and_cache."""
+    num_tokens, num_heads, num_kv_heads, head_size, block_size, num_blocks = 9, 4, 2, 80, 16, 3
+    rope = make_rope(head_size, 0.5)
+    q_norm, k_norm = random_norm(head_size, dtype, seed=17), random_norm(head_size, dtype, seed=18)
+    qkv = randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_size, dtype=dtype, seed=19, scale=2.0)
+    positions = torch.randint(0, 4096, (num_tokens,), generator=torch.Generator().manual_seed(20))
+    slots = torch.randperm(num_blocks * block_size, generator=torch.Generator().manual_seed(21))[:num_tokens]
+    slots[[0, 4]] = -1  # CUDA-graph padding
+    scales = torch.tensor(k_scale), torch.tensor(v_scale)
+    weights = dict(q_weight=q_norm.weight, k_weight=k_norm.weight, eps=EPS)
+
+    ref_qkv = qkv.clone()
+    qk_norm_rope(ref_qkv, positions, rope.cos_sin_cache, num_heads, num_kv_heads, head_size, **weights)
+    ref_k, ref_v = cache_views(layout, num_blocks, block_size, num_kv_heads, head_size, cache_dtype)
+    kv_view = ref_qkv.view(num_tokens, num_heads + 2 * num_kv_heads, head_size)
+    reshape_and_cache(kv_view[:, num_heads : num_heads + num_kv_heads], kv_view[:, num_heads + num_kv_heads :],
+                      ref_k, ref_v, slots, *scales)  # fmt: skip
+
+    out_k, out_v = cache_views(layout, num_blocks, block_size, num_kv_heads, head_size, cache_dtype)
+    qk_norm_rope_kv_write(qkv, positions, rope.cos_sin_cache, num_heads, num_kv_heads, head_size,
+                          out_k, out_v, slots, *scales, **weights)  # fmt: skip
+    assert torch.equal(bits(qkv), bits(ref_qkv))
+    assert torch.equal(bits(out_k), bits(ref_k))
+    assert torch.equal(bits(out_v), bits(ref_v))
+    written = torch.zeros(num_blocks * block_size, dtype=torch.bool)
+    written[slots[slots >= 0]] = True
+    for cache in (out_k, out_v):
+        rows = cache.float().flatten(0, 1)  # [slot, Hkv, D]
+        assert (rows[~written] == SENTINEL).all() and not (rows[written] == SENTINEL).all()
+
+
+# ---- preconditions and dispatch -----------------------------------------------------------------------
+
+
+def test_wrappers_reject_bad_layouts() -> None:
+    rope = make_rope(64, 1.0)
+    weight = torch.ones(64, dtype=torch.float16)
+    with pytest.raises(ValueError, match="contiguous last dimension"):
+        rms_norm(torch.randn(64, 4).half().t(), weight, EPS)
+    with pytest.raises(ValueError, match="weight must be"):
+        rms_norm(torch.randn(4, 32).half(), weight, EPS)
+    with pytest.raises(ValueError, match="residual"):
+        fused_add_rms_norm(torch.randn(4, 64).half(), torch.randn(4, 64), weight, EPS)
+    with pytest.raises(ValueError, match=r"\[\.\.\., 2 \* d\]"):
+        silu_and_mul(torch.randn(3, 7))
+    qkv = torch.randn(2, 4 * 64).half()
+    with pytest.raises(ValueError, match="qkv must be"):
+        qk_norm_rope(qkv, torch.arange(2), rope.cos_sin_cache, 2, 2, 64)
+    with pytest.raises(ValueError, match="cos_sin_cache"):
+        qk_norm_rope(qkv, torch.arange(2), rope.cos_sin_cache.half(), 2, 1, 64)
+    with pytest.raises(ValueError, match="both"):
+        qk_norm_rope(qkv, torch.arange(2), rope.cos_sin_cache, 2, 1, 64, q_weight=weight)
+    with pytest.raises(ValueError, match="positions"):
+        qk_norm_rope(qkv, torch.arange(3), rope.cos_sin_cache, 2, 1, 64)
+    cache = torch.zeros(2, 16, 1, 64, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="k_scale"):
+        qk_norm_rope_kv_write(
+            qkv, torch.arange(2), rope.cos_sin_cache, 2, 1, 64, cache, cache, torch.arange(2)
+        )
+    with pytest.raises(ValueError, match="slot_mapping"):
+        qk_norm_rope_kv_write(qkv, torch.arange(2), rope.cos_sin_cache, 2, 1, 64, cache.half(), cache.half(),
+                              torch.arange(1))  # fmt: skip
+
+
+def test_dispatch_modes() -> None:
+    x = torch.zeros(1)
+    with fused_ops_mode("auto"):
+        assert not use_fused_ops(x)  # CPU tensors take the torch path unless forced
+    with fused_ops_mode("1"):
+        assert use_fused_ops(x)
+        with fused_ops_mode("0"):
+            assert not use_fused_ops(x)
+        assert use_fused_ops(x)
+    with pytest.raises(ValueError, match="not valid"):
+        with fused_ops_mode("yes"):
+            pass
