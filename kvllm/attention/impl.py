@@ -52,6 +52,12 @@ class AttentionImpl(ABC):
         self.kv_cache_dtype = kv_cache_dtype
         self.sinks = sinks
 
+    def kv_cache_views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The K and V caches as [num_blocks, block_size, num_kv_heads, head_size] views, for a layer
+        that writes this step's K/V itself (fused into its RoPE kernel) and then calls `forward`
+        with `kv_written=True`; None when this backend must write them itself."""
+        return None
+
     @abstractmethod
     def forward(
         self,

@@ -59,8 +59,23 @@ class Attention(nn.Module):
             sinks=self.sinks,
         )
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        """query [T, H*D], key/value [T, Hkv*D] -> [T, H*D]."""
+    def kv_write_target(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(key_cache, value_cache, slot_mapping) for a caller that stores this step's K/V itself
+        before `forward(..., kv_written=True)`; None when the backend must write them (or there is
+        no cache yet: the memory-profiling run)."""
+        attn_metadata = get_forward_context().attn_metadata
+        if attn_metadata is None or self.impl is None:
+            return None
+        views = self.impl.kv_cache_views(self.kv_cache)
+        slot_mapping = getattr(attn_metadata, "slot_mapping", None)
+        if views is None or slot_mapping is None:
+            return None
+        return views[0], views[1], slot_mapping
+
+    def forward(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_written: bool = False
+    ) -> torch.Tensor:
+        """query [T, H*D], key/value [T, Hkv*D] -> [T, H*D]. `kv_written`: see `kv_write_target`."""
         num_tokens = query.shape[0]
         q = query.view(num_tokens, self.num_heads, self.head_size)
         k = key.view(num_tokens, self.num_kv_heads, self.head_size)
@@ -71,7 +86,8 @@ class Attention(nn.Module):
         else:
             if self.impl is None:
                 raise RuntimeError(f"attention layer {self.prefix!r} has no backend bound")
-            out = self.impl.forward(self, q, k, v, self.kv_cache, attn_metadata)
+            extra = {"kv_written": True} if kv_written else {}
+            out = self.impl.forward(self, q, k, v, self.kv_cache, attn_metadata, **extra)
         return out.reshape(num_tokens, self.num_heads * self.head_size)
 
     def _profile_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -79,21 +79,40 @@ class LlamaAttention(nn.Module):
     def _head_norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
         return norm(x.view(x.shape[0], -1, self.head_size)).view(x.shape)
 
-    def _fused_qk_norm_rope(self, rope: RopeInputs, qkv: torch.Tensor) -> None:
-        from kvllm.layers.ops.rotary import qk_norm_rope
+    def _fused_qk_norm_rope(self, rope: RopeInputs, qkv: torch.Tensor) -> bool:
+        """q and k normed and rotated in place in qkv; K/V stored in the cache too where the backend
+        allows it (returns whether they were)."""
+        from kvllm.layers.ops.rotary import qk_norm_rope, qk_norm_rope_kv_write
 
         q_norm, k_norm = self.q_norm, self.k_norm
-        qk_norm_rope(
-            qkv, rope.positions, self.rotary_emb.cos_sin_cache, self.num_heads, self.num_kv_heads, self.head_size,
+        norm_args = dict(
             q_weight=q_norm.weight if q_norm is not None else None,
             k_weight=k_norm.weight if k_norm is not None else None,
             eps=q_norm.eps if q_norm is not None else 0.0,
-        )  # fmt: skip
+        )
+        shape = (
+            qkv,
+            rope.positions,
+            self.rotary_emb.cos_sin_cache,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_size,
+        )
+        target = self.attn.kv_write_target()
+        if target is None:
+            qk_norm_rope(*shape, **norm_args)
+            return False
+        key_cache, value_cache, slot_mapping = target
+        qk_norm_rope_kv_write(
+            *shape, key_cache, value_cache, slot_mapping, self.attn.k_scale, self.attn.v_scale, **norm_args
+        )
+        return True
 
     def forward(self, rope: RopeInputs, hidden_states: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)
-        if rope.cos_sin is None:  # the fused path: q and k normed and rotated in place in qkv
-            self._fused_qk_norm_rope(rope, qkv)
+        kv_written = False
+        if rope.cos_sin is None:  # the fused path
+            kv_written = self._fused_qk_norm_rope(rope, qkv)
             q, k, v = self.qkv_proj.split(qkv)
         else:
             q, k, v = self.qkv_proj.split(qkv)
@@ -102,7 +121,7 @@ class LlamaAttention(nn.Module):
                 k = self._head_norm(self.k_norm, k)
             q, k = self.rotary_emb.apply(rope.cos_sin, q, k)
         # Strided views of qkv are fine: every backend's KV write and kernel take row strides.
-        return self.o_proj(self.attn(q, k, v))
+        return self.o_proj(self.attn(q, k, v, kv_written=kv_written))
 
 
 class LlamaMLP(nn.Module):

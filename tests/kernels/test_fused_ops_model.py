@@ -25,6 +25,7 @@ KERNEL_WRAPPERS = [
     ("kvllm.layers.ops.rms_norm", "fused_add_rms_norm"),
     ("kvllm.layers.ops.activation", "silu_and_mul"),
     ("kvllm.layers.ops.rotary", "qk_norm_rope"),
+    ("kvllm.layers.ops.rotary", "qk_norm_rope_kv_write"),
 ]
 MODELS = pytest.mark.parametrize("fixture", ["tiny_qwen3_path", "tiny_llama_path", "tiny_qwen2_path"])
 
@@ -90,4 +91,29 @@ def test_engine_greedy_tokens_match_torch_path(tiny_qwen3_path: Path, kernel_cal
     with fused_ops_mode("1"):
         out = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert kernel_calls["qk_norm_rope"] >= 2 * 6  # every step of both layers
+    assert out == ref
+
+
+def test_engine_with_the_kv_write_fused_into_rope_matches_torch_path(
+    tiny_qwen3_path: Path, kernel_calls: dict[str, int]
+) -> None:
+    """TRITON_ATTN offers its cache views: the RoPE kernel stores K/V and the backend skips its write."""
+    from kvllm.platforms import simulate_platform
+
+    with simulate_platform("cuda", (9, 0)):
+        llm = LLM(
+            str(tiny_qwen3_path),
+            dtype="float32",
+            max_model_len=128,
+            kv_cache_memory_bytes=1 << 21,
+            attention_backend="TRITON_ATTN",
+        )
+    prompts = ["The capital of France is", "Once upon a time, there was"]
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    with fused_ops_mode("0"):
+        ref = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert not kernel_calls
+    with fused_ops_mode("1"):
+        out = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert kernel_calls["qk_norm_rope_kv_write"] >= 2 * 5 and "qk_norm_rope" not in kernel_calls
     assert out == ref

@@ -124,6 +124,9 @@ class FlashAttentionImpl(AttentionImpl):
         self.window_size = (self.sliding_window - 1, 0) if self.sliding_window else (None, None)
         self._varlen = _load_varlen_kernel()
 
+    def kv_cache_views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return kv_cache[0], kv_cache[1]
+
     def forward(
         self,
         layer: Attention,
@@ -132,12 +135,14 @@ class FlashAttentionImpl(AttentionImpl):
         value: torch.Tensor,
         kv_cache: torch.Tensor,
         attn_metadata: FlashAttentionMetadata,
+        kv_written: bool = False,
     ) -> torch.Tensor:
         num_tokens = attn_metadata.num_actual_tokens
         key_cache, value_cache = kv_cache[0], kv_cache[1]
-        write_kv_to_paged_cache(
-            key_cache, value_cache, key[:num_tokens], value[:num_tokens], attn_metadata.slot_mapping
-        )
+        if not kv_written:
+            write_kv_to_paged_cache(
+                key_cache, value_cache, key[:num_tokens], value[:num_tokens], attn_metadata.slot_mapping
+            )
         sinks = self.sinks
         if sinks is not None and sinks.dtype not in _SINK_DTYPES:
             sinks = sinks.float()

@@ -331,6 +331,9 @@ class FlashInferImpl(AttentionImpl):
         self._is_fp8 = self.kv_cache_dtype.startswith("fp8")
         self._scales: tuple[float, float] | None = None
 
+    def kv_cache_views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return kv_cache[:, 0], kv_cache[:, 1]
+
     def forward(
         self,
         layer: Attention,
@@ -339,14 +342,16 @@ class FlashInferImpl(AttentionImpl):
         value: torch.Tensor,
         kv_cache: torch.Tensor,
         attn_metadata: FlashInferMetadata,
+        kv_written: bool = False,
     ) -> torch.Tensor:
         meta = attn_metadata
         num_tokens, num_decode_tokens = meta.num_actual_tokens, meta.num_decode_tokens
         k_scale = layer.k_scale if self._is_fp8 else None
         v_scale = layer.v_scale if self._is_fp8 else None
-        write_to_paged_cache(
-            kv_cache, key[:num_tokens], value[:num_tokens], meta.slot_mapping, k_scale, v_scale
-        )
+        if not kv_written:
+            write_to_paged_cache(
+                kv_cache, key[:num_tokens], value[:num_tokens], meta.slot_mapping, k_scale, v_scale
+            )
         if self._is_fp8 and self._scales is None:
             # Scales are fixed once weights are loaded; read them to the host once, not every step.
             self._scales = (float(layer.k_scale), float(layer.v_scale))

@@ -156,6 +156,9 @@ class TritonAttentionImpl(AttentionImpl):
         self.decode_config: KernelConfig | None = None
         self.prefill_config: KernelConfig | None = None
 
+    def kv_cache_views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return kv_cache[0], kv_cache[1]
+
     def forward(
         self,
         layer: Attention,
@@ -165,8 +168,10 @@ class TritonAttentionImpl(AttentionImpl):
         kv_cache: torch.Tensor,
         attn_metadata: TritonAttentionMetadata,
         output: torch.Tensor | None = None,
+        kv_written: bool = False,
     ) -> torch.Tensor:
-        """As AttentionImpl.forward; `output` ([T, Hq, D], head dim contiguous) receives the result if given."""
+        """As AttentionImpl.forward; `output` ([T, Hq, D], head dim contiguous) receives the result if given;
+        `kv_written`: the layer already stored this step's K/V (see `kv_cache_views`)."""
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         cache_is_fp8 = key_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
         if (self.fp8_dtype is not None and key_cache.dtype != self.fp8_dtype) or (
@@ -176,10 +181,11 @@ class TritonAttentionImpl(AttentionImpl):
                 f"kv_cache_dtype {self.kv_cache_dtype} does not match the KV cache tensor dtype {key_cache.dtype}"
             )
         md = attn_metadata
-        reshape_and_cache(
-            key, value, key_cache, value_cache, md.slot_mapping, layer.k_scale, layer.v_scale,
-            num_tokens=md.slot_mapping.shape[0],
-        )  # fmt: skip
+        if not kv_written:
+            reshape_and_cache(
+                key, value, key_cache, value_cache, md.slot_mapping, layer.k_scale, layer.v_scale,
+                num_tokens=md.slot_mapping.shape[0],
+            )  # fmt: skip
         out = (
             output if output is not None else torch.empty(query.shape, dtype=query.dtype, device=query.device)
         )

@@ -1,0 +1,232 @@
+"""The fast-path comparison on one GPU: kvllm (per attention backend) or vLLM, same prompts, same sampling.
+
+    PYTHONPATH=. python3 benchmarks/h200/fast_path_bench.py --engine kvllm --backend TRITON_ATTN --out DIR
+    PYTHONPATH=.:/tmp/site-vllm python3 benchmarks/h200/fast_path_bench.py --engine vllm --out DIR
+
+One engine per process (Qwen3-0.6B shapes, dummy bf16 weights, max_model_len 4096), then, in order:
+  latency   batch 1, 8, 64, 256: 32 random prompt tokens, 128 output tokens, temperature 1.0, EOS
+            ignored (vLLM's `bench latency` defaults); 2 warm-up + `--iters` timed runs; ms per output
+            token = batch wall time / 128
+  ttft      one 1,024-token prompt, max_tokens 1: time to the first token (mean of 3, fresh prompts)
+  nano      nano-vllm's bench.py workload (256 prompts, 133,966 output tokens, temperature 0.6), after
+            one short warm-up request; output tokens per second = output tokens / wall time
+  bs256     256 x 128 in / 128 out (kvllm's random set, seed 0), temperature 1.0; output tokens per second
+Prompts come from kvllm.benchmarks.datasets for both engines, and each latency run has fresh prompts,
+so prefix caching never shortens a prefill. NVML's busy fraction is sampled during nano and bs256.
+One JSON line per measurement goes to DIR/<engine>-<backend>.jsonl and to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from kvllm.benchmarks.datasets import BenchRequest, nano_vllm_requests, random_requests  # noqa: E402
+from kvllm.benchmarks.gpu_util import GpuUtilSampler  # noqa: E402
+from kvllm.benchmarks.model_shapes import write_shape_only_model  # noqa: E402
+
+VOCAB = 151936
+LATENCY_BATCHES = (1, 8, 64, 256)
+
+
+class KvllmEngine:
+    def __init__(self, model: str, backend: str | None, eager: bool, async_scheduling: bool) -> None:
+        from kvllm import LLM
+
+        start = time.perf_counter()
+        kwargs: dict[str, Any] = dict(
+            load_format="dummy",
+            dtype="bfloat16" if _cuda() else "float32",
+            max_model_len=4096 if _cuda() else 1024,
+            enforce_eager=eager,
+            async_scheduling=async_scheduling,
+            enable_prefix_caching=False,
+        )
+        if backend:
+            kwargs["attention_backend"] = backend
+        self.llm = LLM(model, **kwargs)
+        self.startup_s = time.perf_counter() - start
+        self.name = f"kvllm-{self.llm.llm_engine.attention_backend_name}" + ("-eager" if eager else "")
+
+    def generate(self, requests: list[BenchRequest], temperature: float) -> int:
+        from kvllm import SamplingParams
+
+        params = [
+            SamplingParams(temperature=temperature, top_p=1.0, ignore_eos=True, max_tokens=r.output_len)
+            for r in requests
+        ]
+        outs = self.llm.generate(
+            [{"prompt_token_ids": r.prompt_token_ids} for r in requests], params, use_tqdm=False
+        )
+        return sum(len(o.outputs[0].token_ids) for o in outs)
+
+
+class VllmEngine:
+    def __init__(self, model: str, backend: str | None, eager: bool, async_scheduling: bool) -> None:
+        from kvllm.benchmarks.vllm_backend import _VLLM_ENV
+
+        for key, value in {
+            **_VLLM_ENV,
+            "NCCL_NVLS_ENABLE": "0",
+            "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+        }.items():
+            os.environ.setdefault(key, value)
+        import vllm
+        from vllm import LLM
+
+        start = time.perf_counter()
+        kwargs: dict[str, Any] = dict(
+            model=model,
+            load_format="dummy",
+            skip_tokenizer_init=True,
+            dtype="bfloat16",
+            max_model_len=4096,
+            gpu_memory_utilization=0.85,
+            enforce_eager=eager,
+            seed=0,
+            generation_config="vllm",
+            enable_prefix_caching=False,
+        )
+        if backend:
+            kwargs["attention_config"] = {"backend": backend}
+        self.llm = LLM(**kwargs)
+        self.startup_s = time.perf_counter() - start
+        self.name = f"vllm-{vllm.__version__}" + ("-eager" if eager else "")
+
+    def generate(self, requests: list[BenchRequest], temperature: float) -> int:
+        from vllm import SamplingParams
+
+        params = [
+            SamplingParams(temperature=temperature, top_p=1.0, ignore_eos=True, max_tokens=r.output_len)
+            for r in requests
+        ]
+        outs = self.llm.generate(
+            [{"prompt_token_ids": r.prompt_token_ids} for r in requests], params, use_tqdm=False
+        )
+        return sum(len(o.outputs[0].token_ids) for o in outs)
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed(engine: Any, requests: list[BenchRequest], temperature: float) -> tuple[float, int]:
+    _sync()
+    start = time.perf_counter()
+    tokens = engine.generate(requests, temperature)
+    _sync()
+    return time.perf_counter() - start, tokens
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--engine", choices=("kvllm", "vllm"), required=True)
+    parser.add_argument("--backend", default=None, help="attention backend (default: the engine's choice)")
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--no-async-scheduling", action="store_true", help="kvllm only")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--only", default="latency,ttft,nano,bs256")
+    parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument(
+        "--model", default=None, help="a model folder instead of Qwen3-0.6B's shapes (CPU checks)"
+    )
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    which = args.only.split(",")
+    model = args.model or str(write_shape_only_model("Qwen3-0.6B", "/tmp/qwen3-0.6b-shape"))
+    vocab = VOCAB if args.model is None else 400
+    cls = KvllmEngine if args.engine == "kvllm" else VllmEngine
+    engine = cls(model, args.backend, args.enforce_eager, not args.no_async_scheduling)
+    label = engine.name + ("-sync" if args.no_async_scheduling else "")
+    sink = open(out / f"{label}.jsonl", "w")
+
+    def emit(record: dict[str, Any]) -> None:
+        record = {"engine": label, **record}
+        line = json.dumps(record)
+        print(line, flush=True)
+        sink.write(line + "\n")
+        sink.flush()
+
+    emit({"bench": "startup", "seconds": engine.startup_s})
+    seed = iter(range(1000, 100000))
+    engine.generate(random_requests(1, 16, 16, vocab, seed=next(seed)), 1.0)  # warm-up
+    if "latency" in which:
+        for bs in LATENCY_BATCHES:
+            for _ in range(2):
+                engine.generate(random_requests(bs, 32, 128, vocab, seed=next(seed)), 1.0)
+            runs = [
+                timed(engine, random_requests(bs, 32, 128, vocab, seed=next(seed)), 1.0)[0]
+                for _ in range(args.iters)
+            ]
+            mean = sum(runs) / len(runs)
+            emit(
+                {
+                    "bench": "latency",
+                    "batch_size": bs,
+                    "input_len": 32,
+                    "output_len": 128,
+                    "latencies_s": runs,
+                    "mean_s": mean,
+                    "ms_per_output_token": mean / 128 * 1e3,
+                }
+            )
+    if "ttft" in which:
+        runs = [timed(engine, random_requests(1, 1024, 1, vocab, seed=next(seed)), 1.0)[0] for _ in range(4)][
+            1:
+        ]
+        emit({"bench": "ttft", "prompt_len": 1024, "seconds": runs, "mean_ms": sum(runs) / len(runs) * 1e3})
+    if "nano" in which:
+        requests = nano_vllm_requests(vocab)
+        engine.generate([BenchRequest(requests[0].prompt_token_ids[:16], 16)], 1.0)
+        with GpuUtilSampler() as util:
+            elapsed, tokens = timed(engine, requests, 0.6)
+        emit(
+            {
+                "bench": "nano",
+                "seconds": elapsed,
+                "out_tokens": tokens,
+                "out_tok_per_s": tokens / elapsed,
+                "gpu_busy": util.value,
+                "gpu_busy_source": util.source,
+            }
+        )
+    if "bs256" in which:
+        requests = random_requests(256, 128, 128, vocab, seed=0)
+        engine.generate(random_requests(256, 128, 128, vocab, seed=1), 1.0)
+        with GpuUtilSampler() as util:
+            elapsed, tokens = timed(engine, requests, 1.0)
+        emit(
+            {
+                "bench": "bs256",
+                "seconds": elapsed,
+                "out_tokens": tokens,
+                "out_tok_per_s": tokens / elapsed,
+                "gpu_busy": util.value,
+                "gpu_busy_source": util.source,
+            }
+        )
+    sink.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
