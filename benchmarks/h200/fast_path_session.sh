@@ -1,52 +1,59 @@
 #!/usr/bin/env bash
-# The GPU fast-path measurements on the H200 (CUDA graphs, persistent batch, GPU sampler, fused ops).
-#   smoke:  TRITON_ATTN only: graph-vs-eager GPU tests, step profiles eager vs graphs, bench latency
-#           at batch 1/8/64/256 and the nano-vllm workload with graphs. Results: $OUT/smoke.tgz.
-# Run from the repository root on the device machine: bash benchmarks/h200/fast_path_session.sh smoke
+# The GPU fast-path measurements on the H200 (CUDA graphs, persistent batch, GPU sampler, fused ops,
+# overlapped scheduling), beside vLLM 0.22, in two device calls on one warm machine (the second sent
+# within 30 s of the first). Stage here first, in the repository root:
+#   bash ../shared/gpu/vllm/stage-vllm.sh && bash ../shared/gpu/stage-flashinfer.sh
+#   1. carry [".vllm/part1"]:           bash benchmarks/h200/fast_path_session.sh kvllm
+#      vLLM part 1 goes to the machine; kvllm TRITON_ATTN: GPU tests (graphs vs eager, sampler),
+#      fast_path_bench (latency 1/8/64/256, TTFT, nano-vllm, 256 x 128/128), the step profile.
+#   2. carry [".vllm/part2", ".fi"]:   bash benchmarks/h200/fast_path_session.sh vllm
+#      vLLM 0.22 with its defaults through the same fast_path_bench; then FLASHINFER: graphs-vs-eager
+#      test and fast_path_bench. Results come back as $OUT/<phase>.tgz.
+#   smoke: the first lease's TRITON_ATTN-only check (graphs before the fused kernels).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-gpu-out}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 started=$(date +%s)
 since() { echo "[$(( $(date +%s) - started )) s] $*"; }
-q3=/tmp/qwen3-0.6b-shape
-python3 -c "from kvllm.benchmarks.model_shapes import write_shape_only_model as w; w('Qwen3-0.6B', '$q3')"
-ENGINE=(--model "$q3" --load-format dummy --dtype bfloat16 --max-model-len 4096)
+FI_ENV=(PYTHONPATH=.:/tmp/site-fi FLASHINFER_WORKSPACE_BASE=/tmp/fiws TVM_FFI_CACHE_DIR=/tmp/tvmffi MAX_JOBS=16)
 
-latency() {  # $1 backend, $2 label, rest: extra flags
-  local backend=$1 label=$2; shift 2
-  for bs in 1 8 64 256; do
-    timeout 120 python3 -m kvllm.entrypoints.cli.main bench latency "${ENGINE[@]}" --attention-backend "$backend" \
-      --batch-size "$bs" --input-len 32 --output-len 128 --num-iters-warmup 2 --num-iters 5 "$@" \
-      --output-json "$d/latency-$label-bs$bs.json" > "$d/latency-$label-bs$bs.log" 2>&1
-    since "latency $label bs$bs: $(grep -E 'Avg latency' "$d/latency-$label-bs$bs.log")"
-  done
+bench() {  # $1 label, rest: fast_path_bench arguments; results in $d/<engine>.jsonl, a table on stdout
+  local label=$1; shift
+  timeout 300 python3 benchmarks/h200/fast_path_bench.py --out "$d" "$@" > "$d/bench-$label.log" 2>&1
+  since "bench $label (exit $?)"
+  grep -h '^{' "$d/bench-$label.log" > "$d/bench-$label.jsonl"; python3 benchmarks/h200/summarize.py "$d/bench-$label.jsonl"
 }
 
-nano() {  # $1 backend, $2 label, rest: extra flags
-  local backend=$1 label=$2; shift 2
-  timeout 240 python3 -m kvllm.entrypoints.cli.main bench throughput "${ENGINE[@]}" --attention-backend "$backend" \
-    --dataset-name nano-vllm "$@" --output-json "$d/nano-$label.json" > "$d/nano-$label.log" 2>&1
-  since "nano $label: $(grep -E 'Throughput|output tok' "$d/nano-$label.log" | tail -2 | tr '\n' ' ')"
-}
-
-case "${1:?usage: fast_path_session.sh smoke}" in
-smoke)
-  d=/tmp/smoke; mkdir -p "$d"
+case "${1:?usage: fast_path_session.sh kvllm|vllm|smoke}" in
+kvllm)
+  d=/tmp/kvllm; mkdir -p "$d"
+  [ -f .vllm/part1/remote-stage.sh ] && bash .vllm/part1/remote-stage.sh 1 > "$d/vllm-stage1.log" 2>&1
   nvidia-smi --query-gpu=name,compute_cap,driver_version,memory.total --format=csv,noheader | tee "$d/gpu.txt"
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$d/gpu.txt"
-  KVLLM_GPU_REPORT_DIR=$d timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE -x \
-    tests/gpu/test_cuda_graphs_gpu.py -k TRITON > "$d/pytest-graphs.log" 2>&1
-  since "graph tests: $(tail -n 1 "$d/pytest-graphs.log")"
-  ls tests/gpu/test_layer_ops_gpu.py > /dev/null 2>&1 && { timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu \
-    -rfE tests/gpu/test_layer_ops_gpu.py > "$d/pytest-layer-ops.log" 2>&1; since "layer ops: $(tail -n 1 "$d/pytest-layer-ops.log")"; }
-  timeout 150 python3 benchmarks/h200/step_profile.py --out "$d" --enforce-eager > "$d/profile-eager.log" 2>&1
-  tail -n 5 "$d/profile-eager.log"
-  timeout 150 python3 benchmarks/h200/step_profile.py --out "$d" > "$d/profile-graphs.log" 2>&1
+  git log --oneline -1 2>/dev/null | tee -a "$d/gpu.txt"
+  KVLLM_GPU_REPORT_DIR=$d timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
+    tests/gpu/test_cuda_graphs_gpu.py tests/gpu/test_sampling_gpu.py -k "TRITON or sampl or bf16 or vocab or rows" \
+    > "$d/pytest-gpu.log" 2>&1
+  since "GPU tests: $(tail -n 1 "$d/pytest-gpu.log")"
+  bench triton --engine kvllm --backend TRITON_ATTN
+  timeout 120 python3 benchmarks/h200/step_profile.py --out "$d" --batch-sizes 1,64,256 > "$d/profile-graphs.log" 2>&1
   tail -n 5 "$d/profile-graphs.log"
-  latency TRITON_ATTN triton-graphs
-  nano TRITON_ATTN triton-graphs
-  tar czf "$out/smoke.tgz" -C /tmp smoke
+  bench triton-sync --engine kvllm --backend TRITON_ATTN --no-async-scheduling --only latency,nano
+  tar czf "$out/kvllm.tgz" -C /tmp kvllm
+  since "done"
+  ;;
+vllm)
+  d=/tmp/vllm; mkdir -p "$d"
+  bash .vllm/part2/remote-stage.sh 2 > "$d/vllm-stage2.log" 2>&1 || { cat "$d/vllm-stage2.log"; exit 3; }
+  tail -n 4 "$d/vllm-stage2.log"
+  (export PYTHONPATH=.:/tmp/site-vllm; bench vllm --engine vllm)
+  bash .fi/unpack.sh > /dev/null
+  env "${FI_ENV[@]}" KVLLM_GPU_REPORT_DIR=$d timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
+    tests/gpu/test_cuda_graphs_gpu.py -k FLASHINFER > "$d/pytest-flashinfer.log" 2>&1
+  since "FLASHINFER graph test: $(tail -n 1 "$d/pytest-flashinfer.log")"
+  (export "${FI_ENV[@]}"; bench flashinfer --engine kvllm --backend FLASHINFER)
+  tar czf "$out/vllm.tgz" -C /tmp vllm
   since "done"
   ;;
 esac
