@@ -104,8 +104,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 def is_attention_backend_name(value: str) -> bool:
     """Whether `value` names an attention backend (implemented here or not), rather than an engine."""
-    from kvllm.attention.names import AttentionBackendEnum
     from kvllm.attention.registry import registered_backend_names
+    from kvllm.config.backend_names import AttentionBackendEnum
 
     key = value.strip().upper()
     return key in AttentionBackendEnum.__members__ or key in registered_backend_names()

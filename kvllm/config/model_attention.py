@@ -9,8 +9,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from kvllm.attention.backend import AttentionSelectorConfig, DeviceInfo
+from kvllm.attention.backend import AttentionSelectorConfig
 from kvllm.config.attention import AttentionConfig
+from kvllm.platforms.interface import DeviceInfo
 
 # HF model types whose attention uses ALiBi instead of rotary positions.
 _ALIBI_MODEL_TYPES = frozenset({"bloom", "mpt", "baichuan", "falcon_alibi"})

@@ -16,9 +16,8 @@ from kvllm.engine.request import Request
 from kvllm.engine.scheduler import Scheduler
 from kvllm.models.loader import load_tokenizer
 from kvllm.models.model_config import ModelConfig
-from kvllm.outputs import CompletionOutput, RequestOutput
+from kvllm.outputs import CompletionOutput, RequestOutput, decode_logprobs
 from kvllm.platforms import current_device_info
-from kvllm.sample.logprobs import decode_logprobs
 from kvllm.sampling_params import SamplingParams
 from kvllm.worker.model_runner import ModelRunner
 

@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvllm.attention.backend import DeviceInfo
 from kvllm.config.model_attention import resolve_model_dtype
 from kvllm.logger import init_logger
 from kvllm.platforms import current_device_info
+from kvllm.platforms.interface import DeviceInfo
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig

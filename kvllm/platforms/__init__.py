@@ -11,11 +11,10 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from kvllm.attention.backend import DeviceInfo
-from kvllm.attention.names import AttentionBackendEnum
+from kvllm.config.backend_names import AttentionBackendEnum, is_registered
 from kvllm.platforms.cpu import CpuPlatform
 from kvllm.platforms.cuda import CudaPlatform
-from kvllm.platforms.interface import Platform
+from kvllm.platforms.interface import DeviceInfo, Platform
 from kvllm.platforms.rocm import RocmPlatform
 
 SIMULATE_ENV = "KVLLM_SIMULATE_PLATFORM"
@@ -25,6 +24,7 @@ _simulated: list[DeviceInfo] = []  # stack of simulate_platform() contexts, inne
 
 __all__ = [
     "PLATFORMS",
+    "DeviceInfo",
     "SIMULATE_ENV",
     "Platform",
     "backend_priority",
@@ -113,7 +113,5 @@ def backend_priority(
     device: DeviceInfo, use_mla: bool, registered_only: bool = True
 ) -> list[AttentionBackendEnum]:
     """The device's priority list (index 0 tried first), by default only the registered backends."""
-    from kvllm.attention.registry import is_registered
-
     names = get_platform(device).backend_priority(device, use_mla)
     return [n for n in names if is_registered(n.name)] if registered_only else names

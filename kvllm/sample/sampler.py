@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvllm.sample.logprobs import PositionLogprobs, position_logprobs
+from kvllm.outputs import PositionLogprobs
+from kvllm.sample.logprobs import position_logprobs
 from kvllm.sample.penalties import apply_penalties, suppress_tokens
 from kvllm.sample.topk_topp import apply_min_p, apply_top_k_top_p
 from kvllm.sampling_params import SamplingParams

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvllm.attention.backend import AttentionBackend, DeviceInfo
+from kvllm.attention.backend import AttentionBackend
 from kvllm.attention.metadata import KVCacheSpec
 from kvllm.attention.selector import choose_attention_backend, explain_kv_cache_dtype
 from kvllm.config.engine import EngineArgs
@@ -17,7 +17,9 @@ from kvllm.forward_context import set_forward_context
 from kvllm.layers.attention import Attention
 from kvllm.models.loader import load_model
 from kvllm.models.model_config import ModelConfig
-from kvllm.sample.logprobs import PositionLogprobs, position_logprobs
+from kvllm.outputs import PositionLogprobs
+from kvllm.platforms.interface import DeviceInfo
+from kvllm.sample.logprobs import position_logprobs
 from kvllm.sample.sampler import Sampler, SamplerOutput, SamplingRow
 from kvllm.utils.dtypes import dtype_name, kv_cache_torch_dtype
 from kvllm.worker.input_batch import ModelInputs, prepare_inputs

@@ -15,11 +15,12 @@ import os
 import pytest
 import torch
 
-from kvllm.attention.backend import AttentionSelectorConfig, DeviceInfo
+from kvllm.attention.backend import AttentionSelectorConfig
 from kvllm.attention.backends.flash_attn import FlashAttentionBackend as Backend
 from kvllm.attention.metadata import KVCacheSpec
 from kvllm.attention.reference import PagedBatch, make_paged_batch
 from kvllm.layers.attention import Attention
+from kvllm.platforms.interface import DeviceInfo
 
 # KVLLM_GPU_TEST_DEVICE=cpu dry-runs the harness against a stand-in kernel module (not a GPU check).
 DEVICE = torch.device(os.environ.get("KVLLM_GPU_TEST_DEVICE", "cuda"))

@@ -22,12 +22,13 @@ import os
 import pytest
 import torch
 
-from kvllm.attention.backend import AttentionSelectorConfig, DeviceInfo
+from kvllm.attention.backend import AttentionSelectorConfig
 from kvllm.attention.backends.flashinfer import FlashInferBackend as Backend
 from kvllm.attention.backends.flashinfer import kv_dtype_mismatch_reasons
 from kvllm.attention.metadata import KVCacheSpec
 from kvllm.attention.reference import PagedBatch, make_paged_batch, reference_attention
 from kvllm.layers.attention import Attention
+from kvllm.platforms.interface import DeviceInfo
 
 # KVLLM_GPU_TEST_DEVICE=cpu dry-runs the harness against a stand-in kernel module (not a GPU check).
 DEVICE = torch.device(os.environ.get("KVLLM_GPU_TEST_DEVICE", "cuda"))

@@ -18,11 +18,12 @@ import os
 import pytest
 import torch
 
-from kvllm.attention.backend import AttentionSelectorConfig, DeviceInfo
+from kvllm.attention.backend import AttentionSelectorConfig
 from kvllm.attention.backends import flex_attention_impl as flex
 from kvllm.attention.backends.flex_attention import FlexAttentionBackend as Backend
 from kvllm.attention.metadata import KVCacheSpec
 from kvllm.attention.reference import PagedBatch, make_paged_batch
+from kvllm.platforms.interface import DeviceInfo
 
 # KVLLM_GPU_TEST_DEVICE=cpu dry-runs the harness on the CPU kernel (not a GPU check).
 DEVICE = torch.device(os.environ.get("KVLLM_GPU_TEST_DEVICE", "cuda"))

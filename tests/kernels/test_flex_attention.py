@@ -18,7 +18,7 @@ import torch
 from torch._dynamo.exc import BackendCompilerFailed
 from torch.nn.attention.flex_attention import create_mask, flex_attention
 
-from kvllm.attention.backend import AttentionSelectorConfig, DeviceInfo
+from kvllm.attention.backend import AttentionSelectorConfig
 from kvllm.attention.backends import flex_attention_impl as flex
 from kvllm.attention.backends import flex_attention_mask as flex_mask
 from kvllm.attention.backends.flex_attention import FlexAttentionBackend
@@ -26,6 +26,7 @@ from kvllm.attention.metadata import CommonAttentionMetadata, KVCacheSpec
 from kvllm.attention.reference import PagedBatch, make_paged_batch, reference_attention
 from kvllm.forward_context import set_forward_context
 from kvllm.layers.attention import Attention
+from kvllm.platforms.interface import DeviceInfo
 
 CPU = torch.device("cpu")
 MAX_NUM_REQS = 16

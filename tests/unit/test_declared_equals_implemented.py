@@ -26,11 +26,11 @@ from kvllm.attention import registry  # noqa: E402
 from kvllm.attention.backend import (  # noqa: E402
     AttentionBackend,
     AttentionSelectorConfig,
-    DeviceInfo,
     MultipleOf,
     OneOf,
 )
 from kvllm.platforms import current_device_info  # noqa: E402
+from kvllm.platforms.interface import DeviceInfo  # noqa: E402
 
 DEVICE = current_device_info()
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"

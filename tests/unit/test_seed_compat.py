@@ -19,14 +19,15 @@ import torch
 
 from kvllm import LLM, SamplingParams
 from kvllm.attention import registry
-from kvllm.attention.backend import AttentionSelectorConfig, DeviceInfo
-from kvllm.attention.names import AttentionBackendEnum
+from kvllm.attention.backend import AttentionSelectorConfig
 from kvllm.attention.selector import choose_attention_backend, clear_selection_cache
 from kvllm.config import AttentionConfig, EngineArgs
 from kvllm.config import engine as engine_module
+from kvllm.config.backend_names import AttentionBackendEnum
 from kvllm.entrypoints.cli.engine_args import engine_arg_parser, engine_args_from_cli, preprocess_argv
 from kvllm.entrypoints.cli.main import main
 from kvllm.platforms import simulate_platform
+from kvllm.platforms.interface import DeviceInfo
 from tests import model_factory
 
 SMALL = {"kv_cache_memory_bytes": 1 << 22, "max_num_seqs": 4}

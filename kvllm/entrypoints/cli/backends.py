@@ -12,9 +12,10 @@ import argparse
 from typing import Any
 
 from kvllm.attention import registry
-from kvllm.attention.backend import AttentionSelectorConfig, DeviceInfo
-from kvllm.attention.names import AttentionBackendEnum
+from kvllm.attention.backend import AttentionSelectorConfig
+from kvllm.config.backend_names import BackendName
 from kvllm.entrypoints.cli.engine_args import engine_arg_parser, engine_args_from_cli
+from kvllm.platforms.interface import DeviceInfo
 
 
 def register(subparsers: Any) -> None:
@@ -70,7 +71,7 @@ def backends_report(
     model: str,
     config: AttentionSelectorConfig,
     device: DeviceInfo,
-    requested: AttentionBackendEnum | None = None,
+    requested: BackendName | None = None,
     simulated: bool = False,
 ) -> str:
     """The text `kvllm backends` prints (selection itself logs to stderr)."""
