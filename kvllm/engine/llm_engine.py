@@ -10,10 +10,10 @@ from typing import Any
 import torch
 
 from kvllm.config.engine import EngineArgs
+from kvllm.core.kv_cache_manager import KVCacheManager
+from kvllm.core.request import Request
+from kvllm.core.scheduler import Scheduler
 from kvllm.engine.detokenizer import IncrementalDetokenizer
-from kvllm.engine.kv_cache_manager import KVCacheManager
-from kvllm.engine.request import Request
-from kvllm.engine.scheduler import Scheduler
 from kvllm.models.loader import load_tokenizer
 from kvllm.models.model_config import ModelConfig
 from kvllm.outputs import CompletionOutput, RequestOutput, decode_logprobs

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from kvllm.attention.metadata import CommonAttentionMetadata
-from kvllm.engine.scheduler import SchedulerOutput
+from kvllm.core.sched_output import SchedulerOutput
 
 
 @dataclass

@@ -12,7 +12,7 @@ from kvllm.attention.metadata import KVCacheSpec
 from kvllm.attention.selector import choose_attention_backend, explain_kv_cache_dtype
 from kvllm.config.engine import EngineArgs
 from kvllm.config.model_attention import selector_config_from_hf_config
-from kvllm.engine.scheduler import SchedulerOutput
+from kvllm.core.sched_output import SchedulerOutput
 from kvllm.forward_context import set_forward_context
 from kvllm.layers.attention import Attention
 from kvllm.models.loader import load_model

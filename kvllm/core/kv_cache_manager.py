@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from kvllm.engine.request import Request
+from kvllm.core.request import Request
 
 
 @dataclass

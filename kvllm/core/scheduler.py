@@ -3,35 +3,10 @@
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
 
-from kvllm.engine.kv_cache_manager import KVCacheManager
-from kvllm.engine.request import Request, RequestStatus
-
-
-@dataclass
-class ScheduledRequest:
-    request: Request
-    num_new_tokens: int
-    block_ids: list[int]
-
-
-@dataclass
-class SchedulerOutput:
-    """One step's work: decodes (one new token each) first, then prefill chunks."""
-
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-    # Finished with finish_reason "error": they need more blocks than the whole cache holds.
-    failed: list[Request] = field(default_factory=list)
-
-    @property
-    def num_scheduled_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
+from kvllm.core.kv_cache_manager import KVCacheManager
+from kvllm.core.request import Request, RequestStatus
+from kvllm.core.sched_output import ScheduledRequest, SchedulerOutput
 
 
 class Scheduler:
