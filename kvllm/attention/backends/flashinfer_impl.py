@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvllm.attention.impl import AttentionImpl, AttentionMetadataBuilder
+from kvllm.attention.impl import AttentionImpl, AttentionLayer, AttentionMetadataBuilder
 from kvllm.attention.metadata import CommonAttentionMetadata
 from kvllm.attention.ops.paged_cache_write import write_kv_to_paged_cache
 from kvllm.utils.dtypes import FP8_DTYPES
@@ -31,7 +31,6 @@ from kvllm.utils.dtypes import FP8_DTYPES
 if TYPE_CHECKING:
     from types import ModuleType
 
-    from kvllm.layers.attention import Attention
 
 logger = logging.getLogger(__name__)
 
@@ -284,7 +283,7 @@ class FlashInferImpl(AttentionImpl):
 
     def forward(
         self,
-        layer: Attention,
+        layer: AttentionLayer,
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,

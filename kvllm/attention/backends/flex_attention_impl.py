@@ -21,7 +21,7 @@ import logging
 import math
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch.nn.attention.flex_attention import flex_attention
@@ -32,11 +32,8 @@ from kvllm.attention.backends.flex_attention_mask import (
     StepMask,
     build_step_mask,
 )
-from kvllm.attention.impl import AttentionImpl, AttentionMetadataBuilder
+from kvllm.attention.impl import AttentionImpl, AttentionLayer, AttentionMetadataBuilder
 from kvllm.attention.metadata import CommonAttentionMetadata
-
-if TYPE_CHECKING:
-    from kvllm.layers.attention import Attention
 
 __all__ = ["FlexAttentionImpl", "FlexAttentionMetadata", "FlexAttentionMetadataBuilder", "StepMask"]
 
@@ -239,7 +236,7 @@ class FlexAttentionImpl(AttentionImpl):
 
     def forward(
         self,
-        layer: Attention,
+        layer: AttentionLayer,
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,

@@ -3,18 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from kvllm.attention.impl import AttentionImpl, AttentionMetadataBuilder
+from kvllm.attention.impl import AttentionImpl, AttentionLayer, AttentionMetadataBuilder
 from kvllm.attention.metadata import CommonAttentionMetadata
 from kvllm.attention.ops.triton_reshape_and_cache import reshape_and_cache
 from kvllm.attention.ops.triton_unified_attention import KernelConfig, unified_attention
 from kvllm.utils.dtypes import FP8_DTYPES, FP8_TORCH_DTYPES
-
-if TYPE_CHECKING:
-    from kvllm.layers.attention import Attention
 
 MIN_SPLIT_TOKENS = 256  # a split-KV segment below this many keys costs more in the reduce than it saves
 MAX_SPLITS = 64
@@ -154,7 +151,7 @@ class TritonAttentionImpl(AttentionImpl):
 
     def forward(
         self,
-        layer: Attention,
+        layer: AttentionLayer,
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
