@@ -14,8 +14,8 @@ from kvllm.core.kv_cache_manager import KVCacheManager
 from kvllm.core.request import Request
 from kvllm.core.scheduler import Scheduler
 from kvllm.engine.detokenizer import IncrementalDetokenizer
-from kvllm.models.loader import load_tokenizer
 from kvllm.models.model_config import ModelConfig
+from kvllm.models.tokenizer import load_tokenizer
 from kvllm.outputs import CompletionOutput, RequestOutput, decode_logprobs
 from kvllm.platforms import current_device_info
 from kvllm.sampling_params import SamplingParams
@@ -82,7 +82,7 @@ class LLMEngine:
                 "be scheduled; raise max_num_batched_tokens, lower max_model_len, or enable chunked prefill"
             )
         self.max_num_batched_tokens = max_batched
-        self.tokenizer = load_tokenizer(self.model_config)
+        self.tokenizer = load_tokenizer(self.model_config.tokenizer_path)
         self.runner = ModelRunner(args, self.model_config, self.device, current_device_info(), max_batched)
         num_blocks = self.runner.determine_num_blocks()
         _check_kv_cache_holds_one_request(

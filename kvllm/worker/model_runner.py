@@ -11,10 +11,10 @@ from kvllm.attention.backend import AttentionBackend
 from kvllm.attention.metadata import KVCacheSpec
 from kvllm.attention.selector import choose_attention_backend, explain_kv_cache_dtype
 from kvllm.config.engine import EngineArgs
-from kvllm.config.model_attention import selector_config_from_hf_config
 from kvllm.core.sched_output import SchedulerOutput
 from kvllm.forward_context import set_forward_context
 from kvllm.layers.attention import Attention
+from kvllm.models.hf_config import selector_config_from_hf_config
 from kvllm.models.loader import load_model
 from kvllm.models.model_config import ModelConfig
 from kvllm.outputs import PositionLogprobs

@@ -124,7 +124,7 @@ def test_serve_flash_attn_fails_with_reasons_before_loading_weights(qwen3_06b_sh
 
 
 def test_flash_attn_on_a_simulated_h100_names_what_is_missing(qwen3_06b_shape):
-    from kvllm.config.model_attention import load_hf_config, selector_config_from_hf_config
+    from kvllm.models.hf_config import load_hf_config, selector_config_from_hf_config
 
     device = DeviceInfo("cuda", (9, 0))
     config = selector_config_from_hf_config(load_hf_config(qwen3_06b_shape), device)

@@ -122,7 +122,7 @@ def backends_report(
 def run(args: argparse.Namespace) -> int:
     """Run the subcommand; exit code 1 when neither automatic nor requested selection would work."""
     from kvllm.attention.selector import choose_attention_backend
-    from kvllm.config.model_attention import load_hf_config, selector_config_from_hf_config
+    from kvllm.models.hf_config import load_hf_config, selector_config_from_hf_config
 
     engine_args = engine_args_from_cli(args)
     device = resolve_device(args.platform, args.capability)
