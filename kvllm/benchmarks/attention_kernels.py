@@ -228,8 +228,9 @@ class _Bench:
     def run_shape(self, shape: Shape, peers: list[str], copy_tbps: float, backends: list[str]) -> list[Row]:
         import torch
 
-        from kvllm.attention.ops.triton_testing import FP8_TORCH_DTYPES
         from kvllm.attention.reference import make_paged_batch
+        from kvllm.attention.testing import dequantized
+        from kvllm.utils.dtypes import FP8_TORCH_DTYPES
 
         a = self.args
         qlens, ctxs = shape.requests()
@@ -244,8 +245,8 @@ class _Bench:
         k_scale = torch.tensor(1.0, device=self.device)
         if fp8 is not None:
             kv_cache = kv_cache.to(fp8)
-            keys = [k.float().to(fp8).float() for k in batch.keys]
-            values = [v.float().to(fp8).float() for v in batch.values]
+            keys = [dequantized(k, fp8, 1.0) for k in batch.keys]
+            values = [dequantized(v, fp8, 1.0) for v in batch.values]
         else:
             keys, values = batch.keys, batch.values
         # The step's new K/V go into the cache once, with the Triton write kernel (checked by its own
@@ -286,8 +287,8 @@ class _Bench:
 
                 a = self.args
                 try:
-                    row.build_ms = build_ms("TRITON_ATTN", batch, a.num_kv_heads, a.head_size, cache_dtype,
-                                            a.kv_cache_dtype, self.device, self.sync, self._build_budget_ms())  # fmt: skip
+                    row.build_ms = build_ms("TRITON_ATTN", batch, cache_dtype, a.kv_cache_dtype, self.sync,
+                                            self._build_budget_ms())  # fmt: skip
                 except Exception as exc:  # the kernel row stands; say why its build time is missing
                     row.note += f"; build() not timed ({type(exc).__name__}: {str(exc)[:100]})"
             rows.append(row)
@@ -315,10 +316,8 @@ class _Bench:
             print(f"  {_fmt_row(row)}", flush=True)
 
         backend_results(
-            backends, batch, num_heads=a.num_heads, num_kv_heads=a.num_kv_heads, head_size=a.head_size,
-            scale=scale, dtype=self.dtype, cache_dtype=cache_dtype, kv_cache_dtype=a.kv_cache_dtype,
-            device=self.device, ref=ref, tol=tol, time_ms=self.time_ms, sync=self.sync,
-            build_budget_ms=self._build_budget_ms(), on_result=add,
+            backends, batch, kv_cache_dtype=a.kv_cache_dtype, ref=ref, tol=tol, time_ms=self.time_ms,
+            sync=self.sync, build_budget_ms=self._build_budget_ms(), on_result=add,
         )  # fmt: skip
         return rows
 

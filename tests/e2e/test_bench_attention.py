@@ -88,7 +88,7 @@ def test_kv_cache_views_follow_each_backends_layout():
     import torch
 
     from kvllm.attention.registry import get_backend_class, registered_backend_names
-    from kvllm.benchmarks.attention_backend_rows import kv_cache_views
+    from kvllm.attention.testing import kv_cache_views
 
     nb, bs, h, d = 3, 4, 2, 8
     for name in registered_backend_names():
