@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 
 from kvllm.core.kv_cache_manager import KVCacheManager
 from kvllm.core.request import Request, RequestStatus
@@ -145,7 +146,9 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def update_after_step(self, output: SchedulerOutput) -> None:
-        """Advance computed-token counts once the step's forward pass has run."""
+    def update_after_step(self, output: SchedulerOutput, finished: Iterable[Request] = ()) -> None:
+        """Advance computed-token counts once the step's forward pass has run; free what finished."""
         for item in output.scheduled:
             item.request.num_computed_tokens += item.num_new_tokens
+        for request in finished:
+            self.finish_request(request)
