@@ -13,12 +13,12 @@ from kvllm.core.request import Request
 from kvllm.core.scheduler import Scheduler
 from kvllm.engine.input_processor import InputProcessor, PromptType
 from kvllm.engine.output_processor import OutputProcessor
+from kvllm.executor.uniproc_executor import UniProcExecutor
 from kvllm.models.model_config import ModelConfig
 from kvllm.models.tokenizer import load_tokenizer
 from kvllm.outputs import RequestOutput
-from kvllm.platforms import current_device_info
 from kvllm.sampling_params import SamplingParams
-from kvllm.worker.model_runner import ModelRunner
+from kvllm.worker.worker import resolve_device
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ class LLMEngine:
 
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
-        self.device = _resolve_device(args.device)
+        self.device = resolve_device(args.device)
         self.model_config = ModelConfig.from_engine_args(args, self.device)
         if args.max_num_batched_tokens is not None:
             max_batched = args.max_num_batched_tokens
@@ -63,13 +63,16 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(self.model_config.tokenizer_path)
         self.input_processor = InputProcessor(self.tokenizer, self.model_config)
         self.output_processor = OutputProcessor(self.tokenizer, self.model_config.max_model_len)
-        self.runner = ModelRunner(args, self.model_config, self.device, current_device_info(), max_batched)
-        num_blocks = self.runner.determine_num_blocks()
+        self.executor = UniProcExecutor(args, self.model_config, self.device, max_batched)
+        num_blocks = self.executor.determine_num_blocks()
         _check_kv_cache_holds_one_request(
-            num_blocks, self.runner.block_size, self.runner.bytes_per_block(), self.model_config.max_model_len
+            num_blocks,
+            self.executor.block_size,
+            self.executor.bytes_per_block(),
+            self.model_config.max_model_len,
         )
-        self.runner.initialize_kv_cache(num_blocks, args.max_num_seqs)
-        self.block_size = self.runner.block_size
+        self.executor.initialize_kv_cache(num_blocks, args.max_num_seqs)
+        self.block_size = self.executor.block_size
         self.kv_cache_manager = KVCacheManager(num_blocks, self.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.kv_cache_manager, args.max_num_seqs, max_batched, args.enable_chunked_prefill
@@ -88,7 +91,7 @@ class LLMEngine:
 
     def _log_cache_size(self, num_blocks: int) -> None:
         tokens = num_blocks * self.block_size
-        gib = num_blocks * self.runner.bytes_per_block() / (1 << 30)
+        gib = num_blocks * self.executor.bytes_per_block() / (1 << 30)
         concurrency = tokens / self.model_config.max_model_len
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB, %s); maximum concurrency for %d tokens "
@@ -97,7 +100,7 @@ class LLMEngine:
             self.block_size,
             tokens,
             gib,
-            self.runner.kv_cache_spec.dtype,
+            self.executor.kv_cache_spec.dtype,
             self.model_config.max_model_len,
             concurrency,
         )
@@ -176,7 +179,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model, and process its output: one iteration of continuous batching."""
         plan = self.scheduler.schedule()
-        result = None if plan.is_empty else self.runner.execute_model(plan)
+        result = None if plan.is_empty else self.executor.execute_model(plan)
         outputs, finished = self.output_processor.process_step(plan, result)
         self.scheduler.update_after_step(plan, finished)
         return outputs
@@ -198,7 +201,7 @@ class LLMEngine:
 
     @property
     def attention_backend_name(self) -> str:
-        return self.runner.attn_backend.name
+        return self.executor.attention_backend_name
 
 
 def _check_kv_cache_holds_one_request(
@@ -216,13 +219,3 @@ def _check_kv_cache_holds_one_request(
         f"least {needed * bytes_per_block}, or on a GPU a higher gpu_memory_utilization), or lower "
         f"max_model_len to at most {tokens}"
     )
-
-
-def _resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError(
-            "device='cuda' was requested but no CUDA GPU is available; use device='cpu' or 'auto'"
-        )
-    return torch.device(device)

@@ -181,7 +181,7 @@ def test_ac_fields_run_on_cpu_with_cpu_attn(qwen3_06b_shape, logs):
     engine = llm.llm_engine
     assert engine.block_size == 64
     assert engine.args.block_size == 64 and engine.args.kv_cache_dtype == "fp8"
-    assert engine.runner.kv_cache_spec.dtype == torch.float8_e4m3fn
+    assert engine.executor.kv_cache_spec.dtype == torch.float8_e4m3fn
     assert engine.args.attention_config == AttentionConfig(backend="CPU_ATTN", num_kv_heads=8)
     generate_one(llm)
     # Each mapping is logged once, though EngineArgs was built more than once.
@@ -519,16 +519,16 @@ def test_out_of_memory_while_loading_names_the_knobs(tiny_qwen3_path, monkeypatc
 
 def test_out_of_memory_while_profiling_names_the_knobs(tiny_qwen3_path, monkeypatch):
     llm = LLM(str(tiny_qwen3_path), max_model_len=256, **SMALL)
-    runner = llm.llm_engine.runner
+    worker = llm.llm_engine.executor.worker
 
     def profile():
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 512.00 MiB")
 
-    monkeypatch.setattr(runner, "_profile_free_gpu_memory", profile)
-    monkeypatch.setattr(runner, "device", torch.device("cuda"))
-    monkeypatch.setattr(runner, "args", runner.args.with_changes(kv_cache_memory_bytes=None))
+    monkeypatch.setattr(worker, "_profile_free_gpu_memory", profile)
+    monkeypatch.setattr(worker, "device", torch.device("cuda"))
+    monkeypatch.setattr(worker, "args", worker.args.with_changes(kv_cache_memory_bytes=None))
     with pytest.raises(ValueError, match=r"^Out of GPU memory while profiling .*max_num_seqs \(now 4\)"):
-        runner.determine_num_blocks()
+        worker.determine_num_blocks()
 
 
 # ---- no setting from the seeds is silently ignored
