@@ -73,7 +73,7 @@ def test_attention_tiny_run_checks_before_timing(tmp_path):
 @needs_kernel_bench
 def test_attention_backends_filter(tmp_path):
     out = tmp_path / "attention.json"
-    cmd = [sys.executable, "-m", "kvllm.benchmarks.attention_kernels", "--tiny", "--only-shapes",
+    cmd = [sys.executable, "-m", "kvllm.benchmarks.attention", "--tiny", "--only-shapes",
            "--shape", "one:2x1@20", "--backends", "CPU_ATTN", "--peers", "triton,sdpa",
            "--output-json", str(out)]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

@@ -191,7 +191,7 @@ def test_benchmark_tiny_runs(tmp_path) -> None:
     """The kernel benchmark's CPU mode: checks against the reference, times, writes its JSON."""
     import json
 
-    from kvllm.benchmarks.attention_kernels import main
+    from kvllm.benchmarks.attention.main import main
 
     out = tmp_path / "bench.json"
     argv = ["--tiny", "--only-shapes", "--shape", "t:2x1@20+1x8@4", "--peers", "triton,sdpa,fa4",

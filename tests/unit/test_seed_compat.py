@@ -415,7 +415,7 @@ def test_bench_latency_with_profile_steps_runs_on_cpu(tiny_qwen3_path, capsys, t
     ],
 )
 def test_bench_latency_backend_other_values(value, message):
-    from kvllm.benchmarks.latency import apply_backend_alias
+    from kvllm.benchmarks.backend_flag import apply_latency_backend_alias as apply_backend_alias
 
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         apply_backend_alias(argparse.Namespace(backend=value))
