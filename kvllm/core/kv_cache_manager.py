@@ -135,13 +135,6 @@ class KVCacheManager:
             if block.ref_cnt == 0:
                 self.free_queue[block_id] = None
 
-    def reset_prefix_cache(self) -> None:
-        for block in self.blocks:
-            if block.ref_cnt == 0:
-                block.block_hash = None
-                block.token_ids = None
-        self.cached_blocks = {h: b for h, b in self.cached_blocks.items() if self.blocks[b].block_hash == h}
-
     # ---- internals ---------------------------------------------------------------------------
 
     def _touch(self, block_id: int) -> None:

@@ -56,10 +56,6 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         self.kv.free(request)
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
-
     # ---- scheduling --------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:

@@ -93,12 +93,6 @@ def compile_failures() -> dict[CompileKey, str]:
     return dict(_compile_failures)
 
 
-def reset_compile_state() -> None:
-    """Forget compile failures and one-time log messages (tests; compiled graphs are kept)."""
-    _compile_failures.clear()
-    _announced.clear()
-
-
 def _counting_inductor(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
     global _num_compilations
     _num_compilations += 1

@@ -63,10 +63,6 @@ def resolve_model(model: str | None) -> str:
     return str(default_model_path())
 
 
-def _mark(ok: bool) -> str:
-    return "✅" if ok else "❌"
-
-
 def backends_report(
     model: str,
     config: AttentionSelectorConfig,
