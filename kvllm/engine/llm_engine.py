@@ -17,8 +17,8 @@ from kvllm.executor.uniproc_executor import UniProcExecutor
 from kvllm.models.model_config import ModelConfig
 from kvllm.models.tokenizer import load_tokenizer
 from kvllm.outputs import RequestOutput
+from kvllm.platforms import resolve_device
 from kvllm.sampling_params import SamplingParams
-from kvllm.worker.worker import resolve_device
 
 logger = logging.getLogger(__name__)
 

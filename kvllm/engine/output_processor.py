@@ -18,7 +18,7 @@ from kvllm.outputs import CompletionOutput, PositionLogprobs, RequestOutput, dec
 
 if TYPE_CHECKING:
     from kvllm.core.sched_output import SchedulerOutput
-    from kvllm.worker.model_runner import StepResult
+    from kvllm.core.step_result import StepResult
 
 
 @dataclass

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from kvllm.attention.metadata import KVCacheSpec
     from kvllm.core.sched_output import SchedulerOutput
-    from kvllm.worker.model_runner import StepResult
+    from kvllm.core.step_result import StepResult
 
 
 class Executor(ABC):

@@ -7,9 +7,9 @@ import torch
 from kvllm.attention.metadata import KVCacheSpec
 from kvllm.config.engine import EngineArgs
 from kvllm.core.sched_output import SchedulerOutput
+from kvllm.core.step_result import StepResult
 from kvllm.executor.executor import Executor
 from kvllm.models.model_config import ModelConfig
-from kvllm.worker.model_runner import StepResult
 from kvllm.worker.worker import Worker
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 
 import torch
 
@@ -12,6 +11,7 @@ from kvllm.attention.metadata import KVCacheSpec
 from kvllm.attention.selector import choose_attention_backend, explain_kv_cache_dtype
 from kvllm.config.engine import EngineArgs
 from kvllm.core.sched_output import SchedulerOutput
+from kvllm.core.step_result import StepResult
 from kvllm.forward_context import set_forward_context
 from kvllm.layers.attention import Attention
 from kvllm.models.hf_config import selector_config_from_hf_config
@@ -20,21 +20,11 @@ from kvllm.models.model_config import ModelConfig
 from kvllm.outputs import PositionLogprobs
 from kvllm.platforms.interface import DeviceInfo
 from kvllm.sample.logprobs import position_logprobs
-from kvllm.sample.sampler import Sampler, SamplerOutput, SamplingRow
+from kvllm.sample.sampler import Sampler, SamplingRow
 from kvllm.utils.dtypes import dtype_name, kv_cache_torch_dtype
 from kvllm.worker.input_batch import ModelInputs, prepare_inputs
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class StepResult:
-    """Sampled tokens of one step, for the requests that reached their last token."""
-
-    request_indices: list[int]  # positions in the step's `scheduled` list
-    sampler_output: SamplerOutput | None
-    # scheduled index -> (prompt position of the first entry, logprobs of consecutive prompt tokens)
-    prompt_logprobs: dict[int, tuple[int, list[PositionLogprobs]]] = field(default_factory=dict)
 
 
 class ModelRunner:

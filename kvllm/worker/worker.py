@@ -8,25 +8,15 @@ import torch
 
 from kvllm.config.engine import EngineArgs
 from kvllm.core.sched_output import SchedulerOutput
+from kvllm.core.step_result import StepResult
 from kvllm.models.model_config import ModelConfig
 from kvllm.platforms import current_device_info
-from kvllm.worker.model_runner import ModelRunner, StepResult
+from kvllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
 GiB = 1 << 30
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * GiB
-
-
-def resolve_device(device: str) -> torch.device:
-    """The torch device for the `device` setting ("auto": CUDA when a GPU is there, else the CPU)."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError(
-            "device='cuda' was requested but no CUDA GPU is available; use device='cpu' or 'auto'"
-        )
-    return torch.device(device)
 
 
 def out_of_memory_error(
