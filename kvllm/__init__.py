@@ -13,7 +13,7 @@ _LAZY = {
     "RequestOutput": "kvllm.outputs",
     "CompletionOutput": "kvllm.outputs",
     "AttentionConfig": "kvllm.config.attention",
-    "AttentionBackendEnum": "kvllm.attention.names",
+    "AttentionBackendEnum": "kvllm.config.backend_names",
     "EngineArgs": "kvllm.config.engine",
     "LLMEngine": "kvllm.engine.llm_engine",
 }
@@ -30,8 +30,8 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from kvllm.attention.names import AttentionBackendEnum
     from kvllm.config.attention import AttentionConfig
+    from kvllm.config.backend_names import AttentionBackendEnum
     from kvllm.config.engine import EngineArgs
     from kvllm.engine.llm_engine import LLMEngine
     from kvllm.llm import LLM

@@ -7,11 +7,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvllm.config.engine import EngineArgs, unknown_engine_argument_error
-from kvllm.engine.llm_engine import LLMEngine, PromptType
+from kvllm.engine.input_processor import ChatMessage, PromptType
+from kvllm.engine.llm_engine import LLMEngine
 from kvllm.outputs import RequestOutput
 from kvllm.sampling_params import SamplingParams
-
-ChatMessage = dict[str, Any]
 
 
 class LLM:
@@ -39,7 +38,7 @@ class LLM:
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams() with the model's generation_config.json defaults applied (see
         EngineArgs.generation_config); used when generate() or chat() get no sampling_params."""
-        return SamplingParams(**self.llm_engine.model_config.default_sampling)
+        return self.llm_engine.input_processor.default_sampling_params()
 
     def generate(
         self,
@@ -83,18 +82,10 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
-        tokenizer = self.get_tokenizer()
-        if not getattr(tokenizer, "chat_template", None):
-            raise ValueError(
-                "This model's tokenizer has no chat template; use generate() with a plain prompt"
-            )
-        text = tokenizer.apply_chat_template(
-            conversation,
-            add_generation_prompt=add_generation_prompt,
-            tokenize=False,
-            **(chat_template_kwargs or {}),
+        """Token ids of one conversation under the model's chat template."""
+        return self.llm_engine.input_processor.render_chat(
+            conversation, add_generation_prompt, chat_template_kwargs
         )
-        return tokenizer(text, add_special_tokens=False).input_ids
 
     def _run(
         self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool

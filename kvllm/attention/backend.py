@@ -13,12 +13,10 @@ import importlib.util
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
+from kvllm.platforms.interface import DeviceInfo
+
 if TYPE_CHECKING:
     from kvllm.attention.impl import AttentionImpl, AttentionMetadataBuilder
-
-MODEL_DTYPES = ("float16", "bfloat16", "float32")
-KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
-ATTN_TYPES = ("decoder", "encoder", "encoder_only", "encoder_decoder")
 
 
 @dataclass(frozen=True)
@@ -70,19 +68,6 @@ class OneOf:
 
 
 SizeRule = MultipleOf | OneOf
-
-
-@dataclass(frozen=True)
-class DeviceInfo:
-    """The platform a configuration is validated for: real or simulated."""
-
-    platform: str  # "cuda", "rocm" or "cpu"
-    capability: tuple[int, int] | None = None  # CUDA compute capability; None elsewhere
-
-    def describe(self) -> str:
-        if self.capability is None:
-            return self.platform
-        return f"{self.platform} (compute capability {self.capability[0]}.{self.capability[1]})"
 
 
 @dataclass(frozen=True)

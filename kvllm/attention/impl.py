@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -11,7 +11,13 @@ from kvllm.attention.metadata import CommonAttentionMetadata, KVCacheSpec
 
 if TYPE_CHECKING:
     from kvllm.attention.backend import AttentionBackend
-    from kvllm.layers.attention import Attention
+
+
+class AttentionLayer(Protocol):
+    """What an implementation reads from the layer it serves (kvllm.layers.attention.Attention)."""
+
+    k_scale: torch.Tensor  # float32 scalar: an fp8 cache stores K / k_scale
+    v_scale: torch.Tensor  # float32 scalar: an fp8 cache stores V / v_scale
 
 
 class AttentionImpl(ABC):
@@ -24,6 +30,11 @@ class AttentionImpl(ABC):
     - with sinks (one logit per query head), softmax includes exp(sink) in its denominator;
     - an fp8 cache stores K / k_scale and V / v_scale and reads them back multiplied by the scale;
     - GQA: query head h reads KV head h // (num_heads // num_kv_heads).
+
+    This is the contract of caches with separate K and V. A latent (MLA) cache has neither: MLA
+    implementations get a sibling base class with their own `forward` (compressed KV plus the
+    rotary part, as vLLM's MLAAttentionImpl), a `KVCacheSpec(use_mla=True)` page and their
+    backend's `get_kv_cache_shape`.
     """
 
     def __init__(
@@ -61,7 +72,7 @@ class AttentionImpl(ABC):
     @abstractmethod
     def forward(
         self,
-        layer: Attention,
+        layer: AttentionLayer,
         query: torch.Tensor,  # [num_tokens, num_heads, head_size]
         key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
         value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]

@@ -11,10 +11,11 @@ import torch
 class CommonAttentionMetadata:
     """One step's batch, as every attention backend sees it.
 
-    Requests are ordered decodes first: the first `num_decodes` requests have exactly one query
-    token each; the rest ("prefills") have any number >= 1 of query tokens, which attend causally
-    to their own earlier tokens and to everything already in the cache for that request.
-    Token i of request r sits at absolute position seq_lens[r] - query_len[r] + i.
+    Requests are ordered decodes first: the first `num_decodes` requests have exactly
+    `decode_query_len` query tokens each (one today; speculative decoding verifies several, so
+    the decode part stays uniform); the rest ("prefills") have any number >= 1 of query tokens,
+    which attend causally to their own earlier tokens and to everything already in the cache for
+    that request. Token i of request r sits at absolute position seq_lens[r] - query_len[r] + i.
     """
 
     num_reqs: int
@@ -30,6 +31,7 @@ class CommonAttentionMetadata:
     block_table: torch.Tensor  # int32 [num_reqs, max_blocks_per_req], device; unused entries arbitrary
     slot_mapping: torch.Tensor  # int64 [num_actual_tokens], device; -1 = do not write (padding)
     causal: bool = True
+    decode_query_len: int = 1  # query tokens of every decode request: num_decode_tokens / num_decodes
 
     @property
     def num_prefills(self) -> int:
@@ -54,8 +56,11 @@ class KVCacheSpec:
     head_size: int
     dtype: torch.dtype  # storage dtype of the cache (an fp8 dtype for fp8 KV caches)
     kv_cache_dtype: str  # the user's setting: auto, float16, bfloat16, fp8, fp8_e4m3, fp8_e5m2
+    # A latent (MLA) cache: one plane of head_size (latent + rotary dims) per token, no separate K and V.
+    use_mla: bool = False
 
     @property
     def page_size_bytes(self) -> int:
-        """Bytes of one block of K plus V for one layer."""
-        return 2 * self.block_size * self.num_kv_heads * self.head_size * self.dtype.itemsize
+        """Bytes of one block for one layer: K plus V, or the one latent plane of MLA."""
+        planes = 1 if self.use_mla else 2
+        return planes * self.block_size * self.num_kv_heads * self.head_size * self.dtype.itemsize

@@ -7,6 +7,7 @@ one request at a time: obviously correct beats fast here.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -72,16 +73,23 @@ class PagedBatch:
     block_table: torch.Tensor  # int32 [R, max_blocks]
     metadata: CommonAttentionMetadata
 
-    def fill_cache(self, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
-        """Write the already-cached context (not the new tokens) into [num_blocks, block_size, Hkv, D] views."""
+    def pages(self, r: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block id, offset in the block) of request r's tokens at `positions`, on their device."""
+        blocks = self.block_table[r].to(positions.device).long()[positions // self.block_size]
+        return blocks, positions % self.block_size
+
+    def cached_context(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """(blocks, offsets, keys, values) of each request's already-cached context (not the new tokens)."""
         for r, (k, v, qlen) in enumerate(zip(self.keys, self.values, self.query_lens)):
             ctx = k.shape[0] - qlen
-            if ctx == 0:
-                continue
-            pos = torch.arange(ctx, device=k.device)
-            blocks = self.block_table[r].to(k.device).long()[pos // self.block_size]
-            key_cache[blocks, pos % self.block_size] = k[:ctx].to(key_cache.dtype)
-            value_cache[blocks, pos % self.block_size] = v[:ctx].to(value_cache.dtype)
+            if ctx:
+                yield *self.pages(r, torch.arange(ctx, device=k.device)), k[:ctx], v[:ctx]
+
+    def fill_cache(self, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+        """Write the already-cached context (not the new tokens) into [num_blocks, block_size, Hkv, D] views."""
+        for blocks, offsets, k, v in self.cached_context():
+            key_cache[blocks, offsets] = k.to(key_cache.dtype)
+            value_cache[blocks, offsets] = v.to(value_cache.dtype)
 
     def reference(self, scale: float, **kwargs: object) -> torch.Tensor:
         return reference_attention(self.query, self.keys, self.values, self.query_lens, scale, **kwargs)

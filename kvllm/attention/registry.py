@@ -1,67 +1,45 @@
 """Registry from backend names to lazily imported backend classes.
 
 A backend is registered as a `"module:Class"` path and imported only when first asked for, so
-listing names never imports a kernel library. Built-in backends are registered only when their
-module exists in this build; out-of-tree backends are added with `register_backend`.
+listing names never imports a kernel library. The table of names (built-in backends whose module
+exists in this build, plus out-of-tree ones added with `register_backend`) is vocabulary and lives
+at the ground floor, in `kvllm.config.backend_names`; this module imports and checks the classes.
 """
 
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import re
 
 from kvllm.attention.backend import AttentionBackend
+from kvllm.config.backend_names import (
+    backend_table,
+    is_registered,
+    registered_backend_names,
+    unknown_backend_error,
+)
 
-# Every built-in backend kvllm knows how to load, in no particular order (priority lives in
-# kvllm.platforms). A line here whose module is absent from this build registers nothing, so a
-# backend becomes available by adding its module (and, for a new backend, one line here).
-_BUILTIN_BACKENDS: dict[str, str] = {
-    "CPU_ATTN": "kvllm.attention.backends.cpu_attn:CpuAttentionBackend",
-    "TRITON_ATTN": "kvllm.attention.backends.triton_attn:TritonAttentionBackend",
-    "FLEX_ATTENTION": "kvllm.attention.backends.flex_attention:FlexAttentionBackend",
-    "FLASH_ATTN": "kvllm.attention.backends.flash_attn:FlashAttentionBackend",
-    "FLASHINFER": "kvllm.attention.backends.flashinfer:FlashInferBackend",
-}
+__all__ = [
+    "backend_path",
+    "generation",
+    "get_backend_class",
+    "is_registered",
+    "register_backend",
+    "registered_backend_names",
+    "unregister_backend",
+]
 
 _NAME_RE = re.compile(r"^[A-Z][A-Z0-9_]*$")
 _PATH_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
-_backends: dict[str, str] | None = None  # name -> "module:Class"; built on first use
 _classes: dict[str, type[AttentionBackend]] = {}
 _generation = 0  # bumped on every change, so cached selections can tell they are stale
-
-
-def _module_exists(module_name: str) -> bool:
-    try:
-        return importlib.util.find_spec(module_name) is not None
-    except ModuleNotFoundError:
-        return False
-
-
-def _table() -> dict[str, str]:
-    global _backends
-    if _backends is None:
-        _backends = {
-            name: path for name, path in _BUILTIN_BACKENDS.items() if _module_exists(path.partition(":")[0])
-        }
-    return _backends
-
-
-def registered_backend_names() -> list[str]:
-    """Names of every registered (implemented) backend, sorted."""
-    return sorted(_table())
-
-
-def is_registered(name: str) -> bool:
-    """Whether `name` (a backend name or enum member) is registered."""
-    return str(name) in _table()
 
 
 def backend_path(name: str) -> str:
     """The `"module:Class"` path a registered backend is loaded from."""
     _check_known(str(name))
-    return _table()[str(name)]
+    return backend_table()[str(name)]
 
 
 def generation() -> int:
@@ -84,7 +62,7 @@ def register_backend(name: str, class_path: str) -> None:
         raise ValueError(
             f"Invalid class path {class_path!r} for attention backend {name}: use 'package.module:ClassName'"
         )
-    table = _table()
+    table = backend_table()
     if name in table:
         raise ValueError(
             f"Attention backend {name} is already registered (as {table[name]}); "
@@ -98,7 +76,7 @@ def unregister_backend(name: str) -> None:
     """Remove a registered backend (meant for out-of-tree backends and tests)."""
     global _generation
     _check_known(str(name))
-    del _table()[str(name)]
+    del backend_table()[str(name)]
     _classes.pop(str(name), None)
     _generation += 1
 
@@ -112,7 +90,7 @@ def get_backend_class(name: str) -> type[AttentionBackend]:
     key = str(name)
     _check_known(key)
     if key not in _classes:
-        module_name, _, class_name = _table()[key].partition(":")
+        module_name, _, class_name = backend_table()[key].partition(":")
         try:
             module = importlib.import_module(module_name)
         except ImportError as exc:
@@ -127,7 +105,5 @@ def get_backend_class(name: str) -> type[AttentionBackend]:
 
 
 def _check_known(name: str) -> None:
-    if name not in _table():
-        raise ValueError(
-            f"Unknown attention backend: {name!r}. Valid options are: {', '.join(registered_backend_names())}"
-        )
+    if name not in backend_table():
+        raise unknown_backend_error(name)

@@ -10,10 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from kvllm.attention import registry
-from kvllm.attention.backend import AttentionBackend, AttentionSelectorConfig, DeviceInfo
-from kvllm.attention.names import AttentionBackendEnum
+from kvllm.attention.backend import AttentionBackend, AttentionSelectorConfig
+from kvllm.config.backend_names import AttentionBackendEnum, BackendName
 from kvllm.logger import init_logger
 from kvllm.platforms import backend_priority, get_platform
+from kvllm.platforms.interface import DeviceInfo
 
 logger = init_logger(__name__)
 
@@ -32,7 +33,7 @@ _cache: dict[tuple, BackendChoice] = {}
 
 
 def backend_reasons(
-    name: AttentionBackendEnum | str, config: AttentionSelectorConfig, device: DeviceInfo
+    name: BackendName | str, config: AttentionSelectorConfig, device: DeviceInfo
 ) -> list[str]:
     """Every reason backend `name` cannot serve `config` on `device` (empty = valid).
 
@@ -49,7 +50,7 @@ def backend_reasons(
 
 
 def choose_attention_backend(
-    config: AttentionSelectorConfig, device: DeviceInfo, requested: AttentionBackendEnum | None = None
+    config: AttentionSelectorConfig, device: DeviceInfo, requested: BackendName | str | None = None
 ) -> BackendChoice:
     """Pick the attention backend for `config` on `device`.
 
@@ -57,7 +58,7 @@ def choose_attention_backend(
     serve the configuration. Without, take the first valid backend of the platform's priority
     list, or raise ValueError listing every backend's reasons.
     """
-    if requested is not None and not isinstance(requested, AttentionBackendEnum):
+    if requested is not None:
         requested = AttentionBackendEnum.from_name(requested)
     key = (config, device, requested, registry.generation())
     if key not in _cache:
@@ -78,7 +79,7 @@ def _block_size(backend: type[AttentionBackend], config: AttentionSelectorConfig
 
 
 def _choose_manual(
-    config: AttentionSelectorConfig, device: DeviceInfo, requested: AttentionBackendEnum
+    config: AttentionSelectorConfig, device: DeviceInfo, requested: BackendName
 ) -> BackendChoice:
     if not registry.is_registered(requested.name):
         # An enum member with no implementation: the same error as an unknown name.

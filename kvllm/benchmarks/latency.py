@@ -17,7 +17,16 @@ from typing import TYPE_CHECKING, Any
 from kvllm.benchmarks.datasets import random_requests
 from kvllm.benchmarks.engine_runner import build_llm, engine_description, run_batch
 from kvllm.benchmarks.gpu_util import GpuUtilSampler
-from kvllm.benchmarks.utils import PERCENTILES, add_common_flags, environment, mean, percentile, write_json
+from kvllm.benchmarks.utils import (
+    PERCENTILES,
+    add_common_flags,
+    add_flag,
+    environment,
+    gpu_util_line,
+    mean,
+    percentile,
+    write_json,
+)
 from kvllm.logger import init_logger
 
 if TYPE_CHECKING:
@@ -30,63 +39,28 @@ logger = init_logger(__name__)
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     """The latency benchmark's own flags (engine arguments come from the shared parser)."""
     group = parser.add_argument_group("latency benchmark")
-    group.add_argument(
-        "--input-len",
-        "--input_len",
-        dest="input_len",
-        type=int,
-        default=32,
-        help="Prompt length in tokens (default: 32).",
-    )
-    group.add_argument(
-        "--output-len",
-        "--output_len",
-        dest="output_len",
-        type=int,
-        default=128,
-        help="Generated tokens per request (default: 128).",
-    )
-    group.add_argument(
-        "--batch-size",
-        "--batch_size",
-        dest="batch_size",
-        type=int,
-        default=8,
-        help="Requests in the batch (default: 8).",
-    )
+    add_flag(group, "input_len", type=int, default=32, help="Prompt length in tokens (default: 32).")
+    add_flag(group, "output_len", type=int, default=128, help="Generated tokens per request (default: 128).")
+    add_flag(group, "batch_size", type=int, default=8, help="Requests in the batch (default: 8).")
     group.add_argument("--n", type=int, default=1, help="Sequences generated per prompt (default: 1).")
-    group.add_argument(
-        "--num-iters-warmup",
-        "--num_iters_warmup",
-        dest="num_iters_warmup",
-        type=int,
-        default=10,
-        help="Untimed warm-up iterations (default: 10).",
+    add_flag(
+        group, "num_iters_warmup", type=int, default=10, help="Untimed warm-up iterations (default: 10)."
     )
-    group.add_argument(
-        "--num-iters",
-        "--num_iters",
-        dest="num_iters",
-        type=int,
-        default=30,
-        help="Timed iterations (default: 30).",
-    )
+    add_flag(group, "num_iters", type=int, default=30, help="Timed iterations (default: 30).")
     group.add_argument(
         "--profile",
         action="store_true",
         help="Write a torch profiler trace of one iteration (after warm-up) to --profile-dir.",
     )
-    group.add_argument(
-        "--profile-dir",
-        "--profile_dir",
-        dest="profile_dir",
+    add_flag(
+        group,
+        "profile_dir",
         default=None,
         help=f"Folder for profiler traces (default: ./{DEFAULT_PROFILE_DIR}).",
     )
-    group.add_argument(
-        "--profile-steps",
-        "--profile_steps",
-        dest="profile_steps",
+    add_flag(
+        group,
+        "profile_steps",
         type=int,
         default=None,
         help="Profile only the first N engine steps of the profiled iteration (implies --profile).",
@@ -100,47 +74,6 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "(kvllm is the engine measured; HF transformers is in bench throughput --backend hf).",
     )
     add_common_flags(group)
-
-
-def is_attention_backend_name(value: str) -> bool:
-    """Whether `value` names an attention backend (implemented here or not), rather than an engine."""
-    from kvllm.attention.names import AttentionBackendEnum
-    from kvllm.attention.registry import registered_backend_names
-
-    key = value.strip().upper()
-    return key in AttentionBackendEnum.__members__ or key in registered_backend_names()
-
-
-def apply_backend_alias(args: argparse.Namespace) -> None:
-    """`--backend NAME` in bench latency: an attention backend name becomes --attention-backend NAME
-    (said at INFO); "kvllm" is the engine measured anyway; anything else is an error that says why."""
-    value = getattr(args, "backend", None)
-    if value is None:
-        return
-    if value.strip().lower() == "kvllm":
-        logger.info("bench latency --backend kvllm: kvllm is the engine this benchmark measures")
-        return
-    if value.strip().lower() == "hf":
-        raise ValueError(
-            "bench latency measures kvllm only; HF transformers is measured by "
-            "`kvllm bench throughput --backend hf`"
-        )
-    if not is_attention_backend_name(value):
-        from kvllm.attention.registry import registered_backend_names
-
-        raise ValueError(
-            f"--backend {value!r} is not valid for bench latency; allowed: an attention backend "
-            f"({', '.join(registered_backend_names())}), the same as --attention-backend"
-        )
-    name = value.strip().upper()
-    current = getattr(args, "attention_backend", None)
-    if current is not None and str(current).strip().upper() != name:
-        raise ValueError(
-            f"--backend {value} and --attention-backend {current} disagree; in bench latency --backend "
-            "is an alias of --attention-backend: give one"
-        )
-    args.attention_backend = name
-    logger.info("bench latency: --backend %s is taken as --attention-backend %s", value, name)
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -281,12 +214,7 @@ def print_result(result: dict[str, Any]) -> None:
         if decode is not None
         else "Decode throughput: n/a (output_len 1)"
     )
-    util = result["gpu_util"]
-    print(
-        f"GPU utilization: {util * 100:.1f}% ({result['gpu_util_source']})"
-        if util is not None
-        else f"GPU utilization: {result['gpu_util_source']}"
-    )
+    print(gpu_util_line(result))
 
 
 def main(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from kvllm.benchmarks.datasets import random_requests
-from kvllm.benchmarks.utils import environment, mean, percentile
+from kvllm.benchmarks.utils import add_flag, add_random_range_ratio_flag, environment, mean, percentile
 
 REQUEST_TIMEOUT_S = 6 * 3600  # as vLLM's client: a benchmark request may queue for a long time
 DEFAULT_PERCENTILES = "99"
@@ -34,10 +34,9 @@ DEFAULT_PERCENTILES = "99"
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     """The serving benchmark's own flags (vLLM's names); --model, --tokenizer, --seed are engine flags."""
     group = parser.add_argument_group("serving benchmark")
-    group.add_argument(
-        "--base-url",
-        "--base_url",
-        dest="base_url",
+    add_flag(
+        group,
+        "base_url",
         default=None,
         help="Server URL, e.g. http://127.0.0.1:8000 (default: http://HOST:PORT).",
     )
@@ -48,109 +47,66 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         default="/v1/completions",
         help="API path: /v1/completions or /v1/chat/completions (default: /v1/completions).",
     )
-    group.add_argument(
-        "--served-model-name",
-        "--served_model_name",
-        dest="served_model_name",
+    add_flag(
+        group,
+        "served_model_name",
         default=None,
         help="Model name sent in requests (default: --model, else the server's first model).",
     )
-    group.add_argument(
-        "--dataset-name",
-        "--dataset_name",
-        dest="dataset_name",
-        choices=("random",),
-        default="random",
-        help="Prompt source (default: random).",
+    add_flag(
+        group, "dataset_name", choices=("random",), default="random", help="Prompt source (default: random)."
     )
-    group.add_argument(
-        "--num-prompts",
-        "--num_prompts",
-        dest="num_prompts",
-        type=int,
-        default=1000,
-        help="Number of requests (default: 1000).",
+    add_flag(group, "num_prompts", type=int, default=1000, help="Number of requests (default: 1000).")
+    add_flag(
+        group, "random_input_len", type=int, default=1024, help="Prompt length in tokens (default: 1024)."
     )
-    group.add_argument(
-        "--random-input-len",
-        "--random_input_len",
-        dest="random_input_len",
-        type=int,
-        default=1024,
-        help="Prompt length in tokens (default: 1024).",
+    add_flag(
+        group, "random_output_len", type=int, default=128, help="max_tokens of each request (default: 128)."
     )
-    group.add_argument(
-        "--random-output-len",
-        "--random_output_len",
-        dest="random_output_len",
-        type=int,
-        default=128,
-        help="max_tokens of each request (default: 128).",
-    )
-    group.add_argument(
-        "--random-range-ratio",
-        "--random_range_ratio",
-        dest="random_range_ratio",
-        type=float,
-        default=0.0,
-        help="Lengths uniform in [len*(1-r), len*(1+r)] (default: 0).",
-    )
-    group.add_argument(
-        "--request-rate",
-        "--request_rate",
-        dest="request_rate",
+    add_random_range_ratio_flag(group)
+    add_flag(
+        group,
+        "request_rate",
         type=float,
         default=math.inf,
         help="Requests per second, Poisson arrivals; inf sends all at once (default: inf).",
     )
-    group.add_argument(
-        "--max-concurrency",
-        "--max_concurrency",
-        dest="max_concurrency",
+    add_flag(
+        group,
+        "max_concurrency",
         type=int,
         default=None,
         help="At most this many requests in flight (default: no limit).",
     )
-    group.add_argument(
-        "--ignore-eos",
-        "--ignore_eos",
-        dest="ignore_eos",
+    add_flag(
+        group,
+        "ignore_eos",
         action="store_true",
         help="Send ignore_eos=true (a vLLM extension) so every request generates max_tokens.",
     )
     group.add_argument("--temperature", type=float, default=0.0, help="Sampling temperature (default: 0).")
-    group.add_argument(
-        "--percentile-metrics",
-        "--percentile_metrics",
-        dest="percentile_metrics",
+    add_flag(
+        group,
+        "percentile_metrics",
         default="ttft,tpot,itl,e2el",
         help="Metrics to report percentiles of (default: all).",
     )
-    group.add_argument(
-        "--metric-percentiles",
-        "--metric_percentiles",
-        dest="metric_percentiles",
+    add_flag(
+        group,
+        "metric_percentiles",
         default=DEFAULT_PERCENTILES,
         help="Comma-separated percentiles (default: 99).",
     )
-    group.add_argument(
-        "--save-result",
-        "--save_result",
-        dest="save_result",
+    add_flag(
+        group,
+        "save_result",
         action="store_true",
         help="Write the results (with per-request data) to a JSON file.",
     )
-    group.add_argument(
-        "--result-dir",
-        "--result_dir",
-        dest="result_dir",
-        default=None,
-        help="Folder for --save-result (default: current folder).",
-    )
-    group.add_argument(
-        "--result-filename",
-        "--result_filename",
-        dest="result_filename",
+    add_flag(group, "result_dir", default=None, help="Folder for --save-result (default: current folder).")
+    add_flag(
+        group,
+        "result_filename",
         default=None,
         help="File name for --save-result (default: kvllm-serve-<rate>qps-<date>.json).",
     )

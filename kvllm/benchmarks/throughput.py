@@ -13,6 +13,7 @@ import argparse
 import time
 from typing import TYPE_CHECKING, Any
 
+from kvllm.benchmarks.backend_flag import check_throughput_backend
 from kvllm.benchmarks.datasets import (
     NANO_VLLM_MAX_MODEL_LEN,
     BenchRequest,
@@ -21,14 +22,20 @@ from kvllm.benchmarks.datasets import (
 )
 from kvllm.benchmarks.engine_runner import build_llm, engine_description, synchronize
 from kvllm.benchmarks.gpu_util import GpuUtilSampler
-from kvllm.benchmarks.utils import add_common_flags, environment, write_json
+from kvllm.benchmarks.utils import (
+    add_common_flags,
+    add_flag,
+    add_random_range_ratio_flag,
+    environment,
+    gpu_util_line,
+    write_json,
+)
 
 if TYPE_CHECKING:
     from kvllm.benchmarks.hf_backend import HFRunner
     from kvllm.llm import LLM
 
 DATASETS = ("random", "nano-vllm")
-BACKENDS = ("kvllm", "hf")
 NANO_VLLM_TEMPERATURE = 0.6
 
 
@@ -42,50 +49,38 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="The engine measured: kvllm, or hf for HF transformers generate on the same model "
         "(default: kvllm). The attention backend is --attention-backend.",
     )
-    group.add_argument(
-        "--dataset-name",
-        "--dataset_name",
-        dest="dataset_name",
+    add_flag(
+        group,
+        "dataset_name",
         choices=DATASETS,
         default="random",
         help="random (vLLM's) or nano-vllm (its bench.py workload).",
     )
-    group.add_argument(
-        "--input-len",
-        "--input_len",
-        dest="input_len",
+    add_flag(
+        group,
+        "input_len",
         type=int,
         default=128,
         help="Prompt length in tokens for the random dataset (default: 128).",
     )
-    group.add_argument(
-        "--output-len",
-        "--output_len",
-        dest="output_len",
+    add_flag(
+        group,
+        "output_len",
         type=int,
         default=128,
         help="Generated tokens per request for the random dataset (default: 128).",
     )
-    group.add_argument(
-        "--num-prompts",
-        "--num_prompts",
-        dest="num_prompts",
+    add_flag(
+        group,
+        "num_prompts",
         type=int,
         default=1000,
         help="Number of prompts of the random dataset (default: 1000).",
     )
-    group.add_argument(
-        "--random-range-ratio",
-        "--random_range_ratio",
-        dest="random_range_ratio",
-        type=float,
-        default=0.0,
-        help="Lengths uniform in [len*(1-r), len*(1+r)] (default: 0).",
-    )
-    group.add_argument(
-        "--hf-max-batch-size",
-        "--hf_max_batch_size",
-        dest="hf_max_batch_size",
+    add_random_range_ratio_flag(group)
+    add_flag(
+        group,
+        "hf_max_batch_size",
         type=int,
         default=None,
         help="Batch size of the hf backend (default: --max-num-seqs, 256).",
@@ -103,21 +98,6 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="Skip the untimed warm-up request (one short request, as nano-vllm does).",
     )
     add_common_flags(group)
-
-
-def check_backend(value: str) -> None:
-    """--backend is the engine measured; an attention backend name there gets an explanation."""
-    if value in BACKENDS:
-        return
-    from kvllm.benchmarks.latency import is_attention_backend_name
-
-    if is_attention_backend_name(value):
-        raise ValueError(
-            f"--backend {value}: in bench throughput, --backend picks the engine measured (kvllm, or hf for "
-            f"HF transformers), not the attention backend. For the attention backend use --attention-backend "
-            f"{value.strip().upper()} (bench latency also takes --backend {value} as that alias)"
-        )
-    raise ValueError(f"--backend {value!r} is not valid; allowed: {', '.join(BACKENDS)}")
 
 
 def make_requests(args: argparse.Namespace, vocab_size: int, seed: int) -> list[BenchRequest]:
@@ -212,7 +192,7 @@ def measure_throughput(
 ) -> dict[str, Any]:
     """Run the workload on the chosen backend; `llm` / `hf_runner` reuse an engine or HF model already
     built from the same `engine_kwargs`."""
-    check_backend(args.backend)
+    check_throughput_backend(args.backend)
     engine_kwargs = dict(engine_kwargs)
     if args.dataset_name == "nano-vllm":
         engine_kwargs.setdefault("max_model_len", NANO_VLLM_MAX_MODEL_LEN)
@@ -264,12 +244,7 @@ def print_result(result: dict[str, Any]) -> None:
     )
     print(f"Total num prompt tokens:  {result['total_prompt_tokens']}")
     print(f"Total num output tokens:  {result['total_output_tokens']}")
-    util = result["gpu_util"]
-    print(
-        f"GPU utilization: {util * 100:.1f}% ({result['gpu_util_source']})"
-        if util is not None
-        else f"GPU utilization: {result['gpu_util_source']}"
-    )
+    print(gpu_util_line(result))
 
 
 def main(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:

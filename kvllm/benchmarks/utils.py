@@ -1,4 +1,4 @@
-"""Shared pieces of the benchmarks: percentiles, the environment record and JSON output."""
+"""Shared pieces of the benchmarks: flags, percentiles, the environment record, printers and JSON output."""
 
 from __future__ import annotations
 
@@ -64,18 +64,35 @@ def write_json(path: str | None, result: dict[str, Any]) -> None:
     print(f"Results written to {out}")
 
 
+def add_flag(group: Any, dest: str, **kwargs: Any) -> None:
+    """A flag spelled both ways vLLM accepts (`--input-len` and `--input_len`), stored in `dest`."""
+    group.add_argument(f"--{dest.replace('_', '-')}", f"--{dest}", dest=dest, **kwargs)
+
+
 def add_common_flags(parser: Any) -> None:
     """Flags every offline benchmark shares (vLLM's names)."""
-    parser.add_argument(
-        "--output-json",
-        "--output_json",
-        dest="output_json",
-        help="Write the results, with hardware and versions, to this JSON file.",
-    )
-    parser.add_argument(
-        "--disable-detokenize",
-        "--disable_detokenize",
-        dest="disable_detokenize",
+    add_flag(parser, "output_json", help="Write the results, with hardware and versions, to this JSON file.")
+    add_flag(
+        parser,
+        "disable_detokenize",
         action="store_true",
         help="Do not turn output ids into text (detokenization is timed otherwise, as in vLLM).",
     )
+
+
+def add_random_range_ratio_flag(group: Any) -> None:
+    add_flag(
+        group,
+        "random_range_ratio",
+        type=float,
+        default=0.0,
+        help="Lengths uniform in [len*(1-r), len*(1+r)] (default: 0).",
+    )
+
+
+def gpu_util_line(result: dict[str, Any]) -> str:
+    """The GPU-utilization line of a result (NVML busy fraction, or why there is none)."""
+    util = result["gpu_util"]
+    if util is None:
+        return f"GPU utilization: {result['gpu_util_source']}"
+    return f"GPU utilization: {util * 100:.1f}% ({result['gpu_util_source']})"

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvllm.attention.backend import KV_CACHE_DTYPES
-from kvllm.attention.names import AttentionBackendEnum
+from kvllm.config.backend_names import AttentionBackendEnum, BackendName
+from kvllm.config.choices import KV_CACHE_DTYPES
 
 # Fields some guides put in AttentionConfig although they are engine settings; EngineArgs moves
 # them onto its own fields (block_size, max_model_len, kv_cache_dtype) and clears them here.
@@ -17,7 +17,7 @@ ENGINE_MAPPED_FIELDS = ("block_size", "max_seq_len", "fp8_enabled", "kv_cache_dt
 class AttentionConfig:
     """Attention settings, set with `-ac.KEY VALUE`, `-ac JSON` or `LLM(attention_config=...)`."""
 
-    backend: AttentionBackendEnum | None = field(
+    backend: BackendName | None = field(
         default=None,
         metadata={
             "help": "Attention backend to use (e.g. FLASH_ATTN, TRITON_ATTN). Default: automatic choice."
@@ -62,7 +62,7 @@ class AttentionConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.backend is not None and not isinstance(self.backend, AttentionBackendEnum):
+        if self.backend is not None:
             object.__setattr__(self, "backend", AttentionBackendEnum.from_name(self.backend))
         if self.flash_attn_version is not None:
             version = _as_int("flash_attn_version", self.flash_attn_version)
@@ -106,15 +106,6 @@ class AttentionConfig:
                 f"Unknown attention_config field(s): {', '.join(unknown)}. Valid fields: {', '.join(sorted(known))}"
             )
         return cls(**data)
-
-    def to_dict(self) -> dict[str, Any]:
-        """The fields that differ from the defaults, JSON-ready (the backend as its name)."""
-        out: dict[str, Any] = {}
-        for name, f in self.__dataclass_fields__.items():
-            value = getattr(self, name)
-            if value != f.default:
-                out[name] = value.name if isinstance(value, AttentionBackendEnum) else value
-        return out
 
 
 def _as_int(name: str, value: Any) -> int:

@@ -10,16 +10,19 @@ import logging
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from kvllm.attention.backend import KV_CACHE_DTYPES
-from kvllm.attention.names import AttentionBackendEnum
 from kvllm.config.attention import ENGINE_MAPPED_FIELDS, AttentionConfig
+from kvllm.config.backend_names import AttentionBackendEnum, BackendName
+from kvllm.config.choices import (
+    DEVICES,
+    DTYPES,
+    GENERATION_CONFIGS,
+    KV_CACHE_DTYPES,
+    LOAD_FORMATS,
+    canonical_dtype,
+)
 from kvllm.logger import init_logger
 
 logger = init_logger(__name__)
-
-DTYPES = ("auto", "float16", "half", "bfloat16", "float32", "float")
-LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
-DEVICES = ("auto", "cpu", "cuda")
 
 
 def _help(text: str) -> dict[str, str]:
@@ -105,7 +108,7 @@ class EngineArgs:
         ),
     )
     trust_remote_code: bool = field(default=False, metadata=_help("Allow custom model code from the hub."))
-    attention_backend: AttentionBackendEnum | None = field(
+    attention_backend: BackendName | None = field(
         default=None, metadata=_help("Attention backend (mutually exclusive with attention_config.backend).")
     )
     attention_config: AttentionConfig = field(
@@ -162,13 +165,12 @@ class EngineArgs:
                 raise ValueError("attention_backend and attention_config.backend are mutually exclusive")
             backend = AttentionBackendEnum.from_name(self.attention_backend)
             set_("attention_backend", backend)
-        dtype = {"half": "float16", "float": "float32"}.get(self.dtype, self.dtype)
-        set_("dtype", dtype)
+        set_("dtype", canonical_dtype(self.dtype))
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _check_choice("load_format", self.load_format, LOAD_FORMATS)
         _check_choice("device", self.device, DEVICES)
-        _check_choice("generation_config", self.generation_config, ("auto", "vllm"))
+        _check_choice("generation_config", self.generation_config, GENERATION_CONFIGS)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization={self.gpu_memory_utilization} is out of range; allowed: (0, 1]"
@@ -271,7 +273,7 @@ class EngineArgs:
         return wanted
 
     @property
-    def backend(self) -> AttentionBackendEnum | None:
+    def backend(self) -> BackendName | None:
         """The backend the user pinned, by either of the two ways, or None for automatic choice."""
         return self.attention_backend or self.attention_config.backend
 

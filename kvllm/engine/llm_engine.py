@@ -1,53 +1,32 @@
-"""LLMEngine: the synchronous engine core (add_request / step / abort_request)."""
+"""LLMEngine: the engine core (add_request / step / abort_request), stepped by its caller."""
 
 from __future__ import annotations
 
 import logging
-import time
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 
 from kvllm.config.engine import EngineArgs
-from kvllm.engine.detokenizer import IncrementalDetokenizer
-from kvllm.engine.kv_cache_manager import KVCacheManager
-from kvllm.engine.request import Request
-from kvllm.engine.scheduler import Scheduler, SchedulerOutput
-from kvllm.models.loader import load_tokenizer
+from kvllm.core.kv_cache_manager import KVCacheManager
+from kvllm.core.request import Request
+from kvllm.core.sched_output import SchedulerOutput
+from kvllm.core.scheduler import Scheduler
+from kvllm.core.step_result import PendingStep
+from kvllm.engine.input_processor import InputProcessor, PromptType
+from kvllm.engine.output_processor import OutputProcessor
+from kvllm.executor.uniproc_executor import UniProcExecutor
 from kvllm.models.model_config import ModelConfig
-from kvllm.outputs import CompletionOutput, RequestOutput
-from kvllm.platforms import current_device_info
-from kvllm.sample.logprobs import decode_logprobs
+from kvllm.models.tokenizer import load_tokenizer
+from kvllm.outputs import RequestOutput
+from kvllm.platforms import resolve_device
 from kvllm.sampling_params import SamplingParams
-from kvllm.worker.model_runner import ModelRunner, PendingStepResult, StepResult
 
 logger = logging.getLogger(__name__)
 
-PromptType = str | list[int] | dict[str, Any]
+__all__ = ["EngineStats", "LLMEngine", "PromptType"]
+
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
-
-
-@dataclass
-class _Sequence:
-    """Engine-side state of one generated sequence: the request plus its text."""
-
-    index: int
-    request: Request
-    detokenizer: IncrementalDetokenizer
-    text: str = ""
-
-
-@dataclass
-class _ParentRequest:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    sequences: list[_Sequence] = field(default_factory=list)
-
-    @property
-    def finished(self) -> bool:
-        return all(s.request.is_finished for s in self.sequences)
 
 
 @dataclass(frozen=True)
@@ -68,7 +47,7 @@ class LLMEngine:
 
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
-        self.device = _resolve_device(args.device)
+        self.device = resolve_device(args.device)
         self.model_config = ModelConfig.from_engine_args(args, self.device)
         if args.max_num_batched_tokens is not None:
             max_batched = args.max_num_batched_tokens
@@ -83,21 +62,25 @@ class LLMEngine:
                 "be scheduled; raise max_num_batched_tokens, lower max_model_len, or enable chunked prefill"
             )
         self.max_num_batched_tokens = max_batched
-        self.tokenizer = load_tokenizer(self.model_config)
-        self.runner = ModelRunner(args, self.model_config, self.device, current_device_info(), max_batched)
-        num_blocks = self.runner.determine_num_blocks()
+        self.tokenizer = load_tokenizer(self.model_config.tokenizer_path)
+        self.input_processor = InputProcessor(self.tokenizer, self.model_config)
+        self.output_processor = OutputProcessor(self.tokenizer, self.model_config.max_model_len)
+        self.executor = UniProcExecutor(args, self.model_config, self.device, max_batched)
+        num_blocks = self.executor.determine_num_blocks()
         _check_kv_cache_holds_one_request(
-            num_blocks, self.runner.block_size, self.runner.bytes_per_block(), self.model_config.max_model_len
+            num_blocks,
+            self.executor.block_size,
+            self.executor.bytes_per_block(),
+            self.model_config.max_model_len,
         )
-        self.runner.initialize_kv_cache(num_blocks, args.max_num_seqs)
-        self.block_size = self.runner.block_size
+        self.executor.initialize_kv_cache(num_blocks, args.max_num_seqs)
+        self.block_size = self.executor.block_size
         self.kv_cache_manager = KVCacheManager(num_blocks, self.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.kv_cache_manager, args.max_num_seqs, max_batched, args.enable_chunked_prefill
         )
-        self.parents: dict[str, _ParentRequest] = {}
         self.async_scheduling = args.async_scheduling
-        self._in_flight: tuple[SchedulerOutput, PendingStepResult] | None = None
+        self._in_flight: tuple[SchedulerOutput, PendingStep] | None = None
         self._log_cache_size(num_blocks)
         if self.model_config.default_sampling:
             logger.info(
@@ -112,7 +95,7 @@ class LLMEngine:
 
     def _log_cache_size(self, num_blocks: int) -> None:
         tokens = num_blocks * self.block_size
-        gib = num_blocks * self.runner.bytes_per_block() / (1 << 30)
+        gib = num_blocks * self.executor.bytes_per_block() / (1 << 30)
         concurrency = tokens / self.model_config.max_model_len
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB, %s); maximum concurrency for %d tokens "
@@ -121,28 +104,12 @@ class LLMEngine:
             self.block_size,
             tokens,
             gib,
-            self.runner.kv_cache_spec.dtype,
+            self.executor.kv_cache_spec.dtype,
             self.model_config.max_model_len,
             concurrency,
         )
 
     # ---- requests ----------------------------------------------------------------------------
-
-    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer(prompt).input_ids
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
-            if "prompt" in prompt:
-                return self.tokenize_prompt(prompt["prompt"])
-            raise ValueError(f"A prompt dict needs 'prompt' or 'prompt_token_ids'; got keys {sorted(prompt)}")
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            return None, list(prompt)
-        raise ValueError(
-            f"Unsupported prompt of type {type(prompt).__name__}; allowed: a str, a list of token ids, "
-            "or a dict with 'prompt' or 'prompt_token_ids'"
-        )
 
     def add_request(
         self,
@@ -153,14 +120,13 @@ class LLMEngine:
     ) -> None:
         """Validate and queue a request. Raises ValueError for input the engine cannot serve."""
         params = params or SamplingParams()
-        if request_id in self.parents:
+        if request_id in self.output_processor.parents:
             raise ValueError(f"Request id {request_id!r} is already in use")
-        text, token_ids = self.tokenize_prompt(prompt)
-        self._validate_prompt(token_ids)
-        max_len = self.model_config.max_model_len
-        room = max_len - len(token_ids)
-        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        parent = _ParentRequest(request_id, text, token_ids)
+        text, token_ids = self.input_processor.tokenize_prompt(prompt)
+        self.input_processor.validate_prompt(token_ids)
+        self._check_fits_cache(token_ids)
+        max_tokens = self.input_processor.max_tokens(params, len(token_ids))
+        requests = []
         for i in range(params.n):
             child_params = params
             if params.n > 1 and params.seed is not None:
@@ -182,27 +148,12 @@ class LLMEngine:
             )
             if arrival_time is not None:
                 request.arrival_time = arrival_time
-            detok = IncrementalDetokenizer(self.tokenizer, token_ids, child_params)
-            parent.sequences.append(_Sequence(i, request, detok))
-        self.parents[request_id] = parent
-        for seq in parent.sequences:
-            self.scheduler.add_request(seq.request)
+            requests.append(request)
+        self.output_processor.add_request(request_id, text, token_ids, requests)
+        for request in requests:
+            self.scheduler.add_request(request)
 
-    def _validate_prompt(self, token_ids: list[int]) -> None:
-        if not token_ids:
-            raise ValueError("The prompt is empty: at least one token is needed")
-        max_len = self.model_config.max_model_len
-        if len(token_ids) >= max_len:
-            raise ValueError(
-                f"The prompt is {len(token_ids)} tokens long, which leaves no room to generate within "
-                f"max_model_len={max_len}; shorten the prompt or raise max_model_len"
-            )
-        vocab = self.model_config.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(
-                f"Token id {bad[0]} is out of range; allowed: 0 <= id < {vocab} (the vocabulary)"
-            )
+    def _check_fits_cache(self, token_ids: list[int]) -> None:
         needed = self.kv_cache_manager.blocks_needed(len(token_ids) + 1)
         if needed > self.kv_cache_manager.num_blocks:
             raise ValueError(
@@ -213,7 +164,7 @@ class LLMEngine:
     def abort_request(self, request_id: str | list[str]) -> None:
         """Stop requests (unknown or finished ids are ignored) and free their KV blocks."""
         for rid in [request_id] if isinstance(request_id, str) else request_id:
-            parent = self.parents.pop(rid, None)
+            parent = self.output_processor.parents.pop(rid, None)
             if parent is None:
                 continue
             for seq in parent.sequences:
@@ -222,10 +173,10 @@ class LLMEngine:
                     self.scheduler.finish_request(seq.request)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.parents)
+        return bool(self.output_processor.parents)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.parents)
+        return len(self.output_processor.parents)
 
     # ---- stepping ----------------------------------------------------------------------------
 
@@ -236,131 +187,29 @@ class LLMEngine:
         the outputs returned are those of the step launched by the previous call, processed on the
         host while this one runs on the device. The scheduler counts in-flight tokens as
         placeholders, so no request is ever given a token past its stop: a step launched before a
-        stop was seen still computes that request, but its token is dropped here.
+        stop was seen still computes that request, but its token is dropped.
         """
         plan = self.scheduler.schedule()
-        # Requests the scheduler failed (finish_reason "error") report that like a finish, at once.
-        outputs = self._collect_outputs({r.parent_id: self.parents[r.parent_id] for r in plan.failed})
-        pending = self.runner.execute_model_async(plan) if not plan.is_empty else None
+        # Requests the scheduler failed (finish_reason "error") report that at once, like a finish.
+        outputs = self.output_processor.process_failed(plan)
+        pending = None if plan.is_empty else self.executor.execute_model_async(plan)
         if not self.async_scheduling:
-            return outputs + (self._update(plan, pending.result()) if pending is not None else [])
-        previous = self._in_flight
-        self._in_flight = (plan, pending) if pending is not None else None
+            return outputs + (self._update(plan, pending) if pending is not None else [])
+        previous, self._in_flight = self._in_flight, (plan, pending) if pending is not None else None
         if previous is not None:
-            outputs += self._update(previous[0], previous[1].result())
+            outputs += self._update(*previous)
         if self._in_flight is not None and not self.scheduler.has_work_beyond_in_flight():
             # Nothing more could be scheduled until this step's tokens arrive: wait for them now
             # rather than on the next call, so the last tokens come without an extra step.
             done, self._in_flight = self._in_flight, None
-            outputs += self._update(done[0], done[1].result())
+            outputs += self._update(*done)
         return outputs
 
-    def _update(self, plan: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
-        """Apply one finished step: record prompt logprobs, append sampled tokens, check stops."""
-        touched: dict[str, _ParentRequest] = {}
-        for index, (first_position, entries) in result.prompt_logprobs.items():
-            self._record_prompt_logprobs(plan.scheduled[index].request, first_position, entries)
-        if result.sampler_output is None:
-            return self._collect_outputs(touched)
-        now = time.monotonic()
-        sampled = result.sampler_output
-        for row, index in enumerate(result.request_indices):
-            request = plan.scheduled[index].request
-            request.resolve_placeholder()
-            if request.is_finished:
-                continue  # stopped or aborted after this step was launched: its token is dropped
-            parent = self.parents[request.parent_id]
-            seq = parent.sequences[request.index]
-            if request.first_token_time is None:
-                request.first_token_time = now
-            logprob = sampled.sampled_logprobs[row] if sampled.sampled_logprobs is not None else None
-            self._append_token(seq, sampled.token_ids[row], logprob, sampled.logprobs[row])
-            touched[parent.request_id] = parent
-        return self._collect_outputs(touched)
-
-    def _collect_outputs(self, touched: dict[str, _ParentRequest]) -> list[RequestOutput]:
-        outputs = [self._make_output(p) for p in touched.values()]
-        for parent in touched.values():
-            if parent.finished:
-                del self.parents[parent.request_id]
+    def _update(self, plan: SchedulerOutput, pending: PendingStep) -> list[RequestOutput]:
+        """Wait for a launched step's tokens, apply them, and free the requests they finished."""
+        outputs, finished = self.output_processor.process_step(plan, pending.result())
+        self.scheduler.finish_requests(finished)
         return outputs
-
-    def _record_prompt_logprobs(self, request: Request, first_position: int, entries: list) -> None:
-        """Keep prompt logprobs in position order; a recompute after preemption repeats none."""
-        recorded = request.prompt_logprobs
-        for position, entry in enumerate(entries, start=first_position):
-            if position == len(recorded):
-                recorded.append(decode_logprobs(self.tokenizer, entry))
-
-    def _append_token(
-        self, seq: _Sequence, token_id: int, logprob: float | None, top_logprobs: dict | None
-    ) -> None:
-        request = seq.request
-        params = request.sampling_params
-        request.append_output_token(token_id)
-        if logprob is not None:  # computed only for requests that report logprobs
-            request.cumulative_logprob += logprob
-        if top_logprobs is not None:
-            request.logprobs.append(decode_logprobs(self.tokenizer, top_logprobs))
-        num_out = request.num_output_tokens
-        may_stop = num_out >= params.min_tokens
-        stop_token = may_stop and token_id in (params.stop_token_ids or ())
-        eos = may_stop and not params.ignore_eos and token_id in request.eos_token_ids
-        # A stop token ends the request without appearing in its text.
-        stop_string = (
-            seq.detokenizer.update([token_id], stop_terminated=stop_token or eos)
-            if params.detokenize
-            else None
-        )
-        if stop_token:
-            self._finish(seq, "stop", token_id)
-        elif eos:
-            self._finish(seq, "stop", None)
-        elif stop_string is not None:
-            self._finish(seq, "stop", stop_string)
-        elif num_out >= request.max_tokens or request.num_tokens >= self.model_config.max_model_len:
-            self._finish(seq, "length", None)
-        if params.detokenize:
-            seq.text += seq.detokenizer.get_next_delta_text()
-
-    def _finish(self, seq: _Sequence, reason: str, stop_reason: int | str | None) -> None:
-        seq.request.finish_reason = reason
-        seq.request.stop_reason = stop_reason
-        if seq.request.sampling_params.detokenize:
-            seq.detokenizer.finish()
-        self.scheduler.finish_request(seq.request)
-
-    def _make_output(self, parent: _ParentRequest) -> RequestOutput:
-        outputs = []
-        for seq in parent.sequences:
-            r = seq.request
-            outputs.append(
-                CompletionOutput(
-                    index=seq.index,
-                    text=seq.text,
-                    token_ids=list(r.output_token_ids),
-                    cumulative_logprob=r.cumulative_logprob
-                    if r.sampling_params.logprobs is not None
-                    else None,
-                    logprobs=list(r.logprobs) if r.sampling_params.logprobs is not None else None,
-                    finish_reason=r.finish_reason,
-                    stop_reason=r.stop_reason,
-                )
-            )
-        first = parent.sequences[0].request
-        metrics = {"arrival_time": first.arrival_time, "num_cached_tokens": first.num_cached_prompt_tokens}
-        if first.first_token_time is not None:
-            metrics["first_token_time"] = first.first_token_time
-        prompt_logprobs = first.prompt_logprobs if first.sampling_params.prompt_logprobs is not None else None
-        return RequestOutput(
-            parent.request_id,
-            parent.prompt,
-            parent.prompt_token_ids,
-            outputs,
-            parent.finished,
-            metrics,
-            prompt_logprobs=prompt_logprobs,
-        )
 
     # ---- introspection -----------------------------------------------------------------------
 
@@ -379,7 +228,7 @@ class LLMEngine:
 
     @property
     def attention_backend_name(self) -> str:
-        return self.runner.attn_backend.name
+        return self.executor.attention_backend_name
 
 
 def _check_kv_cache_holds_one_request(
@@ -397,13 +246,3 @@ def _check_kv_cache_holds_one_request(
         f"least {needed * bytes_per_block}, or on a GPU a higher gpu_memory_utilization), or lower "
         f"max_model_len to at most {tokens}"
     )
-
-
-def _resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError(
-            "device='cuda' was requested but no CUDA GPU is available; use device='cpu' or 'auto'"
-        )
-    return torch.device(device)

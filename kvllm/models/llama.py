@@ -20,6 +20,7 @@ from kvllm.layers.linear import MergedLinear, QKVLinear, default_weight_loader
 from kvllm.layers.norm import RMSNorm
 from kvllm.layers.ops.dispatch import use_fused_ops
 from kvllm.layers.rotary import RopeInputs, RotaryEmbedding, rope_parameters_from_config
+from kvllm.models.hf_config import head_size, layer_sliding_window, num_kv_heads
 
 # checkpoint name fragment -> (fused parameter fragment, shard id)
 _STACKED_PARAMS = (
@@ -31,21 +32,6 @@ _STACKED_PARAMS = (
 )
 
 
-def layer_sliding_window(hf_config: Any, layer_index: int) -> int | None:
-    """The attention window of one layer, or None for full attention."""
-    window = getattr(hf_config, "sliding_window", None)
-    if window is None or getattr(hf_config, "use_sliding_window", True) is False:
-        return None
-    layer_types = getattr(hf_config, "layer_types", None)
-    if layer_types is not None and layer_types[layer_index] != "sliding_attention":
-        return None
-    return int(window)
-
-
-def head_size_of(hf_config: Any) -> int:
-    return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-
-
 class LlamaAttention(nn.Module):
     """Self-attention: fused qkv projection, optional QK-norm, RoPE, paged attention, output projection."""
 
@@ -54,8 +40,8 @@ class LlamaAttention(nn.Module):
     ) -> None:
         super().__init__()
         self.num_heads = hf_config.num_attention_heads
-        self.num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or self.num_heads
-        self.head_size = head_size_of(hf_config)
+        self.num_kv_heads = num_kv_heads(hf_config)
+        self.head_size = head_size(hf_config)
         self.qkv_proj = QKVLinear(
             hf_config.hidden_size, self.head_size, self.num_heads, self.num_kv_heads, bias=qkv_bias
         )
@@ -175,7 +161,7 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size)
         # One cos/sin cache shared by all layers (it can be tens of MB for long contexts).
         self.rotary_emb = rotary_emb = RotaryEmbedding(
-            head_size_of(hf_config), hf_config.max_position_embeddings, rope_parameters_from_config(hf_config)
+            head_size(hf_config), hf_config.max_position_embeddings, rope_parameters_from_config(hf_config)
         )
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(hf_config, i, rotary_emb, qkv_bias, qk_norm)

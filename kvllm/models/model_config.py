@@ -9,10 +9,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvllm.attention.backend import DeviceInfo
-from kvllm.config.model_attention import resolve_model_dtype
+from kvllm.config.choices import MODEL_DTYPES
 from kvllm.logger import init_logger
+from kvllm.models import hf_config as rules
+from kvllm.models.tokenizer import tokenizer_eos_id
 from kvllm.platforms import current_device_info
+from kvllm.platforms.interface import DeviceInfo
+from kvllm.utils.dtypes import torch_dtype
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -20,8 +23,6 @@ if TYPE_CHECKING:
     from kvllm.config.engine import EngineArgs
 
 logger = init_logger(__name__)
-
-_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,6 @@ class ModelConfig:
     def from_engine_args(cls, args: EngineArgs, device: torch.device) -> ModelConfig:
         from transformers import AutoConfig
 
-        from kvllm.models.llama import head_size_of, layer_sliding_window
         from kvllm.models.registry import resolve_architecture
 
         model, model_path = _resolve_model(args.model, args.revision)
@@ -64,8 +64,7 @@ class ModelConfig:
                 f"cannot read the model config (config.json) of {model!r} in {model_path!r}: {e}"
             ) from e
         architecture = resolve_architecture(getattr(hf_config, "architectures", None))
-        windows = {layer_sliding_window(hf_config, i) for i in range(hf_config.num_hidden_layers)} - {None}
-        num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+        num_kv_heads = rules.num_kv_heads(hf_config)
         check_num_kv_heads(args.attention_config.num_kv_heads, num_kv_heads, model)
         return cls(
             model=model,
@@ -78,10 +77,10 @@ class ModelConfig:
             num_hidden_layers=hf_config.num_hidden_layers,
             num_attention_heads=hf_config.num_attention_heads,
             num_kv_heads=num_kv_heads,
-            head_size=head_size_of(hf_config),
+            head_size=rules.head_size(hf_config),
             hidden_size=hf_config.hidden_size,
             vocab_size=hf_config.vocab_size,
-            sliding_window=max(windows) if windows else None,
+            sliding_window=rules.sliding_window(hf_config),
             eos_token_ids=find_eos_token_ids(model_path, tokenizer_path, hf_config),
             default_sampling=(
                 generation_config_sampling_defaults(model_path) if args.generation_config == "auto" else {}
@@ -148,14 +147,14 @@ def _resolve_model(model: str | None, revision: str | None, what: str = "Model")
 
 def resolve_dtype(dtype: str, hf_config: Any, device: torch.device) -> torch.dtype:
     """The model's torch dtype on `device` (see resolve_model_dtype for the rule)."""
-    if dtype != "auto" and dtype not in _DTYPES:
-        raise ValueError(f"dtype={dtype!r} is not valid; allowed: auto, {', '.join(_DTYPES)}")
+    if dtype != "auto" and dtype not in MODEL_DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not valid; allowed: auto, {', '.join(MODEL_DTYPES)}")
     info = DeviceInfo("cpu")
     if torch.device(device).type == "cuda":
         info = current_device_info()
         if info.platform == "cpu":  # a CUDA device named without a GPU (tests): capability unknown
             info = DeviceInfo("cuda")
-    return _DTYPES[resolve_model_dtype(dtype, hf_config, info)]
+    return torch_dtype(rules.resolve_model_dtype(dtype, hf_config, info))
 
 
 def resolve_max_model_len(max_model_len: int | None, hf_config: Any) -> int:
@@ -188,23 +187,9 @@ def find_eos_token_ids(model_path: str, tokenizer_path: str, hf_config: Any) -> 
     generation_config = Path(model_path) / "generation_config.json"
     if generation_config.is_file():
         ids += _as_ids(json.loads(generation_config.read_text()).get("eos_token_id"))
-    tokenizer_eos = _tokenizer_eos_id(tokenizer_path)
+    tokenizer_eos = tokenizer_eos_id(tokenizer_path)
     if tokenizer_eos is not None:
         ids.append(tokenizer_eos)
     if not ids:
         ids = _as_ids(getattr(hf_config, "eos_token_id", None))
     return tuple(dict.fromkeys(ids))
-
-
-def _tokenizer_eos_id(tokenizer_path: str) -> int | None:
-    from transformers import AutoTokenizer
-
-    from kvllm.models.loader import has_tokenizer_files
-
-    if not has_tokenizer_files(tokenizer_path):
-        return None
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
-    except (OSError, ValueError):
-        return None
-    return tokenizer.eos_token_id

@@ -10,13 +10,16 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
-from kvllm.attention.backend import DeviceInfo
-from kvllm.attention.names import AttentionBackendEnum
+from kvllm.config.backend_names import AttentionBackendEnum, is_registered
 from kvllm.platforms.cpu import CpuPlatform
 from kvllm.platforms.cuda import CudaPlatform
-from kvllm.platforms.interface import Platform
+from kvllm.platforms.interface import DeviceInfo, Platform
 from kvllm.platforms.rocm import RocmPlatform
+
+if TYPE_CHECKING:
+    import torch
 
 SIMULATE_ENV = "KVLLM_SIMULATE_PLATFORM"
 PLATFORMS: dict[str, type[Platform]] = {p.name: p for p in (CudaPlatform, RocmPlatform, CpuPlatform)}
@@ -25,6 +28,7 @@ _simulated: list[DeviceInfo] = []  # stack of simulate_platform() contexts, inne
 
 __all__ = [
     "PLATFORMS",
+    "DeviceInfo",
     "SIMULATE_ENV",
     "Platform",
     "backend_priority",
@@ -33,6 +37,7 @@ __all__ = [
     "is_simulated",
     "make_device_info",
     "parse_device_spec",
+    "resolve_device",
     "simulate_platform",
 ]
 
@@ -104,6 +109,19 @@ def current_device_info() -> DeviceInfo:
     return DeviceInfo("cpu")
 
 
+def resolve_device(device: str) -> torch.device:
+    """The torch device for the `device` setting ("auto": CUDA when a GPU is there, else the CPU)."""
+    import torch
+
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            "device='cuda' was requested but no CUDA GPU is available; use device='cpu' or 'auto'"
+        )
+    return torch.device(device)
+
+
 def get_platform(device: DeviceInfo) -> type[Platform]:
     """The Platform class for a device."""
     return PLATFORMS[device.platform]
@@ -113,7 +131,5 @@ def backend_priority(
     device: DeviceInfo, use_mla: bool, registered_only: bool = True
 ) -> list[AttentionBackendEnum]:
     """The device's priority list (index 0 tried first), by default only the registered backends."""
-    from kvllm.attention.registry import is_registered
-
     names = get_platform(device).backend_priority(device, use_mla)
     return [n for n in names if is_registered(n.name)] if registered_only else names

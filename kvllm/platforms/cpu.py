@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from kvllm.attention.backend import DeviceInfo
-from kvllm.attention.names import AttentionBackendEnum as B
-from kvllm.platforms.interface import Platform
+from kvllm.config.backend_names import AttentionBackendEnum as B
+from kvllm.platforms.interface import DeviceInfo, Platform
 
 
 class CpuPlatform(Platform):

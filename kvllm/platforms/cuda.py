@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from kvllm.attention.backend import DeviceInfo
-from kvllm.attention.names import AttentionBackendEnum as B
-from kvllm.platforms.interface import Platform
+from kvllm.config.backend_names import AttentionBackendEnum as B
+from kvllm.platforms.interface import DeviceInfo, Platform
 
 _STANDARD_BLACKWELL = [B.FLASHINFER, B.FLASH_ATTN, B.TRITON_ATTN, B.FLEX_ATTENTION]
 _STANDARD_DEFAULT = [B.FLASH_ATTN, B.FLASHINFER, B.TRITON_ATTN, B.FLEX_ATTENTION]

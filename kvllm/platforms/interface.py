@@ -1,9 +1,23 @@
-"""The Platform interface: what kvllm needs to know about a kind of device."""
+"""The Platform interface and DeviceInfo: what kvllm needs to know about a kind of device."""
 
 from __future__ import annotations
 
-from kvllm.attention.backend import DeviceInfo
-from kvllm.attention.names import AttentionBackendEnum
+from dataclasses import dataclass
+
+from kvllm.config.backend_names import AttentionBackendEnum
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """The platform a configuration is validated for: real or simulated."""
+
+    platform: str  # "cuda", "rocm" or "cpu"
+    capability: tuple[int, int] | None = None  # CUDA compute capability; None elsewhere
+
+    def describe(self) -> str:
+        if self.capability is None:
+            return self.platform
+        return f"{self.platform} (compute capability {self.capability[0]}.{self.capability[1]})"
 
 
 class Platform:

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 
-from kvllm.attention.backend import DeviceInfo
-from kvllm.attention.names import AttentionBackendEnum as B
-from kvllm.platforms.interface import Platform
+from kvllm.config.backend_names import AttentionBackendEnum as B
+from kvllm.platforms.interface import DeviceInfo, Platform
 
 
 def _has_aiter() -> bool:

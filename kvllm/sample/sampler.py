@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvllm.sample.logprobs import Logprob, PositionLogprobs
+from kvllm.outputs import Logprob, PositionLogprobs
 from kvllm.sample.metadata import SamplingMetadata, penalty_inputs
 from kvllm.sample.penalties import apply_penalties, suppress_tokens, token_counts
 from kvllm.sample.topk_topp import apply_min_p, apply_top_k_top_p

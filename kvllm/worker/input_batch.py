@@ -24,8 +24,8 @@ import numpy as np
 import torch
 
 from kvllm.attention.metadata import CommonAttentionMetadata
-from kvllm.engine.request import Request
-from kvllm.engine.scheduler import SchedulerOutput
+from kvllm.core.request import Request
+from kvllm.core.sched_output import SchedulerOutput
 from kvllm.sample.metadata import SamplingMetadata, penalty_inputs
 from kvllm.sampling_params import SamplingParams
 

@@ -1,62 +1,38 @@
-"""Runs the model: loads it, binds the attention backend and KV cache, executes scheduler steps."""
+"""ModelRunner: the model on one device: loads it, binds the attention backend and KV cache, runs steps."""
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from kvllm.attention.backend import AttentionBackend, DeviceInfo
+from kvllm.attention.backend import AttentionBackend
 from kvllm.attention.metadata import KVCacheSpec
 from kvllm.attention.selector import choose_attention_backend, explain_kv_cache_dtype
 from kvllm.config.engine import EngineArgs
-from kvllm.config.model_attention import selector_config_from_hf_config
-from kvllm.engine.scheduler import SchedulerOutput
+from kvllm.core.sched_output import SchedulerOutput
+from kvllm.core.step_result import StepResult
 from kvllm.forward_context import set_forward_context
 from kvllm.layers.attention import Attention
+from kvllm.models.hf_config import selector_config_from_hf_config
 from kvllm.models.loader import load_model
 from kvllm.models.model_config import ModelConfig
-from kvllm.sample.logprobs import PositionLogprobs, position_logprobs
-from kvllm.sample.sampler import HostCopy, Sampler, SamplerOutput
+from kvllm.outputs import PositionLogprobs
+from kvllm.platforms.interface import DeviceInfo
+from kvllm.sample.logprobs import position_logprobs
+from kvllm.sample.sampler import HostCopy, Sampler
 from kvllm.utils.dtypes import dtype_name, kv_cache_torch_dtype
 from kvllm.worker.cuda_graph import CudaGraphRunner, default_capture_sizes
 from kvllm.worker.input_batch import InputBatch, ModelInputs
 
 logger = logging.getLogger(__name__)
-
 GiB = 1 << 30
-DEFAULT_CPU_KV_CACHE_BYTES = 2 * GiB
-
-
-def out_of_memory_error(
-    stage: str, exc: BaseException, args: EngineArgs, model_config: ModelConfig
-) -> ValueError:
-    """A start-up out-of-memory error turned into one that names the settings that change memory use."""
-    first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    return ValueError(
-        f"Out of GPU memory while {stage} ({first_line}). The knobs: gpu_memory_utilization (now "
-        f"{args.gpu_memory_utilization}; the fraction of GPU memory kvllm may use: lower it if other processes "
-        f"share the GPU), max_model_len (now {model_config.max_model_len}) and max_num_seqs (now "
-        f"{args.max_num_seqs}), which bound the KV cache and the profiling batch (with max_num_batched_tokens); "
-        "kv_cache_memory_bytes sets the KV cache size directly. If the weights alone do not fit, use a smaller "
-        "model or --dtype float16/bfloat16. (swap_space does not help: kvllm never swaps.)"
-    )
 
 
 def graphs_available(device: torch.device) -> bool:
     """Whether decode steps are captured on this device (tests replace it to run graphs eagerly on the CPU)."""
     return device.type == "cuda"
-
-
-@dataclass
-class StepResult:
-    """Sampled tokens of one step, for the requests that reached their last token."""
-
-    request_indices: list[int]  # positions in the step's `scheduled` list
-    sampler_output: SamplerOutput | None
-    # scheduled index -> (prompt position of the first entry, logprobs of consecutive prompt tokens)
-    prompt_logprobs: dict[int, tuple[int, list[PositionLogprobs]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -87,8 +63,6 @@ class ModelRunner:
         self.model_config = model_config
         self.device = device
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.free_memory_at_start = torch.cuda.mem_get_info()[0] if device.type == "cuda" else 0
-
         selector_config = selector_config_from_hf_config(
             model_config.hf_config,
             device_info,
@@ -101,15 +75,6 @@ class ModelRunner:
         explain_kv_cache_dtype(selector_config.dtype, args.kv_cache_dtype, device_info)
         self.attn_backend: type[AttentionBackend] = choice.backend
         self.block_size = choice.block_size
-
-        torch.manual_seed(args.seed)
-        try:
-            self.model = load_model(model_config, args.load_format, device)
-        except torch.OutOfMemoryError as exc:
-            raise out_of_memory_error("loading the model weights", exc, args, model_config) from exc
-        self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        for layer in self.attention_layers:
-            layer.bind_backend(self.attn_backend, args.kv_cache_dtype)
         self.kv_cache_spec = KVCacheSpec(
             block_size=self.block_size,
             num_kv_heads=model_config.num_kv_heads,
@@ -118,84 +83,35 @@ class ModelRunner:
             kv_cache_dtype=args.kv_cache_dtype,
         )
         self.sampler = Sampler()
+        self.model: torch.nn.Module | None = None
+        self.attention_layers: list[Attention] = []
         self.metadata_builder = None
         self.input_batch: InputBatch | None = None
         self.graph_runner: CudaGraphRunner | None = None
         self.num_blocks = 0
 
-    # ---- KV cache ----------------------------------------------------------------------------
-
-    def bytes_per_block(self) -> int:
-        return self.kv_cache_spec.page_size_bytes * len(self.attention_layers)
-
-    def determine_num_blocks(self) -> int:
-        """Blocks that fit the KV-cache memory budget (CPU: a byte count; GPU: what profiling leaves)."""
-        per_block = self.bytes_per_block()
-        if self.args.kv_cache_memory_bytes is not None:
-            budget = self.args.kv_cache_memory_bytes
-        elif self.device.type == "cuda":
-            try:
-                budget = self._profile_free_gpu_memory()
-            except torch.OutOfMemoryError as exc:
-                raise out_of_memory_error(
-                    "profiling a forward pass of max_num_batched_tokens tokens",
-                    exc,
-                    self.args,
-                    self.model_config,
-                ) from exc
-        else:
-            if self.args.gpu_memory_utilization != EngineArgs.gpu_memory_utilization:
-                logger.info(
-                    "gpu_memory_utilization=%s applies to GPUs only; on the CPU the KV cache is sized by "
-                    "kv_cache_memory_bytes (default: up to %d GiB)",
-                    self.args.gpu_memory_utilization,
-                    DEFAULT_CPU_KV_CACHE_BYTES // GiB,
-                )
-            # No more than every sequence at full length could ever use.
-            needed = self.args.max_num_seqs * -(-self.model_config.max_model_len // self.block_size) + 1
-            budget = min(DEFAULT_CPU_KV_CACHE_BYTES, needed * per_block)
-        num_blocks = budget // per_block
-        if num_blocks < 1:
-            raise ValueError(
-                f"The KV cache budget of {budget / GiB:.2f} GiB holds no block of {per_block} bytes; "
-                "raise kv_cache_memory_bytes or gpu_memory_utilization, or lower max_model_len / max_num_seqs"
-            )
-        return int(num_blocks)
+    def load_model(self) -> None:
+        """Load the weights (seeded: dummy weights are drawn from torch's generator) and bind the backend."""
+        torch.manual_seed(self.args.seed)
+        self.model = load_model(self.model_config, self.args.load_format, self.device)
+        self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        for layer in self.attention_layers:
+            layer.bind_backend(self.attn_backend, self.args.kv_cache_dtype)
 
     @torch.inference_mode()
-    def _profile_free_gpu_memory(self) -> int:
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        num_tokens = min(self.max_num_batched_tokens, self.model_config.max_model_len)
+    def profile_run(self, num_tokens: int, num_logits: int) -> None:
+        """A forward pass of `num_tokens` tokens with no KV cache, and logits for the last `num_logits`:
+        the peak activation memory of a step at the token budget (the worker measures it)."""
         input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         positions = torch.arange(num_tokens, device=self.device)
         with set_forward_context(None):
             hidden = self.model(input_ids, positions)
-        last = hidden[-min(self.args.max_num_seqs, num_tokens) :]
-        self.model.compute_logits(last)
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated()
-        total = torch.cuda.mem_get_info()[1]
-        used_by_others = total - self.free_memory_at_start
-        budget = int(total * self.args.gpu_memory_utilization) - used_by_others - peak
-        if budget <= 0:
-            raise ValueError(
-                f"No GPU memory left for the KV cache: {total / GiB:.1f} GiB total, "
-                f"{used_by_others / GiB:.1f} GiB used by other processes, {peak / GiB:.1f} GiB peak for the "
-                f"model at {num_tokens} tokens per step. Raise gpu_memory_utilization "
-                f"(now {self.args.gpu_memory_utilization}), or lower max_model_len / max_num_seqs / "
-                "max_num_batched_tokens"
-            )
-        torch.cuda.empty_cache()
-        return budget
+        self.model.compute_logits(hidden[-num_logits:])
+
+    # ---- KV cache ----------------------------------------------------------------------------
 
     def initialize_kv_cache(self, num_blocks: int, max_num_reqs: int) -> None:
-        try:
-            self._allocate_kv_cache(num_blocks, max_num_reqs)
-        except torch.OutOfMemoryError as exc:
-            raise out_of_memory_error("allocating the KV cache", exc, self.args, self.model_config) from exc
-
-    def _allocate_kv_cache(self, num_blocks: int, max_num_reqs: int) -> None:
+        """Allocate every layer's cache and build the backend's per-step metadata builder."""
         spec = self.kv_cache_spec
         shape = self.attn_backend.get_kv_cache_shape(
             num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size

@@ -73,7 +73,7 @@ def test_attention_tiny_run_checks_before_timing(tmp_path):
 @needs_kernel_bench
 def test_attention_backends_filter(tmp_path):
     out = tmp_path / "attention.json"
-    cmd = [sys.executable, "-m", "kvllm.benchmarks.attention_kernels", "--tiny", "--only-shapes",
+    cmd = [sys.executable, "-m", "kvllm.benchmarks.attention", "--tiny", "--only-shapes",
            "--shape", "one:2x1@20", "--backends", "CPU_ATTN", "--peers", "triton,sdpa",
            "--output-json", str(out)]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -88,7 +88,7 @@ def test_kv_cache_views_follow_each_backends_layout():
     import torch
 
     from kvllm.attention.registry import get_backend_class, registered_backend_names
-    from kvllm.benchmarks.attention_backend_rows import kv_cache_views
+    from kvllm.attention.testing import kv_cache_views
 
     nb, bs, h, d = 3, 4, 2, 8
     for name in registered_backend_names():

@@ -26,7 +26,7 @@ def sweep_out(tiny_qwen3_path, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("sweep")
     cmd = [
         sys.executable,
-        "tools/gpu/bench_e2e.py",
+        "benchmarks/sweep_e2e.py",
         "--out",
         str(out),
         "--model",

@@ -102,7 +102,7 @@ FAULTY_STEP = f"""
 from kvllm.engine.llm_engine import LLMEngine
 _step = LLMEngine.step
 def _faulty_step(self):
-    if any(parent.prompt == {FAULT_PROMPT!r} for parent in self.parents.values()):
+    if any(parent.prompt == {FAULT_PROMPT!r} for parent in self.output_processor.parents.values()):
         raise RuntimeError("injected engine fault")
     return _step(self)
 LLMEngine.step = _faulty_step

@@ -8,8 +8,9 @@ import torch
 from kvllm.config.engine import EngineArgs
 from kvllm.forward_context import set_forward_context
 from kvllm.models.default_model import DEFAULT_MODEL
-from kvllm.models.loader import load_model, load_tokenizer
+from kvllm.models.loader import load_model
 from kvllm.models.model_config import ModelConfig
+from kvllm.models.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.slow
 
@@ -24,7 +25,7 @@ def model_config(smollm2_path: str) -> ModelConfig:
 
 @pytest.fixture(scope="module")
 def chat_ids(model_config: ModelConfig) -> list[int]:
-    tokenizer = load_tokenizer(model_config)
+    tokenizer = load_tokenizer(model_config.tokenizer_path)
     return tokenizer(
         tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False)
     ).input_ids
@@ -53,7 +54,7 @@ def test_default_model_config(model_config: ModelConfig, smollm2_path: str) -> N
 
 
 def test_tokenizer(model_config: ModelConfig, chat_ids: list[int]) -> None:
-    tokenizer = load_tokenizer(model_config)
+    tokenizer = load_tokenizer(model_config.tokenizer_path)
     assert tokenizer.is_fast
     assert tokenizer.eos_token == "<|im_end|>" and tokenizer.eos_token_id == 2
     assert tokenizer.bos_token_id == 1
@@ -66,7 +67,7 @@ def test_tokenizer(model_config: ModelConfig, chat_ids: list[int]) -> None:
 
 
 def test_hf_answers_paris(model_config: ModelConfig, hf_model: torch.nn.Module, chat_ids: list[int]) -> None:
-    tokenizer = load_tokenizer(model_config)
+    tokenizer = load_tokenizer(model_config.tokenizer_path)
     output = hf_model.generate(torch.tensor([chat_ids]), max_new_tokens=12, do_sample=False)
     assert "Paris" in tokenizer.decode(output[0, len(chat_ids) :])
 

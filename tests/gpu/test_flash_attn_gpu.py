@@ -3,8 +3,8 @@
 The walk is derived from FlashAttentionBackend's declarations, so a declaration cannot claim
 more than this test runs: dtypes x KV dtypes x head sizes x block sizes x features (none,
 sliding window, soft-cap, sinks), each on a mixed batch (decodes first, fresh and chunked
-prefills) over scrambled block tables, writing K/V through impl.forward. Blocks no request uses
-hold NaN, so reading past a sequence shows up as NaN.
+prefills) over scrambled block tables, writing K/V through impl.forward (kvllm.attention.testing).
+Blocks no request uses hold NaN, so reading past a sequence shows up as NaN.
 """
 
 from __future__ import annotations
@@ -15,11 +15,10 @@ import os
 import pytest
 import torch
 
-from kvllm.attention.backend import AttentionSelectorConfig, DeviceInfo
+from kvllm.attention.backend import AttentionSelectorConfig
 from kvllm.attention.backends.flash_attn import FlashAttentionBackend as Backend
-from kvllm.attention.metadata import KVCacheSpec
-from kvllm.attention.reference import PagedBatch, make_paged_batch
-from kvllm.layers.attention import Attention
+from kvllm.attention.testing import random_sinks, run_backend_case, shard
+from kvllm.platforms.interface import DeviceInfo
 
 # KVLLM_GPU_TEST_DEVICE=cpu dry-runs the harness against a stand-in kernel module (not a GPU check).
 DEVICE = torch.device(os.environ.get("KVLLM_GPU_TEST_DEVICE", "cuda"))
@@ -64,25 +63,6 @@ def declared_cases() -> list[tuple[str, str, int, int, str]]:
     return cases
 
 
-def _shard(cases: list) -> list:
-    """KVLLM_GPU_SHARD=i/n keeps every n-th case, so n processes can share the work."""
-    spec = os.environ.get("KVLLM_GPU_SHARD")
-    if not spec:
-        return cases
-    index, count = (int(x) for x in spec.split("/"))
-    return [c for j, c in enumerate(cases) if j % count == index]
-
-
-def fill_cache(kv_cache: torch.Tensor, batch: PagedBatch) -> None:
-    """Context K/V into the pages; pages no request reads get NaN."""
-    kv_cache[0].fill_(float("nan"))
-    kv_cache[1].fill_(float("nan"))
-    for r, seq_len in enumerate(batch.seq_lens):
-        used = batch.block_table[r, : -(-seq_len // batch.block_size)].long()
-        kv_cache[:, used] = 0.0  # rows past seq_len in a used page are finite, as in a zeroed cache
-    batch.fill_cache(kv_cache[0], kv_cache[1])
-
-
 def run_case(
     dtype: torch.dtype,
     head_size: int,
@@ -96,58 +76,23 @@ def run_case(
     seed: int = 0,
 ) -> float:
     """Relative max error of impl.forward against the float32 reference (also checks the cache write)."""
-    device = DEVICE
-    batch = make_paged_batch(
-        query_lens,
-        context_lens,
-        num_heads,
-        num_kv_heads,
-        head_size,
-        block_size,
-        dtype=dtype,
-        device=device,
-        seed=seed,
-    )
-    scale = head_size**-0.5
-    window = WINDOW if feature == "window" else None
-    soft_cap = SOFT_CAP if feature == "softcap" else None
-    layer = Attention(
-        num_heads, head_size, scale, num_kv_heads, window, soft_cap, has_sinks=feature == "sink"
-    ).to(device)
-    if layer.sinks is not None:
-        layer.sinks.copy_(torch.randn(num_heads, generator=torch.Generator().manual_seed(seed)) * 2)
-    spec = KVCacheSpec(block_size, num_kv_heads, head_size, dtype, "auto")
-    builder = Backend.get_builder_cls()(Backend, spec, device, 64, 4096, 4096)
-    impl = Backend.get_impl_cls()(
-        num_heads, head_size, scale, num_kv_heads, window, soft_cap, "decoder", "auto", layer.sinks
-    )
-    kv_cache = torch.empty(
-        Backend.get_kv_cache_shape(batch.num_blocks, block_size, num_kv_heads, head_size),
-        dtype=dtype,
-        device=device,
-    )
-    fill_cache(kv_cache, batch)
-
-    common = batch.metadata
-    query, key, value = batch.query, batch.new_keys, batch.new_values
-    if pad_tokens:
-        query, key, value = (torch.cat([t, torch.randn_like(t[:pad_tokens])]) for t in (query, key, value))
-        common.slot_mapping = torch.cat([common.slot_mapping, torch.full((pad_tokens,), -1, device=device)])
-    out = impl.forward(layer, query, key, value, kv_cache, builder.build(common))
-
-    ref = batch.reference(
-        scale, causal=True, sliding_window=window, logits_soft_cap=soft_cap, sinks=layer.sinks
-    )
-    n = common.num_actual_tokens
+    case = run_backend_case(
+        Backend, query_lens, context_lens, num_heads, num_kv_heads, head_size, block_size, dtype, DEVICE,
+        seed=seed, pad_tokens=pad_tokens, poison_unused_pages=True, builder_limits=(64, 4096, 4096),
+        sliding_window=WINDOW if feature == "window" else None,
+        logits_soft_cap=SOFT_CAP if feature == "softcap" else None,
+        sinks=random_sinks(num_heads, seed, DEVICE) if feature == "sink" else None,
+    )  # fmt: skip
+    out, query, n = case.out, case.query, case.num_tokens
     assert out.shape == query.shape and out.dtype == dtype
     assert torch.isfinite(out[:n]).all(), "non-finite output: a kernel read a page it should not"
-    written_k = kv_cache[0].view(-1, num_kv_heads, head_size)[common.slot_mapping[:n]]
-    assert torch.equal(written_k, batch.new_keys), "new keys not written at their slots"
-    return ((out[:n].float() - ref).abs().max() / ref.abs().max()).item()
+    written_k = case.written_keys()
+    assert torch.equal(written_k, case.batch.new_keys), "new keys not written at their slots"
+    return case.rel_max_error()
 
 
 @pytest.mark.parametrize(
-    ("dtype", "kv_cache_dtype", "head_size", "block_size", "feature"), _shard(declared_cases())
+    ("dtype", "kv_cache_dtype", "head_size", "block_size", "feature"), shard(declared_cases())
 )
 def test_declared_combination(
     dtype: str, kv_cache_dtype: str, head_size: int, block_size: int, feature: str

@@ -3,7 +3,7 @@
 The walk comes from FlashInferBackend's declarations: dtypes x KV dtypes (fp8 included) x head
 sizes x block sizes x features, each on a mixed batch (decodes first, fresh and chunked
 prefills) over scrambled block tables, through builder.build (plan) and impl.forward (K/V
-write, decode run, prefill run). Pages no request reads hold NaN.
+write, decode run, prefill run) by kvllm.attention.testing. Pages no request reads hold NaN.
 
 The `widen` walk runs what the kernel side implements but the backend does not declare yet
 (FlashInferBackend.IMPLEMENTED_*: more head sizes and block sizes, sliding window, soft-cap):
@@ -22,12 +22,11 @@ import os
 import pytest
 import torch
 
-from kvllm.attention.backend import AttentionSelectorConfig, DeviceInfo
+from kvllm.attention.backend import AttentionSelectorConfig
 from kvllm.attention.backends.flashinfer import FlashInferBackend as Backend
 from kvllm.attention.backends.flashinfer import kv_dtype_mismatch_reasons
-from kvllm.attention.metadata import KVCacheSpec
-from kvllm.attention.reference import PagedBatch, make_paged_batch, reference_attention
-from kvllm.layers.attention import Attention
+from kvllm.attention.testing import run_backend_case, shard
+from kvllm.platforms.interface import DeviceInfo
 
 # KVLLM_GPU_TEST_DEVICE=cpu dry-runs the harness against a stand-in kernel module (not a GPU check).
 DEVICE = torch.device(os.environ.get("KVLLM_GPU_TEST_DEVICE", "cuda"))
@@ -79,15 +78,9 @@ def _walk(kv_dtypes: tuple[str, ...], axes: tuple[tuple[int, ...], tuple[int, ..
     return cases
 
 
-def _shard(cases: list[Case]) -> list[Case]:
-    """KVLLM_GPU_SHARD=i/n: whole compile groups, round-robin over n processes."""
-    spec = os.environ.get("KVLLM_GPU_SHARD")
-    if not spec:
-        return cases
-    index, count = (int(x) for x in spec.split("/"))
-    groups = list(dict.fromkeys((c[0], CACHE_DTYPES.get(c[1], c[1]), c[2], c[4]) for c in cases))
-    mine = {g for j, g in enumerate(groups) if j % count == index}
-    return [c for c in cases if (c[0], CACHE_DTYPES.get(c[1], c[1]), c[2], c[4]) in mine]
+def _compile_group(case: Case) -> tuple:
+    """What FlashInfer compiles one module for: dtype, cache dtype, head size, feature."""
+    return (case[0], CACHE_DTYPES.get(case[1], case[1]), case[2], case[4])
 
 
 # Tests outside the walks run in shard 0 only.
@@ -119,32 +112,6 @@ def widen_cases() -> list[Case]:
     return [c for c in _walk(kv_dtypes, IMPLEMENTED_AXES) if c not in declared]
 
 
-def _dequantized(
-    batch: PagedBatch, cache_dtype: torch.dtype
-) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    keys = [(k.float() / K_SCALE).to(cache_dtype).float() * K_SCALE for k in batch.keys]
-    values = [(v.float() / V_SCALE).to(cache_dtype).float() * V_SCALE for v in batch.values]
-    return keys, values
-
-
-def fill_cache(kv_cache: torch.Tensor, batch: PagedBatch, fp8: bool) -> None:
-    """Context K/V into the pages (divided by the scales for fp8); pages no request reads get NaN."""
-    kv_cache.fill_(float("nan"))
-    for r, seq_len in enumerate(batch.seq_lens):
-        used = batch.block_table[r, : -(-seq_len // batch.block_size)].long()
-        kv_cache[used] = 0.0
-        ctx = seq_len - batch.query_lens[r]
-        if ctx == 0:
-            continue
-        pos = torch.arange(ctx, device=kv_cache.device)
-        blocks = batch.block_table[r].long()[pos // batch.block_size]
-        k, v = batch.keys[r][:ctx].float(), batch.values[r][:ctx].float()
-        if fp8:
-            k, v = k / K_SCALE, v / V_SCALE
-        kv_cache[blocks, 0, pos % batch.block_size] = k.to(kv_cache.dtype)
-        kv_cache[blocks, 1, pos % batch.block_size] = v.to(kv_cache.dtype)
-
-
 def run_case(
     dtype: torch.dtype,
     kv_cache_dtype: str,
@@ -160,61 +127,27 @@ def run_case(
     seed: int = 0,
 ) -> float:
     """Relative max error of impl.forward against the float32 reference (also checks the cache write)."""
-    device = DEVICE
     fp8 = kv_cache_dtype in FP8_KV
     cache_dtype = CACHE_DTYPES.get(kv_cache_dtype, dtype)
-    batch = make_paged_batch(
-        query_lens,
-        context_lens,
-        num_heads,
-        num_kv_heads,
-        head_size,
-        block_size,
-        dtype=dtype,
-        device=device,
-        seed=seed,
-    )
-    scale = head_size**-0.5
-    window = WINDOW if feature == "window" else None
-    soft_cap = SOFT_CAP if feature == "softcap" else None
-    layer = Attention(num_heads, head_size, scale, num_kv_heads, window, soft_cap).to(device)
-    if fp8:
-        layer.k_scale.fill_(K_SCALE)
-        layer.v_scale.fill_(V_SCALE)
-    spec = KVCacheSpec(block_size, num_kv_heads, head_size, cache_dtype, kv_cache_dtype)
-    builder = Backend.get_builder_cls()(Backend, spec, device, 64, 4096, 4096)
-    impl = Backend.get_impl_cls()(
-        num_heads, head_size, scale, num_kv_heads, window, soft_cap, "decoder", kv_cache_dtype
-    )
-    shape = Backend.get_kv_cache_shape(batch.num_blocks, block_size, num_kv_heads, head_size)
-    kv_cache = torch.empty(shape, dtype=cache_dtype, device=device)
-    fill_cache(kv_cache, batch, fp8)
-
-    common = batch.metadata
-    query, key, value = batch.query, batch.new_keys, batch.new_values
-    if pad_tokens:
-        query, key, value = (torch.cat([t, torch.randn_like(t[:pad_tokens])]) for t in (query, key, value))
-        common.slot_mapping = torch.cat([common.slot_mapping, torch.full((pad_tokens,), -1, device=device)])
     # Later steps reuse the wrappers (planned eagerly in build) and rewrite the same slots.
-    for _ in range(steps):
-        out = impl.forward(layer, query, key, value, kv_cache, builder.build(common))
-
-    keys, values = _dequantized(batch, cache_dtype) if fp8 else (batch.keys, batch.values)
-    ref = reference_attention(
-        batch.query, keys, values, batch.query_lens, scale, sliding_window=window, logits_soft_cap=soft_cap
-    )
-    n = common.num_actual_tokens
+    case = run_backend_case(
+        Backend, query_lens, context_lens, num_heads, num_kv_heads, head_size, block_size, dtype, DEVICE,
+        seed=seed, steps=steps, pad_tokens=pad_tokens, poison_unused_pages=True, builder_limits=(64, 4096, 4096),
+        kv_cache_dtype=kv_cache_dtype, k_scale=K_SCALE if fp8 else 1.0, v_scale=V_SCALE if fp8 else 1.0,
+        sliding_window=WINDOW if feature == "window" else None,
+        logits_soft_cap=SOFT_CAP if feature == "softcap" else None,
+    )  # fmt: skip
+    out, query, n, batch = case.out, case.query, case.num_tokens, case.batch
     assert out.shape == query.shape and out.dtype == dtype
     assert torch.isfinite(out[:n]).all(), "non-finite output: a kernel read a page it should not"
-    slots = common.slot_mapping[:n]
-    written_k = kv_cache[slots // block_size, 0, slots % block_size]
+    written_k = case.written_keys()
     expected_k = (batch.new_keys.float() / K_SCALE).to(cache_dtype) if fp8 else batch.new_keys
     assert torch.equal(written_k.float(), expected_k.float()), "new keys not written at their slots"
-    return ((out[:n].float() - ref).abs().max() / ref.abs().max()).item()
+    return case.rel_max_error()
 
 
 @pytest.mark.parametrize(
-    ("dtype", "kv_cache_dtype", "head_size", "block_size", "feature"), _shard(declared_cases())
+    ("dtype", "kv_cache_dtype", "head_size", "block_size", "feature"), shard(declared_cases(), _compile_group)
 )
 def test_declared_combination(
     dtype: str, kv_cache_dtype: str, head_size: int, block_size: int, feature: str
@@ -224,7 +157,7 @@ def test_declared_combination(
 
 
 @pytest.mark.parametrize(
-    ("dtype", "kv_cache_dtype", "head_size", "block_size", "feature"), _shard(widen_cases())
+    ("dtype", "kv_cache_dtype", "head_size", "block_size", "feature"), shard(widen_cases(), _compile_group)
 )
 def test_widen_combination(
     dtype: str, kv_cache_dtype: str, head_size: int, block_size: int, feature: str

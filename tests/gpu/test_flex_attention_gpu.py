@@ -18,11 +18,13 @@ import os
 import pytest
 import torch
 
-from kvllm.attention.backend import AttentionSelectorConfig, DeviceInfo
+from kvllm.attention.backend import AttentionSelectorConfig
 from kvllm.attention.backends import flex_attention_impl as flex
 from kvllm.attention.backends.flex_attention import FlexAttentionBackend as Backend
 from kvllm.attention.metadata import KVCacheSpec
 from kvllm.attention.reference import PagedBatch, make_paged_batch
+from kvllm.attention.testing import make_builder, make_impl
+from kvllm.platforms.interface import DeviceInfo
 
 # KVLLM_GPU_TEST_DEVICE=cpu dry-runs the harness on the CPU kernel (not a GPU check).
 DEVICE = torch.device(os.environ.get("KVLLM_GPU_TEST_DEVICE", "cuda"))
@@ -66,18 +68,9 @@ def run(
     attn_type: str = "decoder",
     kv_cache_dtype: str = "auto",
 ) -> torch.Tensor:
-    spec = KVCacheSpec(batch.block_size, num_kv_heads, head_size, cache_dtype, kv_cache_dtype)
-    builder = Backend.get_builder_cls()(Backend, spec, DEVICE, MAX_NUM_REQS, 2048, MAX_MODEL_LEN)
-    impl = Backend.get_impl_cls()(
-        num_heads,
-        head_size,
-        head_size**-0.5,
-        num_kv_heads,
-        sliding_window=window,
-        logits_soft_cap=soft_cap,
-        attn_type=attn_type,
-        kv_cache_dtype=kv_cache_dtype,
-    )
+    builder = make_builder(Backend, batch, cache_dtype, kv_cache_dtype, (MAX_NUM_REQS, 2048, MAX_MODEL_LEN))
+    impl = make_impl(Backend, num_heads, head_size, num_kv_heads, sliding_window=window, logits_soft_cap=soft_cap,
+                     attn_type=attn_type, kv_cache_dtype=kv_cache_dtype)  # fmt: skip
     batch.metadata.causal = causal
     if attn_type == "encoder_only":
         kv_cache = torch.empty(0, device=DEVICE)

@@ -42,9 +42,9 @@ def _exact_reference():
 
 
 def run(*args, **kwargs):
-    from kvllm.attention.ops.triton_testing import run_attention_case
+    from kvllm.attention.testing import run_triton_case
 
-    return run_attention_case(*args, device="cuda", **kwargs)
+    return run_triton_case(*args, device="cuda", **kwargs)
 
 
 def check(case, dtype: torch.dtype) -> None:
@@ -197,7 +197,7 @@ def test_cuda_graph_capture_and_replay(uniform_decode) -> None:
 def test_kv_write_gpu(cache_dtype) -> None:
     """The compiled KV write is bit-exact: fp8 stores the IEEE quotient x / scale rounded to nearest even."""
     from kvllm.attention.ops.triton_reshape_and_cache import reshape_and_cache
-    from kvllm.attention.ops.triton_testing import fp8_quantize
+    from kvllm.attention.testing import fp8_quantize
 
     gen = torch.Generator().manual_seed(0)
     key = (torch.randn(1000, 8, 128, generator=gen) * 3).to(torch.bfloat16).cuda()

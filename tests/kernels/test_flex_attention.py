@@ -18,14 +18,16 @@ import torch
 from torch._dynamo.exc import BackendCompilerFailed
 from torch.nn.attention.flex_attention import create_mask, flex_attention
 
-from kvllm.attention.backend import AttentionSelectorConfig, DeviceInfo
+from kvllm.attention.backend import AttentionSelectorConfig
 from kvllm.attention.backends import flex_attention_impl as flex
 from kvllm.attention.backends import flex_attention_mask as flex_mask
 from kvllm.attention.backends.flex_attention import FlexAttentionBackend
 from kvllm.attention.metadata import CommonAttentionMetadata, KVCacheSpec
 from kvllm.attention.reference import PagedBatch, make_paged_batch, reference_attention
+from kvllm.attention.testing import prepare_backend_case
 from kvllm.forward_context import set_forward_context
 from kvllm.layers.attention import Attention
+from kvllm.platforms.interface import DeviceInfo
 
 CPU = torch.device("cpu")
 MAX_NUM_REQS = 16
@@ -54,33 +56,15 @@ def make_builder(block_size: int, num_kv_heads: int, head_size: int, dtype: torc
 
 def run_batch(
     batch: PagedBatch,
-    num_heads: int,
-    num_kv_heads: int,
-    head_size: int,
-    cache_dtype: torch.dtype,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
     kv_cache_dtype: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Output of one FLEX_ATTENTION forward over `batch`, and the cache after it."""
-    builder = make_builder(batch.block_size, num_kv_heads, head_size, cache_dtype)
-    impl = FlexAttentionBackend.get_impl_cls()(
-        num_heads,
-        head_size,
-        head_size**-0.5,
-        num_kv_heads,
-        sliding_window=sliding_window,
-        logits_soft_cap=logits_soft_cap,
-        kv_cache_dtype=kv_cache_dtype,
-    )
-    shape = FlexAttentionBackend.get_kv_cache_shape(
-        batch.num_blocks, batch.block_size, num_kv_heads, head_size
-    )
-    kv_cache = torch.zeros(shape, dtype=cache_dtype)
-    batch.fill_cache(kv_cache[0], kv_cache[1])
-    meta = builder.build(batch.metadata)
-    out = impl.forward(None, batch.query, batch.new_keys, batch.new_values, kv_cache, meta)
-    return out, kv_cache
+    case = prepare_backend_case(FlexAttentionBackend, batch, sliding_window=sliding_window,
+                                logits_soft_cap=logits_soft_cap, kv_cache_dtype=kv_cache_dtype,
+                                builder_limits=(MAX_NUM_REQS, 2048, MAX_MODEL_LEN))  # fmt: skip
+    return case.forward(), case.kv_cache
 
 
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 2e-2}
@@ -123,7 +107,7 @@ def test_eager_matches_reference(
         query_lens, context_lens, num_heads, num_kv_heads, head_size, block_size, dtype, seed=1
     )
     batch.metadata.causal = causal
-    out, _ = run_batch(batch, num_heads, num_kv_heads, head_size, dtype, window, soft_cap)
+    out, _ = run_batch(batch, window, soft_cap)
     ref = batch.reference(head_size**-0.5, causal=causal, sliding_window=window, logits_soft_cap=soft_cap)
     assert out.dtype == dtype and out.shape == batch.query.shape
     torch.testing.assert_close(out.float(), ref, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
@@ -132,7 +116,7 @@ def test_eager_matches_reference(
 def test_cache_dtype_differs_from_model_dtype(eager) -> None:
     """A bfloat16 model with kv_cache_dtype=float16: K/V are stored and read as float16."""
     batch = make_paged_batch([1, 9], [20, 7], 4, 2, 64, 16, torch.bfloat16, seed=2)
-    out, kv_cache = run_batch(batch, 4, 2, 64, torch.float16, kv_cache_dtype="float16")
+    out, kv_cache = run_batch(batch, kv_cache_dtype="float16")
     assert kv_cache.dtype == torch.float16 and out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), batch.reference(64**-0.5), atol=2e-2, rtol=2e-2)
 
@@ -147,7 +131,7 @@ def test_slot_minus_one_is_skipped(eager) -> None:
     batch.query = torch.cat([batch.query, torch.randn(3, 4, 32)])
     batch.new_keys = torch.cat([batch.new_keys, torch.randn(3, 2, 32)])
     batch.new_values = torch.cat([batch.new_values, torch.randn(3, 2, 32)])
-    out, kv_cache = run_batch(batch, 4, 2, 32, torch.float32)
+    out, kv_cache = run_batch(batch)
     assert out.shape[0] == batch.query.shape[0]
 
     expected = torch.zeros_like(kv_cache)
@@ -171,7 +155,7 @@ def test_shared_prefix_pages(eager) -> None:
     batch.block_table[1, :shared] = batch.block_table[0, :shared]
     for tensors in (batch.keys, batch.values):
         tensors[1][: shared * 16] = tensors[0][: shared * 16]
-    out, _ = run_batch(batch, 4, 2, 32, torch.float32)
+    out, _ = run_batch(batch)
     torch.testing.assert_close(out, batch.reference(32**-0.5), atol=2e-5, rtol=2e-5)
     meta = make_builder(16, 2, 32, torch.float32).build(batch.metadata)
     counts, indices = flex_mask.paged_kv_blocks(meta, True, None, 1, batch.num_blocks, batch.num_blocks)
@@ -361,8 +345,8 @@ def test_compile_failure_falls_back_to_eager_for_that_configuration_only(
     monkeypatch.setattr(flex, "_get_compiled_flex", lambda: kernel)
     batch = make_paged_batch([1, 6], [20, 3], 4, 2, 32, 16, seed=9)
     with caplog.at_level(logging.INFO, logger=flex.__name__):
-        out, _ = run_batch(batch, 4, 2, 32, torch.float32)
-        out2, _ = run_batch(batch, 4, 2, 32, torch.float32)
+        out, _ = run_batch(batch)
+        out2, _ = run_batch(batch)
     torch.testing.assert_close(out, batch.reference(32**-0.5), atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(out2, out)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
@@ -373,7 +357,7 @@ def test_compile_failure_falls_back_to_eager_for_that_configuration_only(
 
     other = make_paged_batch([1, 6], [20, 3], 4, 2, 64, 16, seed=9)
     with caplog.at_level(logging.INFO, logger=flex.__name__):
-        out, _ = run_batch(other, 4, 2, 64, torch.float32)
+        out, _ = run_batch(other)
     torch.testing.assert_close(out, other.reference(64**-0.5), atol=2e-5, rtol=2e-5)
     assert compiled_calls == [64]
     assert list(flex.compile_failures()) == [failed]

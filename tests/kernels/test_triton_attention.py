@@ -18,9 +18,9 @@ import torch
 from kvllm.attention.backends.triton_attn import TritonAttentionBackend
 from kvllm.attention.backends.triton_attn_impl import TritonAttentionImpl, TritonAttentionMetadataBuilder
 from kvllm.attention.metadata import CommonAttentionMetadata, KVCacheSpec
-from kvllm.attention.ops.triton_testing import run_attention_case
 from kvllm.attention.ops.triton_unified_attention import KernelConfig
 from kvllm.attention.reference import make_paged_batch
+from kvllm.attention.testing import run_triton_case
 
 TOLERANCE = {torch.float32: (1e-5, 1e-4), torch.float16: (2e-3, 1e-2)}
 # Small tiles: many q-blocks and KV tiles per request, so the binary search, tile loops crossing
@@ -48,7 +48,7 @@ def check(case, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("tiles", ["default", "small"])
 def test_mixed_batch(dtype, num_heads, num_kv_heads, head_size, block_size, tiles) -> None:
     cfg = SMALL if tiles == "small" else None
-    case = run_attention_case(
+    case = run_triton_case(
         MIXED_QUERY_LENS, MIXED_CONTEXT_LENS, num_heads, num_kv_heads, head_size, block_size, dtype,
         decode_config=cfg, prefill_config=cfg,
     )  # fmt: skip
@@ -63,7 +63,7 @@ def test_mixed_batch(dtype, num_heads, num_kv_heads, head_size, block_size, tile
 @pytest.mark.parametrize("tiles", ["default", "small"])
 def test_features(sliding_window, logits_soft_cap, use_sinks, tiles) -> None:
     cfg = SMALL if tiles == "small" else None
-    case = run_attention_case(
+    case = run_triton_case(
         MIXED_QUERY_LENS, MIXED_CONTEXT_LENS, 8, 2, 64, 16, torch.float16,
         sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, use_sinks=use_sinks,
         decode_config=cfg, prefill_config=cfg,
@@ -74,7 +74,7 @@ def test_features(sliding_window, logits_soft_cap, use_sinks, tiles) -> None:
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2", "fp8"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
 def test_fp8_kv_cache(kv_cache_dtype, dtype) -> None:
-    case = run_attention_case(
+    case = run_triton_case(
         MIXED_QUERY_LENS, MIXED_CONTEXT_LENS, 8, 2, 64, 16, dtype,
         kv_cache_dtype=kv_cache_dtype, k_scale=0.37, v_scale=1.7, use_sinks=True,
         decode_config=SMALL, prefill_config=SMALL,
@@ -90,7 +90,7 @@ def test_fp8_kv_cache(kv_cache_dtype, dtype) -> None:
 def test_split_kv_decode(num_splits, sliding_window, use_sinks, kv_cache_dtype) -> None:
     # Segments shorter than a tile and longer than several tiles, plus a request with fewer
     # tiles than segments (its extra segments are empty and must drop out of the reduce).
-    case = run_attention_case(
+    case = run_triton_case(
         [1, 1, 1, 1, 5], [300, 4, 129, 40, 60], 8, 2, 96, 16, torch.float16,
         sliding_window=sliding_window, use_sinks=use_sinks, kv_cache_dtype=kv_cache_dtype, k_scale=0.5,
         v_scale=2.0, num_splits=num_splits, decode_config=SMALL,
@@ -101,7 +101,7 @@ def test_split_kv_decode(num_splits, sliding_window, use_sinks, kv_cache_dtype) 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
 def test_long_prefill_chunk_over_prefix(dtype) -> None:
     """A chunk spanning several default-size q-blocks over a cached prefix (tiles fully unmasked)."""
-    case = run_attention_case([1, 150], [10, 200], 4, 2, 64, 16, dtype)
+    case = run_triton_case([1, 150], [10, 200], 4, 2, 64, 16, dtype)
     check(case, dtype)
 
 
@@ -191,7 +191,7 @@ def test_benchmark_tiny_runs(tmp_path) -> None:
     """The kernel benchmark's CPU mode: checks against the reference, times, writes its JSON."""
     import json
 
-    from kvllm.benchmarks.attention_kernels import main
+    from kvllm.benchmarks.attention.main import main
 
     out = tmp_path / "bench.json"
     argv = ["--tiny", "--only-shapes", "--shape", "t:2x1@20+1x8@4", "--peers", "triton,sdpa,fa4",

@@ -9,6 +9,7 @@ import pytest
 
 from kvllm.attention import registry
 from kvllm.attention.selector import clear_selection_cache
+from kvllm.config.backend_names import backend_table
 
 
 @pytest.fixture
@@ -26,14 +27,14 @@ def kvllm_logs(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFi
 @pytest.fixture
 def isolated_registry() -> Iterator[None]:
     """Restore the registry (and forget cached choices) after a test that changes it."""
-    table = dict(registry._table())
+    table = dict(backend_table())
     classes = dict(registry._classes)
     clear_selection_cache()
     try:
         yield
     finally:
-        registry._table().clear()
-        registry._table().update(table)
+        backend_table().clear()
+        backend_table().update(table)
         registry._classes.clear()
         registry._classes.update(classes)
         registry._generation += 1
@@ -42,7 +43,7 @@ def isolated_registry() -> Iterator[None]:
 
 def install_backend(name: str, cls: type) -> None:
     """Register an in-test backend class under `name` (use with isolated_registry)."""
-    table = registry._table()
+    table = backend_table()
     table[name] = f"{cls.__module__}:{cls.__qualname__}"
     registry._classes[name] = cls
     registry._generation += 1

@@ -6,8 +6,8 @@ import argparse
 
 import pytest
 
-from kvllm.attention.names import AttentionBackendEnum as B
 from kvllm.config.attention import AttentionConfig
+from kvllm.config.backend_names import AttentionBackendEnum as B
 from kvllm.config.engine import EngineArgs
 from kvllm.entrypoints.cli.engine_args import engine_arg_parser, engine_args_from_cli, preprocess_argv
 from kvllm.entrypoints.cli.main import build_parser, main

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 import kvllm
-from kvllm.attention.names import AttentionBackendEnum as B
+from kvllm.config.backend_names import AttentionBackendEnum as B
 from kvllm.entrypoints.cli.main import main
 
 

@@ -26,18 +26,18 @@ from kvllm.attention import registry  # noqa: E402
 from kvllm.attention.backend import (  # noqa: E402
     AttentionBackend,
     AttentionSelectorConfig,
-    DeviceInfo,
     MultipleOf,
     OneOf,
 )
+from kvllm.config.choices import FP8_KV_CACHE_DTYPES  # noqa: E402
 from kvllm.platforms import current_device_info  # noqa: E402
+from kvllm.platforms.interface import DeviceInfo  # noqa: E402
 
 DEVICE = current_device_info()
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 TORCH_DEVICE = "cuda" if DEVICE.platform in ("cuda", "rocm") else "cpu"
 
 TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
-FP8 = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 # (max relative L2 error, max abs error) by the least precise dtype involved; outputs are O(1).
 TOLERANCE = {torch.float32: (1e-4, 1e-3), torch.float16: (5e-3, 2e-2), torch.bfloat16: (2e-2, 8e-2)}
 FEATURES = ("sliding_window", "soft_cap", "sinks", "non_causal")
@@ -174,106 +174,39 @@ def _params() -> list[object]:
     return params
 
 
-def _kv_views(backend: type[AttentionBackend], kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V views shaped [num_blocks, block_size, num_kv_heads, head_size] for any 2-stacked layout."""
-    if kv_cache.shape[0] == 2:
-        key_cache, value_cache = kv_cache[0], kv_cache[1]
-    elif kv_cache.dim() == 5 and kv_cache.shape[1] == 2:
-        key_cache, value_cache = kv_cache[:, 0], kv_cache[:, 1]
-    else:
-        raise AssertionError(f"{backend.name}: unrecognised KV cache shape {tuple(kv_cache.shape)}")
-    if backend.kv_cache_layout == "HND":
-        key_cache, value_cache = key_cache.transpose(1, 2), value_cache.transpose(1, 2)
-    return key_cache, value_cache
-
-
-def _roundtrip(x: torch.Tensor, cache_dtype: torch.dtype, scale: float) -> torch.Tensor:
-    """What reading x back from a cache of cache_dtype gives (scaled for fp8)."""
-    if cache_dtype in FP8.values():
-        return (x.float() / scale).to(cache_dtype).float() * scale
-    return x.to(cache_dtype).float()
-
-
 def run_case(case: Case, monkeypatch: pytest.MonkeyPatch) -> tuple[torch.Tensor, torch.Tensor]:
-    from kvllm.attention.metadata import KVCacheSpec
-    from kvllm.attention.reference import make_paged_batch, reference_attention
-    from kvllm.layers.attention import Attention
+    from kvllm.attention.testing import run_backend_case
 
     monkeypatch.setenv(
         "KVLLM_FLEX_COMPILE", "0"
     )  # eager FlexAttention: the compile costs ~20 s per shape on CPU
-    backend = registry.get_backend_class(case.backend)
-    dtype = TORCH_DTYPES[case.dtype]
-    fp8 = FP8.get(case.kv_cache_dtype)
-    cache_dtype = fp8 or (dtype if case.kv_cache_dtype == "auto" else TORCH_DTYPES[case.kv_cache_dtype])
-    k_scale, v_scale = (K_SCALE, V_SCALE) if fp8 is not None else (1.0, 1.0)
-    encoder_only = case.attn_type == "encoder_only"
-    causal = "non_causal" not in case.features
+    fp8 = case.kv_cache_dtype in FP8_KV_CACHE_DTYPES
     # Decodes first, then prefill chunks with and without cached context (encoder-only: no cache).
+    encoder_only = case.attn_type == "encoder_only"
     query_lens, context_lens = ([5, 9], [0, 0]) if encoder_only else ([1, 1, 6, 11], [37, 3, 19, 0])
-    batch = make_paged_batch(
+    max_model_len = 2 * max(q + c for q, c in zip(query_lens, context_lens)) + case.block_size
+    result = run_backend_case(
+        registry.get_backend_class(case.backend),
         query_lens,
         context_lens,
         NUM_HEADS,
         NUM_KV_HEADS,
         case.head_size,
         case.block_size,
-        dtype=dtype,
-        device=TORCH_DEVICE,
+        TORCH_DTYPES[case.dtype],
+        TORCH_DEVICE,
         seed=1234,
-    )
-    batch.metadata.causal = causal
-    kv_cache = torch.zeros(
-        backend.get_kv_cache_shape(batch.num_blocks, case.block_size, NUM_KV_HEADS, case.head_size),
-        dtype=torch.float32,
-        device=TORCH_DEVICE,
-    )
-    key_stage, value_stage = _kv_views(backend, kv_cache)
-    batch.fill_cache(key_stage, value_stage)
-    if fp8 is not None:
-        key_stage.div_(k_scale)
-        value_stage.div_(v_scale)
-    kv_cache = kv_cache.to(cache_dtype)
-
-    scale = case.head_size**-0.5
-    layer = Attention(
-        NUM_HEADS,
-        case.head_size,
-        scale,
-        NUM_KV_HEADS,
+        causal="non_causal" not in case.features,
+        kv_cache_dtype=case.kv_cache_dtype,
+        k_scale=K_SCALE if fp8 else 1.0,
+        v_scale=V_SCALE if fp8 else 1.0,
         sliding_window=SLIDING_WINDOW if "sliding_window" in case.features else None,
         logits_soft_cap=SOFT_CAP if "soft_cap" in case.features else None,
-        has_sinks="sinks" in case.features,
+        sinks=torch.linspace(-1.0, 2.0, NUM_HEADS).to(TORCH_DEVICE) if "sinks" in case.features else None,
         attn_type=case.attn_type,
-    ).to(TORCH_DEVICE)
-    layer.k_scale.fill_(k_scale)
-    layer.v_scale.fill_(v_scale)
-    if layer.sinks is not None:
-        layer.sinks.copy_(torch.linspace(-1.0, 2.0, NUM_HEADS))
-    layer.bind_backend(backend, case.kv_cache_dtype)
-    spec = KVCacheSpec(case.block_size, NUM_KV_HEADS, case.head_size, cache_dtype, case.kv_cache_dtype)
-    max_model_len = 2 * max(batch.seq_lens) + case.block_size
-    builder = backend.get_builder_cls()(backend, spec, torch.device(TORCH_DEVICE), 8, 128, max_model_len)
-    attn_metadata = builder.build(batch.metadata)
-    out = layer.impl.forward(layer, batch.query, batch.new_keys, batch.new_values, kv_cache, attn_metadata)
-
-    if encoder_only:
-        keys, values = batch.keys, batch.values
-    else:
-        keys = [_roundtrip(k, cache_dtype, k_scale) for k in batch.keys]
-        values = [_roundtrip(v, cache_dtype, v_scale) for v in batch.values]
-    ref = reference_attention(
-        batch.query,
-        keys,
-        values,
-        batch.query_lens,
-        scale,
-        causal=causal,
-        sliding_window=layer.sliding_window,
-        logits_soft_cap=layer.logits_soft_cap,
-        sinks=layer.sinks,
+        builder_limits=(8, 128, max_model_len),
     )
-    return out, ref
+    return result.out, result.ref
 
 
 @pytest.mark.parametrize("case", _params())

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvllm.attention.backend import AttentionSelectorConfig, DeviceInfo
+from kvllm.attention.backend import AttentionSelectorConfig
 from kvllm.attention.backends import flashinfer_impl
 from kvllm.attention.backends.flash_attn import FlashAttentionBackend
 from kvllm.attention.backends.flash_attn_impl import FlashAttentionMetadataBuilder
@@ -33,6 +33,7 @@ from kvllm.attention.backends.flashinfer_impl import (
 from kvllm.attention.metadata import KVCacheSpec
 from kvllm.attention.ops.paged_cache_write import write_kv_to_paged_cache
 from kvllm.attention.reference import make_paged_batch
+from kvllm.platforms.interface import DeviceInfo
 
 CPU = DeviceInfo("cpu")
 H200 = DeviceInfo("cuda", (9, 0))

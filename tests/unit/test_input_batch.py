@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvllm.engine.request import Request
-from kvllm.engine.scheduler import ScheduledRequest, SchedulerOutput
+from kvllm.core.request import Request
+from kvllm.core.sched_output import ScheduledRequest, SchedulerOutput
 from kvllm.sampling_params import SamplingParams
 from kvllm.worker.input_batch import InputBatch
 

@@ -4,8 +4,8 @@ import random
 
 import pytest
 
-from kvllm.engine.kv_cache_manager import KVCacheManager
-from kvllm.engine.request import Request
+from kvllm.core.kv_cache_manager import KVCacheManager
+from kvllm.core.request import Request
 from kvllm.sampling_params import SamplingParams
 
 

@@ -10,8 +10,9 @@ import torch
 
 from kvllm.config.engine import EngineArgs
 from kvllm.forward_context import set_forward_context
-from kvllm.models.loader import load_model, load_tokenizer
+from kvllm.models.loader import load_model
 from kvllm.models.model_config import ModelConfig
+from kvllm.models.tokenizer import load_tokenizer
 
 CPU = torch.device("cpu")
 
@@ -98,11 +99,11 @@ def test_folder_without_tokenizer(tmp_path: Path) -> None:
         7,
     )  # from config.json when neither tokenizer nor generation config has one
     with pytest.raises(ValueError, match="no tokenizer files"):
-        load_tokenizer(config)
+        load_tokenizer(config.tokenizer_path)
 
 
 def test_tokenizer(tiny_qwen3_path: Path) -> None:
-    tokenizer = load_tokenizer(config_of(tiny_qwen3_path))
+    tokenizer = load_tokenizer(config_of(tiny_qwen3_path).tokenizer_path)
     assert tokenizer.is_fast
     assert tokenizer.eos_token_id == 2
     ids = tokenizer.apply_chat_template(

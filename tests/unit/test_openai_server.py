@@ -319,7 +319,9 @@ def test_engine_crash_fails_requests_and_marks_unhealthy(engine, monkeypatch, st
         assert_openai_error(c.get("/health"), 503, text="simulated device failure")
         assert_openai_error(c.post("/v1/completions", json=body), 503, text="restart the server")
     monkeypatch.undo()
-    engine.abort_request(list(engine.parents))  # the crashed step left its request in the engine
+    engine.abort_request(
+        list(engine.output_processor.parents)
+    )  # the crashed step left its request in the engine
     assert_engine_idle(engine)
 
 

@@ -9,8 +9,9 @@ from attention_fixtures import isolated_registry  # noqa: F401
 
 from kvllm.attention import registry
 from kvllm.attention.backend import AttentionBackend
-from kvllm.attention.names import AttentionBackendEnum
+from kvllm.config import backend_names
 from kvllm.config.attention import AttentionConfig
+from kvllm.config.backend_names import AttentionBackendEnum
 from kvllm.config.engine import EngineArgs
 
 
@@ -23,8 +24,8 @@ def test_builtins_registered_only_when_their_module_exists() -> None:
     names = registry.registered_backend_names()
     assert "CPU_ATTN" in names
     assert names == sorted(names)
-    for name, path in registry._BUILTIN_BACKENDS.items():
-        assert (name in names) == registry._module_exists(path.partition(":")[0])
+    for name, path in backend_names.BUILTIN_BACKENDS.items():
+        assert (name in names) == backend_names.module_exists(path.partition(":")[0])
     # Names with no implementation are known to the enum but never registered.
     assert "FLASHMLA" not in names and "CPU_MLA" not in names
 
@@ -88,8 +89,9 @@ def test_broken_module_is_an_import_error_naming_the_backend(isolated_registry: 
         ImportError, match="attention backend BROKEN_ATTN: cannot import kvllm_no_such_module"
     ):
         registry.get_backend_class("BROKEN_ATTN")
-    from kvllm.attention.backend import AttentionSelectorConfig, DeviceInfo
+    from kvllm.attention.backend import AttentionSelectorConfig
     from kvllm.attention.selector import backend_reasons
+    from kvllm.platforms.interface import DeviceInfo
 
     reasons = backend_reasons("BROKEN_ATTN", AttentionSelectorConfig(64, "float16"), DeviceInfo("cpu"))
     assert len(reasons) == 1 and "cannot import kvllm_no_such_module" in reasons[0]

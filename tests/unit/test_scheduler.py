@@ -1,8 +1,8 @@
 """Scheduler: token budget, decodes first, chunked prefill, admission limits and preemption."""
 
-from kvllm.engine.kv_cache_manager import KVCacheManager
-from kvllm.engine.request import Request, RequestStatus
-from kvllm.engine.scheduler import Scheduler
+from kvllm.core.kv_cache_manager import KVCacheManager
+from kvllm.core.request import Request, RequestStatus
+from kvllm.core.scheduler import Scheduler
 from kvllm.sampling_params import SamplingParams
 
 

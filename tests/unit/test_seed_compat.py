@@ -19,14 +19,15 @@ import torch
 
 from kvllm import LLM, SamplingParams
 from kvllm.attention import registry
-from kvllm.attention.backend import AttentionSelectorConfig, DeviceInfo
-from kvllm.attention.names import AttentionBackendEnum
+from kvllm.attention.backend import AttentionSelectorConfig
 from kvllm.attention.selector import choose_attention_backend, clear_selection_cache
 from kvllm.config import AttentionConfig, EngineArgs
 from kvllm.config import engine as engine_module
+from kvllm.config.backend_names import AttentionBackendEnum
 from kvllm.entrypoints.cli.engine_args import engine_arg_parser, engine_args_from_cli, preprocess_argv
 from kvllm.entrypoints.cli.main import main
 from kvllm.platforms import simulate_platform
+from kvllm.platforms.interface import DeviceInfo
 from tests import model_factory
 
 SMALL = {"kv_cache_memory_bytes": 1 << 22, "max_num_seqs": 4}
@@ -123,7 +124,7 @@ def test_serve_flash_attn_fails_with_reasons_before_loading_weights(qwen3_06b_sh
 
 
 def test_flash_attn_on_a_simulated_h100_names_what_is_missing(qwen3_06b_shape):
-    from kvllm.config.model_attention import load_hf_config, selector_config_from_hf_config
+    from kvllm.models.hf_config import load_hf_config, selector_config_from_hf_config
 
     device = DeviceInfo("cuda", (9, 0))
     config = selector_config_from_hf_config(load_hf_config(qwen3_06b_shape), device)
@@ -180,7 +181,7 @@ def test_ac_fields_run_on_cpu_with_cpu_attn(qwen3_06b_shape, logs):
     engine = llm.llm_engine
     assert engine.block_size == 64
     assert engine.args.block_size == 64 and engine.args.kv_cache_dtype == "fp8"
-    assert engine.runner.kv_cache_spec.dtype == torch.float8_e4m3fn
+    assert engine.executor.kv_cache_spec.dtype == torch.float8_e4m3fn
     assert engine.args.attention_config == AttentionConfig(backend="CPU_ATTN", num_kv_heads=8)
     generate_one(llm)
     # Each mapping is logged once, though EngineArgs was built more than once.
@@ -414,7 +415,7 @@ def test_bench_latency_with_profile_steps_runs_on_cpu(tiny_qwen3_path, capsys, t
     ],
 )
 def test_bench_latency_backend_other_values(value, message):
-    from kvllm.benchmarks.latency import apply_backend_alias
+    from kvllm.benchmarks.backend_flag import apply_latency_backend_alias as apply_backend_alias
 
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         apply_backend_alias(argparse.Namespace(backend=value))
@@ -518,16 +519,16 @@ def test_out_of_memory_while_loading_names_the_knobs(tiny_qwen3_path, monkeypatc
 
 def test_out_of_memory_while_profiling_names_the_knobs(tiny_qwen3_path, monkeypatch):
     llm = LLM(str(tiny_qwen3_path), max_model_len=256, **SMALL)
-    runner = llm.llm_engine.runner
+    worker = llm.llm_engine.executor.worker
 
     def profile():
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 512.00 MiB")
 
-    monkeypatch.setattr(runner, "_profile_free_gpu_memory", profile)
-    monkeypatch.setattr(runner, "device", torch.device("cuda"))
-    monkeypatch.setattr(runner, "args", runner.args.with_changes(kv_cache_memory_bytes=None))
+    monkeypatch.setattr(worker, "_profile_free_gpu_memory", profile)
+    monkeypatch.setattr(worker, "device", torch.device("cuda"))
+    monkeypatch.setattr(worker, "args", worker.args.with_changes(kv_cache_memory_bytes=None))
     with pytest.raises(ValueError, match=r"^Out of GPU memory while profiling .*max_num_seqs \(now 4\)"):
-        runner.determine_num_blocks()
+        worker.determine_num_blocks()
 
 
 # ---- no setting from the seeds is silently ignored

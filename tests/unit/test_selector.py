@@ -9,10 +9,11 @@ import pytest
 from attention_fixtures import install_backend, isolated_registry, kvllm_logs  # noqa: F401
 
 from kvllm.attention import registry
-from kvllm.attention.backend import AttentionBackend, AttentionSelectorConfig, DeviceInfo, MultipleOf, OneOf
-from kvllm.attention.names import AttentionBackendEnum as B
+from kvllm.attention.backend import AttentionBackend, AttentionSelectorConfig, MultipleOf, OneOf
 from kvllm.attention.selector import choose_attention_backend, clear_selection_cache, explain_kv_cache_dtype
+from kvllm.config.backend_names import AttentionBackendEnum as B
 from kvllm.platforms import backend_priority, current_device_info, simulate_platform
+from kvllm.platforms.interface import DeviceInfo
 
 # SmolLM2-135M: head 64, GQA 9:3, bf16 checkpoint.
 SMOL = AttentionSelectorConfig(head_size=64, dtype="bfloat16")

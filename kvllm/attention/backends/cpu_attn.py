@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 from kvllm.attention.backend import AttentionBackend, MultipleOf, SizeRule
+from kvllm.config.choices import KV_CACHE_DTYPES
 
 
 class CpuAttentionBackend(AttentionBackend):
@@ -14,14 +15,7 @@ class CpuAttentionBackend(AttentionBackend):
     name = "CPU_ATTN"
     description = "Plain-torch paged attention on the CPU (SDPA over gathered pages)."
     supported_dtypes: ClassVar[tuple[str, ...]] = ("float16", "bfloat16", "float32")
-    supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = (
-        "auto",
-        "float16",
-        "bfloat16",
-        "fp8",
-        "fp8_e4m3",
-        "fp8_e5m2",
-    )
+    supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = KV_CACHE_DTYPES
     block_sizes: ClassVar[SizeRule] = MultipleOf(8)
     head_sizes: ClassVar[SizeRule] = MultipleOf(8, maximum=512)
     platforms: ClassVar[tuple[str, ...]] = ("cpu",)

@@ -12,9 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvllm.attention.impl import AttentionImpl, AttentionMetadataBuilder
+from kvllm.attention.impl import AttentionImpl, AttentionLayer, AttentionMetadataBuilder
 from kvllm.attention.metadata import CommonAttentionMetadata
-from kvllm.layers.attention import Attention
 from kvllm.utils.dtypes import cache_torch_dtype_is_fp8
 
 
@@ -95,7 +94,7 @@ class CpuAttentionImpl(AttentionImpl):
 
     def forward(
         self,
-        layer: Attention,
+        layer: AttentionLayer,
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,

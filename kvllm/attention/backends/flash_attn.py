@@ -13,7 +13,8 @@ from __future__ import annotations
 import importlib.util
 import os
 
-from kvllm.attention.backend import AttentionBackend, AttentionSelectorConfig, DeviceInfo, OneOf
+from kvllm.attention.backend import AttentionBackend, AttentionSelectorConfig, OneOf
+from kvllm.platforms.interface import DeviceInfo
 
 # Versions this build implements and verifies; 2 and 3 would need their own kernels and tests.
 AVAILABLE_FLASH_ATTN_VERSIONS: tuple[int, ...] = (4,)

@@ -9,16 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from kvllm.attention.impl import AttentionImpl, AttentionMetadataBuilder
+from kvllm.attention.impl import AttentionImpl, AttentionLayer, AttentionMetadataBuilder
 from kvllm.attention.metadata import CommonAttentionMetadata
 from kvllm.attention.ops.paged_cache_write import write_kv_to_paged_cache
-
-if TYPE_CHECKING:
-    from kvllm.layers.attention import Attention
 
 _SINK_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -129,7 +126,7 @@ class FlashAttentionImpl(AttentionImpl):
 
     def forward(
         self,
-        layer: Attention,
+        layer: AttentionLayer,
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from kvllm.attention.backend import AttentionBackend, AttentionSelectorConfig, DeviceInfo, OneOf
+from kvllm.attention.backend import AttentionBackend, AttentionSelectorConfig, OneOf
+from kvllm.platforms.interface import DeviceInfo
 
 
 def trtllm_attention_reasons(

@@ -23,21 +23,20 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvllm.attention.impl import AttentionImpl, AttentionMetadataBuilder
+from kvllm.attention.impl import AttentionImpl, AttentionLayer, AttentionMetadataBuilder
 from kvllm.attention.metadata import CommonAttentionMetadata
 from kvllm.attention.ops.paged_cache_write import write_kv_to_paged_cache
+from kvllm.utils.dtypes import FP8_DTYPES
 
 if TYPE_CHECKING:
     from types import ModuleType
 
-    from kvllm.layers.attention import Attention
 
 logger = logging.getLogger(__name__)
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
 # Decode through the tensor-core (prefill) kernels once this many query heads share a KV head.
 TENSOR_CORE_DECODE_MIN_GQA = 4
-_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 # ---- host-side page lists (no flashinfer needed) ------------------------------------------------
@@ -291,7 +290,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
         fi = self._flashinfer
         gqa = params.num_qo_heads // self.kv_cache_spec.num_kv_heads
         # FlashInfer's FA3 prefill kernels (chosen automatically on SM 9.0) want q and KV of one dtype.
-        prefill_backend = "fa2" if self.kv_cache_spec.dtype in _FP8_DTYPES else "auto"
+        prefill_backend = "fa2" if self.kv_cache_spec.dtype in FP8_DTYPES else "auto"
         return _Wrappers(
             decode=fi.BatchDecodeWithPagedKVCacheWrapper(
                 self.workspace, "NHD", use_tensor_cores=gqa >= TENSOR_CORE_DECODE_MIN_GQA
@@ -336,7 +335,7 @@ class FlashInferImpl(AttentionImpl):
 
     def forward(
         self,
-        layer: Attention,
+        layer: AttentionLayer,
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,

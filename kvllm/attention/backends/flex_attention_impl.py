@@ -21,7 +21,7 @@ import logging
 import math
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch.nn.attention.flex_attention import flex_attention
@@ -32,11 +32,8 @@ from kvllm.attention.backends.flex_attention_mask import (
     StepMask,
     build_step_mask,
 )
-from kvllm.attention.impl import AttentionImpl, AttentionMetadataBuilder
+from kvllm.attention.impl import AttentionImpl, AttentionLayer, AttentionMetadataBuilder
 from kvllm.attention.metadata import CommonAttentionMetadata
-
-if TYPE_CHECKING:
-    from kvllm.layers.attention import Attention
 
 __all__ = ["FlexAttentionImpl", "FlexAttentionMetadata", "FlexAttentionMetadataBuilder", "StepMask"]
 
@@ -94,12 +91,6 @@ def flex_compile_count() -> int:
 def compile_failures() -> dict[CompileKey, str]:
     """The kernel configurations whose compile failed in this process (now eager), and why."""
     return dict(_compile_failures)
-
-
-def reset_compile_state() -> None:
-    """Forget compile failures and one-time log messages (tests; compiled graphs are kept)."""
-    _compile_failures.clear()
-    _announced.clear()
 
 
 def _counting_inductor(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
@@ -239,7 +230,7 @@ class FlexAttentionImpl(AttentionImpl):
 
     def forward(
         self,
-        layer: Attention,
+        layer: AttentionLayer,
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,

@@ -12,12 +12,11 @@ from typing import ClassVar
 from kvllm.attention.backend import (
     AttentionBackend,
     AttentionSelectorConfig,
-    DeviceInfo,
     MultipleOf,
     SizeRule,
 )
-
-_FP8_KV_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")
+from kvllm.config.choices import FP8_KV_CACHE_DTYPES, KV_CACHE_DTYPES
+from kvllm.platforms.interface import DeviceInfo
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -31,14 +30,7 @@ class TritonAttentionBackend(AttentionBackend):
     version: ClassVar[str] = "1"
     description: ClassVar[str] = "kvllm Triton unified paged attention (GQA packing, split-KV decode, fp8 KV)"
     supported_dtypes: ClassVar[tuple[str, ...]] = ("float16", "bfloat16", "float32")
-    supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = (
-        "auto",
-        "float16",
-        "bfloat16",
-        "fp8",
-        "fp8_e4m3",
-        "fp8_e5m2",
-    )
+    supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = KV_CACHE_DTYPES
     block_sizes: ClassVar[SizeRule] = MultipleOf(16)
     head_sizes: ClassVar[SizeRule] = MultipleOf(8, minimum=32, maximum=256)
     platforms: ClassVar[tuple[str, ...]] = ("cuda", "rocm")
@@ -60,7 +52,7 @@ class TritonAttentionBackend(AttentionBackend):
         reasons = []
         # Triton converts to/from float8 in hardware only from Ada/Hopper (sm_89) on.
         if (
-            config.kv_cache_dtype in _FP8_KV_DTYPES
+            config.kv_cache_dtype in FP8_KV_CACHE_DTYPES
             and device.platform == "cuda"
             and device.capability is not None
             and device.capability < (8, 9)

@@ -3,23 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from kvllm.attention.impl import AttentionImpl, AttentionMetadataBuilder
+from kvllm.attention.impl import AttentionImpl, AttentionLayer, AttentionMetadataBuilder
 from kvllm.attention.metadata import CommonAttentionMetadata
 from kvllm.attention.ops.triton_reshape_and_cache import reshape_and_cache
 from kvllm.attention.ops.triton_unified_attention import KernelConfig, unified_attention
+from kvllm.utils.dtypes import FP8_DTYPES, FP8_TORCH_DTYPES
 
-if TYPE_CHECKING:
-    from kvllm.layers.attention import Attention
-
-FP8_CACHE_DTYPES = {
-    "fp8": torch.float8_e4m3fn,
-    "fp8_e4m3": torch.float8_e4m3fn,
-    "fp8_e5m2": torch.float8_e5m2,
-}
 MIN_SPLIT_TOKENS = 256  # a split-KV segment below this many keys costs more in the reduce than it saves
 MAX_SPLITS = 64
 
@@ -152,7 +145,7 @@ class TritonAttentionImpl(AttentionImpl):
             self.sliding_window = None
         if self.logits_soft_cap is not None and self.logits_soft_cap <= 0:
             self.logits_soft_cap = None
-        self.fp8_dtype = FP8_CACHE_DTYPES.get(self.kv_cache_dtype)
+        self.fp8_dtype = FP8_TORCH_DTYPES.get(self.kv_cache_dtype)
         self.decode_config: KernelConfig | None = None
         self.prefill_config: KernelConfig | None = None
 
@@ -161,7 +154,7 @@ class TritonAttentionImpl(AttentionImpl):
 
     def forward(
         self,
-        layer: Attention,
+        layer: AttentionLayer,
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
@@ -173,7 +166,7 @@ class TritonAttentionImpl(AttentionImpl):
         """As AttentionImpl.forward; `output` ([T, Hq, D], head dim contiguous) receives the result if given;
         `kv_written`: the layer already stored this step's K/V (see `kv_cache_views`)."""
         key_cache, value_cache = kv_cache[0], kv_cache[1]
-        cache_is_fp8 = key_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+        cache_is_fp8 = key_cache.dtype in FP8_DTYPES
         if (self.fp8_dtype is not None and key_cache.dtype != self.fp8_dtype) or (
             self.fp8_dtype is None and cache_is_fp8
         ):

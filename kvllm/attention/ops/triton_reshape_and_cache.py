@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+from kvllm.utils.dtypes import FP8_DTYPES
 
 
 def _interpreting() -> bool:

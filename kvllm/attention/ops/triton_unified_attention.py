@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvllm.attention.ops.triton_reshape_and_cache import FP8_DTYPES
+from kvllm.utils.dtypes import FP8_DTYPES
 
 LOG2E = 1.4426950408889634
 

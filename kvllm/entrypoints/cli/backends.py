@@ -12,9 +12,10 @@ import argparse
 from typing import Any
 
 from kvllm.attention import registry
-from kvllm.attention.backend import AttentionSelectorConfig, DeviceInfo
-from kvllm.attention.names import AttentionBackendEnum
+from kvllm.attention.backend import AttentionSelectorConfig
+from kvllm.config.backend_names import BackendName
 from kvllm.entrypoints.cli.engine_args import engine_arg_parser, engine_args_from_cli
+from kvllm.platforms.interface import DeviceInfo
 
 
 def register(subparsers: Any) -> None:
@@ -62,15 +63,11 @@ def resolve_model(model: str | None) -> str:
     return str(default_model_path())
 
 
-def _mark(ok: bool) -> str:
-    return "✅" if ok else "❌"
-
-
 def backends_report(
     model: str,
     config: AttentionSelectorConfig,
     device: DeviceInfo,
-    requested: AttentionBackendEnum | None = None,
+    requested: BackendName | None = None,
     simulated: bool = False,
 ) -> str:
     """The text `kvllm backends` prints (selection itself logs to stderr)."""
@@ -121,7 +118,7 @@ def backends_report(
 def run(args: argparse.Namespace) -> int:
     """Run the subcommand; exit code 1 when neither automatic nor requested selection would work."""
     from kvllm.attention.selector import choose_attention_backend
-    from kvllm.config.model_attention import load_hf_config, selector_config_from_hf_config
+    from kvllm.models.hf_config import load_hf_config, selector_config_from_hf_config
 
     engine_args = engine_args_from_cli(args)
     device = resolve_device(args.platform, args.capability)

@@ -2,7 +2,7 @@
 
 latency, throughput and serve take every engine argument (`--attention-backend`, `-ac.KEY VALUE`,
 `--dtype`, `--load-format dummy`, ...), so backends and settings compare end to end. attention
-passes its arguments on to the kernel benchmark, kvllm/benchmarks/attention_kernels.py.
+passes its arguments on to the kernel benchmark, kvllm/benchmarks/attention/.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 from kvllm.entrypoints.cli.engine_args import engine_arg_parser, engine_kwargs_from_cli
 
-ATTENTION_KERNELS_MODULE = "kvllm.benchmarks.attention_kernels"
+ATTENTION_KERNELS_MODULE = "kvllm.benchmarks.attention.main"
 
 
 def register(subparsers: Any) -> None:
@@ -30,10 +30,25 @@ def register(subparsers: Any) -> None:
     benches = parser.add_subparsers(title="benchmarks", dest="bench_command", metavar="BENCHMARK")
     parser.set_defaults(dispatch=lambda _args: _print_help(parser))
 
-    for name, module, text in (
-        ("latency", latency, "Latency of one batch end to end (vLLM's flags), prefill and decode rates."),
-        ("throughput", throughput, "Offline throughput of kvllm or HF transformers on one workload."),
-        ("serve", serve, "Streaming client benchmark of an OpenAI-compatible server: TTFT, TPOT, ITL."),
+    for name, module, run, text in (
+        (
+            "latency",
+            latency,
+            run_latency,
+            "Latency of one batch end to end (vLLM's flags), prefill and decode rates.",
+        ),
+        (
+            "throughput",
+            throughput,
+            run_throughput,
+            "Offline throughput of kvllm or HF transformers on one workload.",
+        ),
+        (
+            "serve",
+            serve,
+            run_serve,
+            "Streaming client benchmark of an OpenAI-compatible server: TTFT, TPOT, ITL.",
+        ),
     ):
         sub = benches.add_parser(
             name,
@@ -43,7 +58,7 @@ def register(subparsers: Any) -> None:
             description=module.__doc__.split("\n\n")[0],
         )
         module.add_cli_args(sub)
-        sub.set_defaults(dispatch=globals()[f"run_{name}"])
+        sub.set_defaults(dispatch=run)
 
     attention = benches.add_parser(
         "attention",
@@ -63,15 +78,17 @@ def _print_help(parser: argparse.ArgumentParser) -> int:
 
 def run_latency(args: argparse.Namespace) -> int:
     from kvllm.benchmarks import latency
+    from kvllm.benchmarks.backend_flag import apply_latency_backend_alias
 
-    latency.apply_backend_alias(args)
+    apply_latency_backend_alias(args)
     return latency.main(args, engine_kwargs_from_cli(args))
 
 
 def run_throughput(args: argparse.Namespace) -> int:
     from kvllm.benchmarks import throughput
+    from kvllm.benchmarks.backend_flag import check_throughput_backend
 
-    throughput.check_backend(args.backend)
+    check_throughput_backend(args.backend)
     return throughput.main(args, engine_kwargs_from_cli(args))
 
 

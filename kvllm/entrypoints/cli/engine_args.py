@@ -13,14 +13,16 @@ before argparse sees them; all attention-config items merge in order (later keys
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import operator
 import types
 import typing
 from dataclasses import MISSING, fields
 from typing import Any
 
-from kvllm.attention.names import AttentionBackendEnum
 from kvllm.config.attention import AttentionConfig
+from kvllm.config.backend_names import BackendName
 from kvllm.config.engine import MODEL_PROPERTY_ARGS, EngineArgs, model_property_error
 
 _AC_PREFIXES = ("--attention-config.", "--attention_config.", "-ac.")
@@ -63,8 +65,7 @@ def _json_or_text(value: str) -> Any:
 def _unwrap_optional(hint: Any) -> Any:
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(hint) if a is not type(None)]
-        if len(args) == 1:
-            return args[0]
+        return functools.reduce(operator.or_, args)
     return hint
 
 
@@ -123,7 +124,7 @@ def add_engine_args(
                     "help": f"{common['help']} (default: {default})",
                 },
             )
-        elif hint is AttentionBackendEnum:
+        elif hint == BackendName:
             group.add_argument(*flags, metavar="NAME", **common)
         elif hint in (int, float, str):
             group.add_argument(*flags, type=hint, **common)

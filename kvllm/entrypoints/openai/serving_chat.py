@@ -29,8 +29,7 @@ from kvllm.entrypoints.openai.serving_engine import (
     sse,
     stream_error_event,
 )
-from kvllm.outputs import CompletionOutput, RequestOutput
-from kvllm.sample.logprobs import PositionLogprobs
+from kvllm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 
 
 class OpenAIServingChat(OpenAIServing):

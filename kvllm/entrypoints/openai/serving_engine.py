@@ -20,6 +20,7 @@ from pydantic import BaseModel
 
 from kvllm.config.serving import ServingLimits
 from kvllm.engine.async_llm import AsyncLLM, RequestStream
+from kvllm.engine.input_processor import with_generation_defaults
 from kvllm.entrypoints.chat_utils import ChatTemplateError, ChatTemplateRenderer
 from kvllm.entrypoints.openai.errors import OpenAIError, internal_error, to_openai_error
 from kvllm.entrypoints.openai.protocol import ChatMessage, SamplingExtras
@@ -166,12 +167,10 @@ class OpenAIServing:
             "spaces_between_special_tokens": request.spaces_between_special_tokens,
             "include_stop_str_in_output": request.include_stop_str_in_output,
         }
-        defaults = self.default_sampling
-        for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
-            if getattr(request, name) is not None:
-                kwargs[name] = getattr(request, name)
-            elif name in defaults:
-                kwargs[name] = defaults[name]
+        fields = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+        kwargs.update(
+            with_generation_defaults({n: getattr(request, n) for n in fields}, self.default_sampling)
+        )
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(request, name) is not None:
                 kwargs[name] = getattr(request, name)

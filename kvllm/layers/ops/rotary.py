@@ -21,8 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kvllm.attention.ops.triton_reshape_and_cache import FP8_DTYPES, fp8_constexprs, fp8_quantize
+from kvllm.attention.ops.triton_reshape_and_cache import fp8_constexprs, fp8_quantize
 from kvllm.layers.ops.common import cast_to, interpreting, round_to
+from kvllm.utils.dtypes import FP8_DTYPES
 
 TILE_ELEMENTS = 2048  # padded head elements per program; heads are grouped up to this
 

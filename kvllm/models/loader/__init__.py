@@ -1,27 +1,18 @@
-"""Building a model with its weights, and its tokenizer, from a resolved ModelConfig."""
+"""Building a model with its weights from a resolved ModelConfig."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from kvllm.config.choices import LOAD_FORMATS
+
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
-
     from kvllm.models.model_config import ModelConfig
-
-LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
-
-
-def has_tokenizer_files(folder: str) -> bool:
-    """Whether a folder holds a tokenizer (transformers 5 otherwise builds an empty one silently)."""
-    return any((Path(folder) / name).is_file() for name in _TOKENIZER_FILES)
 
 
 @contextmanager
@@ -64,23 +55,3 @@ def load_model(model_config: ModelConfig, load_format: str, device: torch.device
                 f"e.g. {', '.join(missing[:5])}"
             )
     return model.eval().requires_grad_(False)
-
-
-def load_tokenizer(model_config: ModelConfig) -> PreTrainedTokenizerBase:
-    """The model's fast (Rust `tokenizers`) tokenizer."""
-    from transformers import AutoTokenizer
-
-    if not has_tokenizer_files(model_config.tokenizer_path):
-        raise ValueError(
-            f"no tokenizer files (tokenizer.json, tokenizer.model or vocab.json) in {model_config.tokenizer_path!r}; "
-            "pass a tokenizer folder with tokenizer=..."
-        )
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(model_config.tokenizer_path)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"cannot load a tokenizer from {model_config.tokenizer_path!r}: {e}") from e
-    if not tokenizer.is_fast:
-        raise ValueError(
-            f"the tokenizer in {model_config.tokenizer_path!r} has no fast (tokenizer.json) version"
-        )
-    return tokenizer

@@ -3,7 +3,7 @@
 The canonical homes are `kvllm.AttentionBackendEnum` and `kvllm.attention.registry`.
 """
 
-from kvllm.attention.names import AttentionBackendEnum
 from kvllm.attention.registry import register_backend, registered_backend_names
+from kvllm.config.backend_names import AttentionBackendEnum
 
 __all__ = ["AttentionBackendEnum", "register_backend", "registered_backend_names"]

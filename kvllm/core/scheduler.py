@@ -3,42 +3,11 @@
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from collections.abc import Iterable
 
-from kvllm.engine.kv_cache_manager import KVCacheManager
-from kvllm.engine.request import Request, RequestStatus
-
-
-@dataclass
-class ScheduledRequest:
-    request: Request
-    num_new_tokens: int
-    block_ids: list[int]
-
-
-@dataclass
-class SchedulerOutput:
-    """One step's work: decodes (one new token each) first, then prefill chunks.
-
-    With it the worker learns what changed since the previous step: requests finished or aborted
-    since then (`finished_req_ids`) and requests preempted now (`preempted`) lose their state;
-    a scheduled request the worker does not know joins; `block_ids` is the request's whole block
-    list (the KV-cache manager's own list, not a copy), of which the worker takes the new tail.
-    """
-
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-    finished_req_ids: set[str] = field(default_factory=set)
-    # Finished with finish_reason "error": they need more blocks than the whole cache holds.
-    failed: list[Request] = field(default_factory=list)
-
-    @property
-    def num_scheduled_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
+from kvllm.core.kv_cache_manager import KVCacheManager
+from kvllm.core.request import Request, RequestStatus
+from kvllm.core.sched_output import ScheduledRequest, SchedulerOutput
 
 
 class Scheduler:
@@ -88,10 +57,6 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         self.kv.free(request)
         self.finished_req_ids.add(request.request_id)
-
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
 
     # ---- scheduling --------------------------------------------------------------------------
 
@@ -225,3 +190,8 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
+
+    def finish_requests(self, requests: Iterable[Request]) -> None:
+        """Free the requests the output side finished (stop, EOS, length) after a step."""
+        for request in requests:
+            self.finish_request(request)

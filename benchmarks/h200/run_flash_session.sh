@@ -3,16 +3,16 @@
 # (each within 30 s of the previous one). Stage both libraries here first:
 #   bash ../shared/gpu/stage-flash-attn-4.sh && bash ../shared/gpu/stage-flashinfer.sh
 #
-#   1. carry .stage1 .fi:  bash tools/gpu/run_flash_session.sh start
+#   1. carry .stage1 .fi:  bash benchmarks/h200/run_flash_session.sh start
 #        FA4 stage 1 goes to the machine; FlashInfer is unpacked and its conformance walk, its engine
 #        greedy test and its automatic-selection check start in the background (setsid, results in
 #        /tmp/fi-out), so its ~2 min of first-use compiling overlaps call 2.
-#   2. carry .stage2:      bash tools/gpu/run_flash_session.sh fa
+#   2. carry .stage2:      bash benchmarks/h200/run_flash_session.sh fa
 #        FA4 process: automatic selection with FA4 present, `kvllm bench attention` rows for
 #        TRITON_ATTN / FLEX_ATTENTION / FLASH_ATTN beside SDPA, FlexAttention and FA4, then (once the
 #        background FlashInfer work is done, so nothing else loads the host) the end-to-end sweep with
 #        FLASH_ATTN beside HF. Everything comes back as $OUT/fa.tgz.
-#   3. carry .fi:          bash tools/gpu/run_flash_session.sh fi
+#   3. carry .fi:          bash benchmarks/h200/run_flash_session.sh fi
 #        FlashInfer process: the background results, the attention rows for FLASHINFER beside the
 #        FlashInfer library alone and TRITON_ATTN, then the end-to-end sweep with FLASHINFER beside
 #        TRITON_ATTN (nano-vllm's workload with automatic selection). Comes back as $OUT/fi.tgz.
@@ -36,7 +36,7 @@ auto_selection() {  # $1: log file. Which backend `kvllm backends` picks for Qwe
 fi_background() {  # runs detached from call 1; every result lands in /tmp/fi-out
   local d=/tmp/fi-out; mkdir -p "$d"
   for part in declared paths; do  # fp8 is part of declared since the H200 run
-    OUT=$d SHARDS=4 BUDGET_S=300 bash tools/gpu/run_flash_backends.sh flashinfer "$part" > "$d/part-$part.txt" 2>&1
+    OUT=$d SHARDS=4 BUDGET_S=300 bash benchmarks/h200/run_flash_backends.sh flashinfer "$part" > "$d/part-$part.txt" 2>&1
   done
   env "${FI_ENV[@]}" KVLLM_GPU_REPORT_DIR="$d" timeout 240 python3 -m pytest tests/gpu/test_engine_cuda.py -m gpu \
     -k FLASHINFER -q -rfE -p no:cacheprovider > "$d/engine-greedy.log" 2>&1
@@ -60,13 +60,13 @@ fa)
   d=/tmp/fa-out; mkdir -p "$d"
   export PYTHONPATH=$FA_PATH
   auto_selection "$d/auto-selection.txt"
-  OUT=$d BUDGET_S=200 ARGS="--backends TRITON_ATTN,FLEX_ATTENTION,FLASH_ATTN" bash tools/gpu/run_core.sh attention \
+  OUT=$d BUDGET_S=200 ARGS="--backends TRITON_ATTN,FLEX_ATTENTION,FLASH_ATTN" bash benchmarks/h200/run_core.sh attention \
     > "$d/attention-summary.txt" 2>&1
   tail -n 25 "$d/attention-summary.txt"
   for _ in $(seq 60); do [ -f /tmp/fi-out/DONE ] && break; sleep 3; done
   echo "background FlashInfer work done: $([ -f /tmp/fi-out/DONE ] && echo yes || echo 'no (e2e runs beside it)')"
   budget=$(( $(left) - 30 ))
-  [ "$budget" -gt 60 ] && timeout $((budget + 25)) python3 tools/gpu/bench_e2e.py --out "$d/e2e" --backends FLASH_ATTN \
+  [ "$budget" -gt 60 ] && timeout $((budget + 25)) python3 benchmarks/sweep_e2e.py --out "$d/e2e" --backends FLASH_ATTN \
     --skip-nano-hf --budget-s "$budget" > "$d/e2e.log" 2>&1
   tail -n 22 "$d/e2e.log"
   tar czf "$out/fa.tgz" -C /tmp fa-out
@@ -78,11 +78,11 @@ fi)
   for f in /tmp/fi-out/part-*.txt; do echo "== $f"; tail -n 8 "$f"; done
   tail -n 5 /tmp/fi-out/engine-greedy.log 2>/dev/null
   grep -E "Automatic selection|rejected" /tmp/fi-out/auto-selection.txt 2>/dev/null | head -3
-  env "${FI_ENV[@]}" timeout 170 python3 -m kvllm.benchmarks.attention_kernels --backends TRITON_ATTN,FLASHINFER \
+  env "${FI_ENV[@]}" timeout 170 python3 -m kvllm.benchmarks.attention --backends TRITON_ATTN,FLASHINFER \
     --peers triton,triton-kv-write,sdpa,flashinfer --output-json "$d/attention-fi.json" > "$d/attention-fi.log" 2>&1
   grep -A40 "^== " "$d/attention-fi.log" | head -40
   budget=$(( $(left) - 30 ))
-  [ "$budget" -gt 60 ] && env "${FI_ENV[@]}" timeout $((budget + 25)) python3 tools/gpu/bench_e2e.py --out "$d/e2e" \
+  [ "$budget" -gt 60 ] && env "${FI_ENV[@]}" timeout $((budget + 25)) python3 benchmarks/sweep_e2e.py --out "$d/e2e" \
     --backends FLASHINFER,TRITON_ATTN --skip-hf --skip-nano-hf --budget-s "$budget" > "$d/e2e.log" 2>&1
   tail -n 22 "$d/e2e.log"
   cp -r /tmp/fi-out "$d/background" 2>/dev/null

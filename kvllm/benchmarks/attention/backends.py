@@ -5,13 +5,14 @@ through its ops, with tile sweeps) the configuration of the shape (head size, dt
 block size) is validated on `current_device_info()`. A backend with reasons gets one "skipped" row
 carrying them. A valid one is run exactly as the model runner runs it:
 
-1. its KV cache is allocated with `get_kv_cache_shape`, and the cached context (not the step's new
-   tokens) is written through `kv_cache_views`, which finds the K and V pages of any layout that is
-   a permutation of (2, num_blocks, block_size, num_kv_heads, head_size) - TRITON/FLASH_ATTN's
-   (2, nb, bs, h, d), FlashInfer's (nb, 2, bs, h, d), an HND (.., h, bs, d) one alike;
+1. `kvllm.attention.testing.prepare_backend_case` allocates its KV cache with `get_kv_cache_shape`
+   and writes the cached context (not the step's new tokens) through `kv_cache_views`, which finds
+   the K and V pages of any layout that is a permutation of (2, num_blocks, block_size,
+   num_kv_heads, head_size) - TRITON/FLASH_ATTN's (2, nb, bs, h, d), FlashInfer's (nb, 2, bs, h, d),
+   an HND (.., h, bs, d) one alike;
 2. its metadata builder turns the PagedBatch's CommonAttentionMetadata into backend metadata;
-3. `impl.forward` runs through a real `kvllm.layers.attention.Attention` layer (k_scale/v_scale
-   1.0, no sinks) bound with `bind_backend`, checked against the float32 reference, then timed.
+3. `impl.forward` runs with k_scale/v_scale 1.0 and no sinks, is checked against the float32
+   reference, then timed.
    The timed call includes the KV write of the step's new tokens (every backend writes the cache
    inside forward); the builder's `build()` is timed separately as host wall time (synchronized),
    since per-step metadata work is paid once per step, not per layer. Work a backend defers to the
@@ -27,7 +28,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
@@ -37,9 +38,6 @@ if TYPE_CHECKING:
 
 # Backends whose row the benchmark builds elsewhere (no duplicate generic row).
 OWN_ROWS = {"TRITON_ATTN": "has its own row (its ops, called directly)"}
-
-# Distinct sizes (none of them 2) to read a layout off get_kv_cache_shape.
-_PROBE = {"blocks": 11, "block_size": 13, "kv_heads": 5, "head_size": 7}
 
 
 @dataclass
@@ -92,30 +90,6 @@ def shorten_reasons(reasons: list[str], each: int = 90, total: int = 240) -> str
     return text if len(text) <= total else text[: total - 3] + "..."
 
 
-def kv_cache_views(
-    backend: type[AttentionBackend], kv_cache: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(key_cache, value_cache) as [num_blocks, block_size, num_kv_heads, head_size] views of kv_cache.
-
-    The layout is read off the backend's own `get_kv_cache_shape` with distinct probe sizes, so any
-    5-d layout that permutes (K/V axis, blocks, block_size, kv_heads, head_size) works: the K/V axis
-    is where the 2 lands, the other axes are permuted back to NHD pages. Writes through the views
-    land in kv_cache. Raises ValueError for a layout outside that family.
-    """
-    p = _PROBE
-    probe = tuple(backend.get_kv_cache_shape(p["blocks"], p["block_size"], p["kv_heads"], p["head_size"]))
-    wanted = (p["blocks"], p["block_size"], p["kv_heads"], p["head_size"])
-    if len(probe) != 5 or sorted(probe) != sorted((2, *wanted)):
-        raise ValueError(
-            f"KV cache shape {probe} for (blocks, block_size, kv_heads, head_size)={wanted} is not a "
-            "permutation of (2, blocks, block_size, kv_heads, head_size)"
-        )
-    kv_axis = probe.index(2)
-    rest = [size for axis, size in enumerate(probe) if axis != kv_axis]
-    order = [rest.index(size) for size in wanted]
-    return kv_cache.select(kv_axis, 0).permute(order), kv_cache.select(kv_axis, 1).permute(order)
-
-
 def host_ms(fn: Callable[[], object], sync: Callable[[], None], budget_ms: float) -> float:
     """Median wall time of fn() followed by a device sync: what a step waits for on the host."""
     fn()
@@ -130,90 +104,11 @@ def host_ms(fn: Callable[[], object], sync: Callable[[], None], budget_ms: float
     return statistics.median(samples)
 
 
-@dataclass
-class BackendCase:
-    """A backend bound to one shape: cache, builder, layer and metadata, ready to run."""
-
-    backend: type[AttentionBackend]
-    kv_cache: torch.Tensor
-    builder: Any
-    layer: Any
-    metadata: Any
-    batch: PagedBatch
-
-    def forward(self) -> torch.Tensor:
-        b = self.batch
-        return self.layer.impl.forward(
-            self.layer, b.query, b.new_keys, b.new_values, self.kv_cache, self.metadata
-        )
-
-    def build(self) -> Any:
-        return self.builder.build(self.batch.metadata)
-
-    def first_layer(self) -> torch.Tensor:
-        """build() then forward on the fresh metadata: what the first layer of a step waits for."""
-        b = self.batch
-        return self.layer.impl.forward(
-            self.layer, b.query, b.new_keys, b.new_values, self.kv_cache, self.build()
-        )
-
-
-def make_builder(
-    backend: type[AttentionBackend],
-    batch: PagedBatch,
-    num_kv_heads: int,
-    head_size: int,
-    cache_dtype: torch.dtype,
-    kv_cache_dtype: str,
-    device: torch.device,
-) -> Any:
-    from kvllm.attention.metadata import KVCacheSpec
-
-    md = batch.metadata
-    spec = KVCacheSpec(batch.block_size, num_kv_heads, head_size, cache_dtype, kv_cache_dtype)
-    return backend.get_builder_cls()(
-        backend, spec, device, md.num_reqs, md.num_actual_tokens, md.max_seq_len + batch.block_size
-    )
-
-
-def make_case(
-    backend: type[AttentionBackend],
-    batch: PagedBatch,
-    num_heads: int,
-    num_kv_heads: int,
-    head_size: int,
-    scale: float,
-    cache_dtype: torch.dtype,
-    kv_cache_dtype: str,
-    device: torch.device,
-) -> BackendCase:
-    import torch
-
-    from kvllm.layers.attention import Attention
-
-    shape = backend.get_kv_cache_shape(batch.num_blocks, batch.block_size, num_kv_heads, head_size)
-    kv_cache = torch.zeros(shape, dtype=cache_dtype, device=device)
-    key_cache, value_cache = kv_cache_views(backend, kv_cache)
-    batch.fill_cache(key_cache, value_cache)  # the cached context; forward writes the new tokens
-    builder = make_builder(backend, batch, num_kv_heads, head_size, cache_dtype, kv_cache_dtype, device)
-    layer = Attention(num_heads, head_size, scale, num_kv_heads, prefix=f"bench.{backend.name}").to(device)
-    layer.bind_backend(backend, kv_cache_dtype)
-    layer.kv_cache = kv_cache
-    return BackendCase(backend, kv_cache, builder, layer, builder.build(batch.metadata), batch)
-
-
 def backend_results(
     names: list[str],
     batch: PagedBatch,
     *,
-    num_heads: int,
-    num_kv_heads: int,
-    head_size: int,
-    scale: float,
-    dtype: torch.dtype,
-    cache_dtype: torch.dtype,
     kv_cache_dtype: str,
-    device: torch.device,
     ref: torch.Tensor,
     tol: float,
     time_ms: Callable[[Callable[[], object]], float],
@@ -225,7 +120,7 @@ def backend_results(
     from kvllm.attention.selector import backend_reasons
     from kvllm.platforms import current_device_info
 
-    config = selector_config(head_size, dtype, kv_cache_dtype, batch.block_size)
+    config = selector_config(batch.query.shape[2], batch.query.dtype, kv_cache_dtype, batch.block_size)
     device_info = current_device_info()
     results = []
     for name in names:
@@ -237,21 +132,19 @@ def backend_results(
                 name, "skipped", note=f"not valid on {device_info.describe()}: {shorten_reasons(reasons)}"
             )
         else:
-            result = _run_backend(
-                name, batch, num_heads, num_kv_heads, head_size, scale, cache_dtype, kv_cache_dtype,
-                device, ref, tol, time_ms, sync, build_budget_ms,
-            )  # fmt: skip
+            result = _run_backend(name, batch, kv_cache_dtype, ref, tol, time_ms, sync, build_budget_ms)
         results.append(result)
         if on_result is not None:
             on_result(result)
     return results
 
 
-def _run_backend(name, batch, num_heads, num_kv_heads, head_size, scale, cache_dtype, kv_cache_dtype,
-                 device, ref, tol, time_ms, sync, build_budget_ms) -> BackendResult:  # fmt: skip
+def _run_backend(name, batch, kv_cache_dtype, ref, tol, time_ms, sync, build_budget_ms) -> BackendResult:
     from kvllm.attention.registry import get_backend_class
+    from kvllm.attention.testing import kv_cache_views, prepare_backend_case
 
     backend = get_backend_class(name)
+    num_kv_heads, head_size = batch.new_keys.shape[1:]
     try:
         kv_cache_views(backend, _probe_tensor(backend))
     except ValueError as exc:
@@ -262,8 +155,7 @@ def _run_backend(name, batch, num_heads, num_kv_heads, head_size, scale, cache_d
         "kv_cache_layout": backend.kv_cache_layout,
     }  # fmt: skip
     try:
-        case = make_case(backend, batch, num_heads, num_kv_heads, head_size, scale, cache_dtype,
-                         kv_cache_dtype, device)  # fmt: skip
+        case = prepare_backend_case(backend, batch, kv_cache_dtype=kv_cache_dtype)
         out = case.forward()
         sync()
         err = ((out.float() - ref).norm() / ref.norm()).item()
@@ -284,25 +176,20 @@ def _run_backend(name, batch, num_heads, num_kv_heads, head_size, scale, cache_d
 def _probe_tensor(backend: type[AttentionBackend]) -> torch.Tensor:
     import torch
 
-    p = _PROBE
-    return torch.empty(backend.get_kv_cache_shape(p["blocks"], p["block_size"], p["kv_heads"], p["head_size"]),
-                       dtype=torch.uint8, device="meta")  # fmt: skip
+    return torch.empty(backend.get_kv_cache_shape(11, 13, 5, 7), dtype=torch.uint8, device="meta")
 
 
 def build_ms(
     backend_name: str,
     batch: PagedBatch,
-    num_kv_heads: int,
-    head_size: int,
     cache_dtype: torch.dtype,
     kv_cache_dtype: str,
-    device: torch.device,
     sync: Callable[[], None],
     budget_ms: float,
 ) -> float:
     """Host time of one backend builder's build() for this batch (for rows built elsewhere)."""
     from kvllm.attention.registry import get_backend_class
+    from kvllm.attention.testing import make_builder
 
-    backend = get_backend_class(backend_name)
-    builder = make_builder(backend, batch, num_kv_heads, head_size, cache_dtype, kv_cache_dtype, device)
+    builder = make_builder(get_backend_class(backend_name), batch, cache_dtype, kv_cache_dtype)
     return host_ms(lambda: builder.build(batch.metadata), sync, budget_ms)

@@ -1,6 +1,6 @@
 """End-to-end benchmark sweep for the H200, in one device call: kvllm per attention backend beside HF.
 
-    PYTHONPATH=. python3 tools/gpu/bench_e2e.py --out "$OUT"
+    PYTHONPATH=. python3 benchmarks/sweep_e2e.py --out "$OUT"
 
 Model: Qwen3-0.6B shapes with random weights (`--load-format dummy`, bf16), from a config-only
 folder written here. In priority order, each group in its own process (the engine takes 90% of
@@ -78,7 +78,7 @@ def _throughput_args(
 def _save(raw: Path, name: str, result: dict[str, Any]) -> None:
     raw.mkdir(parents=True, exist_ok=True)
     (raw / f"{name}.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
-    print(f"[bench_e2e] wrote {name}.json", flush=True)
+    print(f"[sweep_e2e] wrote {name}.json", flush=True)
 
 
 def _guarded(raw: Path, name: str, deadline: float, run: Any) -> None:
@@ -181,19 +181,19 @@ def _run_group(group: str, backend: str | None, common: list[str], deadline: flo
     group_deadline = min(deadline, time.time() + cap)
     timeout = group_deadline - time.time() + 20  # past the deadline only the measurement in flight runs on
     if timeout <= 25:
-        print(f"[bench_e2e] skipping {group} {backend or ''}: time budget used up", flush=True)
+        print(f"[sweep_e2e] skipping {group} {backend or ''}: time budget used up", flush=True)
         return
     cmd = [sys.executable, __file__, "worker", "--group", group, "--deadline", str(group_deadline), *common]
     if backend:
         cmd += ["--backend", backend]
-    print(f"[bench_e2e] {group} {backend or ''} (up to {timeout:.0f} s)", flush=True)
+    print(f"[sweep_e2e] {group} {backend or ''} (up to {timeout:.0f} s)", flush=True)
     started = time.time()
     with log.open("a") as out:
         try:
             subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, timeout=timeout, check=False)
         except subprocess.TimeoutExpired:
-            print(f"[bench_e2e] {group} {backend or ''}: killed at its time limit", flush=True)
-    print(f"[bench_e2e] {group} {backend or ''} done in {time.time() - started:.0f} s", flush=True)
+            print(f"[sweep_e2e] {group} {backend or ''}: killed at its time limit", flush=True)
+    print(f"[sweep_e2e] {group} {backend or ''} done in {time.time() - started:.0f} s", flush=True)
 
 
 def _has_module(name: str) -> bool:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks for the engine and our own kernels, on the H200 in one device call each:
-#   bash tools/gpu/run_core.sh tests       # Triton/Flex kernel tests, engine bf16 greedy vs HF per backend
-#   bash tools/gpu/run_core.sh attention   # kvllm.benchmarks.attention_kernels, peers side by side
+#   bash benchmarks/h200/run_core.sh tests       # Triton/Flex kernel tests, engine bf16 greedy vs HF per backend
+#   bash benchmarks/h200/run_core.sh attention   # kvllm.benchmarks.attention, peers side by side
 # FlashAttention-4 is used when /tmp/site holds it (see ../shared/gpu/stage-flash-attn-4.sh).
 # Logs, JUnit XML and JSON go to $OUT; a short summary is printed last.
 set -uo pipefail
@@ -23,7 +23,7 @@ tests)
     > "$out/core-tests.log" 2>&1
   rc=$?; tail -n 40 "$out/core-tests.log"; exit $rc ;;
 attention)
-  timeout "$budget" python3 -m kvllm.benchmarks.attention_kernels --output-json "$out/attention.json" ${ARGS:-} \
+  timeout "$budget" python3 -m kvllm.benchmarks.attention --output-json "$out/attention.json" ${ARGS:-} \
     > "$out/attention.log" 2>&1
   rc=$?; tail -n 60 "$out/attention.log"; exit $rc ;;
 esac

@@ -1,7 +1,7 @@
-"""What a model's attention needs, read from its HF config without loading weights.
+"""Every rule kvllm takes from a model's HF config, in one place; no weights are read, no torch.
 
-Shared by `kvllm backends` and (recommended) the engine, so both build the same
-AttentionSelectorConfig for the same model and flags.
+ModelConfig, the Llama-family layers, the attention selector and `kvllm backends` all ask here,
+so the head size and sliding window the selector validates are the ones the layers run.
 """
 
 from __future__ import annotations
@@ -9,20 +9,15 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from kvllm.attention.backend import AttentionSelectorConfig, DeviceInfo
+from kvllm.attention.backend import AttentionSelectorConfig
 from kvllm.config.attention import AttentionConfig
+from kvllm.config.choices import MODEL_DTYPES, canonical_dtype
+from kvllm.platforms.interface import DeviceInfo
 
 # HF model types whose attention uses ALiBi instead of rotary positions.
 _ALIBI_MODEL_TYPES = frozenset({"bloom", "mpt", "baichuan", "falcon_alibi"})
 # HF model types that are encoder-only (bidirectional, no KV cache).
 _ENCODER_ONLY_MODEL_TYPES = frozenset({"bert", "roberta", "xlm-roberta", "modernbert", "nomic_bert"})
-_DTYPE_NAMES = {
-    "float16": "float16",
-    "half": "float16",
-    "bfloat16": "bfloat16",
-    "float32": "float32",
-    "float": "float32",
-}
 
 
 def load_hf_config(model: str, trust_remote_code: bool = False, revision: str | None = None) -> Any:
@@ -34,12 +29,45 @@ def load_hf_config(model: str, trust_remote_code: bool = False, revision: str | 
     return AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code, revision=revision)
 
 
+def text_config(hf_config: Any) -> Any:
+    """The language-model part of a config (the config itself for text-only models)."""
+    get_text = getattr(hf_config, "get_text_config", None)
+    return get_text() if callable(get_text) else hf_config
+
+
+def head_size(hf_config: Any) -> int:
+    """Size of one attention head: `head_dim`, else hidden_size / num_attention_heads."""
+    return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+
+
+def num_kv_heads(hf_config: Any) -> int:
+    return getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+
+
+def layer_sliding_window(hf_config: Any, layer_index: int) -> int | None:
+    """The attention window of one layer, or None for full attention."""
+    window = getattr(hf_config, "sliding_window", None)
+    if not window or getattr(hf_config, "use_sliding_window", True) is False:
+        return None
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types is not None and layer_types[layer_index] != "sliding_attention":
+        return None
+    return int(window)
+
+
+def sliding_window(hf_config: Any) -> int | None:
+    """The window of the layers that have one (the largest, if they differ); None if all attend fully."""
+    windows = {layer_sliding_window(hf_config, i) for i in range(hf_config.num_hidden_layers)} - {None}
+    return max(windows) if windows else None
+
+
 def config_dtype_name(hf_config: Any) -> str | None:
     """The checkpoint dtype named in the config (transformers 4 `torch_dtype` or 5 `dtype`)."""
     value = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     if value is None:
         return None
-    return _DTYPE_NAMES.get(str(value).removeprefix("torch."))
+    name = canonical_dtype(str(value).removeprefix("torch."))
+    return name if name in MODEL_DTYPES else None
 
 
 def resolve_model_dtype(requested: str, hf_config: Any, device: DeviceInfo) -> str:
@@ -51,7 +79,7 @@ def resolve_model_dtype(requested: str, hf_config: Any, device: DeviceInfo) -> s
     native bfloat16 (CUDA compute capability below 8.0).
     """
     if requested != "auto":
-        return _DTYPE_NAMES.get(requested, requested)
+        return canonical_dtype(requested)
     if device.platform == "cpu":
         return "float32"
     dtype = config_dtype_name(hf_config)
@@ -59,11 +87,6 @@ def resolve_model_dtype(requested: str, hf_config: Any, device: DeviceInfo) -> s
         dtype = "bfloat16"
     has_bf16 = device.platform == "rocm" or device.capability is None or device.capability >= (8, 0)
     return dtype if dtype == "float16" or has_bf16 else "float16"
-
-
-def _text_config(hf_config: Any) -> Any:
-    get_text = getattr(hf_config, "get_text_config", None)
-    return get_text() if callable(get_text) else hf_config
 
 
 def selector_config_from_hf_config(
@@ -75,31 +98,26 @@ def selector_config_from_hf_config(
     attention_config: AttentionConfig | None = None,
 ) -> AttentionSelectorConfig:
     """The attention needs of a model: head size, dtype, sliding window, soft-cap, sinks, MLA..."""
-    text = _text_config(hf_config)
+    text = text_config(hf_config)
     model_type = getattr(text, "model_type", "") or ""
     kv_lora_rank = getattr(text, "kv_lora_rank", None)
     use_mla = kv_lora_rank is not None
     if use_mla:
         # MLA decode attends over the compressed latent plus the rotary part (576 for DeepSeek).
-        head_size = int(kv_lora_rank) + int(getattr(text, "qk_rope_head_dim", 0) or 0)
+        size = int(kv_lora_rank) + int(getattr(text, "qk_rope_head_dim", 0) or 0)
     else:
-        head_size = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    layer_types = getattr(text, "layer_types", None) or []
-    sliding = getattr(text, "sliding_window", None)
-    has_sliding_window = bool(sliding) and getattr(text, "use_sliding_window", True) is not False
-    if layer_types:
-        has_sliding_window = any("sliding" in str(t) for t in layer_types) and bool(sliding)
+        size = head_size(text)
     soft_cap = getattr(text, "attn_logit_softcapping", None)
     attention_config = attention_config or AttentionConfig()
     encoder_only = model_type in _ENCODER_ONLY_MODEL_TYPES
     return AttentionSelectorConfig(
-        head_size=int(head_size),
+        head_size=int(size),
         dtype=resolve_model_dtype(dtype, text, device),
         kv_cache_dtype=kv_cache_dtype,
         block_size=block_size,
         use_mla=use_mla,
         has_sink=model_type == "gpt_oss",
-        has_sliding_window=has_sliding_window,
+        has_sliding_window=sliding_window(text) is not None,
         logits_soft_cap=float(soft_cap) if soft_cap else None,
         use_alibi=model_type in _ALIBI_MODEL_TYPES or bool(getattr(text, "alibi", False)),
         attn_type="encoder_only" if encoder_only else "decoder",

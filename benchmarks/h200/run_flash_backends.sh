@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Run the FLASH_ATTN (FA4) or FLASHINFER GPU conformance tests on the H200 in one device call.
 #
-#   bash tools/gpu/run_flash_backends.sh fa4                  # after .stage2/unpack.sh (see stage-flash-attn-4.sh)
-#   bash tools/gpu/run_flash_backends.sh flashinfer [PART]    # unpacks .fi itself when carried
+#   bash benchmarks/h200/run_flash_backends.sh fa4                  # after .stage2/unpack.sh (see stage-flash-attn-4.sh)
+#   bash benchmarks/h200/run_flash_backends.sh flashinfer [PART]    # unpacks .fi itself when carried
 #
 # FlashInfer PART (compiled modules persist in /tmp/fiws while the machine stays warm, so later
 # parts reuse earlier compiles): core (declared, 16-bit KV), fp8 (declared, fp8 KV), declared

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from kvllm.engine.request import Request
+from kvllm.core.request import Request
 
 
 @dataclass
@@ -134,13 +134,6 @@ class KVCacheManager:
             assert block.ref_cnt >= 0, f"block {block_id} freed more often than taken"
             if block.ref_cnt == 0:
                 self.free_queue[block_id] = None
-
-    def reset_prefix_cache(self) -> None:
-        for block in self.blocks:
-            if block.ref_cnt == 0:
-                block.block_hash = None
-                block.token_ids = None
-        self.cached_blocks = {h: b for h, b in self.cached_blocks.items() if self.blocks[b].block_hash == h}
 
     # ---- internals ---------------------------------------------------------------------------
 

@@ -1,0 +1,23 @@
+"""The vocabulary of user choices: every value a setting may take, written once (no torch).
+
+EngineArgs validates against these tuples, the CLI help lists them, and the floors above (dtype
+rules, loaders, backends) read them from here instead of keeping copies.
+"""
+
+from __future__ import annotations
+
+# Model dtypes a user may ask for; "half" and "float" are aliases (DTYPE_ALIASES).
+DTYPES = ("auto", "float16", "half", "bfloat16", "float32", "float")
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+# The dtypes a model runs in, once "auto" and aliases are resolved.
+MODEL_DTYPES = ("float16", "bfloat16", "float32")
+KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
+FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+DEVICES = ("auto", "cpu", "cuda")
+GENERATION_CONFIGS = ("auto", "vllm")
+
+
+def canonical_dtype(name: str) -> str:
+    """A dtype name without aliases ("half" -> "float16"); other names pass through."""
+    return DTYPE_ALIASES.get(name, name)

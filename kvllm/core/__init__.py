@@ -1,0 +1,1 @@
+"""Scheduling bookkeeping (requests, scheduler, KV-cache blocks) and its message to the worker; no model."""

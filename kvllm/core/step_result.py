@@ -1,0 +1,28 @@
+"""StepResult: the one message back from the worker to the engine, once per step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from kvllm.outputs import PositionLogprobs
+    from kvllm.sample.sampler import SamplerOutput
+
+
+@dataclass
+class StepResult:
+    """Sampled tokens of one step, for the requests that reached their last token."""
+
+    request_indices: list[int]  # positions in the step's `scheduled` list
+    sampler_output: SamplerOutput | None
+    # scheduled index -> (prompt position of the first entry, logprobs of consecutive prompt tokens)
+    prompt_logprobs: dict[int, tuple[int, list[PositionLogprobs]]] = field(default_factory=dict)
+
+
+class PendingStep(Protocol):
+    """A launched step whose sampled tokens are on their way to the host."""
+
+    def result(self) -> StepResult:
+        """Wait for the step's tokens (on an event, not the whole device) and return them."""
+        ...

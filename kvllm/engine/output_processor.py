@@ -1,0 +1,190 @@
+"""OutputProcessor: a step's sampled tokens become RequestOutputs.
+
+It appends each token, detokenizes incrementally, checks stop tokens, EOS, stop strings,
+max_tokens and max_model_len, records logprobs and prompt logprobs, and builds the cumulative
+RequestOutput of every request the step touched. It tells the engine which sequences finished;
+freeing their KV blocks is the scheduler's business.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvllm.core.request import Request
+from kvllm.engine.detokenizer import IncrementalDetokenizer
+from kvllm.outputs import CompletionOutput, PositionLogprobs, RequestOutput, decode_logprobs
+
+if TYPE_CHECKING:
+    from kvllm.core.sched_output import SchedulerOutput
+    from kvllm.core.step_result import StepResult
+
+
+@dataclass
+class SequenceState:
+    """Output-side state of one generated sequence: the request plus its text."""
+
+    index: int
+    request: Request
+    detokenizer: IncrementalDetokenizer
+    text: str = ""
+
+
+@dataclass
+class ParentRequest:
+    """A user's request: its n sequences, which share the prompt."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sequences: list[SequenceState] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.request.finish_reason is not None for s in self.sequences)
+
+
+class OutputProcessor:
+    """Keeps the unfinished requests (`parents`, by the user's request id) and their outputs."""
+
+    def __init__(self, tokenizer: Any, max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.parents: dict[str, ParentRequest] = {}
+
+    def add_request(
+        self, request_id: str, prompt: str | None, prompt_token_ids: list[int], requests: list[Request]
+    ) -> None:
+        parent = ParentRequest(request_id, prompt, prompt_token_ids)
+        for request in requests:
+            detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, request.sampling_params)
+            parent.sequences.append(SequenceState(request.index, request, detokenizer))
+        self.parents[request_id] = parent
+
+    def process_failed(self, plan: SchedulerOutput) -> list[RequestOutput]:
+        """Outputs for the requests the scheduler failed (finish_reason "error"), reported at once."""
+        return self._collect_outputs({r.parent_id: self.parents[r.parent_id] for r in plan.failed})
+
+    def process_step(
+        self, plan: SchedulerOutput, result: StepResult
+    ) -> tuple[list[RequestOutput], list[Request]]:
+        """The outputs of the requests a finished step touched, and the sequences that finished in it.
+
+        The step may have been launched before an earlier step's tokens ended some of its requests
+        (overlapped scheduling): their tokens are dropped, and every sampled request's placeholder
+        (see Scheduler.schedule) is resolved either way.
+        """
+        for index, (first_position, entries) in result.prompt_logprobs.items():
+            self._record_prompt_logprobs(plan.scheduled[index].request, first_position, entries)
+        if result.sampler_output is None:
+            return [], []
+        now = time.monotonic()
+        touched: dict[str, ParentRequest] = {}
+        finished: list[Request] = []
+        sampled = result.sampler_output
+        logprobs = sampled.sampled_logprobs
+        for row, index in enumerate(result.request_indices):
+            request = plan.scheduled[index].request
+            request.resolve_placeholder()
+            if request.finish_reason is not None:
+                continue  # stopped or aborted after this step was launched
+            parent = self.parents[request.parent_id]
+            seq = parent.sequences[request.index]
+            if request.first_token_time is None:
+                request.first_token_time = now
+            self._append_token(
+                seq,
+                sampled.token_ids[row],
+                None if logprobs is None else logprobs[row],
+                sampled.logprobs[row],
+            )
+            if request.finish_reason is not None:
+                finished.append(request)
+            touched[parent.request_id] = parent
+        return self._collect_outputs(touched), finished
+
+    def _collect_outputs(self, touched: dict[str, ParentRequest]) -> list[RequestOutput]:
+        outputs = [self._make_output(p) for p in touched.values()]
+        for parent in touched.values():
+            if parent.finished:
+                del self.parents[parent.request_id]
+        return outputs
+
+    def _record_prompt_logprobs(
+        self, request: Request, first_position: int, entries: list[PositionLogprobs]
+    ) -> None:
+        """Keep prompt logprobs in position order; a recompute after preemption repeats none."""
+        recorded = request.prompt_logprobs
+        for position, entry in enumerate(entries, start=first_position):
+            if position == len(recorded):
+                recorded.append(decode_logprobs(self.tokenizer, entry))
+
+    def _append_token(
+        self, seq: SequenceState, token_id: int, logprob: float | None, top_logprobs: PositionLogprobs | None
+    ) -> None:
+        request = seq.request
+        params = request.sampling_params
+        request.append_output_token(token_id)
+        if logprob is not None:  # computed only for requests that report logprobs
+            request.cumulative_logprob += logprob
+        if top_logprobs is not None:
+            request.logprobs.append(decode_logprobs(self.tokenizer, top_logprobs))
+        num_out = request.num_output_tokens
+        may_stop = num_out >= params.min_tokens
+        stop_token = may_stop and token_id in (params.stop_token_ids or ())
+        eos = may_stop and not params.ignore_eos and token_id in request.eos_token_ids
+        # A stop token ends the request without appearing in its text.
+        stop_string = (
+            seq.detokenizer.update([token_id], stop_terminated=stop_token or eos)
+            if params.detokenize
+            else None
+        )
+        if stop_token:
+            self._finish(seq, "stop", token_id)
+        elif eos:
+            self._finish(seq, "stop", None)
+        elif stop_string is not None:
+            self._finish(seq, "stop", stop_string)
+        elif num_out >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            self._finish(seq, "length", None)
+        if params.detokenize:
+            seq.text += seq.detokenizer.get_next_delta_text()
+
+    def _finish(self, seq: SequenceState, reason: str, stop_reason: int | str | None) -> None:
+        seq.request.finish_reason = reason
+        seq.request.stop_reason = stop_reason
+        if seq.request.sampling_params.detokenize:
+            seq.detokenizer.finish()
+
+    def _make_output(self, parent: ParentRequest) -> RequestOutput:
+        outputs = []
+        for seq in parent.sequences:
+            r = seq.request
+            outputs.append(
+                CompletionOutput(
+                    index=seq.index,
+                    text=seq.text,
+                    token_ids=list(r.output_token_ids),
+                    cumulative_logprob=r.cumulative_logprob
+                    if r.sampling_params.logprobs is not None
+                    else None,
+                    logprobs=list(r.logprobs) if r.sampling_params.logprobs is not None else None,
+                    finish_reason=r.finish_reason,
+                    stop_reason=r.stop_reason,
+                )
+            )
+        first = parent.sequences[0].request
+        metrics = {"arrival_time": first.arrival_time, "num_cached_tokens": first.num_cached_prompt_tokens}
+        if first.first_token_time is not None:
+            metrics["first_token_time"] = first.first_token_time
+        prompt_logprobs = first.prompt_logprobs if first.sampling_params.prompt_logprobs is not None else None
+        return RequestOutput(
+            parent.request_id,
+            parent.prompt,
+            parent.prompt_token_ids,
+            outputs,
+            parent.finished,
+            metrics,
+            prompt_logprobs=prompt_logprobs,
+        )
