@@ -10,7 +10,7 @@ from kvllm.config.engine import EngineArgs, unknown_engine_argument_error
 from kvllm.engine.input_processor import ChatMessage, PromptType
 from kvllm.engine.llm_engine import LLMEngine
 from kvllm.outputs import RequestOutput
-from kvllm.sampling_params import SamplingParams
+from kvllm.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -92,10 +92,14 @@ class LLM:
     ) -> list[RequestOutput]:
         engine = self.llm_engine
         ids = []
+        # Only finished requests are returned, so only finished requests need outputs (as vLLM's LLM).
+        final_only: dict[int, SamplingParams] = {}
         try:
             for prompt, p in zip(prompts, params):
+                if id(p) not in final_only:
+                    final_only[id(p)] = p.replace(output_kind=RequestOutputKind.FINAL_ONLY)
                 request_id = str(next(self._counter))
-                engine.add_request(request_id, prompt, p)
+                engine.add_request(request_id, prompt, final_only[id(p)])
                 ids.append(request_id)
         except Exception:
             engine.abort_request(ids)

@@ -54,7 +54,8 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """The state of one request after an engine step (cumulative, not a delta)."""
+    """The state of one request after an engine step: cumulative, or only what is new
+    (SamplingParams.output_kind DELTA), or once when it finishes (FINAL_ONLY)."""
 
     request_id: str
     prompt: str | None

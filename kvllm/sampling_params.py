@@ -14,6 +14,19 @@ _GREEDY_TEMPERATURE = 1e-5
 _MIN_SEED, _MAX_SEED = -(2**63), 2**64 - 1
 
 
+class RequestOutputKind(enum.IntEnum):
+    """What each RequestOutput of a request carries (vLLM's names).
+
+    CUMULATIVE: everything so far (every step copies the whole output); DELTA: only what is new
+    since the previous output; FINAL_ONLY: one output, when the request finishes (what `LLM.generate`
+    asks for, so a step's host work does not grow with the outputs' length).
+    """
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
 class SamplingType(enum.IntEnum):
     """How the sampler picks a token for a request."""
 
@@ -52,6 +65,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     detokenize: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -63,6 +77,11 @@ class SamplingParams:
         self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
         if self.top_k == -1:
             self.top_k = 0
+        if not isinstance(self.output_kind, RequestOutputKind):
+            try:
+                self.output_kind = RequestOutputKind(self.output_kind)
+            except ValueError:
+                _fail("output_kind", self.output_kind, "a RequestOutputKind: CUMULATIVE, DELTA or FINAL_ONLY")
         self._validate()
 
     def _validate(self) -> None:

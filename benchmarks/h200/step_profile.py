@@ -95,7 +95,7 @@ def profile_one(llm: LLM, batch_size: int, steps: int, input_len: int) -> dict:
         engine.step()  # warm
 
     timer = PhaseTimer()
-    runner = engine.runner
+    runner = engine.executor.worker.model_runner
     timer.wrap(engine.scheduler, "schedule", "schedule")
     timer.wrap(runner.input_batch, "prepare", "prepare")
     if runner.graph_runner is not None:

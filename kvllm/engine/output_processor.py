@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from kvllm.core.request import Request
 from kvllm.engine.detokenizer import IncrementalDetokenizer
 from kvllm.outputs import CompletionOutput, PositionLogprobs, RequestOutput, decode_logprobs
+from kvllm.sampling_params import RequestOutputKind
 
 if TYPE_CHECKING:
     from kvllm.core.sched_output import SchedulerOutput
@@ -23,12 +24,36 @@ if TYPE_CHECKING:
 
 @dataclass
 class SequenceState:
-    """Output-side state of one generated sequence: the request plus its text."""
+    """Output-side state of one generated sequence: the request plus its text.
+
+    Text arrives as pieces (O(1) per token); `text` joins them when an output needs it.
+    `num_reported_tokens` / `_unreported` serve DELTA outputs: what was not reported yet.
+    """
 
     index: int
     request: Request
     detokenizer: IncrementalDetokenizer
-    text: str = ""
+    _text: str = ""
+    _pieces: list[str] = field(default_factory=list)
+    _unreported: list[str] = field(default_factory=list)
+    num_reported_tokens: int = 0
+
+    def add_text(self, piece: str) -> None:
+        if piece:
+            self._pieces.append(piece)
+            self._unreported.append(piece)
+
+    @property
+    def text(self) -> str:
+        if self._pieces:
+            self._text += "".join(self._pieces)
+            self._pieces.clear()
+        return self._text
+
+    def take_unreported_text(self) -> str:
+        text = "".join(self._unreported)
+        self._unreported.clear()
+        return text
 
 
 @dataclass
@@ -43,6 +68,10 @@ class ParentRequest:
     @property
     def finished(self) -> bool:
         return all(s.request.finish_reason is not None for s in self.sequences)
+
+    @property
+    def output_kind(self) -> RequestOutputKind:
+        return self.sequences[0].request.sampling_params.output_kind
 
 
 class OutputProcessor:
@@ -105,7 +134,11 @@ class OutputProcessor:
         return self._collect_outputs(touched), finished
 
     def _collect_outputs(self, touched: dict[str, ParentRequest]) -> list[RequestOutput]:
-        outputs = [self._make_output(p) for p in touched.values()]
+        outputs = [
+            self._make_output(p)
+            for p in touched.values()
+            if p.finished or p.output_kind is not RequestOutputKind.FINAL_ONLY
+        ]
         for parent in touched.values():
             if parent.finished:
                 del self.parents[parent.request_id]
@@ -149,7 +182,7 @@ class OutputProcessor:
         elif num_out >= request.max_tokens or request.num_tokens >= self.max_model_len:
             self._finish(seq, "length", None)
         if params.detokenize:
-            seq.text += seq.detokenizer.get_next_delta_text()
+            seq.add_text(seq.detokenizer.get_next_delta_text())
 
     def _finish(self, seq: SequenceState, reason: str, stop_reason: int | str | None) -> None:
         seq.request.finish_reason = reason
@@ -158,18 +191,26 @@ class OutputProcessor:
             seq.detokenizer.finish()
 
     def _make_output(self, parent: ParentRequest) -> RequestOutput:
+        delta = parent.output_kind is RequestOutputKind.DELTA
         outputs = []
         for seq in parent.sequences:
             r = seq.request
+            wants_logprobs = r.sampling_params.logprobs is not None
+            if delta:
+                start = seq.num_reported_tokens
+                seq.num_reported_tokens = r.num_output_tokens
+                text, token_ids = seq.take_unreported_text(), r.output_token_ids[start:]
+                logprobs = r.logprobs[start:] if wants_logprobs else None
+            else:
+                text, token_ids = seq.text, list(r.output_token_ids)
+                logprobs = list(r.logprobs) if wants_logprobs else None
             outputs.append(
                 CompletionOutput(
                     index=seq.index,
-                    text=seq.text,
-                    token_ids=list(r.output_token_ids),
-                    cumulative_logprob=r.cumulative_logprob
-                    if r.sampling_params.logprobs is not None
-                    else None,
-                    logprobs=list(r.logprobs) if r.sampling_params.logprobs is not None else None,
+                    text=text,
+                    token_ids=token_ids,
+                    cumulative_logprob=r.cumulative_logprob if wants_logprobs else None,
+                    logprobs=logprobs,
                     finish_reason=r.finish_reason,
                     stop_reason=r.stop_reason,
                 )

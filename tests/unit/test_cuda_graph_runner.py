@@ -131,7 +131,7 @@ def test_engine_with_graphs_replayed_eagerly_matches_hf(tiny_qwen3_path, monkeyp
             cudagraph_capture_sizes=[1, 2, 4, 8],
             max_num_batched_tokens=64,  # chunked prefill: some steps mix decodes and prefill chunks
         )
-    runner = llm.llm_engine.runner.graph_runner
+    runner = llm.llm_engine.executor.worker.model_runner.graph_runner
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in max_tokens]
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for prompt, output, n in zip(prompts, outputs, max_tokens):

@@ -87,8 +87,9 @@ class FlashAttentionBackend(AttentionBackend):
     supports_sliding_window = True
     supports_logits_soft_cap = True
     attn_types = ("decoder",)
-    # Decode steps in CUDA graphs through fixed buffers (builder hooks); prefill steps run eagerly.
-    cudagraph_support = "decode_only"
+    # The builder's graph hooks (fixed buffers, max_seqlen_k = max_model_len) are written but were
+    # not run on a GPU yet (tests/gpu/test_cuda_graphs_gpu.py does): until then, steps run eagerly.
+    cudagraph_support = "never"
     required_package = "flash_attn"  # the FA4 wheel's module is flash_attn.cute
     pip_extra = "flash-attn"
     preferred_block_size = 16
