@@ -145,6 +145,10 @@ def main() -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--only", default="latency,ttft,nano,bs256")
     parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--warmups", type=int, default=2)
+    parser.add_argument(
+        "--profile-batches", default="", help="kvllm: step profiles (step_profile.py) at these batch sizes"
+    )
     parser.add_argument(
         "--model", default=None, help="a model folder instead of Qwen3-0.6B's shapes (CPU checks)"
     )
@@ -171,7 +175,7 @@ def main() -> int:
     engine.generate(random_requests(1, 16, 16, vocab, seed=next(seed)), 1.0)  # warm-up
     if "latency" in which:
         for bs in LATENCY_BATCHES:
-            for _ in range(2):
+            for _ in range(args.warmups):
                 engine.generate(random_requests(bs, 32, 128, vocab, seed=next(seed)), 1.0)
             runs = [
                 timed(engine, random_requests(bs, 32, 128, vocab, seed=next(seed)), 1.0)[0]
@@ -224,6 +228,11 @@ def main() -> int:
                 "gpu_busy_source": util.source,
             }
         )
+    if args.profile_batches and args.engine == "kvllm":
+        from benchmarks.h200.step_profile import profile_one
+
+        for bs in [int(x) for x in args.profile_batches.split(",")]:
+            emit({"bench": "step_profile", **profile_one(engine.llm, bs, 12, 128)})
     sink.close()
     return 0
 

@@ -7,8 +7,9 @@
 #      vLLM part 1 goes to the machine; kvllm TRITON_ATTN: GPU tests (graphs vs eager, sampler),
 #      fast_path_bench (latency 1/8/64/256, TTFT, nano-vllm, 256 x 128/128), the step profile.
 #   2. carry [".vllm/part2", ".fi"]:   bash benchmarks/h200/fast_path_session.sh vllm
-#      vLLM 0.22 with its defaults through the same fast_path_bench; then FLASHINFER: graphs-vs-eager
-#      test and fast_path_bench. Results come back as $OUT/<phase>.tgz.
+#      vLLM 0.22 with its defaults through the same fast_path_bench; with WITH_FLASHINFER=1 then
+#      FLASHINFER: graphs-vs-eager test and fast_path_bench (its first use compiles for ~2 minutes).
+#   WITH_SYNC=1 adds kvllm with --no-async-scheduling to call 1. Results come back as $OUT/<phase>.tgz.
 #   smoke: the first lease's TRITON_ATTN-only check (graphs before the fused kernels).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -36,10 +37,9 @@ kvllm)
     tests/gpu/test_cuda_graphs_gpu.py tests/gpu/test_sampling_gpu.py -k "TRITON or sampl or bf16 or vocab or rows" \
     > "$d/pytest-gpu.log" 2>&1
   since "GPU tests: $(tail -n 1 "$d/pytest-gpu.log")"
-  bench triton --engine kvllm --backend TRITON_ATTN
-  timeout 120 python3 benchmarks/h200/step_profile.py --out "$d" --batch-sizes 1,64,256 > "$d/profile-graphs.log" 2>&1
-  tail -n 5 "$d/profile-graphs.log"
-  bench triton-sync --engine kvllm --backend TRITON_ATTN --no-async-scheduling --only latency,nano
+  bench triton --engine kvllm --backend TRITON_ATTN --iters 2 --warmups 1 --profile-batches 1,64,256
+  [ "${WITH_SYNC:-0}" = 1 ] && bench triton-sync --engine kvllm --backend TRITON_ATTN --no-async-scheduling \
+    --only latency,nano --iters 2 --warmups 1
   tar czf "$out/kvllm.tgz" -C /tmp kvllm
   since "done"
   ;;
@@ -47,12 +47,14 @@ vllm)
   d=/tmp/vllm; mkdir -p "$d"
   bash .vllm/part2/remote-stage.sh 2 > "$d/vllm-stage2.log" 2>&1 || { cat "$d/vllm-stage2.log"; exit 3; }
   tail -n 4 "$d/vllm-stage2.log"
-  (export PYTHONPATH=.:/tmp/site-vllm; bench vllm --engine vllm)
+  (export PYTHONPATH=.:/tmp/site-vllm; bench vllm --engine vllm --iters 2 --warmups 1)
+  if [ "${WITH_FLASHINFER:-0}" = 1 ]; then
   bash .fi/unpack.sh > /dev/null
   env "${FI_ENV[@]}" KVLLM_GPU_REPORT_DIR=$d timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
     tests/gpu/test_cuda_graphs_gpu.py -k FLASHINFER > "$d/pytest-flashinfer.log" 2>&1
   since "FLASHINFER graph test: $(tail -n 1 "$d/pytest-flashinfer.log")"
-  (export "${FI_ENV[@]}"; bench flashinfer --engine kvllm --backend FLASHINFER)
+  (export "${FI_ENV[@]}"; bench flashinfer --engine kvllm --backend FLASHINFER --iters 2 --warmups 1)
+  fi
   tar czf "$out/vllm.tgz" -C /tmp vllm
   since "done"
   ;;

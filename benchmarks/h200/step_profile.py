@@ -103,13 +103,13 @@ def profile_one(llm: LLM, batch_size: int, steps: int, input_len: int) -> dict:
     timer.wrap(runner.model, "forward", "forward")
     timer.wrap(runner.model, "compute_logits", "logits")
     timer.wrap(runner.sampler, "sample", "sample")
-    timer.wrap(sampler_module.SampledTokens, "to_host", "wait+copy")
+    timer.wrap(sampler_module.HostCopy, "wait", "wait for the device")
     timer.wrap(engine, "step", "step")
     wall = decode_steps(engine, steps)
     phases = {k: v / steps * 1e3 for k, v in timer.totals.items()}
     timer.unwrap()
     outside = phases.get("step", 0.0) - sum(v for k, v in phases.items() if k != "step")
-    phases["engine (outputs, stop checks)"] = outside
+    phases["engine (scheduler bookkeeping, outputs, stop checks)"] = outside
 
     from torch.profiler import ProfilerActivity, profile
 
@@ -122,7 +122,7 @@ def profile_one(llm: LLM, batch_size: int, steps: int, input_len: int) -> dict:
     for e in kernels:
         by_name[e.name] += 1
     top = sorted(by_name.items(), key=lambda kv: -kv[1])[:25]
-    for rid in list(engine.parents):
+    for rid in list(engine.output_processor.parents):
         engine.abort_request(rid)
     return {
         "batch_size": batch_size,

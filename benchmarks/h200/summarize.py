@@ -14,6 +14,12 @@ def describe(r: dict) -> str:
         return f"bs{r['batch_size']}: {r['ms_per_output_token']:.3f} ms per output token"
     if kind == "ttft":
         return f"1k-token prompt: {r['mean_ms']:.1f} ms"
+    if kind == "step_profile":
+        phases = ", ".join(f"{k} {v:.2f}" for k, v in r["host_ms_per_step_by_phase"].items() if k != "step")
+        return (
+            f"bs{r['batch_size']}: {r['wall_ms_per_step']:.3f} ms/step, GPU busy {r['gpu_busy_ms_per_step']:.3f} ms, "
+            f"{r['cuda_kernels_per_layer']:.1f} kernels/layer; host ms: {phases}"
+        )
     busy = r.get("gpu_busy")
     return f"{r['out_tok_per_s']:.0f} output tok/s ({r['seconds']:.2f} s), GPU busy {busy if busy is None else round(busy, 3)}"
 
