@@ -17,7 +17,7 @@ import triton.language as tl
 BLOCK_V = 2048
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed"])  # a new seed every step: one compiled variant for all
 def _gumbel_argmax_kernel(
     logits_ptr,
     stride_row,

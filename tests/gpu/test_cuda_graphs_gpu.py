@@ -21,7 +21,9 @@ from tests.model_factory import make_tiny_qwen3
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-TIE_GAP = 0.05  # logprob nats: below this the two best tokens are a bf16 tie
+# Logprob nats = bf16 logit gap: at |logit| 8-16 one bf16 step is 0.0625, so gaps up to about two
+# steps are ties of the rounded logits (the same bound as test_engine_cuda.BF16_TIE_GAP).
+TIE_GAP = 0.15
 GRAPH_BACKENDS = ["TRITON_ATTN", "FLASHINFER", "FLASH_ATTN"]
 
 

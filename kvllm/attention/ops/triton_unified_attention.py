@@ -143,7 +143,10 @@ def _attend_tiles(
     return acc, m_i, l_i
 
 
-@triton.jit
+# Arguments that change from step to step (how many requests, where the decodes end, the block
+# table's width, the split count) are not specialized on: Triton would otherwise compile a variant
+# for every "== 1" / "multiple of 16" combination of them, seconds each, in the middle of serving.
+@triton.jit(do_not_specialize=["seq_lo", "seq_hi", "num_segments", "window", "stride_bt"])
 def _unified_attention_kernel(
     out_ptr,
     q_ptr,
@@ -387,7 +390,7 @@ def _unified_attention_kernel(
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens", "num_segments"])
 def _reduce_segments_kernel(
     out_ptr,
     part_out_ptr,

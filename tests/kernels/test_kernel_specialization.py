@@ -1,0 +1,53 @@
+"""Triton kernels are not specialized on arguments that change every step.
+
+Triton compiles one variant per "== 1" / "multiple of 16" pattern of its integer arguments; for an
+argument that follows the batch (how many requests, the block table's width, a per-step seed) that
+means compiling kernels, seconds each, in the middle of serving. Checked in a fresh interpreter
+without TRITON_INTERPRET, where the decorators build real JITFunctions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+EXPECTED = {
+    "kvllm.attention.ops.triton_unified_attention:_unified_attention_kernel": [
+        "seq_lo",
+        "seq_hi",
+        "num_segments",
+        "window",
+        "stride_bt",
+    ],
+    "kvllm.attention.ops.triton_unified_attention:_reduce_segments_kernel": ["num_tokens", "num_segments"],
+    "kvllm.sample.gumbel:_gumbel_argmax_kernel": ["seed"],
+}
+
+SCRIPT = """
+import importlib, json, sys
+out = {}
+for key in json.loads(sys.argv[1]):
+    module, name = key.split(":")
+    kernel = getattr(importlib.import_module(module), name)
+    params = [p.name for p in kernel.params]
+    out[key] = {"dns": [params[i] if isinstance(i, int) else i for i in kernel.do_not_specialize], "params": params}
+print(json.dumps(out))
+"""
+
+
+def test_per_step_arguments_are_not_specialized():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run(
+        [sys.executable, "-c", SCRIPT, json.dumps(list(EXPECTED))],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+    )
+    found = json.loads(result.stdout.strip().splitlines()[-1])
+    for key, names in EXPECTED.items():
+        assert set(names) <= set(found[key]["params"]), (key, found[key]["params"])  # the names still exist
+        assert set(found[key]["dns"]) == set(names), (key, found[key]["dns"])
