@@ -1,7 +1,8 @@
 """What `--backend` means in each benchmark, and how a guide's attention-backend name there is answered.
 
-bench throughput: the engine measured (kvllm, or hf for HF transformers). bench latency measures
-kvllm only and takes an attention backend name there as --attention-backend, as some guides write it.
+bench throughput: the engine measured (kvllm, hf for HF transformers, vllm for vLLM's LLM API).
+bench latency: kvllm, or vllm for the vLLM peer; an attention backend name there is taken as
+--attention-backend, as some guides write it.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from kvllm.logger import init_logger
 
 logger = init_logger(__name__)
 
-BACKENDS = ("kvllm", "hf")  # what bench throughput --backend measures
+BACKENDS = ("kvllm", "hf", "vllm")  # what bench throughput --backend measures
 
 
 def is_attention_backend_name(value: str) -> bool:
@@ -31,9 +32,12 @@ def apply_latency_backend_alias(args: argparse.Namespace) -> None:
     if value.strip().lower() == "kvllm":
         logger.info("bench latency --backend kvllm: kvllm is the engine this benchmark measures")
         return
+    if value.strip().lower() == "vllm":
+        args.backend = "vllm"  # the vLLM peer, measured on the same prompts and sampling
+        return
     if value.strip().lower() == "hf":
         raise ValueError(
-            "bench latency measures kvllm only; HF transformers is measured by "
+            "bench latency measures kvllm (or vLLM with --backend vllm); HF transformers is measured by "
             "`kvllm bench throughput --backend hf`"
         )
     if not is_attention_backend_name(value):
@@ -58,8 +62,8 @@ def check_throughput_backend(value: str) -> None:
         return
     if is_attention_backend_name(value):
         raise ValueError(
-            f"--backend {value}: in bench throughput, --backend picks the engine measured (kvllm, or hf for "
-            f"HF transformers), not the attention backend. For the attention backend use --attention-backend "
+            f"--backend {value}: in bench throughput, --backend picks the engine measured (kvllm, hf for "
+            f"HF transformers or vllm), not the attention backend. For the attention backend use --attention-backend "
             f"{value.strip().upper()} (bench latency also takes --backend {value} as that alias)"
         )
     raise ValueError(f"--backend {value!r} is not valid; allowed: {', '.join(BACKENDS)}")

@@ -70,8 +70,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         dest="backend",
         default=None,
         metavar="NAME",
-        help="An attention backend name, as some guides write it: the same as --attention-backend NAME "
-        "(kvllm is the engine measured; HF transformers is in bench throughput --backend hf).",
+        help="vllm: measure vLLM's LLM API instead (when vLLM is importable), on the same prompts and "
+        "sampling. An attention backend name, as some guides write it: the same as --attention-backend "
+        "NAME (kvllm is the engine measured; HF transformers is in bench throughput --backend hf).",
     )
     add_common_flags(group)
 
@@ -207,7 +208,8 @@ def print_result(result: dict[str, Any]) -> None:
     print(f"Avg latency: {result['avg_latency']:.6f} seconds")
     for q, value in result["percentiles"].items():
         print(f"{q}% percentile latency: {value:.6f} seconds")
-    print(f"Prefill latency (all first tokens of the batch): {result['prefill_latency']:.6f} seconds")
+    if result["prefill_latency"] is not None:
+        print(f"Prefill latency (all first tokens of the batch): {result['prefill_latency']:.6f} seconds")
     decode = result["decode_throughput"]
     print(
         f"Decode throughput: {decode:.2f} output tokens/s"
@@ -217,9 +219,59 @@ def print_result(result: dict[str, Any]) -> None:
     print(gpu_util_line(result))
 
 
+def measure_latency_vllm(engine_kwargs: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """The same batch latency on the vLLM peer (same prompts, sampling, warm-ups and iterations)."""
+    from kvllm.benchmarks.vllm_backend import VLLMRunner
+    from kvllm.config.engine import EngineArgs
+
+    _check(args)
+    engine_args = EngineArgs(**{"enable_prefix_caching": False, **engine_kwargs})
+    runner = VLLMRunner(engine_args)
+    requests = random_requests(
+        args.batch_size,
+        args.input_len,
+        args.output_len,
+        runner.model_config.vocab_size,
+        seed=engine_args.seed,
+    )
+    for _ in range(args.num_iters_warmup):
+        runner.generate(requests, 1.0, args.n)
+    with GpuUtilSampler() as sampler:
+        runs = [runner.generate(requests, 1.0, args.n) for _ in range(args.num_iters)]
+    latencies = [r.elapsed for r in runs]
+    firsts = [r.first_token_latency for r in runs if r.first_token_latency is not None]
+    avg_latency = mean(latencies)
+    prefill_latency = mean(firsts) if firsts else None
+    decode_tokens = args.batch_size * args.n * (args.output_len - 1)
+    decode_time = avg_latency - prefill_latency if prefill_latency is not None else None
+    return {
+        "benchmark": "latency",
+        "backend": "vllm",
+        "config": {
+            k: getattr(args, k)
+            for k in ("batch_size", "input_len", "output_len", "n", "num_iters_warmup", "num_iters")
+        },
+        "engine": runner.describe(),
+        "avg_latency": avg_latency,
+        "latencies": latencies,
+        "percentiles": {str(q): percentile(latencies, q) for q in PERCENTILES},
+        "prefill_latency": prefill_latency,
+        "decode_throughput": decode_tokens / decode_time if decode_time and decode_tokens else None,
+        "output_throughput": args.batch_size * args.n * args.output_len / avg_latency,
+        "gpu_util": sampler.value,
+        "gpu_util_source": sampler.source,
+        "env": environment(),
+    }
+
+
 def main(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
     """Build the engine from `engine_kwargs`, run the benchmark, print it and write --output-json."""
     _check(args)
+    if getattr(args, "backend", None) == "vllm":
+        result = measure_latency_vllm(engine_kwargs, args)
+        print_result(result)
+        write_json(args.output_json, result)
+        return 0
     llm = build_llm(engine_kwargs, enable_prefix_caching=False)
     result = measure_latency(llm, args)
     print_result(result)

@@ -45,9 +45,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--backend",
         default="kvllm",
-        metavar="{kvllm,hf}",
-        help="The engine measured: kvllm, or hf for HF transformers generate on the same model "
-        "(default: kvllm). The attention backend is --attention-backend.",
+        metavar="{kvllm,hf,vllm}",
+        help="The engine measured: kvllm, hf for HF transformers generate, or vllm for vLLM's LLM API "
+        "(when vLLM is importable), on the same model, prompts and sampling (default: kvllm). The "
+        "attention backend is --attention-backend.",
     )
     add_flag(
         group,
@@ -184,6 +185,31 @@ def run_hf(
     }
 
 
+def run_vllm(
+    engine_kwargs: dict[str, Any], args: argparse.Namespace
+) -> tuple[list[BenchRequest], dict[str, Any]]:
+    """The vLLM peer: one engine from the same engine arguments, the same requests and sampling."""
+    from kvllm.benchmarks.vllm_backend import VLLMRunner
+    from kvllm.config.engine import EngineArgs
+
+    engine_args = EngineArgs(**{"enable_prefix_caching": False, **engine_kwargs})
+    runner = VLLMRunner(engine_args)
+    requests = make_requests(args, runner.model_config.vocab_size, engine_args.seed)
+    temperature = NANO_VLLM_TEMPERATURE if args.dataset_name == "nano-vllm" else 1.0
+    if args.warmup:
+        runner.generate([_warmup_request(requests)], 1.0)
+    with GpuUtilSampler() as sampler:
+        run = runner.generate(requests, temperature)
+    return requests, {
+        "elapsed_time": run.elapsed,
+        "num_output_tokens": run.num_output_tokens,
+        "num_generated_tokens": run.num_output_tokens,
+        "gpu_util": sampler.value,
+        "gpu_util_source": sampler.source,
+        "engine": runner.describe(),
+    }
+
+
 def measure_throughput(
     args: argparse.Namespace,
     engine_kwargs: dict[str, Any],
@@ -202,6 +228,8 @@ def measure_throughput(
         engine = llm.llm_engine
         requests = make_requests(args, engine.model_config.vocab_size, engine.args.seed)
         run = run_kvllm(llm, requests, args)
+    elif args.backend == "vllm":
+        requests, run = run_vllm(engine_kwargs, args)
     else:
         requests, run = run_hf(engine_kwargs, args, hf_runner)
     elapsed = run["elapsed_time"]

@@ -53,7 +53,7 @@ class VLLMRunner:
             os.environ.setdefault(key, value)
         why_not = vllm_available()
         if why_not is not None:
-            raise RuntimeError(
+            raise ValueError(
                 f"--backend vllm needs vLLM importable in this environment ({why_not}); install vllm, or "
                 "measure kvllm alone with --backend kvllm"
             )
@@ -96,13 +96,13 @@ class VLLMRunner:
             **self.kwargs,
         }
 
-    def generate(self, requests: Sequence[BenchRequest], temperature: float) -> VLLMRunResult:
+    def generate(self, requests: Sequence[BenchRequest], temperature: float, n: int = 1) -> VLLMRunResult:
         """Generate every request in one `LLM.generate` call (EOS ignored, as kvllm's benchmark)."""
         from vllm import SamplingParams
 
         prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
         params = [
-            SamplingParams(temperature=temperature, top_p=1.0, ignore_eos=True, max_tokens=r.output_len)
+            SamplingParams(n=n, temperature=temperature, top_p=1.0, ignore_eos=True, max_tokens=r.output_len)
             for r in requests
         ]
         start = time.perf_counter()
@@ -111,7 +111,7 @@ class VLLMRunner:
         first = [o.metrics.first_token_time - o.metrics.arrival_time for o in outputs if _has_ttft(o)]
         return VLLMRunResult(
             elapsed=elapsed,
-            num_output_tokens=sum(len(o.outputs[0].token_ids) for o in outputs),
+            num_output_tokens=sum(len(c.token_ids) for o in outputs for c in o.outputs),
             first_token_latency=max(first) if first else None,
         )
 

@@ -409,9 +409,10 @@ def test_bench_latency_with_profile_steps_runs_on_cpu(tiny_qwen3_path, capsys, t
     [
         (
             "hf",
-            "bench latency measures kvllm only; HF transformers is measured by `kvllm bench throughput --backend hf`",
+            "bench latency measures kvllm (or vLLM with --backend vllm); HF transformers is measured by "
+            "`kvllm bench throughput --backend hf`",
         ),
-        ("vllm", "--backend 'vllm' is not valid for bench latency; allowed: an attention backend"),
+        ("sglang", "--backend 'sglang' is not valid for bench latency; allowed: an attention backend"),
     ],
 )
 def test_bench_latency_backend_other_values(value, message):
@@ -423,14 +424,22 @@ def test_bench_latency_backend_other_values(value, message):
         apply_backend_alias(argparse.Namespace(backend="FLASH_ATTN", attention_backend="CPU_ATTN"))
 
 
+def test_bench_latency_backend_vllm_is_the_vllm_peer():
+    from kvllm.benchmarks.backend_flag import apply_latency_backend_alias
+
+    args = argparse.Namespace(backend="vLLM")
+    apply_latency_backend_alias(args)
+    assert args.backend == "vllm" and not hasattr(args, "attention_backend")
+
+
 def test_bench_throughput_backend_attention_name_is_explained(tiny_qwen3_path, capsys, no_weights):
     code, out = run_cli(
         capsys, "bench", "throughput", "--model", str(tiny_qwen3_path), "--backend", "FLASH_ATTN"
     )
     assert code == 2
     assert (
-        "--backend FLASH_ATTN: in bench throughput, --backend picks the engine measured (kvllm, or hf for HF "
-        "transformers), not the attention backend. For the attention backend use --attention-backend FLASH_ATTN"
+        "--backend FLASH_ATTN: in bench throughput, --backend picks the engine measured (kvllm, hf for HF "
+        "transformers or vllm), not the attention backend. For the attention backend use --attention-backend FLASH_ATTN"
         in out
     )
 
