@@ -1,4 +1,7 @@
-"""Print a short table of fast_path_bench results: python3 benchmarks/h200/summarize.py FILE.jsonl ..."""
+"""Print a short table of fast_path_bench results, and optionally plot them side by side:
+
+python3 benchmarks/h200/summarize.py FILE.jsonl ... [--plot OUT.png]
+"""
 
 from __future__ import annotations
 
@@ -24,13 +27,62 @@ def describe(r: dict) -> str:
     return f"{r['out_tok_per_s']:.0f} output tok/s ({r['seconds']:.2f} s), GPU busy {busy if busy is None else round(busy, 3)}"
 
 
-def main() -> None:
-    for path in sys.argv[1:]:
+def load(paths: list[str]) -> list[dict]:
+    records = []
+    for path in paths:
         with open(path) as f:
-            for line in f:
-                if line.strip():
-                    r = json.loads(line)
-                    print(f"   {r['engine']:<26} {r['bench']:<8} {describe(r)}")
+            records += [json.loads(line) for line in f if line.strip()]
+    return records
+
+
+def plot(records: list[dict], out: str) -> None:
+    """Per engine: ms per output token by batch size, and output tok/s of the two throughput runs."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    engines = list(dict.fromkeys(r["engine"] for r in records))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for engine in engines:
+        rows = sorted(
+            (r["batch_size"], r["ms_per_output_token"])
+            for r in records
+            if r["engine"] == engine and r["bench"] == "latency"
+        )
+        left.plot([b for b, _ in rows], [v for _, v in rows], marker="o", label=engine)
+    left.set(
+        xscale="log", xlabel="batch size (32 in / 128 out)", ylabel="ms per output token", title="Latency"
+    )
+    left.legend()
+    width = 0.8 / max(1, len(engines))
+    for i, engine in enumerate(engines):
+        values = [
+            next((r["out_tok_per_s"] for r in records if r["engine"] == engine and r["bench"] == b), 0)
+            for b in ("nano", "bs256")
+        ]
+        right.bar([x + i * width for x in range(2)], values, width, label=engine)
+    right.set_xticks(
+        [x + width * (len(engines) - 1) / 2 for x in range(2)], ["nano-vllm workload", "256 x 128/128"]
+    )
+    right.set(ylabel="output tokens/s", title="Throughput")
+    right.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
+def main() -> None:
+    args = sys.argv[1:]
+    out = None
+    if "--plot" in args:
+        i = args.index("--plot")
+        out = args[i + 1]
+        args = args[:i] + args[i + 2 :]
+    records = load(args)
+    for r in records:
+        print(f"   {r['engine']:<26} {r['bench']:<8} {describe(r)}")
+    if out:
+        plot(records, out)
 
 
 if __name__ == "__main__":
