@@ -1,19 +1,18 @@
 """The persistent input batch: the worker's per-request state, and the flat tensors of each step.
 
 Each running request owns a row, from the step it is first scheduled until it finishes or is
-preempted. A row keeps the request's token ids, its block table and its sampling parameters, on
-the host (numpy views of pinned memory) and on the device, written when something changes: a new
-request writes its prompt once, a step appends the blocks the scheduler added and the token it
-sampled. Nothing is rebuilt per step.
+preempted. A row keeps the request's token ids (on the device only), its block table and its
+sampling parameters (on the host, numpy, and on the device), written when something changes: a new
+request writes its prompt once, a step appends the blocks the scheduler added, and the sampled ids
+are scattered into the device token table by the step that sampled them. Nothing is rebuilt per step.
 
-A step's inputs are computed with numpy over the step's requests and tokens, written into one
-pinned staging buffer per dtype at fixed offsets, and uploaded with one non-blocking copy each;
-the device-side views of those buffers are what the model, the attention builder and the CUDA
-graphs read (their addresses never change). Rows are in arbitrary order; the step's order
+A step's inputs are computed with numpy over the step's requests and tokens, written into a pinned
+staging buffer per dtype at fixed offsets (two, used in turn, so the host can prepare a step while
+the previous one's upload waits on the stream), and uploaded with one non-blocking copy each; the
+device-side buffers are what the model, the attention builder and the CUDA graphs read (their
+addresses never change). Input ids are gathered on the device from the token table, so a decode
+does not need the previous step's tokens on the host. Rows are in arbitrary order; the step's order
 (decodes first) is applied on the device by gathering rows.
-
-Host buffers are reused every step: callers must not prepare a step before the previous step's
-uploads have run (the synchronous engine waits for each step's sampled tokens, which orders them).
 """
 
 from __future__ import annotations
@@ -105,8 +104,6 @@ class RequestState:
     params: SamplingParams
     generator: torch.Generator | None
     eos_token_ids: tuple[int, ...]
-    num_prompt_tokens: int
-    prompt_token_ids: list[int]
 
 
 @dataclass
@@ -243,8 +240,6 @@ class InputBatch:
             params=params,
             generator=request.generator,
             eos_token_ids=tuple(request.eos_token_ids),
-            num_prompt_tokens=len(request.prompt_token_ids),
-            prompt_token_ids=request.prompt_token_ids,
         )
         self.states[request.request_id] = state
         self.row_states[row] = state
@@ -384,7 +379,7 @@ class InputBatch:
             block_table=block_table,
             slot_mapping=dev64["slots"][: max(num_tokens, padded)],
         )
-        self._pending = _PendingStep(rows, query_lens, sample_rows, dev64["sample_slots"][:num_samples])
+        self._pending = _PendingStep(sample_rows, dev64["sample_slots"][:num_samples])
         sampling_metadata = None
         if num_samples:
             index = dev64["rows"][:num_reqs] if all_sample else dev64["rows"][dev64["samples"][:num_samples]]
@@ -545,8 +540,6 @@ class InputBatch:
 class _PendingStep:
     """What `record_sampled_on_device` needs of the step `prepare` built."""
 
-    rows: np.ndarray  # the step's rows, in step order
-    query_lens: np.ndarray
     sample_rows: np.ndarray  # rows that sample this step, in sampling order
     sample_slots: torch.Tensor  # int64 flat positions of their next token in the device token table
 
