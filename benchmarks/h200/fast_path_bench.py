@@ -36,6 +36,16 @@ VOCAB = 151936
 LATENCY_BATCHES = (1, 8, 64, 256)
 
 
+def generate(llm: Any, sampling_params: type, requests: list[BenchRequest], temperature: float) -> int:
+    """One `LLM.generate` call of every request (either engine's API); returns the output tokens."""
+    params = [
+        sampling_params(temperature=temperature, top_p=1.0, ignore_eos=True, max_tokens=r.output_len)
+        for r in requests
+    ]
+    outs = llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in requests], params, use_tqdm=False)
+    return sum(len(o.outputs[0].token_ids) for o in outs)
+
+
 class KvllmEngine:
     def __init__(self, model: str, backend: str | None, eager: bool, async_scheduling: bool) -> None:
         from kvllm import LLM
@@ -58,14 +68,7 @@ class KvllmEngine:
     def generate(self, requests: list[BenchRequest], temperature: float) -> int:
         from kvllm import SamplingParams
 
-        params = [
-            SamplingParams(temperature=temperature, top_p=1.0, ignore_eos=True, max_tokens=r.output_len)
-            for r in requests
-        ]
-        outs = self.llm.generate(
-            [{"prompt_token_ids": r.prompt_token_ids} for r in requests], params, use_tqdm=False
-        )
-        return sum(len(o.outputs[0].token_ids) for o in outs)
+        return generate(self.llm, SamplingParams, requests, temperature)
 
 
 class VllmEngine:
@@ -103,14 +106,7 @@ class VllmEngine:
     def generate(self, requests: list[BenchRequest], temperature: float) -> int:
         from vllm import SamplingParams
 
-        params = [
-            SamplingParams(temperature=temperature, top_p=1.0, ignore_eos=True, max_tokens=r.output_len)
-            for r in requests
-        ]
-        outs = self.llm.generate(
-            [{"prompt_token_ids": r.prompt_token_ids} for r in requests], params, use_tqdm=False
-        )
-        return sum(len(o.outputs[0].token_ids) for o in outs)
+        return generate(self.llm, SamplingParams, requests, temperature)
 
 
 def _cuda() -> bool:

@@ -17,7 +17,6 @@ import torch
 
 from kvllm import LLM, SamplingParams
 from tests.gpu.test_engine_cuda import _backend_usable
-from tests.model_factory import make_tiny_qwen3
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -25,21 +24,6 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 # steps are ties of the rounded logits (the same bound as test_engine_cuda.BF16_TIE_GAP).
 TIE_GAP = 0.15
 GRAPH_BACKENDS = ["TRITON_ATTN", "FLASHINFER", "FLASH_ATTN"]
-
-
-@pytest.fixture(scope="module")
-def qwen3_small(tmp_path_factory):
-    """Qwen3-shaped: 16 q / 8 kv heads of 128 (as Qwen3-0.6B), 2 layers, hidden 512."""
-    return str(
-        make_tiny_qwen3(
-            tmp_path_factory.mktemp("qwen3_graphs"),
-            hidden_size=512,
-            intermediate_size=1024,
-            num_attention_heads=16,
-            num_key_value_heads=8,
-            head_dim=128,
-        )
-    )
 
 
 def _run(path: str, backend: str, enforce_eager: bool, prompts, max_tokens):

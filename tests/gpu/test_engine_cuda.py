@@ -17,28 +17,12 @@ import torch
 
 from kvllm import LLM, SamplingParams
 from tests.hf_reference import hf_greedy
-from tests.model_factory import make_tiny_qwen3
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 BF16_TIE_GAP = 0.15  # logits; bf16 keeps ~3 significant digits, so gaps below this are ties
 MAX_NEW_TOKENS = 24
 BACKENDS = ["TRITON_ATTN", "FLEX_ATTENTION", "FLASH_ATTN", "FLASHINFER"]
-
-
-@pytest.fixture(scope="module")
-def qwen3_small(tmp_path_factory):
-    """Qwen3-shaped: 16 q / 8 kv heads of 128 (as Qwen3-0.6B), 2 layers, hidden 512."""
-    return str(
-        make_tiny_qwen3(
-            tmp_path_factory.mktemp("qwen3_small"),
-            hidden_size=512,
-            intermediate_size=1024,
-            num_attention_heads=16,
-            num_key_value_heads=8,
-            head_dim=128,
-        )
-    )
 
 
 def _backend_usable(name: str) -> str | None:
