@@ -143,8 +143,10 @@ class FlashAttentionImpl(AttentionImpl):
         sinks = self.sinks
         if sinks is not None and sinks.dtype not in _SINK_DTYPES:
             sinks = sinks.float()
+        # q arrives as a strided view of the fused qkv buffer; FA4's support for that was read in its
+        # source, not run on a GPU, so it gets a contiguous copy (one small kernel beside the call).
         result = self._varlen(
-            q=query[:num_tokens],
+            q=query[:num_tokens].contiguous(),
             k=key_cache,
             v=value_cache,
             cu_seqlens_q=attn_metadata.query_start_loc,

@@ -345,6 +345,9 @@ class FlashInferImpl(AttentionImpl):
     ) -> torch.Tensor:
         meta = attn_metadata
         num_tokens, num_decode_tokens = meta.num_actual_tokens, meta.num_decode_tokens
+        # q arrives as a strided view of the fused qkv buffer; FlashInfer's support for that was not
+        # run on a GPU yet, so it gets a contiguous copy (one small kernel beside the library's).
+        query = query.contiguous()
         k_scale = layer.k_scale if self._is_fp8 else None
         v_scale = layer.v_scale if self._is_fp8 else None
         if not kv_written:
