@@ -19,6 +19,8 @@ from kvllm.layers.activation import SiluAndMul
 from kvllm.layers.norm import RMSNorm
 from kvllm.layers.ops.dispatch import fused_ops_mode, use_fused_ops
 from kvllm.layers.rotary import RotaryEmbedding
+from tests import layer_ops_checks as checks
+from tests.layer_ops_checks import bits
 
 pytestmark = [
     pytest.mark.gpu,
@@ -39,47 +41,14 @@ def randn(*shape: int, dtype: torch.dtype, seed: int, scale: float = 1.0) -> tor
     return (torch.randn(*shape, generator=gen) * scale).to(dtype).to(CUDA)
 
 
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
-
-
 def assert_matches_eager(out: torch.Tensor, ref: torch.Tensor, exact: bool = False) -> None:
-    assert out.dtype == ref.dtype and out.shape == ref.shape
-    if exact:
-        differ = int((bits(out) != bits(ref)).sum())
-        assert differ == 0, f"{differ} of {out.numel()} values differ from the eager path"
-        return
-    if out.dtype == torch.float32:
-        torch.testing.assert_close(out, ref, rtol=TOL32, atol=TOL32)
-        return
-    differ = out != ref
-    if differ.any():
-        info = torch.finfo(out.dtype)
-        got, want = out[differ].float(), ref[differ].float()
-        ulp = torch.maximum(got.abs(), want.abs()).clamp_min(info.tiny) * info.eps
-        assert bool(((got - want).abs() <= 2 * ulp).all()), "a 16-bit value is off by more than two ulps"
-        assert float(differ.float().mean()) < 0.01, f"{int(differ.sum())} of {out.numel()} values differ"
+    checks.assert_matches_eager(out, ref, TOL32, exact)
 
 
 def assert_qk_norm_rope_matches(
     out: torch.Tensor, ref: torch.Tensor, head_size: int, rotary_dim: int
 ) -> None:
-    """QK-norm then RoPE: a one-ulp flip in a normed value n moves o1 = n1 cos - n2 sin by about
-    eps |n|, which is small against |(n1, n2)| = |(o1, o2)| but may be many ulps of a small o1."""
-    if out.dtype == torch.float32:
-        torch.testing.assert_close(out, ref, rtol=TOL32, atol=TOL32)
-        return
-    differ = out != ref
-    assert float(differ.float().mean()) < 0.01, f"{int(differ.sum())} of {out.numel()} values differ"
-    got = out.float().view(out.shape[0], -1, head_size)
-    want = ref.float().view(ref.shape[0], -1, head_size)
-    half = rotary_dim // 2
-    pair = torch.hypot(want[..., :half], want[..., half:rotary_dim])
-    scale = torch.cat([pair, pair, want[..., rotary_dim:].abs()], dim=-1)
-    info = torch.finfo(out.dtype)
-    assert bool(((got - want).abs() <= 3 * info.eps * scale + info.tiny).all()), (
-        "QK-norm + RoPE off by more than 3 eps"
-    )
+    checks.assert_qk_norm_rope_matches(out, ref, head_size, rotary_dim, TOL32)
 
 
 def both_paths(fn):  # noqa: ANN001, ANN201
@@ -223,15 +192,6 @@ def test_qk_norm_rope_kv_write(dtype, cache_dtype, k_scale, v_scale, layout) -> 
     assert torch.equal(bits(qkv), bits(ref_qkv))
     assert torch.equal(bits(out_k), bits(ref_k))
     assert torch.equal(bits(out_v), bits(ref_v))
-
-
-@pytest.fixture(scope="module")
-def qwen3_small(tmp_path_factory):  # noqa: ANN001, ANN201
-    """Qwen3-shaped: 16 q / 8 kv heads of 128 (as Qwen3-0.6B), 2 layers, hidden 512."""
-    from tests.model_factory import make_tiny_qwen3
-
-    return str(make_tiny_qwen3(tmp_path_factory.mktemp("qwen3_small"), hidden_size=512, intermediate_size=1024,
-                               num_attention_heads=16, num_key_value_heads=8, head_dim=128))  # fmt: skip
 
 
 def test_model_bf16_logits_and_greedy_tokens_match_torch_path(qwen3_small) -> None:  # noqa: ANN001
