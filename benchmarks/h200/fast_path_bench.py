@@ -194,36 +194,22 @@ def main() -> int:
             1:
         ]
         emit({"bench": "ttft", "prompt_len": 1024, "seconds": runs, "mean_ms": sum(runs) / len(runs) * 1e3})
+
+    def throughput(
+        name: str, requests: list[BenchRequest], warmup: list[BenchRequest], temperature: float
+    ) -> None:
+        engine.generate(warmup, 1.0)
+        with GpuUtilSampler() as util:
+            elapsed, tokens = timed(engine, requests, temperature)
+        emit({"bench": name, "seconds": elapsed, "out_tokens": tokens, "out_tok_per_s": tokens / elapsed,
+              "gpu_busy": util.value, "gpu_busy_source": util.source})  # fmt: skip
+
     if "nano" in which:
         requests = nano_vllm_requests(vocab)
-        engine.generate([BenchRequest(requests[0].prompt_token_ids[:16], 16)], 1.0)
-        with GpuUtilSampler() as util:
-            elapsed, tokens = timed(engine, requests, 0.6)
-        emit(
-            {
-                "bench": "nano",
-                "seconds": elapsed,
-                "out_tokens": tokens,
-                "out_tok_per_s": tokens / elapsed,
-                "gpu_busy": util.value,
-                "gpu_busy_source": util.source,
-            }
-        )
+        throughput("nano", requests, [BenchRequest(requests[0].prompt_token_ids[:16], 16)], 0.6)
     if "bs256" in which:
-        requests = random_requests(256, 128, 128, vocab, seed=0)
-        engine.generate(random_requests(256, 128, 128, vocab, seed=1), 1.0)
-        with GpuUtilSampler() as util:
-            elapsed, tokens = timed(engine, requests, 1.0)
-        emit(
-            {
-                "bench": "bs256",
-                "seconds": elapsed,
-                "out_tokens": tokens,
-                "out_tok_per_s": tokens / elapsed,
-                "gpu_busy": util.value,
-                "gpu_busy_source": util.source,
-            }
-        )
+        warmup = random_requests(256, 128, 128, vocab, seed=1)
+        throughput("bs256", random_requests(256, 128, 128, vocab, seed=0), warmup, 1.0)
     if args.profile_batches and args.engine == "kvllm":
         from benchmarks.h200.step_profile import profile_one
 
