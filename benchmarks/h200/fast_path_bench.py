@@ -73,10 +73,10 @@ class KvllmEngine:
 
 class VllmEngine:
     def __init__(self, model: str, backend: str | None, eager: bool, async_scheduling: bool) -> None:
-        from kvllm.benchmarks.vllm_backend import _VLLM_ENV
+        from kvllm.benchmarks.vllm_backend import VLLM_ENV
 
         for key, value in {
-            **_VLLM_ENV,
+            **VLLM_ENV,
             "NCCL_NVLS_ENABLE": "0",
             "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
         }.items():

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from kvllm.config.engine import EngineArgs
 
 # vLLM reads these once, at import; FlashInfer's sampler is off because FlashInfer is optional.
-_VLLM_ENV = {
+VLLM_ENV = {
     "VLLM_NO_USAGE_STATS": "1",
     "DO_NOT_TRACK": "1",
     "VLLM_USE_FLASHINFER_SAMPLER": "0",
@@ -49,7 +49,7 @@ class VLLMRunner:
     """One vLLM engine built from kvllm's resolved engine arguments."""
 
     def __init__(self, engine_args: EngineArgs) -> None:
-        for key, value in _VLLM_ENV.items():
+        for key, value in VLLM_ENV.items():
             os.environ.setdefault(key, value)
         why_not = vllm_available()
         if why_not is not None:

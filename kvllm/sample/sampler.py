@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvllm.outputs import Logprob, PositionLogprobs
+from kvllm.outputs import PositionLogprobs
+from kvllm.sample.logprobs import logprob_tensors, position_entry
 from kvllm.sample.metadata import SamplingMetadata, penalty_inputs
 from kvllm.sample.penalties import apply_penalties, suppress_tokens, token_counts
 from kvllm.sample.topk_topp import apply_min_p, apply_top_k_top_p
@@ -103,12 +104,10 @@ class HostCopy:
             ranks, values, ids = next(it).tolist(), next(it).tolist(), next(it).tolist()
             assert sampled is not None  # computed whenever logprobs are
             for row, k in enumerate(num_logprobs):
-                if k is None:
-                    continue
-                entry = {token_ids[row]: Logprob(sampled[row], ranks[row])}
-                for r in range(min(k, len(values[row]))):
-                    entry.setdefault(ids[row][r], Logprob(values[row][r], r + 1))
-                logprobs[row] = entry
+                if k is not None:
+                    logprobs[row] = position_entry(
+                        token_ids[row], sampled[row], ranks[row], values[row], ids[row], k
+                    )
         return SamplerOutput(token_ids=token_ids, sampled_logprobs=sampled, logprobs=logprobs)
 
 
@@ -151,13 +150,13 @@ class Sampler:
         out = SampledTokens(token_ids=token_ids, sampled_logprobs=None)
         raw = raw.float()
         if md.num_logprobs is not None:
-            raw_logprobs = raw.log_softmax(dim=-1)
-            chosen = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
-            out.sampled_logprobs = chosen
-            out.ranks = (raw_logprobs > chosen.unsqueeze(1)).sum(dim=-1) + 1
-            max_k = min(max((k or 0) for k in md.num_logprobs), raw.shape[-1])
-            top = raw_logprobs.topk(max_k, dim=-1)
-            out.top_values, out.top_ids = top.values, top.indices
+            t = logprob_tensors(raw.log_softmax(dim=-1), token_ids, max((k or 0) for k in md.num_logprobs))
+            out.sampled_logprobs, out.ranks, out.top_values, out.top_ids = (
+                t.chosen,
+                t.ranks,
+                t.top_values,
+                t.top_ids,
+            )
             out.num_logprobs = md.num_logprobs
         elif md.need_sampled_logprobs:
             out.sampled_logprobs = raw.gather(1, token_ids.unsqueeze(1)).squeeze(1) - raw.logsumexp(dim=-1)
@@ -222,7 +221,12 @@ def metadata_from_rows(
         params,
         device,
         vocab_size,
-        generators={i: row.generator for i, row in enumerate(rows) if row.generator is not None},
+        # A greedy row ignores the noise: its generator is not drawn from (as in the input batch).
+        generators={
+            i: row.generator
+            for i, row in enumerate(rows)
+            if row.generator is not None and not row.params.is_greedy
+        },
         penalties=penalties,
         suppressed=suppressed,
         need_sampled_logprobs=need_sampled_logprobs,
