@@ -19,6 +19,7 @@ One JSON line per measurement goes to DIR/<engine>-<backend>.jsonl and to stdout
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -28,6 +29,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from benchmarks.h200.step_log import StepLog  # noqa: E402
 from kvllm.benchmarks.datasets import BenchRequest, nano_vllm_requests, random_requests  # noqa: E402
 from kvllm.benchmarks.gpu_util import GpuUtilSampler  # noqa: E402
 from kvllm.benchmarks.model_shapes import write_shape_only_model  # noqa: E402
@@ -143,6 +145,18 @@ def main() -> int:
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--warmups", type=int, default=2)
     parser.add_argument(
+        "--assume-graph-support",
+        action="store_true",
+        help="kvllm: run a backend declared cudagraph_support='never' with decode graphs anyway (to measure "
+        "hooks that tests/gpu/test_cuda_graphs_gpu.py is verifying); the label says so",
+    )
+    parser.add_argument(
+        "--step-log", action="store_true", help="kvllm: log every step of the throughput runs (step_log.py)"
+    )
+    parser.add_argument(
+        "--profile-long", default="", help="kvllm: step profiles at BSxCONTEXT pairs, e.g. 256x1024,32x2048"
+    )
+    parser.add_argument(
         "--profile-batches", default="", help="kvllm: step profiles (step_profile.py) at these batch sizes"
     )
     parser.add_argument(
@@ -155,8 +169,16 @@ def main() -> int:
     model = args.model or str(write_shape_only_model("Qwen3-0.6B", "/tmp/qwen3-0.6b-shape"))
     vocab = VOCAB if args.model is None else 400
     cls = KvllmEngine if args.engine == "kvllm" else VllmEngine
+    assumed = ""
+    if args.assume_graph_support and args.engine == "kvllm" and args.backend:
+        from kvllm.attention.registry import get_backend_class
+
+        backend_class = get_backend_class(args.backend)
+        if backend_class.cudagraph_support == "never":
+            backend_class.cudagraph_support = "decode_only"
+            assumed = "-graphs-assumed"
     engine = cls(model, args.backend, args.enforce_eager, not args.no_async_scheduling)
-    label = engine.name + ("-sync" if args.no_async_scheduling else "")
+    label = engine.name + assumed + ("-sync" if args.no_async_scheduling else "")
     sink = open(out / f"{label}.jsonl", "w")
 
     def emit(record: dict[str, Any]) -> None:
@@ -199,10 +221,14 @@ def main() -> int:
         name: str, requests: list[BenchRequest], warmup: list[BenchRequest], temperature: float
     ) -> None:
         engine.generate(warmup, 1.0)
-        with GpuUtilSampler() as util:
+        log = StepLog(engine.llm) if args.step_log and args.engine == "kvllm" else contextlib.nullcontext()
+        with log, GpuUtilSampler() as util:
             elapsed, tokens = timed(engine, requests, temperature)
         emit({"bench": name, "seconds": elapsed, "out_tokens": tokens, "out_tok_per_s": tokens / elapsed,
               "gpu_busy": util.value, "gpu_busy_source": util.source})  # fmt: skip
+        if isinstance(log, StepLog):
+            (out / f"steps-{name}-{label}.json").write_text(json.dumps(log.steps))
+            emit({"bench": "step_log", "run": name, **log.summary()})
 
     if "nano" in which:
         requests = nano_vllm_requests(vocab)
@@ -215,6 +241,12 @@ def main() -> int:
 
         for bs in [int(x) for x in args.profile_batches.split(",")]:
             emit({"bench": "step_profile", **profile_one(engine.llm, bs, 12, 128)})
+    if args.profile_long and args.engine == "kvllm":
+        from benchmarks.h200.step_profile import profile_one
+
+        for pair in args.profile_long.split(","):
+            bs, ctx = (int(x) for x in pair.split("x"))
+            emit({"bench": "step_profile", **profile_one(engine.llm, bs, 12, ctx)})
     sink.close()
     return 0
 

@@ -11,12 +11,17 @@
 #      FLASHINFER: graphs-vs-eager test and fast_path_bench (its first use compiles for ~2 minutes).
 #   WITH_SYNC=1 adds kvllm with --no-async-scheduling to call 1. Results come back as $OUT/<phase>.tgz.
 #   smoke: the first lease's TRITON_ATTN-only check (graphs before the fused kernels).
+#   diag (carry [".stage1"] to stage FlashAttention-4 on the way): TRITON_ATTN's nano-vllm run with a
+#      per-step log and Triton compile counts (step_log.py), and step profiles at long contexts.
+#   fa (carry [".stage2"], within 30 s of a call that carried ".stage1"): FLASH_ATTN (FA4):
+#      graphs-vs-eager test and fast_path_bench with the step log.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-gpu-out}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 started=$(date +%s)
 since() { echo "[$(( $(date +%s) - started )) s] $*"; }
+FA_PATH=.:/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages
 FI_ENV=(PYTHONPATH=.:/tmp/site-fi FLASHINFER_WORKSPACE_BASE=/tmp/fiws TVM_FFI_CACHE_DIR=/tmp/tvmffi MAX_JOBS=16)
 
 bench() {  # $1 label, rest: fast_path_bench arguments; results in $d/<engine>.jsonl, a table on stdout
@@ -26,7 +31,7 @@ bench() {  # $1 label, rest: fast_path_bench arguments; results in $d/<engine>.j
   grep -h '^{' "$d/bench-$label.log" > "$d/bench-$label.jsonl"; python3 benchmarks/h200/summarize.py "$d/bench-$label.jsonl"
 }
 
-case "${1:?usage: fast_path_session.sh kvllm|vllm|smoke}" in
+case "${1:?usage: fast_path_session.sh kvllm|vllm|smoke|diag|fa}" in
 kvllm)
   d=/tmp/kvllm; mkdir -p "$d"
   [ -f .vllm/part1/remote-stage.sh ] && bash .vllm/part1/remote-stage.sh 1 > "$d/vllm-stage1.log" 2>&1
@@ -56,6 +61,27 @@ vllm)
   (export "${FI_ENV[@]}"; bench flashinfer --engine kvllm --backend FLASHINFER --iters 2 --warmups 1)
   fi
   tar czf "$out/vllm.tgz" -C /tmp vllm
+  since "done"
+  ;;
+diag)
+  d=/tmp/diag; mkdir -p "$d"
+  [ -f .stage1/unpack.sh ] && bash .stage1/unpack.sh
+  git log --oneline -1 2>/dev/null | tee "$d/gpu.txt"
+  bench triton-diag --engine kvllm --backend TRITON_ATTN --only nano --step-log \
+    --profile-long 256x1024,64x1024,16x2048,1x2048
+  tar czf "$out/diag.tgz" -C /tmp diag
+  since "done"
+  ;;
+fa)
+  d=/tmp/fa; mkdir -p "$d"
+  bash .stage2/unpack.sh || exit 3
+  export PYTHONPATH=$FA_PATH
+  KVLLM_GPU_REPORT_DIR=$d timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
+    tests/gpu/test_cuda_graphs_gpu.py -k FLASH_ATTN > "$d/pytest-flash-attn.log" 2>&1
+  since "FLASH_ATTN graph test: $(tail -n 1 "$d/pytest-flash-attn.log")"
+  bench flash-attn --engine kvllm --backend FLASH_ATTN --iters 2 --warmups 1 --step-log --profile-batches 1,256 \
+    --assume-graph-support
+  tar czf "$out/fa.tgz" -C /tmp fa
   since "done"
   ;;
 esac

@@ -119,9 +119,12 @@ def profile_one(llm: LLM, batch_size: int, steps: int, input_len: int) -> dict:
     kernel_count = len(kernels) / steps
     busy_ms = sum(e.device_time for e in kernels) / 1e3 / steps
     by_name: dict[str, int] = defaultdict(int)
+    time_by_name: dict[str, float] = defaultdict(float)
     for e in kernels:
         by_name[e.name] += 1
+        time_by_name[e.name] += e.device_time
     top = sorted(by_name.items(), key=lambda kv: -kv[1])[:25]
+    top_time = sorted(time_by_name.items(), key=lambda kv: -kv[1])[:12]
     for rid in list(engine.output_processor.parents):
         engine.abort_request(rid)
     return {
@@ -135,6 +138,7 @@ def profile_one(llm: LLM, batch_size: int, steps: int, input_len: int) -> dict:
         "gpu_busy_ms_per_step": busy_ms,
         "gpu_busy_fraction": busy_ms / (wall / steps * 1e3) if wall else None,
         "kernels_by_name_per_step": {name: n / steps for name, n in top},
+        "gpu_us_by_kernel_per_step": {name[:120]: us / steps for name, us in top_time},
     }
 
 

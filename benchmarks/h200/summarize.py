@@ -19,9 +19,19 @@ def describe(r: dict) -> str:
         return f"1k-token prompt: {r['mean_ms']:.1f} ms"
     if kind == "step_profile":
         phases = ", ".join(f"{k} {v:.2f}" for k, v in r["host_ms_per_step_by_phase"].items() if k != "step")
+        top = ", ".join(
+            f"{k[:40]} {v:.0f}us" for k, v in list(r.get("gpu_us_by_kernel_per_step", {}).items())[:3]
+        )
         return (
-            f"bs{r['batch_size']}: {r['wall_ms_per_step']:.3f} ms/step, GPU busy {r['gpu_busy_ms_per_step']:.3f} ms, "
-            f"{r['cuda_kernels_per_layer']:.1f} kernels/layer; host ms: {phases}"
+            f"bs{r['batch_size']} ctx{r['input_len']}: {r['wall_ms_per_step']:.3f} ms/step, GPU busy {r['gpu_busy_ms_per_step']:.3f} ms, "
+            f"{r['cuda_kernels_per_layer']:.1f} kernels/layer; host ms: {phases}; top GPU: {top}"
+        )
+    if kind == "step_log":
+        kinds = ", ".join(f"{k} {v['steps']} steps {v['ms'] / 1e3:.2f} s" for k, v in r["by_kind"].items())
+        by_batch = ", ".join(f"{k} {v:.2f}" for k, v in r["decode_ms_per_step_by_batch"].items())
+        return (
+            f"{r['run']}: {kinds}; decode ms/step by batch {by_batch}; "
+            f"{r['triton_compiles']} Triton compiles ({r['triton_compile_ms'] / 1e3:.2f} s)"
         )
     busy = r.get("gpu_busy")
     return f"{r['out_tok_per_s']:.0f} output tok/s ({r['seconds']:.2f} s), GPU busy {busy if busy is None else round(busy, 3)}"
