@@ -40,6 +40,10 @@ class LLM:
         EngineArgs.generation_config); used when generate() or chat() get no sampling_params."""
         return self.llm_engine.input_processor.default_sampling_params()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the cached prefixes (vLLM's LLM.reset_prefix_cache); False while requests run."""
+        return self.llm_engine.reset_prefix_cache()
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],

@@ -7,6 +7,8 @@ One engine per process (Qwen3-0.6B shapes, dummy bf16 weights, max_model_len 409
   latency   batch 1, 8, 64, 256: 32 random prompt tokens, 128 output tokens, temperature 1.0, EOS
             ignored (vLLM's `bench latency` defaults); 2 warm-up + `--iters` timed runs; ms per output
             token = batch wall time / 128
+  latency-long  batch 64 and 256 with 1,024-token prompts (128 out): decode over a long context, where
+            attention reads ~1 GB of KV per layer-step at batch 256 (includes the prefill)
   ttft      one 1,024-token prompt, max_tokens 1: time to the first token (mean of 3, fresh prompts)
   nano      nano-vllm's bench.py workload (256 prompts, 133,966 output tokens, temperature 0.6), after
             one short warm-up request; output tokens per second = output tokens / wall time
@@ -36,6 +38,7 @@ from kvllm.benchmarks.model_shapes import write_shape_only_model  # noqa: E402
 
 VOCAB = 151936
 LATENCY_BATCHES = (1, 8, 64, 256)
+LONG_CONTEXT_BATCHES = (64, 256)
 
 
 def generate(llm: Any, sampling_params: type, requests: list[BenchRequest], temperature: float) -> int:
@@ -211,6 +214,16 @@ def main() -> int:
                     "ms_per_output_token": mean / 128 * 1e3,
                 }
             )
+    if "latency-long" in which:
+        for bs in LONG_CONTEXT_BATCHES:
+            engine.generate(random_requests(bs, 1024, 16, vocab, seed=next(seed)), 1.0)
+            runs = [
+                timed(engine, random_requests(bs, 1024, 128, vocab, seed=next(seed)), 1.0)[0]
+                for _ in range(args.iters)
+            ]
+            mean = sum(runs) / len(runs)
+            emit({"bench": "latency", "batch_size": bs, "input_len": 1024, "output_len": 128, "latencies_s": runs,
+                  "mean_s": mean, "ms_per_output_token": mean / 128 * 1e3})  # fmt: skip
     if "ttft" in which:
         runs = [timed(engine, random_requests(1, 1024, 1, vocab, seed=next(seed)), 1.0)[0] for _ in range(4)][
             1:

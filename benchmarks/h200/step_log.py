@@ -81,7 +81,7 @@ class StepLog:
                     "at": started,
                     "kernel": getattr(fn, "name", str(fn)),
                     "ms": (time.perf_counter() - started) * 1e3,
-                    "repr": str(kwargs.get("repr", ""))[:400],
+                    "repr": str(kwargs.get("repr", "")),
                 }
             )
 

@@ -14,7 +14,8 @@ def describe(r: dict) -> str:
     if kind == "startup":
         return f"{r['seconds']:.1f} s"
     if kind == "latency":
-        return f"bs{r['batch_size']}: {r['ms_per_output_token']:.3f} ms per output token"
+        ctx = f" in{r['input_len']}" if r.get("input_len", 32) != 32 else ""
+        return f"bs{r['batch_size']}{ctx}: {r['ms_per_output_token']:.3f} ms per output token"
     if kind == "ttft":
         return f"1k-token prompt: {r['mean_ms']:.1f} ms"
     if kind == "step_profile":
@@ -58,7 +59,7 @@ def plot(records: list[dict], out: str) -> None:
         rows = sorted(
             (r["batch_size"], r["ms_per_output_token"])
             for r in records
-            if r["engine"] == engine and r["bench"] == "latency"
+            if r["engine"] == engine and r["bench"] == "latency" and r.get("input_len", 32) == 32
         )
         left.plot([b for b, _ in rows], [v for _, v in rows], marker="o", label=engine)
     left.set(

@@ -135,6 +135,17 @@ class KVCacheManager:
             if block.ref_cnt == 0:
                 self.free_queue[block_id] = None
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (as vLLM's reset_prefix_cache); refused (False) while a request
+        holds blocks, since their hashes are what later requests would match."""
+        if self.req_blocks:
+            return False
+        for block in self.blocks:
+            block.block_hash = None
+            block.token_ids = None
+        self.cached_blocks.clear()
+        return True
+
     # ---- internals ---------------------------------------------------------------------------
 
     def _touch(self, block_id: int) -> None:

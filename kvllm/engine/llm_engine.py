@@ -15,6 +15,7 @@ from kvllm.core.scheduler import Scheduler
 from kvllm.core.step_result import PendingStep
 from kvllm.engine.input_processor import InputProcessor, PromptType
 from kvllm.engine.output_processor import OutputProcessor
+from kvllm.engine.warm_up import WarmUpStats, warm_up
 from kvllm.executor.uniproc_executor import UniProcExecutor
 from kvllm.models.model_config import ModelConfig
 from kvllm.models.tokenizer import load_tokenizer
@@ -82,6 +83,8 @@ class LLMEngine:
         self.async_scheduling = args.async_scheduling
         self._in_flight: tuple[SchedulerOutput, PendingStep] | None = None
         self._log_cache_size(num_blocks)
+        if self.device.type == "cuda":
+            self.warm_up()
         if self.model_config.default_sampling:
             logger.info(
                 "Sampling defaults from the model's generation_config.json: %s (used where a request does "
@@ -210,6 +213,14 @@ class LLMEngine:
         outputs, finished = self.output_processor.process_step(plan, pending.result())
         self.scheduler.finish_requests(finished)
         return outputs
+
+    def warm_up(self) -> WarmUpStats:
+        """Run every eager-step kernel variant once (on a GPU this happens at start-up): see warm_up.py."""
+        return warm_up(self)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget the cached prefixes; False (nothing done) while requests hold KV blocks."""
+        return self.kv_cache_manager.reset_prefix_cache()
 
     # ---- introspection -----------------------------------------------------------------------
 

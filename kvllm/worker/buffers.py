@@ -75,14 +75,24 @@ def upload_from_host(values: torch.Tensor, device: torch.device) -> torch.Tensor
 
 
 class Layout:
-    """Named sections of a flat buffer at fixed offsets."""
+    """Named sections of a flat buffer at fixed offsets, each starting on a 16-byte boundary.
 
-    def __init__(self, **sizes: int) -> None:
+    Kernels are specialized on whether their pointers are 16-byte aligned: a section at an odd
+    offset would make eager steps compile other variants than the CUDA-graph captures, and read
+    with narrower loads.
+    """
+
+    ALIGN_BYTES = 16
+
+    def __init__(self, element_size: int, **sizes: int) -> None:
+        if self.ALIGN_BYTES % element_size:
+            raise ValueError(f"element size {element_size} does not divide {self.ALIGN_BYTES}")
+        align = self.ALIGN_BYTES // element_size
         self.offsets: dict[str, tuple[int, int]] = {}
         offset = 0
         for name, size in sizes.items():
             self.offsets[name] = (offset, size)
-            offset += size
+            offset += -(-size // align) * align
         self.size = offset
 
     def views(self, buffer: Any) -> dict[str, Any]:

@@ -103,8 +103,10 @@ class InputBatch:
 
         # ---- one step's staging, fixed offsets (int32 and int64 sections) ----
         t, r = max_num_tokens, max_num_reqs
-        self._i32_layout = Layout(positions=t, query_start_loc=r + 1, seq_lens=r)
-        self._i64_layout = Layout(token_index=t, slots=t, rows=r, logits_indices=r, sample_slots=r, samples=r)
+        self._i32_layout = Layout(4, positions=t, query_start_loc=r + 1, seq_lens=r)
+        self._i64_layout = Layout(
+            8, token_index=t, slots=t, rows=r, logits_indices=r, sample_slots=r, samples=r
+        )
         self.step_i32 = StagingBuffer(self._i32_layout.size, torch.int32, device)
         self.step_i64 = StagingBuffer(self._i64_layout.size, torch.int64, device)
         self.input_ids = torch.zeros(t, dtype=torch.int32, device=device)  # gathered each step, fixed address

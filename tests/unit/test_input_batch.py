@@ -145,3 +145,14 @@ def test_token_counts_split_prompt_and_output():
     expected_prompt[[3, 5]] = [2, 1]
     assert prompt_counts[0].tolist() == expected_prompt.tolist()
     assert output_counts[0, 5] == 1 and output_counts.sum() == 1
+
+
+def test_staging_sections_start_on_16_byte_boundaries():
+    """Kernels are specialized on pointer alignment: an odd offset would compile other variants in
+    eager steps than in CUDA-graph captures (and read with narrower loads)."""
+    b = batch(max_reqs=7, max_tokens=37)
+    for layout, element in ((b._i32_layout, 4), (b._i64_layout, 8)):
+        starts = [start for start, _ in layout.offsets.values()]
+        assert all(start * element % 16 == 0 for start in starts), layout.offsets
+        ends = [start + size for start, size in layout.offsets.values()]
+        assert all(end <= nxt for end, nxt in zip(ends, starts[1:])) and ends[-1] <= layout.size

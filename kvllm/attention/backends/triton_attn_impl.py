@@ -10,11 +10,10 @@ import torch
 from kvllm.attention.impl import AttentionImpl, AttentionLayer, AttentionMetadataBuilder
 from kvllm.attention.metadata import CommonAttentionMetadata
 from kvllm.attention.ops.triton_reshape_and_cache import reshape_and_cache
-from kvllm.attention.ops.triton_unified_attention import KernelConfig, unified_attention
+from kvllm.attention.ops.triton_unified_attention import MAX_SEGMENTS, KernelConfig, unified_attention
 from kvllm.utils.dtypes import FP8_DTYPES, FP8_TORCH_DTYPES
 
 MIN_SPLIT_TOKENS = 256  # a split-KV segment below this many keys costs more in the reduce than it saves
-MAX_SPLITS = 64
 
 
 @dataclass
@@ -70,7 +69,7 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
         by_occupancy = 1 << (-(-4 * self.num_sms // programs) - 1).bit_length()
         by_length = max(1, max_seq_len // MIN_SPLIT_TOKENS)
         by_length = 1 << (by_length.bit_length() - 1)
-        return max(1, min(by_occupancy, by_length, MAX_SPLITS))
+        return max(1, min(by_occupancy, by_length, MAX_SEGMENTS))
 
     def build(self, common: CommonAttentionMetadata) -> TritonAttentionMetadata:
         _check_causal(common)

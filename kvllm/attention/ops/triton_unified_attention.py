@@ -26,6 +26,9 @@ import triton.language as tl
 from kvllm.utils.dtypes import FP8_DTYPES
 
 LOG2E = 1.4426950408889634
+# The most KV segments a decode launch may split into. The reduce kernel is compiled for this many
+# (masked) segments whatever the step uses, so a new split count never compiles a variant mid-serving.
+MAX_SEGMENTS = 64
 
 
 @dataclass(frozen=True)
@@ -471,8 +474,8 @@ def unified_attention(
     for name, t in (("query", query), ("out", out), ("key_cache", key_cache), ("value_cache", value_cache)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} needs a contiguous head dimension (stride {t.stride(-1)})")
-    if num_splits & (num_splits - 1):
-        raise ValueError(f"num_splits must be a power of two, got {num_splits}")
+    if num_splits & (num_splits - 1) or not 1 <= num_splits <= MAX_SEGMENTS:
+        raise ValueError(f"num_splits must be a power of two in [1, {MAX_SEGMENTS}], got {num_splits}")
     is_fp8 = key_cache.dtype in FP8_DTYPES
     if is_fp8 and (k_scale is None or v_scale is None):
         raise ValueError("an fp8 KV cache needs k_scale and v_scale")
@@ -536,7 +539,7 @@ def unified_attention(
             _reduce_segments_kernel[(num_decode_reqs, num_heads)](
                 out, part_out, part_ml[0], part_ml[1], query_start_loc, num_decode_reqs, num_heads, num_splits,
                 out.stride(0), out.stride(1),
-                HEAD_SIZE=head_size, HEAD_SIZE_PAD=head_pad, SEGMENTS_PAD=max(2, num_splits), num_warps=4,
+                HEAD_SIZE=head_size, HEAD_SIZE_PAD=head_pad, SEGMENTS_PAD=MAX_SEGMENTS, num_warps=4,
             )  # fmt: skip
         else:
             launch((num_decode_reqs, num_kv_heads, 1), cfg, 0, num_decode_reqs, 1, True, False,
