@@ -31,7 +31,7 @@ bench() {  # $1 label, rest: fast_path_bench arguments; results in $d/<engine>.j
   grep -h '^{' "$d/bench-$label.log" > "$d/bench-$label.jsonl"; python3 benchmarks/h200/summarize.py "$d/bench-$label.jsonl"
 }
 
-case "${1:?usage: fast_path_session.sh kvllm|vllm|smoke|diag|fa}" in
+case "${1:?usage: fast_path_session.sh kvllm|vllm|smoke|diag|tune|fa}" in
 kvllm)
   d=/tmp/kvllm; mkdir -p "$d"
   [ -f .vllm/part1/remote-stage.sh ] && bash .vllm/part1/remote-stage.sh 1 > "$d/vllm-stage1.log" 2>&1
@@ -70,6 +70,22 @@ diag)
   bench triton-diag --engine kvllm --backend TRITON_ATTN --only nano --step-log \
     --profile-long 256x1024,64x1024,16x2048,1x2048
   tar czf "$out/diag.tgz" -C /tmp diag
+  since "done"
+  ;;
+tune)
+  d=/tmp/tune; mkdir -p "$d"
+  timeout 280 python3 -m kvllm.benchmarks.attention --sweep --backends TRITON_ATTN --peers triton --only-shapes \
+    --shape "decode b256 x ctx1k:256x1@1023" --shape "decode b64 x ctx1k:64x1@1023" \
+    --shape "decode b16 x ctx2k:16x1@2047" --shape "decode b1 x ctx2k:1x1@2047" \
+    --shape "prefill 8x2048:8x2048@0" --shape "chunks 16x512 at 512:16x512@512" --rep-ms 100 \
+    --output-json "$d/attention-sweep.json" > "$d/attention-sweep.log" 2>&1
+  since "attention sweep (exit $?)"
+  python3 benchmarks/h200/best_configs.py "$d/attention-sweep.json" | tee "$d/best-configs.txt"
+  [ -f benchmarks/h200/linear_bench.py ] && timeout 120 python3 benchmarks/h200/linear_bench.py --out "$d" \
+    > "$d/linear-bench.log" 2>&1; tail -n 30 "$d/linear-bench.log" 2>/dev/null
+  bench triton-diag --engine kvllm --backend TRITON_ATTN --only nano,latency --iters 2 --warmups 1 --step-log \
+    --profile-batches 1,256
+  tar czf "$out/tune.tgz" -C /tmp tune
   since "done"
   ;;
 fa)
