@@ -42,9 +42,14 @@ LONG_CONTEXT_BATCHES = (64, 256)
 
 
 def generate(llm: Any, sampling_params: type, requests: list[BenchRequest], temperature: float) -> int:
-    """One `LLM.generate` call of every request (either engine's API); returns the output tokens."""
+    """One `LLM.generate` call of every request (either engine's API); returns the output tokens.
+
+    No detokenization in either engine: vLLM runs without a tokenizer here (skip_tokenizer_init,
+    dummy weights), so kvllm does not detokenize either; both compute the same tokens."""
     params = [
-        sampling_params(temperature=temperature, top_p=1.0, ignore_eos=True, max_tokens=r.output_len)
+        sampling_params(
+            temperature=temperature, top_p=1.0, ignore_eos=True, max_tokens=r.output_len, detokenize=False
+        )
         for r in requests
     ]
     outs = llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in requests], params, use_tqdm=False)
