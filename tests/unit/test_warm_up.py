@@ -28,7 +28,9 @@ def test_warm_up_runs_mixed_steps_and_every_sampling_path(tiny_qwen3_path, async
     engine = llm.llm_engine
     plans = []
     launch = engine.executor.execute_model_async
-    monkeypatch.setattr(engine.executor, "execute_model_async", lambda plan: plans.append(plan) or launch(plan))
+    monkeypatch.setattr(
+        engine.executor, "execute_model_async", lambda plan: plans.append(plan) or launch(plan)
+    )
     stats = engine.warm_up()
 
     assert stats.num_rounds == len(warm_up_rounds()) and stats.num_steps == len(plans)
@@ -51,16 +53,22 @@ def test_warm_up_leaves_no_trace(tiny_qwen3_path):
     engine = llm.llm_engine
     prompts = [[5, 9, 13, 200, 7, 1, 44, 3] * 5, [300, 2, 17]]
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    before = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], greedy)]
+    before = [
+        o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], greedy)
+    ]
     assert llm.reset_prefix_cache()
     engine.kv_cache_manager.prefix_cache_queries = engine.kv_cache_manager.prefix_cache_hits = 0
 
     engine.warm_up()
 
     cache = engine.kv_cache_manager
-    assert not engine.has_unfinished_requests() and not engine.scheduler.running and not engine.scheduler.waiting
+    assert (
+        not engine.has_unfinished_requests() and not engine.scheduler.running and not engine.scheduler.waiting
+    )
     assert cache.num_free_blocks == cache.num_blocks and not cache.cached_blocks and not cache.req_blocks
-    assert cache.prefix_cache_queries == cache.prefix_cache_hits == 0 and engine.scheduler.num_preemptions == 0
+    assert (
+        cache.prefix_cache_queries == cache.prefix_cache_hits == 0 and engine.scheduler.num_preemptions == 0
+    )
     after = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], greedy)]
     assert after == before
     # Finished rows leave the input batch with the next step's plan: none of the warm-up's remain.
