@@ -85,22 +85,66 @@ def test_random_tokens_decode_like_the_tokenizer(tokenizer):
         assert detok.output_text == _decode(tokenizer, ids)
 
 
+class PythonOnly:
+    """A tokenizer without a Rust backend (as a slow transformers tokenizer): the Python decode path."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerFast) -> None:
+        self.inner = tokenizer
+        self.decoded_lengths: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def convert_ids_to_tokens(self, ids):
+        return self.inner.convert_ids_to_tokens(ids)
+
+    def decode(self, ids, **kwargs):
+        self.decoded_lengths.append(len(ids))
+        return self.inner.decode(ids, **kwargs)
+
+
 def test_window_stays_small(tokenizer):
-    """Each step decodes a few ids, not the whole sequence."""
-    longest = []
-
-    class Recording(PreTrainedTokenizerFast):
-        def decode(self, ids, **kwargs):
-            longest.append(len(ids))
-            return super().decode(ids, **kwargs)
-
-    recording = Recording(tokenizer_object=tokenizer.backend_tokenizer)
+    """Each step of the Python path decodes a few ids, not the whole sequence."""
+    python_only = PythonOnly(tokenizer)
     ids = tokenizer.encode(TEXT * 20)
-    detok = IncrementalDetokenizer(recording, [], SamplingParams())
+    detok = IncrementalDetokenizer(python_only, [], SamplingParams())
+    assert detok._stream is None
     for t in ids:
         detok.update([t])
     assert detok.output_text == TEXT * 20
-    assert max(longest) <= 8
+    assert max(python_only.decoded_lengths) <= 8
+
+
+def test_decode_stream_and_python_paths_agree(tokenizer):
+    """Fast tokenizers decode through the library's DecodeStream; both paths give the same text and
+    deltas, including prompts that end mid-character (the stream path then hands over to Python)."""
+    rng = random.Random(1)
+    vocab = len(tokenizer)
+    used_stream = fell_back = 0
+    for trial in range(60):
+        ids = [rng.randrange(vocab) for _ in range(rng.randrange(1, 50))]
+        prompt = [rng.randrange(vocab) for _ in range(rng.randrange(0, 4))]
+        results = []
+        for tok in (tokenizer, PythonOnly(tokenizer)):
+            detok = IncrementalDetokenizer(
+                tok, prompt, SamplingParams(stop=["he"] if trial % 4 == 0 else None)
+            )
+            deltas, step = [], 0
+            while step < len(ids) and not detok.is_finished:
+                chunk = ids[step : step + 1 + trial % 3]
+                detok.update(chunk)
+                deltas.append(detok.get_next_delta_text())
+                step += len(chunk)
+            detok.finish()
+            deltas.append(detok.get_next_delta_text())
+            results.append((detok.output_text, "".join(deltas), detok.stop_reason))
+            if tok is tokenizer:
+                used_stream += detok._stream is not None
+                fell_back += detok._stream is None
+        assert results[0] == results[1], (trial, results)
+        if results[0][2] is None and not prompt:  # (random prompt bytes may combine with the output's)
+            assert results[0][0] == _decode(tokenizer, ids)
+    assert used_stream > 30 and fell_back > 0, (used_stream, fell_back)
 
 
 @pytest.mark.parametrize("include", [False, True])
