@@ -2,10 +2,12 @@
 
 argmax(log p + G) with G ~ Gumbel(0, 1) i.i.d. is a draw from p (the Gumbel-max trick, the same
 exact race as the sampler's p / Exp(1)); with log p = logits / T - log Z the normaliser drops out,
-so no softmax is computed: the kernel reads each row of logits once, in the model's dtype, and
-writes one token id. The noise is Philox (`tl.rand`) keyed by a per-step seed and the element's
-position, so it needs no state on the device. Used for rows without top-k / top-p / min-p and
-without a per-request seed; the sampler keeps the torch path for everything else.
+so no softmax is computed: each row of logits is read once, in the model's dtype, by programs that
+each take a chunk of the vocabulary; a second small kernel reduces their (value, index) pairs to one
+token id per row. The noise is Philox (`tl.rand`) keyed by a per-step seed and the element's (row,
+token id), so it needs no state on the device and does not depend on the chunking. Used for rows
+without top-k / top-p / min-p and without a per-request seed; the sampler keeps the torch path for
+everything else.
 """
 
 from __future__ import annotations
@@ -15,16 +17,23 @@ import triton
 import triton.language as tl
 
 BLOCK_V = 2048
+# Chunk programs to aim for, ~8 per SM of an H200 (132 SMs): a row splits into chunks of whole
+# blocks, at batch 1 one block each (75 for Qwen3's vocabulary), at batch 256 four, from 1024 rows one.
+TARGET_PROGRAMS = 1024
 
 
-@triton.jit(do_not_specialize=["seed"])  # a new seed every step: one compiled variant for all
-def _gumbel_argmax_kernel(
+# A new seed every step, a chunking per batch size: one compiled variant for all.
+@triton.jit(do_not_specialize=["seed", "blocks_per_chunk", "num_chunks"])
+def _gumbel_chunk_kernel(
     logits_ptr,
     stride_row,
     temperature_ptr,
     is_greedy_ptr,
-    out_ptr,
+    chunk_best_ptr,
+    chunk_index_ptr,
     vocab_size,
+    blocks_per_chunk,
+    num_chunks,
     seed,
     HAS_TEMPERATURE: tl.constexpr,
     HAS_GREEDY: tl.constexpr,
@@ -32,6 +41,7 @@ def _gumbel_argmax_kernel(
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0)
+    chunk = tl.program_id(1)
     inv_t = 1.0
     if HAS_TEMPERATURE:
         inv_t = 1.0 / tl.load(temperature_ptr + row).to(tl.float32)
@@ -39,13 +49,16 @@ def _gumbel_argmax_kernel(
     if HAS_GREEDY:
         greedy = tl.load(is_greedy_ptr + row) != 0
     base = logits_ptr + row.to(tl.int64) * stride_row
+    chunk_start = chunk * blocks_per_chunk * BLOCK
+    chunk_end = tl.minimum(chunk_start + blocks_per_chunk * BLOCK, vocab_size)
     best = tl.full([], float("-inf"), tl.float32)
-    best_index = tl.full([], 0, tl.int32)
-    for start in range(0, vocab_size, BLOCK):
+    best_index = chunk_start
+    for start in range(chunk_start, chunk_end, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         in_vocab = offs < vocab_size
         x = tl.load(base + offs, mask=in_vocab, other=float("-inf")).to(tl.float32)
         if not greedy:
+            # Keyed by the token id, not its chunk: the draw does not depend on the chunking.
             u = tl.rand(seed, row * vocab_size + offs)
             # -log(-log(u)): u = 0 gives -inf (never chosen), never NaN.
             x = x * inv_t - tl.log(-tl.log(u))
@@ -56,7 +69,21 @@ def _gumbel_argmax_kernel(
         better = block_best > best
         best_index = tl.where(better, start + block_index, best_index)
         best = tl.where(better, block_best, best)
-    tl.store(out_ptr + row, best_index.to(tl.int64))
+    tl.store(chunk_best_ptr + row * num_chunks + chunk, best)
+    tl.store(chunk_index_ptr + row * num_chunks + chunk, best_index)
+
+
+@triton.jit(do_not_specialize=["num_chunks"])
+def _reduce_chunks_kernel(chunk_best_ptr, chunk_index_ptr, out_ptr, num_chunks, CHUNKS_PAD: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, CHUNKS_PAD)
+    in_row = offs < num_chunks
+    best = tl.load(chunk_best_ptr + row * num_chunks + offs, mask=in_row, other=float("-inf"))
+    index = tl.load(chunk_index_ptr + row * num_chunks + offs, mask=in_row, other=2**31 - 1)
+    top = tl.max(best, axis=0)
+    # On exact ties the smallest index, as torch.argmax.
+    first = tl.min(tl.where(best == top, index, 2**31 - 1), axis=0)
+    tl.store(out_ptr + row, first.to(tl.int64))
 
 
 def gumbel_sample(
@@ -65,27 +92,49 @@ def gumbel_sample(
     is_greedy: torch.Tensor | None,  # bool [N]; None = every row random (or all_greedy)
     seed: int,
     all_greedy: bool = False,
+    num_chunks: int | None = None,  # chunks per row, at most one per block; None = automatic
 ) -> torch.Tensor:
-    """One token id per row (int64 [N]): greedy rows argmax, the others a draw from softmax(logits / T)."""
+    """One token id per row (int64 [N]): greedy rows argmax, the others a draw from softmax(logits / T).
+
+    Two launches: (row, chunk) programs each find their chunk's best (value, index), then one program
+    per row picks the best chunk. The ids do not depend on the number of chunks.
+    """
     if logits.dim() != 2 or logits.stride(1) != 1:
         raise ValueError(f"logits must be [N, V] with a contiguous last dimension, got {tuple(logits.shape)}")
     num_rows, vocab_size = logits.shape
+    if vocab_size == 0:
+        raise ValueError("logits have an empty vocabulary")
     out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
     if num_rows == 0:
         return out
+    num_blocks = triton.cdiv(vocab_size, BLOCK_V)
+    if num_chunks is None:
+        num_chunks = triton.cdiv(TARGET_PROGRAMS, num_rows)
+    blocks_per_chunk = triton.cdiv(num_blocks, min(max(num_chunks, 1), num_blocks))
+    num_chunks = triton.cdiv(num_blocks, blocks_per_chunk)
+    chunk_best = torch.empty(num_rows, num_chunks, dtype=torch.float32, device=logits.device)
+    chunk_index = torch.empty(num_rows, num_chunks, dtype=torch.int32, device=logits.device)
     dummy = out
-    _gumbel_argmax_kernel[(num_rows,)](
+    _gumbel_chunk_kernel[(num_rows, num_chunks)](
         logits,
         logits.stride(0),
         temperature if temperature is not None else dummy,
         is_greedy.view(torch.uint8) if is_greedy is not None else dummy,
-        out,
+        chunk_best,
+        chunk_index,
         vocab_size,
+        blocks_per_chunk,
+        num_chunks,
         seed,
         HAS_TEMPERATURE=temperature is not None,
         HAS_GREEDY=is_greedy is not None,
         ALL_GREEDY=all_greedy,
         BLOCK=BLOCK_V,
         num_warps=8,
+    )
+    # The pad follows the vocabulary only, so one variant per model (at least 2 lanes).
+    chunks_pad = max(2, triton.next_power_of_2(num_blocks))
+    _reduce_chunks_kernel[(num_rows,)](
+        chunk_best, chunk_index, out, num_chunks, CHUNKS_PAD=chunks_pad, num_warps=1
     )
     return out

@@ -22,7 +22,8 @@ EXPECTED = {
         "stride_bt",
     ],
     "kvllm.attention.ops.triton_unified_attention:_reduce_segments_kernel": ["num_tokens", "num_segments"],
-    "kvllm.sample.gumbel:_gumbel_argmax_kernel": ["seed"],
+    "kvllm.sample.gumbel:_gumbel_chunk_kernel": ["seed", "blocks_per_chunk", "num_chunks"],
+    "kvllm.sample.gumbel:_reduce_chunks_kernel": ["num_chunks"],
 }
 
 SCRIPT = """

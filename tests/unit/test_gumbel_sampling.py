@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvllm.sample.gumbel import gumbel_sample
+from kvllm.sample.gumbel import BLOCK_V, gumbel_sample
 from kvllm.sample.sampler import Sampler, SamplingRow
 from kvllm.sampling_params import SamplingParams
 
@@ -45,6 +45,42 @@ def test_mixed_greedy_and_random_rows():
     assert (draws[:, ~is_greedy] != logits[~is_greedy].argmax(-1)).any()
 
 
+def test_draws_do_not_depend_on_the_chunking():
+    vocab = 7 * BLOCK_V + 1000  # 8 blocks, the last one partial: 1, 3 and 8 chunks all fit
+    logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(8)).to(torch.float16)
+    temps = torch.tensor([1.0, 0.5, 2.0, 1.0])
+    is_greedy = torch.tensor([False, False, False, True])
+    draws = [gumbel_sample(logits, temps, is_greedy, seed=11, num_chunks=c) for c in (1, 3, 8, None)]
+    assert all(torch.equal(d, draws[0]) for d in draws[1:]), draws
+    assert draws[0][3] == logits[3].argmax()
+    assert not torch.equal(gumbel_sample(logits, temps, is_greedy, seed=12, num_chunks=3), draws[0])
+
+
+@pytest.mark.parametrize("num_chunks", [1, 2, 5, None])
+def test_greedy_ties_across_chunks_pick_the_first_index(num_chunks):
+    vocab = 4 * BLOCK_V + 77
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(4))
+    logits[0, BLOCK_V - 1] = logits[0, BLOCK_V] = 50.0  # either side of a chunk boundary
+    logits[1, 3 * BLOCK_V + 5] = logits[1, vocab - 1] = logits[1, 2 * BLOCK_V + 9] = 50.0
+    logits[2] = 0.0  # every id ties
+    out = gumbel_sample(logits, None, None, seed=0, all_greedy=True, num_chunks=num_chunks)
+    assert out.tolist() == [BLOCK_V - 1, 2 * BLOCK_V + 9, 0] == logits.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("num_chunks", [1, 4, None])
+def test_rows_with_one_finite_logit_draw_it(num_chunks):
+    vocab = 3 * BLOCK_V + 10
+    targets = [0, BLOCK_V, vocab - 1, 2 * BLOCK_V - 1]
+    logits = torch.full((5, vocab), float("-inf"), dtype=torch.bfloat16)
+    for row, token in enumerate(targets):
+        logits[row, token] = -3.0
+    is_greedy = torch.tensor([False, True, False, False, False])
+    for seed in range(3):
+        out = gumbel_sample(logits, torch.full((5,), 0.7), is_greedy, seed=seed, num_chunks=num_chunks)
+        # The last row has no finite logit at all: id 0, as torch.argmax.
+        assert out.dtype == torch.int64 and out.tolist() == targets + [0]
+
+
 def test_sampler_uses_the_fused_pass_only_where_it_applies(monkeypatch):
     import kvllm.sample.gumbel as gumbel
 
@@ -73,3 +109,5 @@ def test_sampler_uses_the_fused_pass_only_where_it_applies(monkeypatch):
 def test_rejects_bad_layouts(dtype):
     with pytest.raises(ValueError, match="contiguous"):
         gumbel_sample(torch.randn(64, 4, dtype=dtype).t(), None, None, seed=0)
+    with pytest.raises(ValueError, match="empty vocabulary"):
+        gumbel_sample(torch.randn(3, 0, dtype=dtype), None, None, seed=0)
