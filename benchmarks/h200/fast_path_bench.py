@@ -149,7 +149,7 @@ def main() -> int:
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--no-async-scheduling", action="store_true", help="kvllm only")
     parser.add_argument("--out", required=True)
-    parser.add_argument("--only", default="latency,ttft,nano,bs256")
+    parser.add_argument("--only", default="latency,latency-long,ttft,nano,bs256")
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--warmups", type=int, default=2)
     parser.add_argument(

@@ -42,7 +42,8 @@ kvllm)
     tests/gpu/test_cuda_graphs_gpu.py tests/gpu/test_sampling_gpu.py -k "TRITON or sampl or bf16 or vocab or rows" \
     > "$d/pytest-gpu.log" 2>&1
   since "GPU tests: $(tail -n 1 "$d/pytest-gpu.log")"
-  bench triton --engine kvllm --backend TRITON_ATTN --iters 2 --warmups 1 --profile-batches 1,64,256
+  bench triton --engine kvllm --backend TRITON_ATTN --iters 2 --warmups 1 --profile-batches 1,64,256 --step-log \
+    --profile-long 256x1024,1x2048
   [ "${WITH_SYNC:-0}" = 1 ] && bench triton-sync --engine kvllm --backend TRITON_ATTN --no-async-scheduling \
     --only latency,nano --iters 2 --warmups 1
   tar czf "$out/kvllm.tgz" -C /tmp kvllm

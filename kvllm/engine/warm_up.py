@@ -15,12 +15,9 @@ import logging
 import random
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 from kvllm.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from kvllm.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
 
@@ -60,8 +57,9 @@ class WarmUpStats:
     seconds: float
 
 
-def warm_up(engine: LLMEngine) -> WarmUpStats:
-    """Run the warm-up rounds through `engine`; it must have no requests of its own yet."""
+def warm_up(engine: Any) -> WarmUpStats:
+    """Run the warm-up rounds through `engine` (an LLMEngine, which imports this module); it must have
+    no requests of its own yet."""
     if engine.has_unfinished_requests():
         raise RuntimeError("warm_up runs before any request is added; the engine has unfinished requests")
     start = time.perf_counter()
