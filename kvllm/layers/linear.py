@@ -1,4 +1,9 @@
-"""Linear layers that fuse several checkpoint matrices into one, each shard loaded by name.
+"""The decoder layers' linear maps: `Linear`, and layers that fuse several checkpoint matrices into one,
+each shard loaded by name.
+
+`Linear` is nn.Linear whose forward runs the small-M Triton kernel (kvllm/layers/ops/linear.py) for
+decode-sized inputs where fused ops are on, and F.linear otherwise. The LM head is not one of these:
+`compute_logits` calls F.linear on the head's weight directly.
 
 A fused layer's parameters carry a `weight_loader(param, loaded_weight, shard_id)` that copies one
 checkpoint tensor into its rows, so the model's `load_weights` is a name mapping and nothing else.
@@ -7,7 +12,10 @@ checkpoint tensor into its rows, so the model's `load_weights` is a name mapping
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from kvllm.layers.ops.dispatch import use_fused_ops
 
 
 def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
@@ -19,7 +27,19 @@ def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> N
     param.data.copy_(loaded_weight)
 
 
-class MergedLinear(nn.Linear):
+class Linear(nn.Linear):
+    """nn.Linear (same parameters and state dict) that runs a few rows through the small-M kernel."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if use_fused_ops(x):
+            from kvllm.layers.ops.linear import linear, use_small_m_kernel
+
+            if use_small_m_kernel(x, self.weight):
+                return linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedLinear(Linear):
     """Several linear maps of one input stacked along the output dimension (e.g. gate_proj + up_proj).
 
     `output_sizes` lists the rows of each shard; a shard is addressed by its index or by a name from

@@ -16,7 +16,7 @@ from torch import nn
 
 from kvllm.layers.activation import SiluAndMul
 from kvllm.layers.attention import Attention
-from kvllm.layers.linear import MergedLinear, QKVLinear, default_weight_loader
+from kvllm.layers.linear import Linear, MergedLinear, QKVLinear, default_weight_loader
 from kvllm.layers.norm import RMSNorm
 from kvllm.layers.ops.dispatch import use_fused_ops
 from kvllm.layers.rotary import RopeInputs, RotaryEmbedding, rope_parameters_from_config
@@ -45,7 +45,7 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = QKVLinear(
             hf_config.hidden_size, self.head_size, self.num_heads, self.num_kv_heads, bias=qkv_bias
         )
-        self.o_proj = nn.Linear(
+        self.o_proj = Linear(
             self.num_heads * self.head_size,
             hf_config.hidden_size,
             bias=getattr(hf_config, "attention_bias", False),
@@ -117,7 +117,7 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size], bias=bias)
         self.act_fn = SiluAndMul()
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
@@ -194,6 +194,7 @@ class LlamaForCausalLM(nn.Module):
         if self.tie_word_embeddings:
             self.lm_head = None
         else:
+            # Plain nn.Linear: compute_logits calls F.linear on its weight (not the small-M kernel).
             self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
 
     @property

@@ -1,8 +1,9 @@
 """Whole models with the fused layer kernels forced on (CPU interpreter) against the same models' torch path.
 
 Covers the wiring: RMSNorm / SiluAndMul / LlamaAttention dispatch, in-place QK-norm + RoPE on the qkv
-buffer, and strided q/k/v views reaching attention (the profile path here, CPU_ATTN's paged cache in the
-engine test).
+buffer, strided q/k/v views reaching attention (the profile path here, CPU_ATTN's paged cache in the
+engine test), and the small-M linear kernel for the four projections of decode-sized batches (never the
+LM head).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ KERNEL_WRAPPERS = [
     ("kvllm.layers.ops.activation", "silu_and_mul"),
     ("kvllm.layers.ops.rotary", "qk_norm_rope"),
     ("kvllm.layers.ops.rotary", "qk_norm_rope_kv_write"),
+    ("kvllm.layers.ops.linear", "linear"),
 ]
 MODELS = pytest.mark.parametrize("fixture", ["tiny_qwen3_path", "tiny_llama_path", "tiny_qwen2_path"])
 
@@ -66,10 +68,30 @@ def test_hidden_states_and_logits_match_torch_path(
     ref_hidden, ref_logits = logits(path, "float32", input_ids, "0")
     assert not kernel_calls
     hidden, out_logits = logits(path, "float32", input_ids, "1")
-    # 2 layers: input norms (one plain in layer 0), post-attention norms + final norm, MLPs, attentions.
+    # 2 layers: input norms (one plain in layer 0), post-attention norms + final norm, MLPs, attentions;
+    # 37 rows are too many for the small-M linear kernel.
     assert kernel_calls == {"rms_norm": 1, "fused_add_rms_norm": 4, "silu_and_mul": 2, "qk_norm_rope": 2}
     torch.testing.assert_close(hidden, ref_hidden, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out_logits, ref_logits, rtol=1e-5, atol=1e-5)
+    assert torch.equal(out_logits.argmax(-1), ref_logits.argmax(-1))
+
+
+@MODELS
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decode_sized_batch_runs_the_projections_in_the_linear_kernel(
+    fixture: str, dtype: str, request: pytest.FixtureRequest, kernel_calls: dict[str, int]
+) -> None:
+    path = request.getfixturevalue(fixture)
+    input_ids = torch.randint(3, 400, (5,), generator=torch.Generator().manual_seed(2))
+    ref_hidden, ref_logits = logits(path, dtype, input_ids, "0")
+    assert not kernel_calls
+    hidden, out_logits = logits(path, dtype, input_ids, "1")
+    assert kernel_calls["linear"] == 2 * 4  # qkv, o, gate_up, down of 2 layers; not the LM head
+    if dtype == "float32":
+        torch.testing.assert_close(hidden, ref_hidden, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out_logits, ref_logits, rtol=1e-5, atol=1e-5)
+    else:
+        assert (out_logits - ref_logits).abs().max() <= 0.02 * ref_logits.abs().max()
     assert torch.equal(out_logits.argmax(-1), ref_logits.argmax(-1))
 
 
@@ -91,6 +113,7 @@ def test_engine_greedy_tokens_match_torch_path(tiny_qwen3_path: Path, kernel_cal
     with fused_ops_mode("1"):
         out = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert kernel_calls["qk_norm_rope"] >= 2 * 6  # every step of both layers
+    assert kernel_calls["linear"] >= 2 * 4 * 5  # the four projections of both layers, every decode step
     assert out == ref
 
 

@@ -24,6 +24,8 @@ EXPECTED = {
     "kvllm.attention.ops.triton_unified_attention:_reduce_segments_kernel": ["num_tokens", "num_segments"],
     "kvllm.sample.gumbel:_gumbel_chunk_kernel": ["seed", "blocks_per_chunk", "num_chunks"],
     "kvllm.sample.gumbel:_reduce_chunks_kernel": ["num_chunks"],
+    "kvllm.layers.ops.linear:_small_m_linear_kernel": ["M"],
+    "kvllm.layers.ops.linear:_split_k_reduce_kernel": [],  # rows come from the grid
 }
 
 SCRIPT = """
