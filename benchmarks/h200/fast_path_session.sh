@@ -82,8 +82,11 @@ tune)
     --output-json "$d/attention-sweep.json" > "$d/attention-sweep.log" 2>&1
   since "attention sweep (exit $?)"
   python3 benchmarks/h200/best_configs.py "$d/attention-sweep.json" | tee "$d/best-configs.txt"
-  [ -f benchmarks/h200/linear_bench.py ] && timeout 120 python3 benchmarks/h200/linear_bench.py --out "$d" \
-    > "$d/linear-bench.log" 2>&1; tail -n 30 "$d/linear-bench.log" 2>/dev/null
+  timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/gpu/test_small_m_linear_gpu.py \
+    tests/gpu/test_sampling_gpu.py > "$d/pytest-gpu.log" 2>&1
+  since "GPU tests (small-M linear, sampling): $(tail -n 1 "$d/pytest-gpu.log")"
+  timeout 200 python3 benchmarks/h200/linear_bench.py --out "$d" > "$d/linear-bench.log" 2>&1
+  since "linear bench (exit $?)"; tail -n 24 "$d/linear-bench.log"
   bench triton-diag --engine kvllm --backend TRITON_ATTN --only nano,latency --iters 2 --warmups 1 --step-log \
     --profile-batches 1,256
   tar czf "$out/tune.tgz" -C /tmp tune
