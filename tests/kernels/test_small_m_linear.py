@@ -14,7 +14,14 @@ import torch.nn.functional as F
 import kvllm.layers.ops.linear as ops
 from kvllm.layers.linear import Linear, MergedLinear, QKVLinear
 from kvllm.layers.ops.dispatch import fused_ops_mode
-from kvllm.layers.ops.linear import MAX_ROWS, LinearConfig, linear, use_small_m_kernel
+from kvllm.layers.ops.linear import (
+    BLOCK_N,
+    MAX_ROWS,
+    TARGET_PROGRAMS,
+    LinearConfig,
+    linear,
+    use_small_m_kernel,
+)
 
 DTYPES = pytest.mark.parametrize(
     "dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "fp32"]
@@ -132,6 +139,10 @@ def test_predicate() -> None:
         assert not use_small_m_kernel(rows(2, dtype=torch.float64), weight.double())
         assert not use_small_m_kernel(rows(2), randn(32, 8, dtype=torch.float16, seed=14).t())
         assert not use_small_m_kernel(rows(32, 2).t(), weight)  # strided last dimension
+        # Wide outputs (as many column tiles as TARGET_PROGRAMS) stay with cuBLAS.
+        narrow = torch.empty((TARGET_PROGRAMS - 1) * BLOCK_N, 32, dtype=torch.float16)
+        wide = torch.empty(TARGET_PROGRAMS * BLOCK_N, 32, dtype=torch.float16)
+        assert use_small_m_kernel(rows(2), narrow) and not use_small_m_kernel(rows(2), wide)
 
 
 @pytest.fixture

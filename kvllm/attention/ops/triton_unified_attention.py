@@ -46,11 +46,16 @@ def is_interpreter() -> bool:
 
 
 def decode_config(head_size: int, queries_per_kv: int, dtype: torch.dtype) -> KernelConfig:
-    """Decode is bandwidth-bound: one request per program, rows = its query heads, wide KV tiles."""
+    """Decode is bandwidth-bound: one request per program, rows = its query heads, wide KV tiles.
+
+    16-bit, head size <= 128: 2 warps and 2 stages, the fastest of 27 tile configs on an H200 at
+    batch 256 x 1k (4.11 TB/s of KV, 1.18x the 4-warp, 3-stage config), batch 64 x 1k (1.41x) and
+    batch 16 x 2k (2.2x) (`kvllm.benchmarks.attention --sweep`, docs/benchmarks.md)."""
     head_pad = triton.next_power_of_2(head_size)
     block_m = max(16, triton.next_power_of_2(queries_per_kv))
-    wide = dtype == torch.float32 or head_pad > 128
-    return KernelConfig(block_m=block_m, tile_n=32 if wide else 64, num_warps=4, num_stages=2 if wide else 3)
+    if dtype == torch.float32 or head_pad > 128:
+        return KernelConfig(block_m=block_m, tile_n=32, num_warps=4, num_stages=2)
+    return KernelConfig(block_m=block_m, tile_n=64, num_warps=2, num_stages=2)
 
 
 def prefill_config(head_size: int, queries_per_kv: int, dtype: torch.dtype) -> KernelConfig:
@@ -58,10 +63,8 @@ def prefill_config(head_size: int, queries_per_kv: int, dtype: torch.dtype) -> K
     head_pad = triton.next_power_of_2(head_size)
     if dtype == torch.float32 or head_pad > 128:
         block_m, tile_n, warps, stages = 64, 32, 4, 2
-    elif head_pad <= 64:
+    else:  # 4 warps: 1.23x / 1.28x the 8-warp config at 8 x 2k and 16 x 512 over 512 on an H200
         block_m, tile_n, warps, stages = 128, 64, 4, 3
-    else:
-        block_m, tile_n, warps, stages = 128, 64, 8, 3
     return KernelConfig(max(block_m, triton.next_power_of_2(queries_per_kv)), tile_n, warps, stages)
 
 

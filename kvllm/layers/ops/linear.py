@@ -145,11 +145,15 @@ def default_config(n: int, k: int, dtype: torch.dtype) -> LinearConfig:
 def use_small_m_kernel(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `linear(x, weight)` should run this kernel: fused ops on for x (CUDA, or forced), x a
     [M, K] matrix with 1 <= M <= MAX_ROWS and a contiguous last dimension, weight a contiguous [N, K]
-    matrix of x's dtype and device, and K a multiple of 16 (rows of W 16-byte aligned for wide loads)."""
+    matrix of x's dtype and device, K a multiple of 16 (rows of W 16-byte aligned for wide loads),
+    and a narrow output (fewer column tiles than TARGET_PROGRAMS). On an H200 cuBLAS streams wide
+    weights as fast or faster (Qwen3-0.6B, M = 1: qkv 4.9 vs 5.2 us, gate_up 5.8 vs 6.9 us) and
+    leaves narrow ones underfilled (o_proj 12.8 vs 5.7 us; down_proj even), benchmarks/h200/linear_bench.py."""
     return (
         x.dim() == 2
         and 1 <= x.shape[0] <= MAX_ROWS
         and weight.dim() == 2
+        and triton.cdiv(weight.shape[0], BLOCK_N) < TARGET_PROGRAMS
         and x.shape[1] == weight.shape[1]
         and x.shape[1] > 0
         and x.shape[1] % 16 == 0
