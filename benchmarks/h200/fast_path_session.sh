@@ -6,9 +6,10 @@
 #   1. carry [".vllm/part1"]:           bash benchmarks/h200/fast_path_session.sh kvllm
 #      vLLM part 1 goes to the machine; kvllm TRITON_ATTN: GPU tests (graphs vs eager, sampler),
 #      fast_path_bench (latency 1/8/64/256, TTFT, nano-vllm, 256 x 128/128), the step profile.
-#   2. carry [".vllm/part2", ".fi"]:   bash benchmarks/h200/fast_path_session.sh vllm
-#      vLLM 0.22 with its defaults through the same fast_path_bench; with WITH_FLASHINFER=1 then
-#      FLASHINFER: graphs-vs-eager test and fast_path_bench (its first use compiles for ~2 minutes).
+#   2. carry [".vllm/part2"]:          bash benchmarks/h200/fast_path_session.sh vllm
+#      vLLM 0.22 with its defaults through the same fast_path_bench.
+#   flashinfer (carry [".fi"]): FLASHINFER's graphs-vs-eager test and fast_path_bench with its decode
+#      graphs (--assume-graph-support until the test passes; its first use compiles for ~2 minutes).
 #   WITH_SYNC=1 adds kvllm with --no-async-scheduling to call 1. Results come back as $OUT/<phase>.tgz.
 #   smoke: the first lease's TRITON_ATTN-only check (graphs before the fused kernels).
 #   diag (carry [".stage1"] to stage FlashAttention-4 on the way): TRITON_ATTN's nano-vllm run with a
@@ -31,7 +32,7 @@ bench() {  # $1 label, rest: fast_path_bench arguments; results in $d/<engine>.j
   grep -h '^{' "$d/bench-$label.log" > "$d/bench-$label.jsonl"; python3 benchmarks/h200/summarize.py "$d/bench-$label.jsonl"
 }
 
-case "${1:?usage: fast_path_session.sh kvllm|vllm|smoke|diag|tune|fa}" in
+case "${1:?usage: fast_path_session.sh kvllm|vllm|flashinfer|smoke|diag|tune|fa}" in
 kvllm)
   d=/tmp/kvllm; mkdir -p "$d"
   [ -f .vllm/part1/remote-stage.sh ] && bash .vllm/part1/remote-stage.sh 1 > "$d/vllm-stage1.log" 2>&1
@@ -54,14 +55,18 @@ vllm)
   bash .vllm/part2/remote-stage.sh 2 > "$d/vllm-stage2.log" 2>&1 || { cat "$d/vllm-stage2.log"; exit 3; }
   tail -n 4 "$d/vllm-stage2.log"
   (export PYTHONPATH=.:/tmp/site-vllm; bench vllm --engine vllm --iters 2 --warmups 1)
-  if [ "${WITH_FLASHINFER:-0}" = 1 ]; then
+  tar czf "$out/vllm.tgz" -C /tmp vllm
+  since "done"
+  ;;
+flashinfer)
+  d=/tmp/flashinfer; mkdir -p "$d"
   bash .fi/unpack.sh > /dev/null
   env "${FI_ENV[@]}" KVLLM_GPU_REPORT_DIR=$d timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
     tests/gpu/test_cuda_graphs_gpu.py -k FLASHINFER > "$d/pytest-flashinfer.log" 2>&1
   since "FLASHINFER graph test: $(tail -n 1 "$d/pytest-flashinfer.log")"
-  (export "${FI_ENV[@]}"; bench flashinfer --engine kvllm --backend FLASHINFER --iters 2 --warmups 1)
-  fi
-  tar czf "$out/vllm.tgz" -C /tmp vllm
+  (export "${FI_ENV[@]}"; bench flashinfer --engine kvllm --backend FLASHINFER --iters 2 --warmups 1 --step-log \
+    --assume-graph-support)
+  tar czf "$out/flashinfer.tgz" -C /tmp flashinfer
   since "done"
   ;;
 diag)
@@ -96,9 +101,11 @@ fa)
   d=/tmp/fa; mkdir -p "$d"
   bash .stage2/unpack.sh || exit 3
   export PYTHONPATH=$FA_PATH
+  if [ "${SKIP_TESTS:-0}" != 1 ]; then
   KVLLM_GPU_REPORT_DIR=$d timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
     tests/gpu/test_cuda_graphs_gpu.py -k FLASH_ATTN > "$d/pytest-flash-attn.log" 2>&1
   since "FLASH_ATTN graph test: $(tail -n 1 "$d/pytest-flash-attn.log")"
+  fi
   bench flash-attn --engine kvllm --backend FLASH_ATTN --iters 2 --warmups 1 --step-log --profile-batches 1,256 \
     --assume-graph-support
   tar czf "$out/fa.tgz" -C /tmp fa
