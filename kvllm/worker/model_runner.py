@@ -175,7 +175,7 @@ class ModelRunner:
         if support == "never":
             logger.info(
                 "CUDA graphs off: the %s attention backend declares cudagraph_support='never' "
-                "(steps run eagerly; TRITON_ATTN captures decode steps)",
+                "(steps run eagerly; TRITON_ATTN, FLASH_ATTN and FLASHINFER capture decode steps)",
                 self.attn_backend.name,
             )
             return []
