@@ -122,6 +122,7 @@ class OutputProcessor:
             seq = parent.sequences[request.index]
             if request.first_token_time is None:
                 request.first_token_time = now
+            request.last_token_time = now
             self._append_token(
                 seq,
                 sampled.token_ids[row],
@@ -216,9 +217,6 @@ class OutputProcessor:
                 )
             )
         first = parent.sequences[0].request
-        metrics = {"arrival_time": first.arrival_time, "num_cached_tokens": first.num_cached_prompt_tokens}
-        if first.first_token_time is not None:
-            metrics["first_token_time"] = first.first_token_time
         prompt_logprobs = first.prompt_logprobs if first.sampling_params.prompt_logprobs is not None else None
         return RequestOutput(
             parent.request_id,
@@ -226,6 +224,31 @@ class OutputProcessor:
             parent.prompt_token_ids,
             outputs,
             parent.finished,
-            metrics,
+            _request_metrics(parent),
             prompt_logprobs=prompt_logprobs,
         )
+
+
+def _request_metrics(parent: ParentRequest) -> dict[str, float]:
+    """RequestOutput.metrics: the request's timestamps and token counts over its n sequences."""
+    requests = [seq.request for seq in parent.sequences]
+    first = requests[0]
+    generated = [r.num_output_tokens for r in requests]
+    metrics: dict[str, float] = {
+        "arrival_time": first.arrival_time,
+        "num_cached_tokens": first.num_cached_prompt_tokens,
+        "num_generation_tokens": sum(generated),
+        "max_num_generation_tokens": max(generated),
+        "max_tokens": first.max_tokens,
+    }
+    stamps = {
+        "queued_time": (min, [r.queued_time for r in requests]),
+        "first_scheduled_time": (min, [r.first_scheduled_time for r in requests]),
+        "first_token_time": (min, [r.first_token_time for r in requests]),
+        "last_token_time": (max, [r.last_token_time for r in requests]),
+    }
+    for key, (pick, values) in stamps.items():
+        known = [v for v in values if v is not None]
+        if known:
+            metrics[key] = pick(known)
+    return metrics
