@@ -34,7 +34,7 @@ from kvllm.entrypoints.openai.metrics import (
 )
 from kvllm.entrypoints.openai.server import build_app
 from kvllm.outputs import CompletionOutput, RequestOutput
-from kvllm.sampling_params import SamplingParams
+from kvllm.sampling_params import RequestOutputKind, SamplingParams
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "tests" / "data" / "vllm_0_22_metrics.json"
@@ -230,6 +230,15 @@ def test_n_sequences_are_one_request_and_n_successes(engine):
     assert _value(registry, "vllm:request_max_num_generation_tokens_sum") == 4
     assert _value(registry, "vllm:request_params_n_sum") == 2
     assert _value(registry, "vllm:prompt_tokens_total") == len(out.prompt_token_ids)  # once, as in usage
+
+
+def test_delta_outputs_count_the_same_tokens(engine):
+    params = SamplingParams(max_tokens=6, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    registry, [out] = _drive(engine, [("hello there", params)])
+    assert len(out.outputs[0].token_ids) < 6  # the last delta only
+    assert _value(registry, "vllm:generation_tokens_total") == 6
+    assert _value(registry, "vllm:request_generation_tokens_sum") == 6
+    assert _value(registry, "vllm:inter_token_latency_seconds_count") == 5
 
 
 def test_prefix_cache_hits_split_the_prompt_tokens_by_source(engine):

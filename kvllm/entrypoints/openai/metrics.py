@@ -21,7 +21,8 @@ its intervals from the earliest first token to the latest last token), except `v
 which counts sequences as vLLM does.
 
 `StatsCollector` is the AsyncLLM's stat recorder: it turns the outputs delivered in one engine step
-into an `IterationStats` once and hands it to every stat logger.
+into an `IterationStats` once and hands it to every stat logger. It sees only delivered outputs, so a
+FINAL_ONLY request (one output) adds no inter-token latencies; the server streams cumulative outputs.
 """
 
 from __future__ import annotations
