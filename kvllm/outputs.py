@@ -55,7 +55,15 @@ class CompletionOutput:
 @dataclass
 class RequestOutput:
     """The state of one request after an engine step: cumulative, or only what is new
-    (SamplingParams.output_kind DELTA), or once when it finishes (FINAL_ONLY)."""
+    (SamplingParams.output_kind DELTA), or once when it finishes (FINAL_ONLY).
+
+    `metrics` (what the serving metrics are computed from; over the request's n sequences):
+    time.monotonic() stamps `arrival_time`, `queued_time` (the scheduler took it),
+    `first_scheduled_time`, `first_token_time` (earliest of the sequences) and `last_token_time`
+    (latest), each present once reached; counts `num_cached_tokens` (prompt tokens found in the
+    prefix cache), `num_generation_tokens` (so far, all sequences, whatever the output kind),
+    `max_num_generation_tokens` (the longest sequence) and `max_tokens` (resolved, per sequence).
+    """
 
     request_id: str
     prompt: str | None

@@ -24,6 +24,10 @@ class Request:
     `num_computed_tokens` counts tokens whose K/V are in the cache; the tokens still to run
     are `all_token_ids[num_computed_tokens:]` (the whole prompt after a preemption, since
     preemption recomputes).
+
+    The `*_time` fields are time.monotonic() stamps of the request's life, from which the serving
+    metrics take vLLM's intervals: queue (queued -> first scheduled), prefill (first scheduled ->
+    first token), decode (first token -> last token), inference (first scheduled -> last token).
     """
 
     request_id: str
@@ -43,7 +47,10 @@ class Request:
     num_preemptions: int = 0
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks, see KVCacheManager
     generator: torch.Generator | None = None
-    first_token_time: float | None = None
+    queued_time: float | None = None  # when the scheduler took it
+    first_scheduled_time: float | None = None  # kept across preemptions, as in vLLM
+    first_token_time: float | None = None  # when the step that sampled its first token finished
+    last_token_time: float | None = None  # when the step that sampled its latest token finished
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     cumulative_logprob: float = 0.0

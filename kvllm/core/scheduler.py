@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterable
 
@@ -46,6 +47,7 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
+        request.queued_time = time.monotonic()
         self.waiting.append(request)
 
     def finish_request(self, request: Request) -> None:
@@ -136,6 +138,8 @@ class Scheduler:
                 request.num_cached_prompt_tokens = num_cached_tokens
             self.kv.allocate(request, n, cached)
             request.status = RequestStatus.RUNNING
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
             self.running.append(request)
             item = ScheduledRequest(request, n, self.kv.get_block_ids(request.request_id))
             (decodes if n == 1 else prefills).append(item)

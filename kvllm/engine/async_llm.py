@@ -55,6 +55,7 @@ class _RequestState:
     prompt: str | None
     prompt_token_ids: list[int] | None
     n: int
+    arrival_time: float
     last_output: RequestOutput | None = None
     finished: bool = False
 
@@ -201,12 +202,12 @@ class AsyncLLM:
         if request_id in self._states:
             raise ValueError(f"Request id {request_id!r} is already in use")
         prompt_text, prompt_ids = _prompt_parts(prompt)
-        state = _RequestState(asyncio.Queue(), prompt_text, prompt_ids, params.n)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        state = _RequestState(asyncio.Queue(), prompt_text, prompt_ids, params.n, arrival)
         self._states[request_id] = state
         self._idle.clear()
         stream = RequestStream(self, request_id, state)
         done: concurrent.futures.Future[None] = concurrent.futures.Future()
-        arrival = time.monotonic() if arrival_time is None else arrival_time
         self._commands.put(_Add(request_id, prompt, params, arrival, done))
         try:
             await asyncio.wrap_future(done)
@@ -429,7 +430,11 @@ def _aborted_output(request_id: str, state: _RequestState) -> RequestOutput:
     last = state.last_output
     if last is None:
         completions = [CompletionOutput(i, "", [], None, None, "abort") for i in range(state.n)]
-        return RequestOutput(request_id, state.prompt, state.prompt_token_ids or [], completions, True, {})
+        # Only the arrival is known: the engine never reported on it (the latencies still count it).
+        metrics = {"arrival_time": state.arrival_time}
+        return RequestOutput(
+            request_id, state.prompt, state.prompt_token_ids or [], completions, True, metrics
+        )
     completions = [
         c if c.finish_reason is not None else dataclasses.replace(c, finish_reason="abort")
         for c in last.outputs

@@ -9,6 +9,7 @@ freeing their KV blocks is the scheduler's business.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -122,6 +123,7 @@ class OutputProcessor:
             seq = parent.sequences[request.index]
             if request.first_token_time is None:
                 request.first_token_time = now
+            request.last_token_time = now
             self._append_token(
                 seq,
                 sampled.token_ids[row],
@@ -216,9 +218,6 @@ class OutputProcessor:
                 )
             )
         first = parent.sequences[0].request
-        metrics = {"arrival_time": first.arrival_time, "num_cached_tokens": first.num_cached_prompt_tokens}
-        if first.first_token_time is not None:
-            metrics["first_token_time"] = first.first_token_time
         prompt_logprobs = first.prompt_logprobs if first.sampling_params.prompt_logprobs is not None else None
         return RequestOutput(
             parent.request_id,
@@ -226,6 +225,47 @@ class OutputProcessor:
             parent.prompt_token_ids,
             outputs,
             parent.finished,
-            metrics,
+            _request_metrics(parent),
             prompt_logprobs=prompt_logprobs,
         )
+
+
+def _request_metrics(parent: ParentRequest) -> dict[str, float]:
+    """RequestOutput.metrics: the request's timestamps and token counts over its n sequences.
+
+    Built for every request every step, so one sequence (the common case) takes a direct path.
+    """
+    first = parent.sequences[0].request
+    if len(parent.sequences) == 1:
+        total = longest = first.num_output_tokens
+        queued, scheduled = first.queued_time, first.first_scheduled_time
+        first_token, last_token = first.first_token_time, first.last_token_time
+    else:
+        requests = [seq.request for seq in parent.sequences]
+        generated = [r.num_output_tokens for r in requests]
+        total, longest = sum(generated), max(generated)
+        queued = _known(min, [r.queued_time for r in requests])
+        scheduled = _known(min, [r.first_scheduled_time for r in requests])
+        first_token = _known(min, [r.first_token_time for r in requests])
+        last_token = _known(max, [r.last_token_time for r in requests])
+    metrics: dict[str, float] = {
+        "arrival_time": first.arrival_time,
+        "num_cached_tokens": first.num_cached_prompt_tokens,
+        "num_generation_tokens": total,
+        "max_num_generation_tokens": longest,
+        "max_tokens": first.max_tokens,
+    }
+    if queued is not None:
+        metrics["queued_time"] = queued
+    if scheduled is not None:
+        metrics["first_scheduled_time"] = scheduled
+    if first_token is not None:
+        metrics["first_token_time"] = first_token
+    if last_token is not None:
+        metrics["last_token_time"] = last_token
+    return metrics
+
+
+def _known(pick: Callable[[list[float]], float], values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return pick(known) if known else None

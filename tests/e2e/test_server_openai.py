@@ -97,11 +97,11 @@ class RemoteServer:
         return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
 
     def metrics(self) -> dict[str, float]:
-        """`kvllm:` series as {"name{labels}": value}, labels as the server prints them."""
+        """`vllm:` series as {"name{labels}": value}, labels as the server prints them."""
         text = httpx.get(f"{self.url}/metrics", timeout=10).text
         series = {}
         for line in text.splitlines():
-            if line.startswith("kvllm:"):
+            if line.startswith("vllm:"):
                 key, value = line.rsplit(" ", 1)
                 series[key] = float(value)
         return series
@@ -117,12 +117,12 @@ class RemoteServer:
 
 
 def series(name: str, **labels: str) -> str:
-    labels = {**labels, "model_name": MODEL_NAME}
+    labels = {**labels, "model_name": MODEL_NAME, "engine": "0"}
     return name + "{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}"
 
 
-RUNNING = series("kvllm:num_requests_running")
-KV_USAGE = series("kvllm:kv_cache_usage_perc")
+RUNNING = series("vllm:num_requests_running")
+KV_USAGE = series("vllm:kv_cache_usage_perc")
 
 
 def wait_until_idle(server: RemoteServer, timeout: float = 10.0) -> dict[str, float]:
@@ -133,7 +133,7 @@ def wait_until_idle(server: RemoteServer, timeout: float = 10.0) -> dict[str, fl
         if (
             metrics[RUNNING] == 0
             and metrics[KV_USAGE] == 0
-            and metrics[series("kvllm:num_requests_waiting")] == 0
+            and metrics[series("vllm:num_requests_waiting")] == 0
         ):
             return metrics
         assert time.monotonic() < deadline, (
@@ -310,7 +310,7 @@ def wait_for_metric(server: RemoteServer, name: str, value: float, timeout: floa
 def test_disconnecting_clients_are_aborted_and_free_their_blocks(long_server):
     server = long_server
     before = wait_until_idle(server)
-    aborted = series("kvllm:request_success_total", finished_reason="abort")
+    aborted = series("vllm:request_success_total", finished_reason="abort")
 
     async def disconnect_after_first_token(client: httpx.AsyncClient, i: int) -> None:
         body = {"model": MODEL_NAME, "prompt": f"Client {i} says", "max_tokens": LONG, "stream": True}
@@ -448,13 +448,18 @@ def test_metrics_counters_equal_the_traffic(server):
     def delta(name: str, **labels: str) -> float:
         return after[series(name, **labels)] - before[series(name, **labels)]
 
-    assert delta("kvllm:prompt_tokens_total") == prompt_tokens
-    assert delta("kvllm:generation_tokens_total") == completion_tokens == 2 * (5 + 6 + 7) + 7 + 6
-    assert delta("kvllm:request_success_total", finished_reason="length") == 3 * 2 + 1 + 1
-    assert delta("kvllm:request_success_total", finished_reason="abort") == 0
-    assert delta("kvllm:e2e_request_latency_seconds_count") == 5
-    assert delta("kvllm:time_to_first_token_seconds_count") == 5
-    assert delta("kvllm:prefix_cache_queries_total") > 0
+    assert delta("vllm:prompt_tokens_total") == prompt_tokens
+    assert delta("vllm:generation_tokens_total") == completion_tokens == 2 * (5 + 6 + 7) + 7 + 6
+    assert delta("vllm:request_success_total", finished_reason="length") == 3 * 2 + 1 + 1
+    assert delta("vllm:request_success_total", finished_reason="abort") == 0
+    assert delta("vllm:e2e_request_latency_seconds_count") == 5
+    assert delta("vllm:time_to_first_token_seconds_count") == 5
+    assert delta("vllm:request_generation_tokens_sum") == completion_tokens
+    assert delta("vllm:request_prompt_tokens_sum") == prompt_tokens
+    assert delta("vllm:request_params_n_sum") == 3 * 2 + 1 + 1
+    for interval in ("queue", "prefill", "decode", "inference"):
+        assert delta(f"vllm:request_{interval}_time_seconds_count") == 5
+    assert delta("vllm:prefix_cache_queries_total") > 0
 
 
 def test_models_and_startup_log_lines(server):

@@ -167,8 +167,8 @@ def test_soak_with_abandoned_requests_loses_nothing_and_frees_every_block(soak_s
     server_errors = [o for o in outcomes if (o.status or 0) >= 500 or (o.error and '"code": 5' in o.error)]
     abandoned = Counter(o.plan.abandon for o in outcomes if o.plan.abandon)
     aborted = (
-        after[series("kvllm:request_success_total", finished_reason="abort")]
-        - before[series("kvllm:request_success_total", finished_reason="abort")]
+        after[series("vllm:request_success_total", finished_reason="abort")]
+        - before[series("vllm:request_success_total", finished_reason="abort")]
     )
     print(
         f"\nsoak: {len(outcomes)} requests, {sum(abandoned.values())} abandoned {dict(abandoned)}, "

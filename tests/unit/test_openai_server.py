@@ -284,13 +284,16 @@ def test_metrics_are_per_app_and_count_requests(engine):
         with TestClient(app) as c:
             out = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3, "ignore_eos": True}).json()
             text = c.get("/metrics").text
-    assert 'kvllm:generation_tokens_total{model_name="m"} 3.0' in text
-    assert f'kvllm:prompt_tokens_total{{model_name="m"}} {float(out["usage"]["prompt_tokens"])}' in text
-    assert 'kvllm:request_success_total{finished_reason="length",model_name="m"} 1.0' in text
-    assert 'kvllm:num_requests_running{model_name="m"} 0.0' in text
+    assert 'vllm:generation_tokens_total{engine="0",model_name="m"} 3.0' in text
     assert (
-        "kvllm:time_to_first_token_seconds_count" in text
-        and "kvllm:e2e_request_latency_seconds_bucket" in text
+        f'vllm:prompt_tokens_total{{engine="0",model_name="m"}} {float(out["usage"]["prompt_tokens"])}'
+        in text
+    )
+    assert 'vllm:request_success_total{engine="0",finished_reason="length",model_name="m"} 1.0' in text
+    assert 'vllm:num_requests_running{engine="0",model_name="m"} 0.0' in text
+    assert 'vllm:request_generation_tokens_sum{engine="0",model_name="m"} 3.0' in text
+    assert (
+        "vllm:time_to_first_token_seconds_count" in text and "vllm:e2e_request_latency_seconds_bucket" in text
     )
 
 

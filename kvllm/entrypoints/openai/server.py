@@ -85,7 +85,8 @@ def build_app(
         names = list(served_model_name or [engine.model_config.model])
     registry = CollectorRegistry()
     logging_stats = LoggingStatLogger()
-    llm = AsyncLLM(engine, [StatsCollector([PrometheusStatLogger(registry, names[0]), logging_stats])])
+    prometheus = PrometheusStatLogger.for_engine(registry, names[0], engine)
+    llm = AsyncLLM(engine, [StatsCollector([prometheus, logging_stats])])
     executor = tokenizer_executor()
 
     @asynccontextmanager
