@@ -21,3 +21,23 @@ GENERATION_CONFIGS = ("auto", "vllm")
 def canonical_dtype(name: str) -> str:
     """A dtype name without aliases ("half" -> "float16"); other names pass through."""
     return DTYPE_ALIASES.get(name, name)
+
+
+# Tokenizer modes kvllm loads (vLLM's --tokenizer-mode): both mean the Hugging Face tokenizer.
+TOKENIZER_MODES = ("auto", "hf")
+# generation_config.json key -> SamplingParams field, for the keys vLLM takes as sampling defaults
+# (also the keys --override-generation-config may set).
+GENERATION_CONFIG_SAMPLING = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+GENERATION_CONFIG_SAMPLING_KEYS = tuple(GENERATION_CONFIG_SAMPLING)
+# The keys of vLLM's --compilation-config that mean something to kvllm (it compiles nothing).
+COMPILATION_CONFIG_KEYS = ("cudagraph_capture_sizes", "max_cudagraph_capture_size", "cudagraph_mode")
+# cudagraph_mode values kvllm runs: no graphs, or full graphs of decode steps (what it captures).
+CUDAGRAPH_MODES = ("NONE", "FULL_DECODE_ONLY")
+OPTIMIZATION_LEVELS = (0, 1, 2, 3)

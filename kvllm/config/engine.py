@@ -13,20 +13,35 @@ from typing import Any
 from kvllm.config.attention import ENGINE_MAPPED_FIELDS, AttentionConfig
 from kvllm.config.backend_names import AttentionBackendEnum, BackendName
 from kvllm.config.choices import (
+    COMPILATION_CONFIG_KEYS,
+    CUDAGRAPH_MODES,
     DEVICES,
     DTYPES,
+    GENERATION_CONFIG_SAMPLING_KEYS,
     GENERATION_CONFIGS,
     KV_CACHE_DTYPES,
     LOAD_FORMATS,
+    OPTIMIZATION_LEVELS,
+    TOKENIZER_MODES,
     canonical_dtype,
 )
+from kvllm.config.sizes import AUTO
 from kvllm.logger import init_logger
 
 logger = init_logger(__name__)
 
 
-def _help(text: str) -> dict[str, str]:
-    return {"help": text}
+def _help(text: str, **cli: Any) -> dict[str, Any]:
+    """Field metadata: the help text, and how the CLI parses the field (`aliases`, `parse`)."""
+    return {"help": text, **cli}
+
+
+# A parallel degree above 1 is the tensor-parallel issue's work; until it lands, this reason is given.
+PARALLEL_NOT_YET = (
+    "kvllm runs a model on one device; tensor, pipeline and data parallelism (sizes above 1) are "
+    "not implemented yet (the tensor-parallel issue). Use a size of 1 (the default); to serve more "
+    "traffic, run one kvllm server per GPU behind a load balancer."
+)
 
 
 @dataclass(frozen=True)
@@ -45,7 +60,12 @@ class EngineArgs:
     revision: str | None = field(default=None, metadata=_help("Model revision on the hub."))
     dtype: str = field(default="auto", metadata=_help(f"Model dtype: {', '.join(DTYPES)}."))
     max_model_len: int | None = field(
-        default=None, metadata=_help("Maximum context length (prompt + output). Default: the model's.")
+        default=None,
+        metadata=_help(
+            "Maximum context length (prompt + output). Default: the model's. The CLI takes vLLM's "
+            "human-readable forms: 32k = 32000, 32K = 32768, 25.6k = 25600.",
+            parse="size_or_auto",
+        ),
     )
     block_size: int | None = field(
         default=None,
@@ -57,7 +77,11 @@ class EngineArgs:
     )
     kv_cache_memory_bytes: int | None = field(
         default=None,
-        metadata=_help("KV-cache size in bytes; overrides gpu_memory_utilization. CPU default: 2 GiB."),
+        metadata=_help(
+            "KV-cache size in bytes; overrides gpu_memory_utilization. CPU default: 2 GiB. The CLI takes "
+            "1G = 2**30, 1g = 10**9 (k, m, g, t x1000; K, M, G, T x1024).",
+            parse="size",
+        ),
     )
     kv_cache_dtype: str = field(
         default="auto", metadata=_help(f"KV-cache dtype: {', '.join(KV_CACHE_DTYPES)}.")
@@ -71,7 +95,11 @@ class EngineArgs:
     max_num_seqs: int = field(default=256, metadata=_help("Maximum number of sequences per step."))
     max_num_batched_tokens: int | None = field(
         default=None,
-        metadata=_help("Token budget per step. Default: 8192 (at least max_model_len without chunking)."),
+        metadata=_help(
+            "Token budget per step. Default: 8192 (at least max_model_len without chunking). The CLI "
+            "takes 8k, 16K, ... as for --max-model-len.",
+            parse="size",
+        ),
     )
     seed: int = field(default=0, metadata=_help("Random seed."))
     load_format: str = field(default="auto", metadata=_help(f"Weight format: {', '.join(LOAD_FORMATS)}."))
@@ -120,12 +148,15 @@ class EngineArgs:
         default=None,
         metadata=_help(
             "Weight quantization method (vLLM's flag). Only unset (None) in this version: AWQ, GPTQ, fp8 "
-            "weights... are not available. Use an unquantized or a GGUF model."
+            "weights... are not available. Use an unquantized or a GGUF model.",
+            aliases=("-q",),
         ),
     )
     speculative_config: str | None = field(
         default=None,
-        metadata=_help("Speculative decoding settings (vLLM's flag). Not available in this version."),
+        metadata=_help(
+            "Speculative decoding settings (vLLM's flag). Not available in this version.", aliases=("-sc",)
+        ),
     )
     speculative_decoding: str | None = field(
         default=None,
@@ -137,6 +168,84 @@ class EngineArgs:
         default=None,
         metadata=_help(
             "CPU swap space in GiB (vLLM's flag). No effect: kvllm preempts by recomputation, never by swapping."
+        ),
+    )
+
+    tensor_parallel_size: int = field(
+        default=1,
+        metadata=_help("Tensor-parallel degree (vLLM's flag). Only 1 in this version.", aliases=("-tp",)),
+    )
+    pipeline_parallel_size: int = field(
+        default=1,
+        metadata=_help("Pipeline-parallel degree (vLLM's flag). Only 1 in this version.", aliases=("-pp",)),
+    )
+    data_parallel_size: int = field(
+        default=1,
+        metadata=_help("Data-parallel degree (vLLM's flag). Only 1 in this version.", aliases=("-dp",)),
+    )
+    tokenizer_mode: str = field(
+        default="auto",
+        metadata=_help(
+            f"Tokenizer implementation (vLLM's flag): {', '.join(TOKENIZER_MODES)} (both load the Hugging "
+            "Face tokenizer, the fast one when the model has it)."
+        ),
+    )
+    tokenizer_revision: str | None = field(
+        default=None, metadata=_help("Tokenizer revision on the hub (default: --revision).")
+    )
+    download_dir: str | None = field(
+        default=None,
+        metadata=_help("Folder that hub downloads are cached in (default: the Hugging Face cache)."),
+    )
+    hf_token: str | None = field(
+        default=None,
+        metadata=_help(
+            "Hugging Face token for hub downloads (default: the HF_TOKEN environment variable or the "
+            "token saved by `hf auth login`)."
+        ),
+    )
+    hf_overrides: dict[str, Any] | None = field(
+        default=None,
+        metadata=_help(
+            "Values that replace the model's config.json ones, as JSON: "
+            '\'{"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}\'; nested objects update nested '
+            "configs. In Python also a function taking and returning the config.",
+            parse="json",
+        ),
+    )
+    override_generation_config: dict[str, Any] | None = field(
+        default=None,
+        metadata=_help(
+            "Sampling defaults that replace generation_config.json's, as JSON: "
+            f"'{{\"temperature\": 0.5}}'. Keys: {', '.join(GENERATION_CONFIG_SAMPLING_KEYS)}.",
+            parse="json",
+        ),
+    )
+    max_logprobs: int = field(
+        default=20,
+        metadata=_help("Most log-probabilities a request may ask for (logprobs, top_logprobs)."),
+    )
+    disable_log_stats: bool = field(
+        default=False,
+        metadata=_help(
+            "Do not log throughput and KV-cache usage (kvllm serve: same as --log-stats-interval 0)."
+        ),
+    )
+    optimization_level: int | None = field(
+        default=None,
+        metadata=_help(
+            "vLLM's -O0 ... -O3. kvllm compiles nothing, so only CUDA graphs differ: 0 runs eagerly "
+            "(same as --enforce-eager), 1-3 capture decode graphs (the default).",
+            aliases=("-O",),
+        ),
+    )
+    compilation_config: dict[str, Any] | None = field(
+        default=None,
+        metadata=_help(
+            "vLLM's compilation settings as JSON (or -cc.KEY VALUE). kvllm takes "
+            f"{', '.join(COMPILATION_CONFIG_KEYS)}; cudagraph_mode NONE runs eagerly.",
+            aliases=("-cc",),
+            parse="json",
         ),
     )
 
@@ -157,6 +266,8 @@ class EngineArgs:
                 'a dict or a JSON string such as \'{"backend": "FLASH_ATTN"}\''
             )
         _reject_unavailable_features(self)
+        _check_vllm_compat_fields(self)
+        self._resolve_compilation_settings()
         self._resolve_attention_config_fields()
         if self.swap_space is not None:
             _check_swap_space(self.swap_space)
@@ -174,6 +285,12 @@ class EngineArgs:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization={self.gpu_memory_utilization} is out of range; allowed: (0, 1]"
+            )
+        if self.max_model_len == AUTO:
+            raise ValueError(
+                "max_model_len=-1 (auto: the longest context that fits in memory) is not available in "
+                "kvllm; leave max_model_len unset for the model's own context length, or give a number "
+                "(--max-model-len 32k)"
             )
         for name in ("max_model_len", "block_size", "kv_cache_memory_bytes", "max_num_batched_tokens"):
             value = getattr(self, name)
@@ -198,6 +315,63 @@ class EngineArgs:
                     "non-empty list of positive integers, e.g. [1, 2, 4, 8]"
                 )
             set_("cudagraph_capture_sizes", sorted(set(sizes)))
+
+    def _resolve_compilation_settings(self) -> None:
+        """Map vLLM's -O level and --compilation-config onto enforce_eager and the CUDA-graph sizes
+        (kvllm compiles nothing; graphs are all those settings change here), then clear them, so a
+        later `with_changes` cannot meet a stale copy."""
+        level = self.optimization_level
+        if level is not None:
+            if isinstance(level, str) and level.strip().isdigit():
+                level = int(level)
+            if level not in OPTIMIZATION_LEVELS or isinstance(level, bool):
+                raise ValueError(
+                    f"optimization_level={self.optimization_level!r} (-O) is not valid; allowed: 0, 1, 2, 3"
+                )
+            if level == 0:
+                object.__setattr__(self, "enforce_eager", True)
+            _log_once(
+                f"-O{level}: kvllm compiles nothing; "
+                + ("no CUDA graphs (--enforce-eager)" if level == 0 else "decode steps run in CUDA graphs")
+            )
+            object.__setattr__(self, "optimization_level", None)
+        config = self.compilation_config
+        if config is None:
+            return
+        if isinstance(config, str):
+            config = _parse_json("compilation_config", config)
+        if not isinstance(config, dict):
+            raise ValueError(
+                f"compilation_config={config!r} is not valid; allowed: a JSON object such as "
+                '\'{"cudagraph_mode": "NONE"}\''
+            )
+        unknown = sorted(set(config) - set(COMPILATION_CONFIG_KEYS))
+        if unknown:
+            raise ValueError(
+                f"compilation_config keys {', '.join(unknown)}: kvllm compiles nothing (no torch.compile, "
+                f"no Inductor passes), so only {', '.join(COMPILATION_CONFIG_KEYS)} apply; remove the others"
+            )
+        mode = config.get("cudagraph_mode")
+        if mode is not None:
+            if str(mode).upper() not in CUDAGRAPH_MODES:
+                raise ValueError(
+                    f"compilation_config.cudagraph_mode={mode!r}: kvllm captures whole decode steps only; "
+                    f"allowed: {', '.join(CUDAGRAPH_MODES)} (NONE = --enforce-eager)"
+                )
+            if str(mode).upper() == "NONE":
+                object.__setattr__(self, "enforce_eager", True)
+        for name in ("cudagraph_capture_sizes", "max_cudagraph_capture_size"):
+            if name not in config:
+                continue
+            current = getattr(self, name)
+            if current is not None and current != config[name]:
+                raise ValueError(
+                    f"compilation_config.{name}={config[name]!r} conflicts with {name}={current!r}: they are "
+                    "the same setting; give it once"
+                )
+            object.__setattr__(self, name, config[name])
+        _log_once(f"compilation_config {json_text(config)} applied to kvllm's CUDA-graph settings")
+        object.__setattr__(self, "compilation_config", None)
 
     def _resolve_attention_config_fields(self) -> None:
         """Move attention_config's engine settings (block_size, max_seq_len, kv_cache_dtype,
@@ -347,6 +521,57 @@ def _reject_unavailable_features(args: EngineArgs) -> None:
                 f"available in this version of kvllm{alias}. Remove {name}; kvllm decodes one token per "
                 "sequence per step (tune throughput with max_num_seqs and max_num_batched_tokens)."
             )
+
+
+def _check_vllm_compat_fields(args: EngineArgs) -> None:
+    """The fields that vLLM command lines set: parallel sizes, tokenizer mode, JSON overrides."""
+    for name, flag in (
+        ("tensor_parallel_size", "--tensor-parallel-size / -tp"),
+        ("pipeline_parallel_size", "--pipeline-parallel-size / -pp"),
+        ("data_parallel_size", "--data-parallel-size / -dp"),
+    ):
+        value = getattr(args, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} ({flag}) is not valid; allowed: 1")
+        if value > 1:
+            raise ValueError(f"{name}={value} ({flag}): {PARALLEL_NOT_YET}")
+    if args.tokenizer_mode not in TOKENIZER_MODES:
+        raise ValueError(
+            f"tokenizer_mode={args.tokenizer_mode!r} (--tokenizer-mode): kvllm loads the Hugging Face "
+            f"tokenizer of the model only; allowed: {', '.join(TOKENIZER_MODES)} (slow, mistral and custom "
+            "tokenizers are not available)"
+        )
+    for name in ("hf_overrides", "override_generation_config"):
+        value = getattr(args, name)
+        if isinstance(value, str):
+            value = _parse_json(name, value)
+            object.__setattr__(args, name, value)
+        if (
+            value is not None
+            and not isinstance(value, dict)
+            and not (name == "hf_overrides" and callable(value))
+        ):
+            raise ValueError(
+                f"{name}={value!r} is not valid; allowed: a JSON object (a dict)"
+                + (" or a function taking and returning the HF config" if name == "hf_overrides" else "")
+            )
+    unknown = sorted(set(args.override_generation_config or {}) - set(GENERATION_CONFIG_SAMPLING_KEYS))
+    if unknown:
+        raise ValueError(
+            f"override_generation_config keys {', '.join(unknown)} are not sampling defaults kvllm takes "
+            f"from a generation config; allowed: {', '.join(GENERATION_CONFIG_SAMPLING_KEYS)}"
+        )
+    if isinstance(args.max_logprobs, bool) or not isinstance(args.max_logprobs, int) or args.max_logprobs < 0:
+        raise ValueError(
+            f"max_logprobs={args.max_logprobs!r} is not valid; allowed: an integer >= 0 (-1, no limit, is "
+            "not available: logprobs are bounded by max_logprobs)"
+        )
+
+
+def json_text(value: Any) -> str:
+    import json
+
+    return json.dumps(value, sort_keys=True)
 
 
 def _check_swap_space(value: Any) -> None:

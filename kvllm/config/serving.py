@@ -8,6 +8,8 @@ the body size) that names the limit and its flag. No torch is imported here.
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -76,3 +78,64 @@ class ServingLimits:
         """Limits from keyword arguments that may hold other settings too (an argparse namespace's)."""
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in kwargs.items() if k in names})
+
+
+@dataclass(frozen=True)
+class HttpOptions:
+    """How `kvllm serve` listens and answers at the HTTP level: socket, TLS, CORS, proxy path, docs.
+
+    vLLM's frontend flags of the same names. One difference, on purpose: vLLM answers every origin
+    (CORS `*`) unless told otherwise; kvllm sends no CORS headers unless a CORS flag is given, so a
+    web page in the user's browser cannot read a local server's answers. `--allowed-origins '["*"]'`
+    gives vLLM's behaviour.
+    """
+
+    uds: str | None = None
+    root_path: str = ""
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_ca_certs: str | None = None
+    ssl_cert_reqs: int = 0  # ssl.CERT_NONE; 1 = CERT_OPTIONAL, 2 = CERT_REQUIRED
+    ssl_ciphers: str | None = None
+    allowed_origins: tuple[str, ...] | None = None  # None: no CORS middleware
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+    disable_fastapi_docs: bool = False
+    h11_max_incomplete_event_size: int | None = None
+    disable_access_log_for_endpoints: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.ssl_keyfile and not self.ssl_certfile:
+            raise ValueError("--ssl-keyfile needs --ssl-certfile (the certificate that goes with the key)")
+        for name in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):
+            path = getattr(self, name)
+            if path is not None and not os.path.isfile(path):
+                raise ValueError(f"--{name.replace('_', '-')} {path!r}: no such file")
+        if self.ssl_cert_reqs not in (0, 1, 2):
+            raise ValueError(
+                f"--ssl-cert-reqs {self.ssl_cert_reqs} is not valid; allowed: 0 (CERT_NONE), "
+                "1 (CERT_OPTIONAL), 2 (CERT_REQUIRED)"
+            )
+        if self.root_path and not self.root_path.startswith("/"):
+            raise ValueError(f"--root-path {self.root_path!r} must start with '/', e.g. /llm")
+        if self.h11_max_incomplete_event_size is not None and self.h11_max_incomplete_event_size < 1:
+            raise ValueError("--h11-max-incomplete-event-size must be a positive number of bytes")
+
+    @property
+    def cors(self) -> bool:
+        return self.allowed_origins is not None
+
+
+def parse_json_list(flag: str, text: str) -> tuple[str, ...]:
+    """vLLM's list flags take JSON (`'["http://a.example", "http://b.example"]'`); one bare value is a
+    list of one."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = [text]
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"{flag} {text!r} is not valid; allowed: a JSON list of strings, e.g. '[\"*\"]'")
+    return tuple(value)

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvllm.config.choices import MODEL_DTYPES
+from kvllm.config.choices import GENERATION_CONFIG_SAMPLING, MODEL_DTYPES
 from kvllm.logger import init_logger
 from kvllm.models import hf_config as rules
 from kvllm.models.tokenizer import tokenizer_eos_id
@@ -53,16 +53,21 @@ class ModelConfig:
 
         from kvllm.models.registry import resolve_architecture
 
-        model, model_path = _resolve_model(args.model, args.revision)
+        hub = {"download_dir": args.download_dir, "hf_token": args.hf_token}
+        model, model_path = _resolve_model(args.model, args.revision, **hub)
         tokenizer_path = model_path
+        tokenizer_revision = args.tokenizer_revision or args.revision
         if args.tokenizer is not None:
-            _, tokenizer_path = _resolve_model(args.tokenizer, args.revision, what="Tokenizer")
+            _, tokenizer_path = _resolve_model(args.tokenizer, tokenizer_revision, what="Tokenizer", **hub)
+        elif tokenizer_revision != args.revision:
+            _, tokenizer_path = _resolve_model(args.model, tokenizer_revision, what="Tokenizer", **hub)
         try:
             hf_config = AutoConfig.from_pretrained(model_path, trust_remote_code=args.trust_remote_code)
         except (OSError, ValueError) as e:
             raise ValueError(
                 f"cannot read the model config (config.json) of {model!r} in {model_path!r}: {e}"
             ) from e
+        hf_config = apply_hf_overrides(hf_config, args.hf_overrides)
         architecture = resolve_architecture(getattr(hf_config, "architectures", None))
         num_kv_heads = rules.num_kv_heads(hf_config)
         check_num_kv_heads(args.attention_config.num_kv_heads, num_kv_heads, model)
@@ -82,21 +87,43 @@ class ModelConfig:
             vocab_size=hf_config.vocab_size,
             sliding_window=rules.sliding_window(hf_config),
             eos_token_ids=find_eos_token_ids(model_path, tokenizer_path, hf_config),
-            default_sampling=(
-                generation_config_sampling_defaults(model_path) if args.generation_config == "auto" else {}
-            ),
+            default_sampling={
+                **(
+                    generation_config_sampling_defaults(model_path)
+                    if args.generation_config == "auto"
+                    else {}
+                ),
+                **generation_overrides(args.override_generation_config),
+            },
         )
 
 
-# generation_config.json key -> SamplingParams field, for the keys vLLM takes as sampling defaults.
-_GENERATION_CONFIG_SAMPLING = {
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "min_p": "min_p",
-    "repetition_penalty": "repetition_penalty",
-    "max_new_tokens": "max_tokens",
-}
+def apply_hf_overrides(hf_config: PretrainedConfig, overrides: Any) -> PretrainedConfig:
+    """vLLM's --hf-overrides: a function of the config, or values set on it (a nested object updates
+    a nested config, such as text_config; any other value replaces the attribute)."""
+    if overrides is None:
+        return hf_config
+    if callable(overrides):
+        return overrides(hf_config)
+    _update_config(hf_config, overrides, prefix="")
+    return hf_config
+
+
+def _update_config(config: Any, overrides: dict[str, Any], prefix: str) -> None:
+    from transformers import PretrainedConfig
+
+    for key, value in overrides.items():
+        current = getattr(config, key, None)
+        if isinstance(value, dict) and isinstance(current, PretrainedConfig):
+            _update_config(current, value, prefix=f"{prefix}{key}.")
+            continue
+        logger.info("hf_overrides: %s%s = %r (config.json had %r)", prefix, key, value, current)
+        setattr(config, key, value)
+
+
+def generation_overrides(overrides: dict[str, Any] | None) -> dict[str, Any]:
+    """--override-generation-config as SamplingParams defaults (keys checked by EngineArgs)."""
+    return {GENERATION_CONFIG_SAMPLING[key]: value for key, value in (overrides or {}).items()}
 
 
 def generation_config_sampling_defaults(model_path: str) -> dict[str, Any]:
@@ -110,7 +137,7 @@ def generation_config_sampling_defaults(model_path: str) -> dict[str, Any]:
         logger.warning("ignoring unreadable %s", path)
         return {}
     return {
-        name: config[key] for key, name in _GENERATION_CONFIG_SAMPLING.items() if config.get(key) is not None
+        name: config[key] for key, name in GENERATION_CONFIG_SAMPLING.items() if config.get(key) is not None
     }
 
 
@@ -127,7 +154,13 @@ def check_num_kv_heads(expected: int | None, num_kv_heads: int, model: str) -> N
     logger.info("attention_config.num_kv_heads=%d matches the model's KV head count", expected)
 
 
-def _resolve_model(model: str | None, revision: str | None, what: str = "Model") -> tuple[str, str]:
+def _resolve_model(
+    model: str | None,
+    revision: str | None,
+    what: str = "Model",
+    download_dir: str | None = None,
+    hf_token: str | None = None,
+) -> tuple[str, str]:
     """(name to show, local HF folder) for a model argument: None, a folder, a GGUF file or a repo id."""
     from kvllm.models.default_model import DEFAULT_MODEL, default_model_path
     from kvllm.models.loader.gguf import converted_gguf_folder, is_gguf_file
@@ -135,7 +168,7 @@ def _resolve_model(model: str | None, revision: str | None, what: str = "Model")
 
     if model is None or (model == DEFAULT_MODEL and not Path(model).exists()):
         return DEFAULT_MODEL, default_model_path()
-    path = resolve_model_path(model, revision, what=what)
+    path = resolve_model_path(model, revision, what=what, cache_dir=download_dir, token=hf_token)
     if Path(path).is_file():
         if not is_gguf_file(path):
             raise ValueError(

@@ -7,7 +7,11 @@ arguments and the docs cannot drift. Every flag accepts `-` and `_` spellings; b
 Attention settings, two mutually exclusive ways (EngineArgs checks the exclusion):
 `--attention-backend X`, or `--attention-config JSON` / `-ac JSON` / `--attention-config.KEY VALUE` /
 `-ac.KEY VALUE` / `-ac.KEY=VALUE`. Dotted forms are rewritten into JSON by `preprocess_argv`
-before argparse sees them; all attention-config items merge in order (later keys win).
+before argparse sees them, for every JSON flag as vLLM does (`-cc.cudagraph_mode NONE`,
+`--hf-overrides.rope_theta 1e6`); all items of one flag merge in order (later keys win).
+
+vLLM's other flags are in kvllm.entrypoints.cli.vllm_flags: the ones kvllm cannot honour get
+hidden entries that fail with the reason. Sizes take vLLM's human-readable forms (`32k`, `1G`).
 """
 
 from __future__ import annotations
@@ -24,33 +28,66 @@ from typing import Any
 from kvllm.config.attention import AttentionConfig
 from kvllm.config.backend_names import BackendName
 from kvllm.config.engine import MODEL_PROPERTY_ARGS, EngineArgs, model_property_error
+from kvllm.config.sizes import parse_human_int, parse_human_int_or_auto
+from kvllm.entrypoints.cli.vllm_flags import (
+    ALIASES,
+    ENGINE_FLAGS,
+    FRONTEND_FLAGS,
+    Unsupported,
+    add_unsupported_flags,
+    check_unsupported_flags,
+)
 
-_AC_PREFIXES = ("--attention-config.", "--attention_config.", "-ac.")
+# Flags whose value is a JSON object, so `--FLAG.KEY VALUE` means `--FLAG '{"KEY": VALUE}'`.
+_JSON_FLAGS = {"--attention-config", "--compilation-config", "--hf-overrides", "--override-generation-config"}
+_JSON_FLAGS |= {flag for flag in {**ENGINE_FLAGS, **FRONTEND_FLAGS} if flag.endswith("-config")}
+_JSON_FLAGS -= {"--config", "--generation-config"}  # a file path and a word, not JSON
+
+
+def _json_flag(name: str) -> str | None:
+    """The long JSON flag that `name` (`-ac`, `--hf_overrides`, `--attention-config`) spells, if any;
+    vLLM's unsupported flags that take a value count too, so `--limit-mm-per-prompt.image 2` gets
+    their reason."""
+    if not name.startswith("--"):
+        name = ALIASES.get(name, "")
+    name = "--" + name[2:].replace("_", "-")
+    rule = ENGINE_FLAGS.get(name) or FRONTEND_FLAGS.get(name)
+    unsupported = isinstance(rule, Unsupported) and not rule.boolean and not rule.engine_field
+    return name if name in _JSON_FLAGS or unsupported else None
 
 
 def preprocess_argv(argv: list[str]) -> list[str]:
-    """Rewrite dotted attention-config flags (`-ac.KEY VALUE`, `-ac.KEY=VALUE`) into `-ac JSON`."""
+    """vLLM's rewrites before argparse: dotted JSON keys (`-ac.KEY VALUE`, `-cc.KEY=VALUE`,
+    `--hf-overrides.a.b VALUE`) into `--FLAG JSON`, and `-O3` / `-O=3` into `-O 3`."""
     out: list[str] = []
     i = 0
     while i < len(argv):
         token = argv[i]
-        prefix = next((p for p in _AC_PREFIXES if token.startswith(p)), None)
-        if prefix is None or token == "--":
-            out.append(token)
-            if token == "--":
-                out.extend(argv[i + 1 :])
-                break
+        if token == "--":
+            out.extend(argv[i:])
+            break
+        if token.startswith("-O") and len(token) > 2 and not token.startswith("--"):
+            out += ["-O", token[3:] if token[2] == "=" else token[2:]]
             i += 1
             continue
-        key, eq, value = token[len(prefix) :].partition("=")
+        name, dot, rest = token.partition(".")
+        flag = _json_flag(name) if dot and token.startswith("-") else None
+        if flag is None:
+            out.append(token)
+            i += 1
+            continue
+        keys, eq, value = rest.partition("=")
         if not eq:
             if i + 1 >= len(argv):
                 raise ValueError(f"{token} needs a value, e.g. {token} VALUE or {token}=VALUE")
             value = argv[i + 1]
             i += 1
-        if not key:
-            raise ValueError(f"{token!r} names no attention_config field; use e.g. -ac.backend FLASH_ATTN")
-        out += ["--attention-config", json.dumps({key: _json_or_text(value)})]
+        if not keys or "" in keys.split("."):
+            raise ValueError(f"{token!r} names no key of {flag}; use e.g. {name}.KEY VALUE")
+        nested: Any = _json_or_text(value)
+        for key in reversed(keys.split(".")):
+            nested = {key: nested}
+        out += [flag, json.dumps(nested)]
         i += 1
     return out
 
@@ -60,6 +97,9 @@ def _json_or_text(value: str) -> Any:
         return json.loads(value)
     except json.JSONDecodeError:
         return value
+
+
+_SIZE_PARSERS = {"size": parse_human_int, "size_or_auto": parse_human_int_or_auto}
 
 
 def _unwrap_optional(hint: Any) -> Any:
@@ -90,8 +130,10 @@ def add_engine_args(
         flags = [f"--{f.name.replace('_', '-')}"]
         if "_" in f.name:
             flags.append(f"--{f.name}")
+        flags += list(f.metadata.get("aliases", ()))
         common: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": _help_with_default(f)}
         hint = _unwrap_optional(hints[f.name])
+        parse = f.metadata.get("parse")
         if f.name == "model" and positional_model:
             group.add_argument(
                 "model_tag",
@@ -126,6 +168,11 @@ def add_engine_args(
             )
         elif hint == BackendName:
             group.add_argument(*flags, metavar="NAME", **common)
+        elif parse in ("size", "size_or_auto"):
+            # Converted in engine_kwargs_from_cli, so a bad size is a one-line error, not a usage dump.
+            group.add_argument(*flags, metavar="N", **common)
+        elif parse == "json":
+            group.add_argument(*flags, action="append", metavar="JSON", **common)
         elif hint in (int, float, str):
             group.add_argument(*flags, type=hint, **common)
         elif hint == list[int]:
@@ -144,6 +191,7 @@ def add_engine_args(
             default=argparse.SUPPRESS,
             help=argparse.SUPPRESS,
         )
+    add_unsupported_flags(group, ENGINE_FLAGS)
     return parser
 
 
@@ -166,10 +214,17 @@ def engine_kwargs_from_cli(args: argparse.Namespace) -> dict[str, Any]:
     Raises ValueError with the user-facing message for invalid values, including
     `attention_backend and attention_config.backend are mutually exclusive`.
     """
+    check_unsupported_flags(args)
     kwargs: dict[str, Any] = {}
+    parse = {f.name: f.metadata.get("parse") for f in fields(EngineArgs)}
     for name in EngineArgs.field_names():
         if hasattr(args, name):
-            kwargs[name] = getattr(args, name)
+            kwargs[name] = value = getattr(args, name)
+            flag = f"--{name.replace('_', '-')}"
+            if parse[name] == "json":
+                kwargs[name] = merge_json_objects(flag, value)
+            elif parse[name] in _SIZE_PARSERS and isinstance(value, str):
+                kwargs[name] = _SIZE_PARSERS[parse[name]](value, flag)
     positional = getattr(args, "model_tag", None)
     if positional is not None:
         if kwargs.get("model") not in (None, positional):
@@ -186,6 +241,28 @@ def engine_kwargs_from_cli(args: argparse.Namespace) -> dict[str, Any]:
 def engine_args_from_cli(args: argparse.Namespace) -> EngineArgs:
     """EngineArgs from a namespace parsed with the engine arguments (serve and bench reuse this)."""
     return EngineArgs(**engine_kwargs_from_cli(args))
+
+
+def merge_json_objects(flag: str, items: list[str]) -> dict[str, Any]:
+    """Merge the JSON objects given to one flag, in order; nested objects merge key by key."""
+    merged: dict[str, Any] = {}
+    for item in items:
+        try:
+            data = json.loads(item)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{flag} {item!r} is not valid JSON ({exc.msg}); write a JSON object") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"{flag} {item!r} must be a JSON object such as '{{\"key\": 1}}'")
+        _deep_update(merged, data)
+    return merged
+
+
+def _deep_update(target: dict[str, Any], update: dict[str, Any]) -> None:
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(target.get(key), dict):
+            _deep_update(target[key], value)
+        else:
+            target[key] = value
 
 
 def merge_attention_config(items: list[str]) -> AttentionConfig:

@@ -15,7 +15,9 @@ import os
 import sys
 from collections.abc import Sequence
 
+from kvllm.entrypoints.cli.config_file import expand_config_file
 from kvllm.entrypoints.cli.engine_args import preprocess_argv
+from kvllm.entrypoints.cli.vllm_flags import check_unsupported_flags
 
 SUBCOMMAND_MODULES: list[str] = [
     "kvllm.entrypoints.cli.serve",
@@ -49,7 +51,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     try:
-        args = parser.parse_args(preprocess_argv(argv))
+        args = parser.parse_args(preprocess_argv(expand_config_file(argv, _option_strings(parser, argv))))
+        check_unsupported_flags(args)
         if getattr(args, "dispatch", None) is None:
             parser.print_help()
             return 2
@@ -60,6 +63,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"kvllm: error: {exc}", file=sys.stderr)
         return 2
+
+
+def _option_strings(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
+    """The option strings of the subcommand `argv` starts with (for --config's false values)."""
+    sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+    if sub is None or not argv or argv[0] not in sub.choices:
+        return set()
+    return set(sub.choices[argv[0]]._option_string_actions)
 
 
 if __name__ == "__main__":

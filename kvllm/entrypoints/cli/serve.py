@@ -8,8 +8,9 @@ from collections.abc import Mapping
 from dataclasses import fields
 from typing import Any
 
-from kvllm.config.serving import ServingLimits
+from kvllm.config.serving import HttpOptions, ServingLimits, parse_json_list
 from kvllm.entrypoints.cli.engine_args import engine_arg_parser, engine_args_from_cli
+from kvllm.entrypoints.cli.vllm_flags import FRONTEND_FLAGS, add_unsupported_flags
 from kvllm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -87,8 +88,105 @@ def register(subparsers: Any) -> None:
         help="After the engine fails, keep answering 503 instead of exiting with code 1 (default: off, "
         "or the VLLM_KEEP_ALIVE_ON_ENGINE_DEATH environment variable, as in vLLM).",
     )
+    server.add_argument(
+        "--config",
+        metavar="YAML",
+        help="Read flags from a YAML file, as vLLM does: keys are flag names (tensor-parallel-size: 1), "
+        "flags on the command line win.",
+    )
+    _add_http_flags(parser)
     _add_limit_flags(parser)
+    add_unsupported_flags(server, FRONTEND_FLAGS)
     parser.set_defaults(dispatch=run)
+
+
+def _flag(group: Any, name: str, **kwargs: Any) -> None:
+    names = dict.fromkeys([f"--{name}", f"--{name.replace('-', '_')}"])
+    group.add_argument(*names, dest=name.replace("-", "_"), **kwargs)
+
+
+def _add_http_flags(parser: argparse.ArgumentParser) -> None:
+    """vLLM's HTTP-level flags (see HttpOptions)."""
+    group = parser.add_argument_group("http", "Socket, TLS, CORS and proxy settings (vLLM's flags).")
+    _flag(group, "uds", metavar="PATH", help="Listen on this unix socket instead of --host/--port.")
+    _flag(group, "root-path", default="", help="The path prefix a proxy serves the API under (e.g. /llm).")
+    _flag(group, "ssl-keyfile", metavar="FILE", help="TLS private key file (with --ssl-certfile).")
+    _flag(group, "ssl-certfile", metavar="FILE", help="TLS certificate file: serve HTTPS.")
+    _flag(group, "ssl-ca-certs", metavar="FILE", help="CA certificates for client certificates.")
+    _flag(
+        group,
+        "ssl-cert-reqs",
+        type=int,
+        default=0,
+        help="Client certificates: 0 not asked (default), 1 optional, 2 required (Python's ssl module).",
+    )
+    _flag(group, "ssl-ciphers", help="TLS 1.2 cipher suites, e.g. ECDHE-RSA-AES256-GCM-SHA384.")
+    _flag(
+        group,
+        "allowed-origins",
+        metavar="JSON",
+        help="CORS: origins that may call the API from a browser, as a JSON list ('[\"*\"]' for all). "
+        "Default: no CORS headers (vLLM's default is all origins; kvllm keeps browsers' same-origin rule "
+        "unless told otherwise).",
+    )
+    _flag(
+        group, "allowed-methods", metavar="JSON", help='CORS: allowed methods, a JSON list (default ["*"]).'
+    )
+    _flag(
+        group, "allowed-headers", metavar="JSON", help='CORS: allowed headers, a JSON list (default ["*"]).'
+    )
+    _flag(group, "allow-credentials", action="store_true", help="CORS: allow credentials (cookies, auth).")
+    _flag(
+        group,
+        "disable-fastapi-docs",
+        action="store_true",
+        help="Do not serve /docs, /redoc and /openapi.json.",
+    )
+    _flag(
+        group,
+        "h11-max-incomplete-event-size",
+        type=int,
+        metavar="BYTES",
+        help="Largest incomplete HTTP event (headers) the h11 parser buffers (default: uvicorn's).",
+    )
+    _flag(
+        group,
+        "disable-access-log-for-endpoints",
+        metavar="PATHS",
+        help="Comma-separated paths left out of the access log, e.g. /health,/metrics.",
+    )
+
+
+def http_options_from_cli(args: argparse.Namespace) -> HttpOptions:
+    """HttpOptions from the parsed `kvllm serve` flags."""
+    cors_given = (
+        any(v is not None for v in (args.allowed_origins, args.allowed_methods, args.allowed_headers))
+        or args.allow_credentials
+    )
+    lists = {
+        name: parse_json_list(f"--{name.replace('_', '-')}", getattr(args, name))
+        for name in ("allowed_origins", "allowed_methods", "allowed_headers")
+        if getattr(args, name) is not None
+    }
+    if cors_given:
+        lists.setdefault("allowed_origins", ("*",))
+    endpoints = tuple(
+        p.strip() for p in (args.disable_access_log_for_endpoints or "").split(",") if p.strip()
+    )
+    return HttpOptions(
+        uds=args.uds,
+        root_path=args.root_path,
+        ssl_keyfile=args.ssl_keyfile,
+        ssl_certfile=args.ssl_certfile,
+        ssl_ca_certs=args.ssl_ca_certs,
+        ssl_cert_reqs=args.ssl_cert_reqs,
+        ssl_ciphers=args.ssl_ciphers,
+        allow_credentials=args.allow_credentials,
+        disable_fastapi_docs=args.disable_fastapi_docs,
+        h11_max_incomplete_event_size=args.h11_max_incomplete_event_size,
+        disable_access_log_for_endpoints=endpoints,
+        **lists,
+    )
 
 
 def _add_limit_flags(parser: argparse.ArgumentParser) -> None:
@@ -142,6 +240,8 @@ def run(args: argparse.Namespace) -> int:
             f"--log-stats-interval {args.log_stats_interval} is not valid; allowed: >= 0 (0 = off)"
         )
     limits = ServingLimits.from_kwargs(vars(args))
+    http = http_options_from_cli(args)
+    log_stats_interval = 0.0 if engine_args.disable_log_stats else args.log_stats_interval
     from kvllm.entrypoints.openai.server import run_server
 
     return run_server(
@@ -151,9 +251,10 @@ def run(args: argparse.Namespace) -> int:
         api_key=resolve_api_key(args.api_key, os.environ),
         served_model_name=args.served_model_name,
         shutdown_timeout=args.shutdown_timeout,
-        log_stats_interval=args.log_stats_interval,
+        log_stats_interval=log_stats_interval,
         uvicorn_log_level=args.uvicorn_log_level,
         access_log=not args.disable_uvicorn_access_log,
         limits=limits,
         keep_alive_on_engine_death=args.keep_alive_on_engine_death,
+        http=http,
     )

@@ -25,10 +25,11 @@ from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from kvllm.config.engine import EngineArgs
-from kvllm.config.serving import ServingLimits
+from kvllm.config.serving import HttpOptions, ServingLimits
 from kvllm.engine.async_llm import AsyncLLM
 from kvllm.engine.llm_engine import LLMEngine
 from kvllm.entrypoints.chat_utils import ChatTemplateRenderer
+from kvllm.entrypoints.openai import http_options
 from kvllm.entrypoints.openai.errors import (
     OpenAIError,
     error_response,
@@ -322,6 +323,7 @@ def run_server(
     access_log: bool = True,
     limits: ServingLimits | None = None,
     keep_alive_on_engine_death: bool = False,
+    http: HttpOptions | None = None,
 ) -> int:
     """Serve until SIGINT/SIGTERM or engine death; returns the exit code (1 after engine death).
 
@@ -335,8 +337,11 @@ def run_server(
         limits=limits,
     )
     llm: AsyncLLM = app.state.llm
-    config = uvicorn.Config(
+    http = http or HttpOptions()
+    http_options.apply_to_app(app, http)
+    config = http_options.uvicorn_config(
         app,
+        http,
         host=host,
         port=port,
         log_level=uvicorn_log_level,
@@ -354,10 +359,11 @@ def run_server(
         engine.attention_backend_name,
     )
     logger.info("Available routes: %s", ", ".join(sorted({getattr(r, "path", "") for r in app.routes})))
+    scheme = "https" if http.ssl_certfile else "http"
     logger.info(
-        "Starting kvllm API server on http://%s:%d%s",
-        display_host,
-        port,
+        "Starting kvllm API server on %s%s%s",
+        f"{scheme}://{display_host}:{port}" if not http.uds else f"unix socket {http.uds} ({scheme})",
+        http.root_path,
         " (API key required for /v1/*)" if api_key else "",
     )
     server = _GracefulServer(config, llm, app.state.in_flight, shutdown_timeout, keep_alive_on_engine_death)

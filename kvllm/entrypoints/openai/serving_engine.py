@@ -31,8 +31,6 @@ from kvllm.sampling_params import SamplingParams
 logger = init_logger(__name__)
 T = TypeVar("T")
 
-# Most top logprobs a request may ask for (vLLM's default max_logprobs).
-MAX_LOGPROBS = 20
 # Template variables the server sets itself; chat_template_kwargs may not replace them.
 _RESERVED_TEMPLATE_VARIABLES = ("messages", "add_generation_prompt", "tools", "documents")
 
@@ -180,8 +178,11 @@ class OpenAIServing:
             raise OpenAIError.bad_request(exc) from None
 
     def check_logprobs(self, value: int | None, name: str) -> None:
-        if value is not None and not 0 <= value <= MAX_LOGPROBS:
-            raise OpenAIError(f"{name}={value} is not valid; allowed: 0 to {MAX_LOGPROBS}", param=name)
+        most = self.llm.engine.args.max_logprobs  # --max-logprobs
+        if value is not None and not 0 <= value <= most:
+            raise OpenAIError(
+                f"{name}={value} is not valid; allowed: 0 to {most} (--max-logprobs)", param=name
+            )
 
     def check_prompt_ids(self, token_ids: list[int], param: str) -> None:
         if not token_ids:

@@ -24,8 +24,15 @@ def _hub_offline() -> bool:
     )
 
 
-def resolve_model_path(model: str, revision: str | None = None, what: str = "Model") -> str:
-    """A local folder or file for `model`: an existing path as is, a repo id downloaded from the hub."""
+def resolve_model_path(
+    model: str,
+    revision: str | None = None,
+    what: str = "Model",
+    cache_dir: str | None = None,
+    token: str | None = None,
+) -> str:
+    """A local folder or file for `model`: an existing path as is, a repo id downloaded from the hub
+    (into `cache_dir`, vLLM's --download-dir, when given; with `token`, vLLM's --hf-token)."""
     path = Path(model).expanduser()
     if path.exists():
         return str(path.resolve())
@@ -34,10 +41,16 @@ def resolve_model_path(model: str, revision: str | None = None, what: str = "Mod
             f"{what} path {model!r} does not exist and is not a hub repo id (owner/name); "
             "pass an existing model folder, a GGUF file or a repo id"
         )
-    return download_repo(model, revision, what)
+    return download_repo(model, revision, what, cache_dir=cache_dir, token=token)
 
 
-def download_repo(repo_id: str, revision: str | None, what: str = "Model") -> str:
+def download_repo(
+    repo_id: str,
+    revision: str | None,
+    what: str = "Model",
+    cache_dir: str | None = None,
+    token: str | None = None,
+) -> str:
     """snapshot_download of the files an engine needs; a clear ValueError when no hub is reachable."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError, RepositoryNotFoundError, RevisionNotFoundError
@@ -51,6 +64,8 @@ def download_repo(repo_id: str, revision: str | None, what: str = "Model") -> st
             allow_patterns=_ALLOW_PATTERNS,
             local_files_only=offline,
             etag_timeout=_HUB_TIMEOUT_S,
+            cache_dir=cache_dir,
+            token=token,
         )
     except HFValidationError as e:
         raise ValueError(f"{what} {repo_id!r} is not a valid hub repo id: {e}") from e
