@@ -1,7 +1,7 @@
 """AsyncLLM: the synchronous LLMEngine driven by one background thread, with per-request asyncio streams.
 
 Threading model: the engine is touched by exactly one thread, the engine thread. Callers on the event
-loop send commands (add, abort, stop) through a thread-safe queue; the engine thread applies them
+loop send commands (add, abort, call, stop) through a thread-safe queue; the engine thread applies them
 between steps, so a step never races an add or an abort. Outputs go back to the event loop with
 `loop.call_soon_threadsafe`, one call per step, and land in each request's asyncio.Queue.
 
@@ -20,7 +20,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from kvllm.config.engine import EngineArgs
 from kvllm.engine.llm_engine import EngineStats, LLMEngine, PromptType
@@ -29,6 +29,7 @@ from kvllm.outputs import CompletionOutput, RequestOutput
 from kvllm.sampling_params import SamplingParams
 
 logger = init_logger(__name__)
+T = TypeVar("T")
 
 
 class EngineDeadError(RuntimeError):
@@ -73,11 +74,19 @@ class _Abort:
     request_ids: list[str]
 
 
+@dataclasses.dataclass
+class _Call:
+    """Run `fn(engine)` on the engine thread between steps; its result or error goes to `done`."""
+
+    fn: Callable[[LLMEngine], Any]
+    done: concurrent.futures.Future[Any]
+
+
 class _Stop:
     pass
 
 
-_Command = _Add | _Abort | _Stop
+_Command = _Add | _Abort | _Call | _Stop
 
 
 class AsyncLLM:
@@ -242,6 +251,25 @@ class AsyncLLM:
         if ids:
             self._commands.put(_Abort(ids))
 
+    async def call_engine(self, fn: Callable[[LLMEngine], T]) -> T:
+        """`fn(engine)` run on the engine thread between two steps (the engine's one thread), awaited.
+
+        Raises EngineDeadError after a crash, EngineNotAcceptingError once stopped, and what `fn` raises.
+        """
+        if self.errored:
+            raise EngineDeadError(f"The engine has stopped after an error: {self.dead_error!r}")
+        thread = self._thread
+        if thread is None or not thread.is_alive():
+            raise EngineNotAcceptingError("The engine is not running")
+        done: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._commands.put(_Call(fn, done))
+        return await asyncio.wrap_future(done)
+
+    async def reset_prefix_cache(self) -> bool:
+        """Forget the cached prefixes (LLMEngine.reset_prefix_cache on the engine thread); False while
+        requests hold KV blocks."""
+        return await self.call_engine(lambda engine: engine.reset_prefix_cache())
+
     def _close_request(self, request_id: str, state: _RequestState) -> None:
         if not state.finished and not self.errored:
             # The consumer left early: record the request as aborted now, since its stream is gone.
@@ -285,6 +313,8 @@ class AsyncLLM:
                 return False
             if isinstance(command, _Add):
                 self._add(command)
+            elif isinstance(command, _Call):
+                self._call(command)
             else:
                 self.engine.abort_request(command.request_ids)
                 aborted.extend(command.request_ids)
@@ -308,6 +338,16 @@ class AsyncLLM:
         else:
             command.done.set_result(None)
 
+    def _call(self, command: _Call) -> None:
+        if not command.done.set_running_or_notify_cancel():
+            return
+        try:
+            result = command.fn(self.engine)
+        except Exception as exc:
+            command.done.set_exception(exc)
+        else:
+            command.done.set_result(result)
+
     def _fail_pending_commands(self, exc: BaseException) -> None:
         """Fail queued adds (safe from either thread once the engine thread has stopped)."""
         error = exc
@@ -318,7 +358,7 @@ class AsyncLLM:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(command, _Add) and command.done.set_running_or_notify_cancel():
+            if isinstance(command, _Add | _Call) and command.done.set_running_or_notify_cancel():
                 command.done.set_exception(error)
 
     def _post(self, callback: Callable[..., None], *args: Any) -> None:
