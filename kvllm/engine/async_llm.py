@@ -26,7 +26,7 @@ from kvllm.config.engine import EngineArgs
 from kvllm.engine.llm_engine import EngineStats, LLMEngine, PromptType
 from kvllm.logger import init_logger
 from kvllm.outputs import CompletionOutput, RequestOutput
-from kvllm.sampling_params import SamplingParams
+from kvllm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = init_logger(__name__)
 T = TypeVar("T")
@@ -56,8 +56,11 @@ class _RequestState:
     prompt: str | None
     prompt_token_ids: list[int] | None
     n: int
+    # DELTA outputs carry only what is new, so a consumer that fell behind must see each of them.
+    is_delta: bool = False
     last_output: RequestOutput | None = None
     finished: bool = False
+    finished_indexes: set[int] = dataclasses.field(default_factory=set)  # kept for DELTA only
 
 
 @dataclasses.dataclass
@@ -193,6 +196,27 @@ class AsyncLLM:
                 self._fail_pending_commands(EngineNotAcceptingError("The server is shutting down"))
         self._fail_all(EngineNotAcceptingError("The server is shutting down"))
 
+    def stop(self, timeout: float = 5.0) -> None:
+        """`shutdown()` for callers that cannot await it (any thread): blocks until the engine thread
+        has stopped (at most `timeout` s); requests left end with EngineNotAcceptingError."""
+        self._accepting = False
+        thread = self._thread
+        if thread is not None and thread.is_alive():
+            self._commands.put(_Stop())
+            thread.join(timeout)
+            if thread.is_alive():
+                logger.warning("The engine thread did not stop within %.1f s; leaving it (daemon)", timeout)
+                return
+        error = EngineNotAcceptingError("The engine is shut down")
+        self._fail_pending_commands(error)
+        if self._loop is not None and not self._loop.is_closed():
+            self._post(self._fail_all, error)
+
+    @property
+    def event_loop(self) -> asyncio.AbstractEventLoop | None:
+        """The loop outputs are delivered to (the one `start()` ran on), or None before `start()`."""
+        return self._loop
+
     # ---- requests -----------------------------------------------------------------------------
 
     async def add_request(
@@ -210,7 +234,8 @@ class AsyncLLM:
         if request_id in self._states:
             raise ValueError(f"Request id {request_id!r} is already in use")
         prompt_text, prompt_ids = _prompt_parts(prompt)
-        state = _RequestState(asyncio.Queue(), prompt_text, prompt_ids, params.n)
+        is_delta = params.output_kind is RequestOutputKind.DELTA
+        state = _RequestState(asyncio.Queue(), prompt_text, prompt_ids, params.n, is_delta)
         self._states[request_id] = state
         self._idle.clear()
         stream = RequestStream(self, request_id, state)
@@ -378,6 +403,8 @@ class AsyncLLM:
                 continue  # closed by its consumer; already recorded as aborted
             state.last_output = output
             state.finished = output.finished
+            if state.is_delta:
+                state.finished_indexes.update(c.index for c in output.outputs if c.finish_reason is not None)
             state.queue.put_nowait(output)
             delivered.append(output)
         self._record(delivered, stats)
@@ -438,8 +465,8 @@ class RequestStream:
             raise StopAsyncIteration
         q = self._state.queue
         item = await q.get()
-        # Outputs are cumulative, so a consumer that fell behind only needs the newest one.
-        while not q.empty() and not isinstance(item, BaseException):
+        # Cumulative outputs: a consumer that fell behind only needs the newest one.
+        while not self._state.is_delta and not q.empty() and not isinstance(item, BaseException):
             item = q.get_nowait()
         if isinstance(item, BaseException):
             self.close()
@@ -467,9 +494,16 @@ def _prompt_parts(prompt: PromptType) -> tuple[str | None, list[int] | None]:
 def _aborted_output(request_id: str, state: _RequestState) -> RequestOutput:
     """The final output of an aborted request: what it had generated, unfinished sequences marked "abort"."""
     last = state.last_output
-    if last is None:
-        completions = [CompletionOutput(i, "", [], None, None, "abort") for i in range(state.n)]
-        return RequestOutput(request_id, state.prompt, state.prompt_token_ids or [], completions, True, {})
+    if last is None or state.is_delta:
+        # Nothing new since the last delta: the sequences that had not finished end with "abort".
+        completions = [
+            CompletionOutput(i, "", [], None, None, "abort")
+            for i in range(state.n)
+            if i not in state.finished_indexes
+        ]
+        prompt_ids = state.prompt_token_ids or ([] if last is None else last.prompt_token_ids)
+        metrics = {} if last is None else dict(last.metrics)
+        return RequestOutput(request_id, state.prompt, prompt_ids, completions, True, metrics)
     completions = [
         c if c.finish_reason is not None else dataclasses.replace(c, finish_reason="abort")
         for c in last.outputs

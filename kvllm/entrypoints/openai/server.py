@@ -19,6 +19,7 @@ keeps it up answering 503, as vLLM's VLLM_KEEP_ALIVE_ON_ENGINE_DEATH does).
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import signal
 from collections.abc import AsyncIterator, Awaitable, Sequence
@@ -397,10 +398,31 @@ _FLUSH_TIMEOUT = 2.0  # s for aborted requests to deliver their final response a
 _UVICORN_GRACEFUL_TIMEOUT = 3  # s uvicorn waits for connections after the drain before cancelling them
 
 
+ALL_INTERFACES = "0.0.0.0"
+
+
+def bind_warning(host: str | None, api_key: str | None) -> str | None:
+    """The start-up warning for a server others can reach with no API key, or None."""
+    if api_key:
+        return None
+    try:
+        if host is not None and ipaddress.ip_address(host).is_loopback:
+            return None
+    except ValueError:
+        if host == "localhost":
+            return None
+    where = "all interfaces" if host in (None, "", ALL_INTERFACES, "::") else host
+    return (
+        f"Listening on {where} with no API key: anyone who can reach this port can generate text and reset "
+        "the prefix cache. Set --api-key (or VLLM_API_KEY / KVLLM_API_KEY), or --host 127.0.0.1 to serve "
+        "this machine only"
+    )
+
+
 def run_server(
     engine_args: EngineArgs,
     *,
-    host: str = "127.0.0.1",
+    host: str | None = None,
     port: int = 8000,
     api_key: str | None = None,
     served_model_name: Sequence[str] | None = None,
@@ -413,6 +435,8 @@ def run_server(
 ) -> int:
     """Serve until SIGINT/SIGTERM or engine death; returns the exit code (1 after engine death).
 
+    `host` None listens on all IPv4 interfaces, as vLLM does (its reason: a server in a container or
+    behind SageMaker must be reachable from outside); a warning is logged when no API key is set.
     Exits within shutdown_timeout + ~6 s of the signal, or of the engine's death.
     """
     app = build_app(
@@ -423,6 +447,7 @@ def run_server(
         limits=limits,
     )
     llm: AsyncLLM = app.state.llm
+    host = ALL_INTERFACES if host is None else host
     config = uvicorn.Config(
         app,
         host=host,
@@ -448,6 +473,9 @@ def run_server(
         port,
         " (API key required for /v1/*)" if api_key else "",
     )
+    warning = bind_warning(host, api_key)
+    if warning is not None:
+        logger.warning(warning)
     server = _GracefulServer(config, llm, app.state.in_flight, shutdown_timeout, keep_alive_on_engine_death)
     server.run()
     if llm.errored:
