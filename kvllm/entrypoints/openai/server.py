@@ -239,9 +239,18 @@ def _add_routes(
             return error_response("The server is shutting down", 503)
         return Response(status_code=200)
 
-    @app.api_route("/ping", methods=["GET", "POST"], responses=error_responses(503))
     async def ping() -> Response:
+        """SageMaker's health check (GET or POST): the answer of /health."""
         return await health()
+
+    for method in ("GET", "POST"):
+        app.add_api_route(
+            "/ping",
+            ping,
+            methods=[method],
+            operation_id=f"ping_{method.lower()}",
+            responses=error_responses(503),
+        )
 
     @app.get("/version")
     async def version() -> dict[str, str]:
