@@ -16,10 +16,14 @@ _LAZY = {
     "AttentionBackendEnum": "kvllm.config.backend_names",
     "EngineArgs": "kvllm.config.engine",
     "LLMEngine": "kvllm.engine.llm_engine",
+    "AsyncLLMEngine": "kvllm.engine.async_llm_engine",
+    "AsyncEngineArgs": "kvllm.engine.arg_utils",
 }
 
 __all__ = [
     "LLM",
+    "AsyncEngineArgs",
+    "AsyncLLMEngine",
     "AttentionBackendEnum",
     "AttentionConfig",
     "CompletionOutput",
@@ -33,6 +37,8 @@ if TYPE_CHECKING:
     from kvllm.config.attention import AttentionConfig
     from kvllm.config.backend_names import AttentionBackendEnum
     from kvllm.config.engine import EngineArgs
+    from kvllm.engine.arg_utils import AsyncEngineArgs
+    from kvllm.engine.async_llm_engine import AsyncLLMEngine
     from kvllm.engine.llm_engine import LLMEngine
     from kvllm.llm import LLM
     from kvllm.outputs import CompletionOutput, RequestOutput

@@ -9,6 +9,7 @@ from typing import Any
 from kvllm.config.engine import EngineArgs, unknown_engine_argument_error
 from kvllm.engine.input_processor import ChatMessage, PromptType
 from kvllm.engine.llm_engine import LLMEngine
+from kvllm.engine.metrics_reader import FinishedRequestCounters, Metric, metrics_snapshot
 from kvllm.outputs import RequestOutput
 from kvllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -31,6 +32,7 @@ class LLM:
         self.engine_args = EngineArgs(model=model, **kwargs)
         self.llm_engine = LLMEngine.from_engine_args(self.engine_args)
         self._counter = itertools.count()
+        self._finished = FinishedRequestCounters(self.llm_engine.model_config.max_model_len)
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
@@ -43,6 +45,26 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         """Forget the cached prefixes (vLLM's LLM.reset_prefix_cache); False while requests run."""
         return self.llm_engine.reset_prefix_cache()
+
+    def get_metrics(self) -> list[Metric]:
+        """The engine's metrics as vLLM's `LLM.get_metrics()` returns them: Counter, Gauge and Histogram
+        objects named `vllm:*` (see kvllm/engine/metrics_reader.py for which series there are)."""
+        engine = self.llm_engine
+        return metrics_snapshot(engine.stats(), self._finished, engine.model_config.model, engine.sleep_level)
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the device memory until `wake_up()` (vLLM's sleep mode): level 1 moves the weights to
+        host memory and frees the KV cache; level 2 drops the weights too (wake_up reloads them from
+        the checkpoint). Cached prefixes are forgotten; generating while asleep raises
+        EngineSleepingError."""
+        self.llm_engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back what `sleep()` freed; `tags` wakes only "weights" or "kv_cache" (weights first)."""
+        self.llm_engine.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.llm_engine.is_sleeping()
 
     def generate(
         self,
@@ -116,6 +138,7 @@ class LLM:
                 for output in engine.step():
                     if output.finished:
                         finished[output.request_id] = output
+                        self._finished.record(output)
                         if bar is not None:
                             num_in += len(output.prompt_token_ids)
                             num_out += output.num_output_tokens

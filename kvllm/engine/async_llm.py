@@ -1,7 +1,7 @@
 """AsyncLLM: the synchronous LLMEngine driven by one background thread, with per-request asyncio streams.
 
 Threading model: the engine is touched by exactly one thread, the engine thread. Callers on the event
-loop send commands (add, abort, stop) through a thread-safe queue; the engine thread applies them
+loop send commands (add, abort, call, stop) through a thread-safe queue; the engine thread applies them
 between steps, so a step never races an add or an abort. Outputs go back to the event loop with
 `loop.call_soon_threadsafe`, one call per step, and land in each request's asyncio.Queue.
 
@@ -20,15 +20,16 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from kvllm.config.engine import EngineArgs
 from kvllm.engine.llm_engine import EngineStats, LLMEngine, PromptType
 from kvllm.logger import init_logger
 from kvllm.outputs import CompletionOutput, RequestOutput
-from kvllm.sampling_params import SamplingParams
+from kvllm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = init_logger(__name__)
+T = TypeVar("T")
 
 
 class EngineDeadError(RuntimeError):
@@ -56,8 +57,11 @@ class _RequestState:
     prompt_token_ids: list[int] | None
     n: int
     arrival_time: float
+    # DELTA outputs carry only what is new, so a consumer that fell behind must see each of them.
+    is_delta: bool = False
     last_output: RequestOutput | None = None
     finished: bool = False
+    finished_indexes: set[int] = dataclasses.field(default_factory=set)  # kept for DELTA only
 
 
 @dataclasses.dataclass
@@ -74,11 +78,19 @@ class _Abort:
     request_ids: list[str]
 
 
+@dataclasses.dataclass
+class _Call:
+    """Run `fn(engine)` on the engine thread between steps; its result or error goes to `done`."""
+
+    fn: Callable[[LLMEngine], Any]
+    done: concurrent.futures.Future[Any]
+
+
 class _Stop:
     pass
 
 
-_Command = _Add | _Abort | _Stop
+_Command = _Add | _Abort | _Call | _Stop
 
 
 class AsyncLLM:
@@ -185,6 +197,27 @@ class AsyncLLM:
                 self._fail_pending_commands(EngineNotAcceptingError("The server is shutting down"))
         self._fail_all(EngineNotAcceptingError("The server is shutting down"))
 
+    def stop(self, timeout: float = 5.0) -> None:
+        """`shutdown()` for callers that cannot await it (any thread): blocks until the engine thread
+        has stopped (at most `timeout` s); requests left end with EngineNotAcceptingError."""
+        self._accepting = False
+        thread = self._thread
+        if thread is not None and thread.is_alive():
+            self._commands.put(_Stop())
+            thread.join(timeout)
+            if thread.is_alive():
+                logger.warning("The engine thread did not stop within %.1f s; leaving it (daemon)", timeout)
+                return
+        error = EngineNotAcceptingError("The engine is shut down")
+        self._fail_pending_commands(error)
+        if self._loop is not None and not self._loop.is_closed():
+            self._post(self._fail_all, error)
+
+    @property
+    def event_loop(self) -> asyncio.AbstractEventLoop | None:
+        """The loop outputs are delivered to (the one `start()` ran on), or None before `start()`."""
+        return self._loop
+
     # ---- requests -----------------------------------------------------------------------------
 
     async def add_request(
@@ -203,7 +236,8 @@ class AsyncLLM:
             raise ValueError(f"Request id {request_id!r} is already in use")
         prompt_text, prompt_ids = _prompt_parts(prompt)
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        state = _RequestState(asyncio.Queue(), prompt_text, prompt_ids, params.n, arrival)
+        is_delta = params.output_kind is RequestOutputKind.DELTA
+        state = _RequestState(asyncio.Queue(), prompt_text, prompt_ids, params.n, arrival, is_delta)
         self._states[request_id] = state
         self._idle.clear()
         stream = RequestStream(self, request_id, state)
@@ -242,6 +276,25 @@ class AsyncLLM:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         if ids:
             self._commands.put(_Abort(ids))
+
+    async def call_engine(self, fn: Callable[[LLMEngine], T]) -> T:
+        """`fn(engine)` run on the engine thread between two steps (the engine's one thread), awaited.
+
+        Raises EngineDeadError after a crash, EngineNotAcceptingError once stopped, and what `fn` raises.
+        """
+        if self.errored:
+            raise EngineDeadError(f"The engine has stopped after an error: {self.dead_error!r}")
+        thread = self._thread
+        if thread is None or not thread.is_alive():
+            raise EngineNotAcceptingError("The engine is not running")
+        done: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._commands.put(_Call(fn, done))
+        return await asyncio.wrap_future(done)
+
+    async def reset_prefix_cache(self) -> bool:
+        """Forget the cached prefixes (LLMEngine.reset_prefix_cache on the engine thread); False while
+        requests hold KV blocks."""
+        return await self.call_engine(lambda engine: engine.reset_prefix_cache())
 
     def _close_request(self, request_id: str, state: _RequestState) -> None:
         if not state.finished and not self.errored:
@@ -286,6 +339,8 @@ class AsyncLLM:
                 return False
             if isinstance(command, _Add):
                 self._add(command)
+            elif isinstance(command, _Call):
+                self._call(command)
             else:
                 self.engine.abort_request(command.request_ids)
                 aborted.extend(command.request_ids)
@@ -309,6 +364,16 @@ class AsyncLLM:
         else:
             command.done.set_result(None)
 
+    def _call(self, command: _Call) -> None:
+        if not command.done.set_running_or_notify_cancel():
+            return
+        try:
+            result = command.fn(self.engine)
+        except Exception as exc:
+            command.done.set_exception(exc)
+        else:
+            command.done.set_result(result)
+
     def _fail_pending_commands(self, exc: BaseException) -> None:
         """Fail queued adds (safe from either thread once the engine thread has stopped)."""
         error = exc
@@ -319,7 +384,7 @@ class AsyncLLM:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(command, _Add) and command.done.set_running_or_notify_cancel():
+            if isinstance(command, _Add | _Call) and command.done.set_running_or_notify_cancel():
                 command.done.set_exception(error)
 
     def _post(self, callback: Callable[..., None], *args: Any) -> None:
@@ -339,6 +404,8 @@ class AsyncLLM:
                 continue  # closed by its consumer; already recorded as aborted
             state.last_output = output
             state.finished = output.finished
+            if state.is_delta:
+                state.finished_indexes.update(c.index for c in output.outputs if c.finish_reason is not None)
             state.queue.put_nowait(output)
             delivered.append(output)
         self._record(delivered, stats)
@@ -399,8 +466,8 @@ class RequestStream:
             raise StopAsyncIteration
         q = self._state.queue
         item = await q.get()
-        # Outputs are cumulative, so a consumer that fell behind only needs the newest one.
-        while not q.empty() and not isinstance(item, BaseException):
+        # Cumulative outputs: a consumer that fell behind only needs the newest one.
+        while not self._state.is_delta and not q.empty() and not isinstance(item, BaseException):
             item = q.get_nowait()
         if isinstance(item, BaseException):
             self.close()
@@ -428,13 +495,17 @@ def _prompt_parts(prompt: PromptType) -> tuple[str | None, list[int] | None]:
 def _aborted_output(request_id: str, state: _RequestState) -> RequestOutput:
     """The final output of an aborted request: what it had generated, unfinished sequences marked "abort"."""
     last = state.last_output
-    if last is None:
-        completions = [CompletionOutput(i, "", [], None, None, "abort") for i in range(state.n)]
-        # Only the arrival is known: the engine never reported on it (the latencies still count it).
-        metrics = {"arrival_time": state.arrival_time}
-        return RequestOutput(
-            request_id, state.prompt, state.prompt_token_ids or [], completions, True, metrics
-        )
+    if last is None or state.is_delta:
+        # Nothing new since the last delta: the sequences that had not finished end with "abort".
+        completions = [
+            CompletionOutput(i, "", [], None, None, "abort")
+            for i in range(state.n)
+            if i not in state.finished_indexes
+        ]
+        prompt_ids = state.prompt_token_ids or ([] if last is None else last.prompt_token_ids)
+        # Without a report from the engine only the arrival is known (the latencies still count it).
+        metrics = {"arrival_time": state.arrival_time} if last is None else dict(last.metrics)
+        return RequestOutput(request_id, state.prompt, prompt_ids, completions, True, metrics)
     completions = [
         c if c.finish_reason is not None else dataclasses.replace(c, finish_reason="abort")
         for c in last.outputs

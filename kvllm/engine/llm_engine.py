@@ -22,12 +22,17 @@ from kvllm.models.tokenizer import load_tokenizer
 from kvllm.outputs import RequestOutput
 from kvllm.platforms import resolve_device
 from kvllm.sampling_params import SamplingParams
+from kvllm.worker.sleep_mode import SLEEP_LEVELS, WAKE_UP_TAGS
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["EngineStats", "LLMEngine", "PromptType"]
+__all__ = ["EngineSleepingError", "EngineStats", "LLMEngine", "PromptType"]
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+
+
+class EngineSleepingError(RuntimeError):
+    """A request reached an engine that is asleep (`sleep()`); `wake_up()` first."""
 
 
 @dataclass(frozen=True)
@@ -82,6 +87,7 @@ class LLMEngine:
         )
         self.async_scheduling = args.async_scheduling
         self._in_flight: tuple[SchedulerOutput, PendingStep] | None = None
+        self.sleep_level = 0  # 0: awake; else the level of the last sleep() until wake_up() ends it
         self._log_cache_size(num_blocks)
         if self.device.type == "cuda":
             self.warm_up()
@@ -123,6 +129,11 @@ class LLMEngine:
     ) -> None:
         """Validate and queue a request. Raises ValueError for input the engine cannot serve."""
         params = params or SamplingParams()
+        if self.sleep_level:
+            raise EngineSleepingError(
+                f"The engine is asleep (sleep level {self.sleep_level}): its weights and KV cache are off the "
+                "device. Call wake_up() before adding requests"
+            )
         if request_id in self.output_processor.parents:
             raise ValueError(f"Request id {request_id!r} is already in use")
         text, token_ids = self.input_processor.tokenize_prompt(prompt)
@@ -221,6 +232,63 @@ class LLMEngine:
     def reset_prefix_cache(self) -> bool:
         """Forget the cached prefixes; False (nothing done) while requests hold KV blocks."""
         return self.kv_cache_manager.reset_prefix_cache()
+
+    # ---- sleep mode --------------------------------------------------------------------------
+
+    def sleep(self, level: int = 1) -> None:
+        """Give the device memory back while no request runs (vLLM's sleep mode; worker/sleep_mode.py).
+
+        Level 1 moves the weights to host memory and frees the KV cache; level 2 also drops the weights
+        (wake_up reloads them from the checkpoint). The cached prefixes are forgotten. Raises ValueError
+        for another level and RuntimeError while requests are unfinished or when already asleep.
+        """
+        if level not in SLEEP_LEVELS:
+            raise ValueError(
+                f"level={level!r} is not a sleep level; allowed: {', '.join(map(str, SLEEP_LEVELS))}"
+            )
+        if self.sleep_level:
+            raise RuntimeError(
+                f"The engine is already asleep (level {self.sleep_level}); call wake_up() first"
+            )
+        if self.has_unfinished_requests():
+            raise RuntimeError(
+                f"Cannot sleep while {self.get_num_unfinished_requests()} request(s) are unfinished; let them "
+                "finish or abort them first"
+            )
+        if self._in_flight is not None:
+            # A step launched before its requests finished: its tokens are dropped, as step() would.
+            done, self._in_flight = self._in_flight, None
+            self._update(*done)
+        self.executor.sleep(level)
+        reset = self.kv_cache_manager.reset_prefix_cache()
+        assert reset, "no request holds blocks, so the prefix cache resets"
+        self.sleep_level = level
+        logger.info(
+            "Sleeping (level %d): weights %s, KV cache freed", level, "offloaded" if level == 1 else "dropped"
+        )
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back what sleep() freed: everything, or the parts `tags` names ("weights", "kv_cache").
+
+        Waking the weights alone lets a caller update them before the KV cache returns; the KV cache
+        needs the weights awake. A no-op while awake.
+        """
+        names = tuple(WAKE_UP_TAGS if tags is None else tags)
+        unknown = sorted(set(names) - set(WAKE_UP_TAGS))
+        if unknown:
+            raise ValueError(f"Unknown wake_up tags {unknown}; allowed: {', '.join(WAKE_UP_TAGS)}")
+        if not self.sleep_level:
+            return
+        state = self.executor.sleep_state
+        if "kv_cache" in names and "weights" not in names and state is not None and state.weights_asleep:
+            raise ValueError("wake_up(tags=['kv_cache']) needs the weights awake; wake 'weights' first")
+        self.executor.wake_up(names)
+        if self.executor.sleep_state is None:
+            self.sleep_level = 0
+            logger.info("Awake: weights and KV cache back on %s", self.device)
+
+    def is_sleeping(self) -> bool:
+        return bool(self.sleep_level)
 
     # ---- introspection -----------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ if TYPE_CHECKING:
     from kvllm.attention.metadata import KVCacheSpec
     from kvllm.core.sched_output import SchedulerOutput
     from kvllm.core.step_result import PendingStep, StepResult
+    from kvllm.worker.sleep_mode import SleepState
 
 
 class Executor(ABC):
@@ -44,6 +45,20 @@ class Executor(ABC):
     @abstractmethod
     def initialize_kv_cache(self, num_blocks: int, max_num_reqs: int) -> None:
         """Allocate `num_blocks` blocks of KV cache on every worker."""
+
+    @property
+    @abstractmethod
+    def sleep_state(self) -> SleepState | None:
+        """What is asleep (the same on every worker), or None while awake."""
+
+    @abstractmethod
+    def sleep(self, level: int) -> None:
+        """Free every worker's KV cache and (level 1) move the weights to host memory or (level 2)
+        drop them; no step may be in flight."""
+
+    @abstractmethod
+    def wake_up(self, tags: tuple[str, ...]) -> None:
+        """Bring back what `tags` name ("weights", "kv_cache"; weights first) on every worker."""
 
     @abstractmethod
     def execute_model(self, plan: SchedulerOutput) -> StepResult:

@@ -10,6 +10,7 @@ from kvllm.core.sched_output import SchedulerOutput
 from kvllm.core.step_result import PendingStep, StepResult
 from kvllm.executor.executor import Executor
 from kvllm.models.model_config import ModelConfig
+from kvllm.worker.sleep_mode import SleepState
 from kvllm.worker.worker import Worker
 
 
@@ -41,6 +42,16 @@ class UniProcExecutor(Executor):
 
     def initialize_kv_cache(self, num_blocks: int, max_num_reqs: int) -> None:
         self.worker.initialize_kv_cache(num_blocks, max_num_reqs)
+
+    @property
+    def sleep_state(self) -> SleepState | None:
+        return self.worker.model_runner.sleep_state
+
+    def sleep(self, level: int) -> None:
+        self.worker.sleep(level)
+
+    def wake_up(self, tags: tuple[str, ...]) -> None:
+        self.worker.wake_up(tags)
 
     def execute_model(self, plan: SchedulerOutput) -> StepResult:
         return self.worker.execute_model(plan)

@@ -25,6 +25,7 @@ from kvllm.sample.sampler import HostCopy, Sampler
 from kvllm.utils.dtypes import dtype_name, kv_cache_torch_dtype
 from kvllm.worker.cuda_graph import CudaGraphRunner, default_capture_sizes
 from kvllm.worker.input_batch import InputBatch, ModelInputs
+from kvllm.worker.sleep_mode import SleepState, empty_device_cache, offload_weights, restore_weights
 
 logger = logging.getLogger(__name__)
 GiB = 1 << 30
@@ -89,6 +90,8 @@ class ModelRunner:
         self.input_batch: InputBatch | None = None
         self.graph_runner: CudaGraphRunner | None = None
         self.num_blocks = 0
+        self.max_num_reqs = 0
+        self.sleep_state: SleepState | None = None
 
     def load_model(self) -> None:
         """Load the weights (seeded: dummy weights are drawn from torch's generator) and bind the backend."""
@@ -120,6 +123,7 @@ class ModelRunner:
             # Zeroed, not empty: kernels may read (and mask) slots never written.
             layer.kv_cache = torch.zeros(shape, dtype=spec.dtype, device=self.device)
         self.num_blocks = num_blocks
+        self.max_num_reqs = max_num_reqs
         capture_sizes = self._cudagraph_capture_sizes(max_num_reqs)
         # Graph batches are padded to their size, so the token buffers hold the largest one.
         max_num_tokens = max(self.max_num_batched_tokens, max(capture_sizes, default=0))
@@ -165,6 +169,52 @@ class ModelRunner:
                 stats.seconds,
                 stats.memory_bytes / GiB,
             )
+
+    # ---- sleep mode (see sleep_mode.py) ------------------------------------------------------
+
+    def sleep(self, level: int) -> None:
+        """Free the KV cache and (level 1) move the weights to host memory or (level 2) drop them.
+
+        The caller makes sure no step is in flight."""
+        assert self.sleep_state is None and self.model is not None
+        for layer in self.attention_layers:
+            layer.kv_cache = torch.empty(0)
+        self.graph_runner = None
+        self.metadata_builder = None
+        self.input_batch = None
+        if level == 1:
+            self.sleep_state = SleepState(level, offload_weights(self.model, self.device))
+        else:
+            self.model = None
+            self.attention_layers = []
+            self.sleep_state = SleepState(level)
+        empty_device_cache(self.device)
+
+    def wake_up_weights(self) -> None:
+        """Weights back on the device: level 1's host copy, or level 2's reload from the checkpoint."""
+        state = self.sleep_state
+        assert state is not None and state.weights_asleep
+        if state.level == 1:
+            assert self.model is not None
+            restore_weights(self.model, state.host_weights, self.device)
+            state.host_weights = {}
+        else:
+            self.load_model()
+        state.weights_asleep = False
+        self._end_sleep_if_awake()
+
+    def wake_up_kv_cache(self) -> None:
+        """A fresh (zeroed) KV cache of the same size, with its builder, input batch and CUDA graphs."""
+        state = self.sleep_state
+        assert state is not None and state.kv_cache_asleep and not state.weights_asleep
+        self.initialize_kv_cache(self.num_blocks, self.max_num_reqs)
+        state.kv_cache_asleep = False
+        self._end_sleep_if_awake()
+
+    def _end_sleep_if_awake(self) -> None:
+        state = self.sleep_state
+        if state is not None and not state.weights_asleep and not state.kv_cache_asleep:
+            self.sleep_state = None
 
     def _cudagraph_capture_sizes(self, max_num_reqs: int) -> list[int]:
         """The decode batch sizes to capture, or [] when steps run eagerly (and why, logged)."""

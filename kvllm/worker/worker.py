@@ -123,6 +123,25 @@ class Worker:
         except torch.OutOfMemoryError as exc:
             raise out_of_memory_error("allocating the KV cache", exc, self.args, self.model_config) from exc
 
+    # ---- sleep mode --------------------------------------------------------------------------
+
+    def sleep(self, level: int) -> None:
+        self.model_runner.sleep(level)
+
+    def wake_up(self, tags: tuple[str, ...]) -> None:
+        """Wake what `tags` name ("weights", "kv_cache"), weights first."""
+        runner = self.model_runner
+        state = runner.sleep_state
+        if state is None:
+            return
+        try:
+            if "weights" in tags and state.weights_asleep:
+                runner.wake_up_weights()
+            if "kv_cache" in tags and state.kv_cache_asleep:
+                runner.wake_up_kv_cache()
+        except torch.OutOfMemoryError as exc:
+            raise out_of_memory_error("waking up from sleep mode", exc, self.args, self.model_config) from exc
+
     # ---- execution ---------------------------------------------------------------------------
 
     def execute_model(self, plan: SchedulerOutput) -> StepResult:

@@ -29,7 +29,7 @@ def test_serve_is_registered_with_engine_and_server_flags():
     )
     assert args.dispatch is serve.run
     assert (args.host, args.port, args.api_key, args.served_model_name) == (
-        "127.0.0.1",
+        None,  # all interfaces, as vLLM (run_server warns when no API key is set)
         9001,
         "k",
         ["a", "b"],

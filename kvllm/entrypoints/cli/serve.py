@@ -28,7 +28,10 @@ def register(subparsers: Any) -> None:
     )
     server = parser.add_argument_group("server")
     server.add_argument(
-        "--host", default="127.0.0.1", help="Address to listen on (default: 127.0.0.1; 0.0.0.0 for all)."
+        "--host",
+        default=None,
+        help="Address to listen on (default: all IPv4 interfaces, as vLLM; a warning is logged when no API key "
+        "is set; 127.0.0.1 for this machine only).",
     )
     server.add_argument("--port", type=int, default=8000, help="Port to listen on (default: 8000).")
     server.add_argument(

@@ -10,16 +10,23 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvllm.entrypoints.openai.errors import error_response
 
+# Beyond /v1/*: routes that generate or change the engine's state (vLLM guards /v1 only; a key that
+# left SageMaker's /invocations open would not protect the model).
+GUARDED_PATHS = ("/invocations", "/reset_prefix_cache")
+
 
 class APIKeyMiddleware:
-    """Requires `Authorization: Bearer <api key>` on every /v1/* request (401 otherwise)."""
+    """Requires `Authorization: Bearer <api key>` on every /v1/* request and on GUARDED_PATHS (401
+    otherwise)."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
+        path = scope.get("path", "")
+        guarded = path.startswith("/v1") or path in GUARDED_PATHS
+        if scope["type"] == "http" and guarded and scope["method"] != "OPTIONS":
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not secrets.compare_digest(given, self.expected):
                 message = (

@@ -4,6 +4,12 @@ Shutdown (SIGINT/SIGTERM): new requests get 503 at once; in-flight requests may 
 `shutdown_timeout` seconds; the rest are aborted and end with finish_reason "abort"; then uvicorn
 closes the connections and the engine thread stops. A second SIGINT/SIGTERM exits without waiting.
 
+Routes beside OpenAI's: /ping (GET and POST) answers as /health and /invocations takes a chat or
+completion body and answers as that route (SageMaker's contract, as vLLM serves it);
+/reset_prefix_cache (POST) forgets the cached prefixes, or answers 409 while requests hold KV blocks
+(vLLM's answer; kvllm mounts it without vLLM's VLLM_SERVER_DEV_MODE). With an API key, /v1/*,
+/invocations and /reset_prefix_cache need it (see middleware.APIKeyMiddleware).
+
 Engine death (the engine thread crashed): in-flight requests get an error and /health answers 503
 at once; once the HTTP requests in flight are answered (at most `shutdown_timeout` s) the process
 exits with code 1, so a supervisor restarts it (vLLM's behaviour; `keep_alive_on_engine_death`
@@ -13,6 +19,8 @@ keeps it up answering 503, as vLLM's VLLM_KEEP_ALIVE_ON_ENGINE_DEATH does).
 from __future__ import annotations
 
 import asyncio
+import ipaddress
+import json
 import signal
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from contextlib import asynccontextmanager
@@ -20,9 +28,11 @@ from types import FrameType
 from typing import Any, TypeVar
 
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from pydantic import ValidationError
 
 from kvllm.config.engine import EngineArgs
 from kvllm.config.serving import HttpOptions, ServingLimits
@@ -47,13 +57,16 @@ from kvllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    ErrorResponse,
     ModelCard,
     ModelList,
     TokenizeRequest,
 )
+from kvllm.entrypoints.openai.protocol_responses import ResponsesRequest
 from kvllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from kvllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from kvllm.entrypoints.openai.serving_engine import tokenizer_executor
+from kvllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from kvllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from kvllm.logger import init_logger
 
@@ -123,7 +136,12 @@ def build_app(
     return app
 
 
-_SERVING_CLASSES = (OpenAIServingCompletion, OpenAIServingChat, OpenAIServingTokenization)
+_SERVING_CLASSES = (
+    OpenAIServingCompletion,
+    OpenAIServingChat,
+    OpenAIServingTokenization,
+    OpenAIServingResponses,
+)
 
 
 async def _log_stats(stat_logger: LoggingStatLogger, interval: float) -> None:
@@ -140,7 +158,7 @@ def _add_routes(
     serving: list[Any],
     protected: bool,
 ) -> None:
-    completions, chat, tokenization = serving
+    completions, chat, tokenization, responses = serving
     auth = (401,) if protected else ()
     generation_errors = error_responses(400, *auth, 404, 413, 500, 503)
     text_errors = error_responses(400, 404, 413, 500)
@@ -163,6 +181,53 @@ def _add_routes(
         check_serving()
         return _as_response(await _until_disconnect(raw, chat.create_chat_completion(body)))
 
+    @app.post("/v1/responses", response_model=None, responses=generation_errors)
+    async def create_response(body: ResponsesRequest, raw: Request) -> Any:
+        check_serving()
+        return _as_response(await _until_disconnect(raw, responses.create_response(body)))
+
+    @app.post("/invocations", response_model=None, responses=generation_errors)
+    async def invocations(raw: Request) -> Any:
+        """SageMaker's route: a chat body ("messages") as /v1/chat/completions, else a completion
+        body ("prompt") as /v1/completions (vLLM's order: chat first)."""
+        check_serving()
+        body = await _json_object(raw)
+        if "messages" in body:
+            request = _validated(ChatCompletionRequest, body)
+            return _as_response(await _until_disconnect(raw, chat.create_chat_completion(request)))
+        if "prompt" in body:
+            request = _validated(CompletionRequest, body)
+            return _as_response(await _until_disconnect(raw, completions.create_completion(request)))
+        raise OpenAIError(
+            "/invocations takes a chat completion request (with messages) or a completion request (with "
+            f"prompt); the body has neither (its fields: {', '.join(sorted(body)) or 'none'})"
+        )
+
+    @app.post("/reset_prefix_cache", responses={**error_responses(400, *auth, 503), 409: _CONFLICT})
+    async def reset_prefix_cache(
+        reset_running_requests: bool = Query(default=False), reset_external: bool = Query(default=False)
+    ) -> Response:
+        if reset_running_requests:
+            raise OpenAIError(
+                "reset_running_requests=true is not supported: kvllm does not preempt running requests to "
+                "reset the cache; retry when they have finished",
+                param="reset_running_requests",
+            )
+        if reset_external:
+            raise OpenAIError(
+                "reset_external=true is not supported: kvllm has no external (connector) prefix cache",
+                param="reset_external",
+            )
+        check_serving()
+        if not await llm.reset_prefix_cache():
+            raise OpenAIError(
+                f"The prefix cache was not reset: {llm.num_in_flight} request(s) hold KV blocks; retry when "
+                "they have finished",
+                409,
+            )
+        logger.info("Prefix cache reset")
+        return Response(status_code=200)
+
     @app.get("/v1/models", responses=error_responses(*auth))
     async def list_models() -> ModelList:
         root = llm.engine.model_config.model_path
@@ -175,6 +240,19 @@ def _add_routes(
         if not llm.is_accepting:
             return error_response("The server is shutting down", 503)
         return Response(status_code=200)
+
+    async def ping() -> Response:
+        """SageMaker's health check (GET or POST): the answer of /health."""
+        return await health()
+
+    for method in ("GET", "POST"):
+        app.add_api_route(
+            "/ping",
+            ping,
+            methods=[method],
+            operation_id=f"ping_{method.lower()}",
+            responses=error_responses(503),
+        )
 
     @app.get("/version")
     async def version() -> dict[str, str]:
@@ -193,6 +271,27 @@ def _add_routes(
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+
+_CONFLICT = {"model": ErrorResponse, "description": "Requests hold KV blocks: the cache was not reset"}
+
+
+async def _json_object(raw: Request) -> dict[str, Any]:
+    try:
+        body = json.loads(await raw.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise OpenAIError(f"The request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise OpenAIError(f"The request body must be a JSON object, not {type(body).__name__}")
+    return body
+
+
+def _validated(model: type[T], body: dict[str, Any]) -> T:
+    """`body` as `model`, or the 400 a route with that body type answers for it."""
+    try:
+        return model.model_validate(body)  # type: ignore[attr-defined]
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors()) from None
 
 
 def _as_response(result: Any) -> Any:
@@ -310,10 +409,31 @@ _FLUSH_TIMEOUT = 2.0  # s for aborted requests to deliver their final response a
 _UVICORN_GRACEFUL_TIMEOUT = 3  # s uvicorn waits for connections after the drain before cancelling them
 
 
+ALL_INTERFACES = "0.0.0.0"
+
+
+def bind_warning(host: str | None, api_key: str | None) -> str | None:
+    """The start-up warning for a server others can reach with no API key, or None."""
+    if api_key:
+        return None
+    try:
+        if host is not None and ipaddress.ip_address(host).is_loopback:
+            return None
+    except ValueError:
+        if host == "localhost":
+            return None
+    where = "all interfaces" if host in (None, "", ALL_INTERFACES, "::") else host
+    return (
+        f"Listening on {where} with no API key: anyone who can reach this port can generate text and reset "
+        "the prefix cache. Set --api-key (or VLLM_API_KEY / KVLLM_API_KEY), or --host 127.0.0.1 to serve "
+        "this machine only"
+    )
+
+
 def run_server(
     engine_args: EngineArgs,
     *,
-    host: str = "127.0.0.1",
+    host: str | None = None,
     port: int = 8000,
     api_key: str | None = None,
     served_model_name: Sequence[str] | None = None,
@@ -327,6 +447,8 @@ def run_server(
 ) -> int:
     """Serve until SIGINT/SIGTERM or engine death; returns the exit code (1 after engine death).
 
+    `host` None listens on all IPv4 interfaces, as vLLM does (its reason: a server in a container or
+    behind SageMaker must be reachable from outside); a warning is logged when no API key is set.
     Exits within shutdown_timeout + ~6 s of the signal, or of the engine's death.
     """
     app = build_app(
@@ -337,6 +459,7 @@ def run_server(
         limits=limits,
     )
     llm: AsyncLLM = app.state.llm
+    host = ALL_INTERFACES if host is None else host
     http = http or HttpOptions()
     http_options.apply_to_app(app, http)
     config = http_options.uvicorn_config(
@@ -366,6 +489,9 @@ def run_server(
         http.root_path,
         " (API key required for /v1/*)" if api_key else "",
     )
+    warning = bind_warning(host, api_key)
+    if warning is not None:
+        logger.warning(warning)
     server = _GracefulServer(config, llm, app.state.in_flight, shutdown_timeout, keep_alive_on_engine_death)
     server.run()
     if llm.errored:
