@@ -32,9 +32,10 @@ def with_generation_defaults(fields: dict[str, Any], defaults: dict[str, Any]) -
 
 
 def truncate_prompt(
-    token_ids: list[int], truncate_prompt_tokens: int | None, max_model_len: int
+    token_ids: list[int], truncate_prompt_tokens: int | None, max_model_len: int, side: str = "left"
 ) -> list[int]:
-    """The last `truncate_prompt_tokens` tokens of the prompt (-1: the last max_model_len; None: all).
+    """The last `truncate_prompt_tokens` tokens of the prompt (-1: the last max_model_len; None: all);
+    the first ones with side="right" (vLLM's truncation_side).
 
     vLLM's rule: more than max_model_len is refused, since no prompt may be that long.
     """
@@ -46,7 +47,9 @@ def truncate_prompt(
             f"truncate_prompt_tokens={truncate_prompt_tokens} is not valid; allowed: -1 or an integer from 1 "
             f"to max_model_len ({max_model_len})"
         )
-    return token_ids[-keep:] if len(token_ids) > keep else token_ids
+    if len(token_ids) <= keep:
+        return token_ids
+    return token_ids[:keep] if side == "right" else token_ids[-keep:]
 
 
 def bad_words_token_ids(tokenizer: Any, bad_words: list[str]) -> list[list[int]]:
