@@ -11,6 +11,7 @@ import torch
 
 from kvllm.core.request import Request
 from kvllm.core.sched_output import ScheduledRequest, SchedulerOutput
+from kvllm.engine.input_processor import bad_words_token_ids
 from kvllm.sample.sampler import Sampler, SamplingRow, apply_sequence_processors, metadata_from_rows
 from kvllm.sampling_params import SamplingParams
 from kvllm.worker.input_batch import InputBatch
@@ -289,3 +290,30 @@ def test_input_batch_reuses_a_row_without_its_old_constraints():
     md = b.prepare(step).sampling_metadata
     assert b.states["new"].row == 0 == np.flatnonzero(~b.has_allowed_token_ids).min()
     assert md.allowed is None and md.bad_words is None and md.logit_bias is None
+
+
+class _Tokenizer:
+    """encode() from a fixed table, as a tokenizer would split these strings."""
+
+    TABLE = {
+        "hello": [10],
+        " hello": [11],
+        "new york": [20, 21],
+        " new york": [22, 21],
+        "the": [30, 31],
+        " the": [32],
+    }
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        assert not add_special_tokens
+        return self.TABLE.get(text, [])
+
+
+def test_bad_words_are_tokenized_as_vllm_does():
+    tokenizer = _Tokenizer()
+    # Alone, and with a leading space when that is another first token and as many tokens.
+    assert bad_words_token_ids(tokenizer, ["hello"]) == [[10], [11]]
+    assert bad_words_token_ids(tokenizer, ["  new york"]) == [[20, 21], [22, 21]]
+    assert bad_words_token_ids(tokenizer, ["the"]) == [[30, 31]]  # " the" is one token: not added
+    with pytest.raises(ValueError, match="bad_words=\\['zzz'\\] is not valid"):
+        bad_words_token_ids(tokenizer, ["zzz"])

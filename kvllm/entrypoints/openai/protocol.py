@@ -53,8 +53,35 @@ class UsageInfo(OpenAIBaseModel):
     total_tokens: int = 0
 
 
+# vLLM request fields kvllm does not implement, with the value that means "not used" (vLLM's default).
+# A request that sets one to anything else is refused with a 400 naming it, never silently served
+# without it; other unknown fields (OpenAI clients send optional ones freely) are ignored.
+UNSUPPORTED_VLLM_FIELDS: dict[str, Any] = {
+    "use_beam_search": False,
+    "length_penalty": 1.0,
+    "prompt_embeds": None,
+    "structured_outputs": None,
+    "priority": 0,
+    "return_tokens_as_token_ids": None,
+    "cache_salt": None,
+    "kv_transfer_params": None,
+    "repetition_detection": None,
+    "thinking_token_budget": None,
+    "continue_final_message": False,
+    "documents": None,
+    "media_io_kwargs": None,
+    "mm_processor_kwargs": None,
+    "return_prompt_text": None,
+}
+
+
 class SamplingExtras(OpenAIBaseModel):
-    """Sampling fields shared by completions and chat (OpenAI's, then vLLM's extras)."""
+    """Sampling fields shared by completions and chat (OpenAI's, then vLLM's extras).
+
+    Unknown fields are kept (`model_extra`) so the handlers can refuse vLLM's unsupported ones.
+    """
+
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     n: int = 1

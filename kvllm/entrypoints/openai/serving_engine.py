@@ -24,6 +24,7 @@ from kvllm.engine.input_processor import truncate_prompt, with_generation_defaul
 from kvllm.entrypoints.chat_utils import ChatTemplateError, ChatTemplateRenderer
 from kvllm.entrypoints.openai.errors import OpenAIError, internal_error, to_openai_error
 from kvllm.entrypoints.openai.protocol import (
+    UNSUPPORTED_VLLM_FIELDS,
     ChatMessage,
     PromptLogprob,
     PromptLogprobs,
@@ -89,7 +90,14 @@ class OpenAIServing:
             )
 
     def check_unsupported(self, request: SamplingExtras) -> None:
-        """Field combinations refused before any work (vLLM's rules), with a 400 naming the field."""
+        """Fields and combinations refused before any work (vLLM's rules), with a 400 naming the field."""
+        for name, value in (request.model_extra or {}).items():
+            if name in UNSUPPORTED_VLLM_FIELDS and value != UNSUPPORTED_VLLM_FIELDS[name]:
+                raise OpenAIError(
+                    f"{name} is not supported by this server; omit it (or send vLLM's default, "
+                    f"{json.dumps(UNSUPPORTED_VLLM_FIELDS[name])})",
+                    param=name,
+                )
         if request.prompt_logprobs is not None:
             if request.stream and request.prompt_logprobs != 0:
                 raise OpenAIError(
