@@ -6,12 +6,14 @@ Field names and defaults follow vLLM, so a vLLM user's code works unchanged. No 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 # Below this temperature a request is greedy (vLLM's threshold): dividing by it would overflow.
 _GREEDY_TEMPERATURE = 1e-5
 _MIN_SEED, _MAX_SEED = -(2**63), 2**64 - 1
+# OpenAI's range for a logit bias.
+MAX_LOGIT_BIAS = 100.0
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -43,6 +45,15 @@ class SamplingParams:
     `stop` and `stop_token_ids` are normalised to lists. `max_tokens=None` means "up to the
     model's context length", which the engine resolves. Invalid values raise ValueError naming
     the field, the value and what is allowed.
+
+    Token constraints (applied to the logits before penalties, in vLLM's order): `allowed_token_ids`
+    (only these may be sampled), `bad_words` (never completed: a one-token word is always banned, a
+    longer word's last token is banned when the output ends with its other tokens; each word is
+    tokenized with and without a leading space, as vLLM does), `logit_bias` (token id -> bias in
+    [-100, 100] added to its logit). Token ids are checked against the model's vocabulary when the
+    engine takes the request. `truncate_prompt_tokens` keeps the last k prompt tokens (-1: the last
+    max_model_len), as vLLM's field of that name. `extra_args` is stored for custom processors and
+    not read by kvllm.
     """
 
     n: int = 1
@@ -66,6 +77,13 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
+    extra_args: dict[str, Any] | None = None
+    # The bad words' token sequences, set by the engine's input processor (it owns the tokenizer).
+    _bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -77,6 +95,11 @@ class SamplingParams:
         self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
         if self.top_k == -1:
             self.top_k = 0
+        self.bad_words = [] if self.bad_words is None else self.bad_words
+        if isinstance(self.bad_words, list | tuple):
+            self.bad_words = list(self.bad_words)
+        if isinstance(self.allowed_token_ids, tuple | range):
+            self.allowed_token_ids = list(self.allowed_token_ids)
         if not isinstance(self.output_kind, RequestOutputKind):
             try:
                 self.output_kind = RequestOutputKind(self.output_kind)
@@ -124,10 +147,62 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if not _is_int(t) or t < 0:
                 _fail("stop_token_ids", self.stop_token_ids, "a list of non-negative integers")
+        self._validate_token_constraints()
+        if self.truncate_prompt_tokens is not None and not (
+            _is_int(self.truncate_prompt_tokens)
+            and (self.truncate_prompt_tokens == -1 or self.truncate_prompt_tokens >= 1)
+        ):
+            _fail(
+                "truncate_prompt_tokens",
+                self.truncate_prompt_tokens,
+                "None, an integer >= 1 (keep the last k prompt tokens) or -1 (keep the last max_model_len)",
+            )
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            _fail("extra_args", self.extra_args, "None or a dict (passed through to custom processors)")
         if self.stop and not self.detokenize:
             raise ValueError(
                 f"stop={self.stop!r} needs detokenize=True: stop strings are matched on the output text"
             )
+
+    def _validate_token_constraints(self) -> None:
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                _fail("logit_bias", self.logit_bias, "None or a dict of token id -> bias")
+            # Only the offending entry is quoted: a bias dict may hold thousands.
+            for token_id, bias in self.logit_bias.items():
+                if not _is_int(token_id) or token_id < 0:
+                    _fail("logit_bias", {token_id: bias}, "token ids (the keys) that are integers >= 0")
+                if isinstance(bias, bool) or not isinstance(bias, int | float) or bias != bias:
+                    _fail("logit_bias", {token_id: bias}, "biases (the values) that are numbers")
+                if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                    _fail(
+                        "logit_bias",
+                        {token_id: bias},
+                        f"biases from -{MAX_LOGIT_BIAS:g} to {MAX_LOGIT_BIAS:g}",
+                    )
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not isinstance(ids, list) or not ids:
+                _fail("allowed_token_ids", ids, "None or a non-empty list of token ids")
+            bad = [t for t in ids if not (_is_int(t) and t >= 0)]
+            if bad:
+                _fail("allowed_token_ids", bad[:10], "a non-empty list of integers >= 0 (these are not)")
+        if not isinstance(self.bad_words, list) or not all(
+            isinstance(w, str) and w.strip() for w in self.bad_words
+        ):
+            _fail(
+                "bad_words", self.bad_words, "None or a list of strings that are not empty or only whitespace"
+            )
+
+    @property
+    def bad_words_token_ids(self) -> list[list[int]] | None:
+        """Token sequences of `bad_words` (None until the engine has tokenized them)."""
+        return self._bad_words_token_ids
+
+    @property
+    def has_token_constraints(self) -> bool:
+        """Whether the sampler must process this request's logits for allowed ids, bad words or biases."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words)
 
     @property
     def sampling_type(self) -> SamplingType:
@@ -157,6 +232,14 @@ class SamplingParams:
             raise TypeError(f"SamplingParams has no field(s) {sorted(unknown)}")
         changes.setdefault("stop", list(self.stop))
         changes.setdefault("stop_token_ids", list(self.stop_token_ids))
+        changes.setdefault("bad_words", list(self.bad_words))
+        if "bad_words" in changes and changes["bad_words"] != self.bad_words:
+            changes["_bad_words_token_ids"] = None  # tokenized again by the engine
+        for name in ("logit_bias", "extra_args"):
+            value = changes.get(name, getattr(self, name))
+            changes[name] = dict(value) if isinstance(value, dict) else value
+        if isinstance(self.allowed_token_ids, list):
+            changes.setdefault("allowed_token_ids", list(self.allowed_token_ids))
         return replace(self, **changes)
 
 

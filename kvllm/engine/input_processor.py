@@ -1,7 +1,9 @@
 """InputProcessor: what a request brings in, made ready for the engine.
 
-Prompts become token ids and are checked against the model, conversations are rendered with the
-chat template, and unset sampling fields take the model's generation_config.json defaults. LLM and
+Prompts become token ids (truncated to `truncate_prompt_tokens`) and are checked against the model,
+sampling parameters' token ids are checked against the vocabulary and their bad words tokenized,
+conversations are rendered with the chat template, and unset sampling fields take the model's
+generation_config.json defaults. LLM and
 LLMEngine use it; the OpenAI server shares the generation-config rule and renders chats with its
 own bounded renderer (entrypoints/chat_utils.py), mapping errors to OpenAI's shapes.
 """
@@ -27,6 +29,43 @@ def with_generation_defaults(fields: dict[str, Any], defaults: dict[str, Any]) -
         for name, value in fields.items()
         if value is not None or name in defaults
     }
+
+
+def truncate_prompt(
+    token_ids: list[int], truncate_prompt_tokens: int | None, max_model_len: int, side: str = "left"
+) -> list[int]:
+    """The last `truncate_prompt_tokens` tokens of the prompt (-1: the last max_model_len; None: all);
+    the first ones with side="right" (vLLM's truncation_side).
+
+    vLLM's rule: more than max_model_len is refused, since no prompt may be that long.
+    """
+    if truncate_prompt_tokens is None:
+        return token_ids
+    keep = max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+    if keep > max_model_len:
+        raise ValueError(
+            f"truncate_prompt_tokens={truncate_prompt_tokens} is not valid; allowed: -1 or an integer from 1 "
+            f"to max_model_len ({max_model_len})"
+        )
+    if len(token_ids) <= keep:
+        return token_ids
+    return token_ids[:keep] if side == "right" else token_ids[-keep:]
+
+
+def bad_words_token_ids(tokenizer: Any, bad_words: list[str]) -> list[list[int]]:
+    """Token sequences to ban for `bad_words`, as vLLM tokenizes them: each word alone, and with a
+    leading space when that gives a different first token and as many tokens (so the word is banned
+    at the start of the text and after a space)."""
+    sequences: list[list[int]] = []
+    for word in bad_words:
+        alone = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        if not alone:
+            raise ValueError(f"bad_words={[word]!r} is not valid: the word has no tokens")
+        sequences.append(list(alone))
+        if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
+            sequences.append(list(spaced))
+    return sequences
 
 
 class InputProcessor:
@@ -69,6 +108,45 @@ class InputProcessor:
             raise ValueError(
                 f"Token id {bad[0]} is out of range; allowed: 0 <= id < {vocab} (the vocabulary)"
             )
+
+    def truncate_prompt(self, token_ids: list[int], params: SamplingParams) -> list[int]:
+        """The prompt as the request's `truncate_prompt_tokens` keeps it."""
+        return truncate_prompt(token_ids, params.truncate_prompt_tokens, self.model_config.max_model_len)
+
+    def process_params(self, params: SamplingParams) -> SamplingParams:
+        """`params` with token ids checked against the model and bad words tokenized (a copy then).
+
+        ValueError naming the field for ids outside the vocabulary: allowed_token_ids must be tokens
+        of the tokenizer (vLLM's rule), logit_bias ids rows of the logits.
+        """
+        vocab = self.model_config.vocab_size
+        if params.logit_bias:
+            bad = sorted(t for t in params.logit_bias if t >= vocab)
+            if bad:
+                raise ValueError(
+                    f"logit_bias={ {t: params.logit_bias[t] for t in bad[:10]} } is not valid: token id(s) "
+                    f"out of range; allowed: 0 <= id < {vocab} (the vocabulary)"
+                )
+        if params.allowed_token_ids is not None:
+            limit = min(vocab, len(self.tokenizer))
+            bad = sorted({t for t in params.allowed_token_ids if t >= limit})
+            if bad:
+                raise ValueError(
+                    f"allowed_token_ids={bad[:10]} is not valid: token id(s) out of range; allowed: "
+                    f"0 <= id < {limit} (the tokenizer's vocabulary)"
+                )
+        if not params.bad_words:
+            return params
+        sequences = bad_words_token_ids(self.tokenizer, params.bad_words)
+        bad = sorted({t for word in sequences for t in word if not 0 <= t < vocab})
+        if bad:
+            raise ValueError(
+                f"bad_words={params.bad_words!r} is not valid: they tokenize to id(s) {bad[:10]}, outside "
+                f"the model's vocabulary of {vocab}"
+            )
+        processed = params.clone()
+        processed._bad_words_token_ids = sequences
+        return processed
 
     def max_tokens(self, params: SamplingParams, num_prompt_tokens: int) -> int:
         """Tokens the request may generate: its max_tokens, capped by what max_model_len leaves."""

@@ -137,7 +137,9 @@ class LLMEngine:
         if request_id in self.output_processor.parents:
             raise ValueError(f"Request id {request_id!r} is already in use")
         text, token_ids = self.input_processor.tokenize_prompt(prompt)
+        token_ids = self.input_processor.truncate_prompt(token_ids, params)
         self.input_processor.validate_prompt(token_ids)
+        params = self.input_processor.process_params(params)
         self._check_fits_cache(token_ids)
         max_tokens = self.input_processor.max_tokens(params, len(token_ids))
         requests = []

@@ -35,6 +35,38 @@ class PenaltyInputs:
 
 
 @dataclass
+class AllowedTokenInputs:
+    """allowed_token_ids of a subset of rows: `rows` (None = every row) and what they may not sample."""
+
+    rows: torch.Tensor | None  # int64 [A] on the device, or None for all rows
+    disallowed: torch.Tensor  # bool [A, V]: True where the token may not be sampled
+
+
+@dataclass
+class BadWordInputs:
+    """One entry per (row, bad word) that could complete this step (its other tokens fit in the output).
+
+    The entry bans `last_token_ids` when the row's last L tokens (`recent`) equal `prefixes` wherever
+    `prefixes` is not -1 (words are right-aligned, shorter ones padded with -1 on the left; a word of
+    one token is all padding, so it is always banned).
+    """
+
+    rows: torch.Tensor  # int64 [W]
+    last_token_ids: torch.Tensor  # int64 [W]
+    prefixes: torch.Tensor  # int64 [W, L]
+    recent: torch.Tensor  # int64 [W, L]: the row's last L tokens (anything where prefixes is -1)
+
+
+@dataclass
+class LogitBiasInputs:
+    """logit_bias of every row that has one, flattened: logits[rows[k], token_ids[k]] += biases[k]."""
+
+    rows: torch.Tensor  # int64 [K]
+    token_ids: torch.Tensor  # int64 [K]
+    biases: torch.Tensor  # float32 [K]
+
+
+@dataclass
 class SamplingMetadata:
     """Sampling inputs of N rows. Tensors are None where no row needs them (a host-known fact)."""
 
@@ -51,6 +83,9 @@ class SamplingMetadata:
     generators: dict[int, torch.Generator] = field(default_factory=dict)  # row -> its seeded generator
     penalties: PenaltyInputs | None = None
     suppressed: list[tuple[int, Sequence[int]]] = field(default_factory=list)  # min_tokens: row -> ids
+    allowed: AllowedTokenInputs | None = None
+    bad_words: BadWordInputs | None = None
+    logit_bias: LogitBiasInputs | None = None
     num_logprobs: list[int | None] | None = None  # per row, None when no row asks for logprobs
     need_sampled_logprobs: bool = False  # the chosen tokens' raw logprobs (for cumulative_logprob)
 
@@ -64,6 +99,9 @@ class SamplingMetadata:
         generators: dict[int, torch.Generator] | None = None,
         penalties: PenaltyInputs | None = None,
         suppressed: list[tuple[int, Sequence[int]]] | None = None,
+        allowed: AllowedTokenInputs | None = None,
+        bad_words: BadWordInputs | None = None,
+        logit_bias: LogitBiasInputs | None = None,
         need_sampled_logprobs: bool | None = None,
     ) -> SamplingMetadata:
         """Metadata for rows with these parameters; per-row tensors uploaded once each."""
@@ -107,6 +145,9 @@ class SamplingMetadata:
             generators=generators or {},
             penalties=penalties,
             suppressed=suppressed or [],
+            allowed=allowed,
+            bad_words=bad_words,
+            logit_bias=logit_bias,
             num_logprobs=[p.logprobs for p in params] if wants_logprobs else None,
             need_sampled_logprobs=wants_logprobs if need_sampled_logprobs is None else need_sampled_logprobs,
         )

@@ -1,6 +1,7 @@
 """Sampler: one token per row from [N, V] logits, with vLLM v1 semantics, without host reads.
 
-Order: min_tokens suppression -> penalties -> greedy rows take argmax -> temperature -> top-k ->
+Order (vLLM v1's): allowed_token_ids -> bad_words -> min_tokens suppression -> logit_bias ->
+penalties -> greedy rows take argmax -> temperature -> top-k ->
 top-p -> min-p -> sample. Reported logprobs (and ranks) come from the raw logits, before any
 processing. Random rows sample by an exponential race (argmax of p / E with E ~ Exp(1)), which is
 exact and needs no sorting; a seeded row draws its own E from its generator, V values per step, so
@@ -19,8 +20,18 @@ import torch
 
 from kvllm.outputs import PositionLogprobs
 from kvllm.sample.logprobs import logprob_tensors, position_entry
-from kvllm.sample.metadata import SamplingMetadata, penalty_inputs
+from kvllm.sample.metadata import AllowedTokenInputs, SamplingMetadata, penalty_inputs
 from kvllm.sample.penalties import apply_penalties, suppress_tokens, token_counts
+from kvllm.sample.token_constraints import (
+    allowed_token_mask,
+    apply_allowed_token_ids,
+    apply_bad_words,
+    apply_logit_bias,
+    bad_word_table,
+    logit_bias_arrays,
+    logit_bias_inputs,
+    recent_from_lists,
+)
 from kvllm.sample.topk_topp import apply_min_p, apply_top_k_top_p
 from kvllm.sampling_params import SamplingParams
 
@@ -31,7 +42,8 @@ class SamplingRow:
 
     `generator` is the request's own generator when `params.seed` is set; None uses the default
     RNG. `eos_token_ids` (unless `params.ignore_eos`) and `params.stop_token_ids` are suppressed
-    while len(output_token_ids) < params.min_tokens.
+    while len(output_token_ids) < params.min_tokens. `params.bad_words` need their token ids
+    (`params.bad_words_token_ids`, set by the engine's input processor).
     """
 
     params: SamplingParams
@@ -132,7 +144,7 @@ class Sampler:
         if logits.dim() != 2 or logits.shape[0] != md.num_rows:
             raise ValueError(f"logits must be [num_rows={md.num_rows}, vocab], got {tuple(logits.shape)}")
         # Penalties and the torch path work in float32; the fused pass reads the model's dtype.
-        needs_float = md.penalties is not None or bool(md.suppressed) or not self._can_fuse(logits, md)
+        needs_float = has_sequence_processors(md) or not self._can_fuse(logits, md)
         raw = logits.float() if needs_float else logits
         work = apply_sequence_processors(raw, md)
         if self._can_fuse(work, md):
@@ -217,6 +229,30 @@ def metadata_from_rows(
         for i, row in enumerate(rows)
         if len(row.output_token_ids) < row.params.min_tokens
     ]
+    allowed = None
+    restricted = [i for i, p in enumerate(params) if p.allowed_token_ids is not None]
+    if restricted:
+        masks = [allowed_token_mask(params[i].allowed_token_ids or [], vocab_size) for i in restricted]
+        allowed = AllowedTokenInputs(
+            rows=None if len(restricted) == len(rows) else torch.tensor(restricted, device=device),
+            disallowed=torch.stack(masks).to(device),
+        )
+    bad_words = None
+    banning = [i for i, p in enumerate(params) if p.bad_words]
+    if banning:
+        for i in banning:
+            if params[i].bad_words_token_ids is None:
+                raise ValueError(
+                    f"bad_words={params[i].bad_words!r} have not been tokenized: the engine's input "
+                    "processor sets bad_words_token_ids"
+                )
+        table = bad_word_table(
+            [(i, params[i].bad_words_token_ids or [], len(rows[i].output_token_ids)) for i in banning]
+        )
+        if table is not None:
+            recent = recent_from_lists(table, [rows[i].output_token_ids for i in banning])
+            bad_words = table.inputs(recent.to(device), device)
+    biased = [(i, logit_bias_arrays(p.logit_bias)) for i, p in enumerate(params) if p.logit_bias]
     return SamplingMetadata.from_params(
         params,
         device,
@@ -229,16 +265,37 @@ def metadata_from_rows(
         },
         penalties=penalties,
         suppressed=suppressed,
+        allowed=allowed,
+        bad_words=bad_words,
+        logit_bias=logit_bias_inputs(biased, device) if biased else None,
         need_sampled_logprobs=need_sampled_logprobs,
     )
 
 
+def has_sequence_processors(md: SamplingMetadata) -> bool:
+    """Whether some row's logits are changed before sampling (host-known)."""
+    return (
+        bool(md.suppressed)
+        or md.penalties is not None
+        or md.allowed is not None
+        or md.bad_words is not None
+        or md.logit_bias is not None
+    )
+
+
 def apply_sequence_processors(raw: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-    """min_tokens suppression and penalties; returns `raw` itself when no row needs either."""
-    if not md.suppressed and md.penalties is None:
+    """Token constraints, min_tokens suppression and penalties, in vLLM's order; returns `raw` itself
+    when no row needs any."""
+    if not has_sequence_processors(md):
         return raw
     work = raw.clone()
+    if md.allowed is not None:
+        apply_allowed_token_ids(work, md.allowed)
+    if md.bad_words is not None:
+        apply_bad_words(work, md.bad_words)
     suppress_tokens(work, md.suppressed)
+    if md.logit_bias is not None:
+        apply_logit_bias(work, md.logit_bias)
     pen = md.penalties
     if pen is not None:
         subset = work if pen.rows is None else work.index_select(0, pen.rows)

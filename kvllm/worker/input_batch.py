@@ -25,7 +25,14 @@ import torch
 from kvllm.attention.metadata import CommonAttentionMetadata
 from kvllm.core.request import Request
 from kvllm.core.sched_output import SchedulerOutput
-from kvllm.sample.metadata import SamplingMetadata, penalty_inputs
+from kvllm.sample.metadata import (
+    AllowedTokenInputs,
+    BadWordInputs,
+    LogitBiasInputs,
+    SamplingMetadata,
+    penalty_inputs,
+)
+from kvllm.sample.token_constraints import bad_word_table, logit_bias_arrays, logit_bias_inputs
 from kvllm.sampling_params import SamplingParams
 from kvllm.worker.buffers import CpuGpuBuffer, Layout, StagingBuffer, upload_from_host
 
@@ -39,6 +46,8 @@ class RequestState:
     params: SamplingParams
     generator: torch.Generator | None
     eos_token_ids: tuple[int, ...]
+    bad_words: list[list[int]]  # token ids of params.bad_words
+    logit_bias: tuple[np.ndarray, np.ndarray] | None  # (token ids, biases) of params.logit_bias
 
 
 @dataclass
@@ -99,6 +108,12 @@ class InputBatch:
         self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_logprobs = np.full(max_num_reqs, -1, dtype=np.int64)  # -1 = none asked
         self.wants_prompt_logprobs = np.zeros(max_num_reqs, dtype=bool)
+        self.has_allowed_token_ids = np.zeros(max_num_reqs, dtype=bool)
+        self.has_bad_words = np.zeros(max_num_reqs, dtype=bool)
+        self.has_logit_bias = np.zeros(max_num_reqs, dtype=bool)
+        # bool [max_num_reqs, V] on the device, True where a row's allowed_token_ids leave a token out;
+        # allocated by the first request that has allowed_token_ids. Rows without them are never read.
+        self._disallowed: torch.Tensor | None = None
         self._params_dirty = False
 
         # ---- one step's staging, fixed offsets (int32 and int64 sections) ----
@@ -162,6 +177,14 @@ class InputBatch:
         self.num_prompt_tokens[row] = len(request.prompt_token_ids)
         self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
         self.wants_prompt_logprobs[row] = params.prompt_logprobs is not None
+        self.has_allowed_token_ids[row] = params.allowed_token_ids is not None
+        if params.allowed_token_ids is not None:
+            self._write_allowed_token_ids(row, params.allowed_token_ids)
+        bad_words = params.bad_words_token_ids or []
+        if params.bad_words and params.bad_words_token_ids is None:
+            raise ValueError(f"request {request.request_id}: bad_words were not tokenized by the engine")
+        self.has_bad_words[row] = bool(bad_words)
+        self.has_logit_bias[row] = bool(params.logit_bias)
         self.temperature.np[row] = 1.0 if greedy else params.temperature
         self.top_p.np[row] = 1.0 if greedy else params.top_p
         self.min_p.np[row] = 0.0 if greedy else params.min_p
@@ -175,10 +198,21 @@ class InputBatch:
             params=params,
             generator=request.generator,
             eos_token_ids=tuple(request.eos_token_ids),
+            bad_words=bad_words,
+            logit_bias=logit_bias_arrays(params.logit_bias) if params.logit_bias else None,
         )
         self.states[request.request_id] = state
         self.row_states[row] = state
         return state
+
+    def _write_allowed_token_ids(self, row: int, token_ids: list[int]) -> None:
+        """The row's disallowed mask: every token but `token_ids` (in the vocabulary: checked upstream)."""
+        if self._disallowed is None:
+            self._disallowed = torch.zeros(
+                (self.max_num_reqs, self.vocab_size), dtype=torch.bool, device=self.device
+            )
+        ids = torch.tensor(token_ids, dtype=torch.int64).to(self.device, non_blocking=True)
+        self._disallowed[row].fill_(True).index_fill_(0, ids, False)
 
     def remove(self, req_id: str) -> None:
         """Free a request's row (unknown ids are ignored: it may never have been scheduled)."""
@@ -421,6 +455,9 @@ class InputBatch:
             )
         num_logprobs = self.num_logprobs[sample_rows]
         wants_logprobs = bool((num_logprobs >= 0).any())
+        allowed = self._allowed_inputs(sample_rows)
+        bad_words = self._bad_word_inputs(sample_rows)
+        logit_bias = self._logit_bias_inputs(sample_rows)
         return SamplingMetadata(
             num_rows=num,
             all_greedy=all_greedy,
@@ -435,9 +472,62 @@ class InputBatch:
             generators=generators,
             penalties=penalties,
             suppressed=suppressed,
+            allowed=allowed,
+            bad_words=bad_words,
+            logit_bias=logit_bias,
             num_logprobs=[None if k < 0 else k for k in num_logprobs.tolist()] if wants_logprobs else None,
             need_sampled_logprobs=wants_logprobs,
         )
+
+    # Each of these costs one numpy test over the sampled rows when no row uses its feature, and
+    # work proportional to the rows (and their entries) that do otherwise.
+
+    def _upload(self, values: np.ndarray) -> torch.Tensor:
+        return upload_from_host(torch.from_numpy(np.ascontiguousarray(values)), self.device)
+
+    def _allowed_inputs(self, sample_rows: np.ndarray) -> AllowedTokenInputs | None:
+        restricted = np.flatnonzero(self.has_allowed_token_ids[sample_rows])
+        if not len(restricted):
+            return None
+        assert self._disallowed is not None  # written when the first such request joined
+        return AllowedTokenInputs(
+            rows=None if len(restricted) == len(sample_rows) else self._upload(restricted),
+            disallowed=self._disallowed.index_select(0, self._upload(sample_rows[restricted])),
+        )
+
+    def _bad_word_inputs(self, sample_rows: np.ndarray) -> BadWordInputs | None:
+        banning = np.flatnonzero(self.has_bad_words[sample_rows])
+        if not len(banning):
+            return None
+        rows = sample_rows[banning]
+        num_output = self.num_tokens[rows] - self.num_prompt_tokens[rows]
+        states = self.row_states
+        table = bad_word_table(
+            [
+                (i, states[row].bad_words, n)  # type: ignore[union-attr]
+                for i, row, n in zip(banning.tolist(), rows.tolist(), num_output.tolist())
+            ]
+        )
+        if table is None:
+            return None
+        # Each entry's last `width` tokens, read from the device token table (the host may not know
+        # the last one yet); positions before the output fall under -1 prefixes and are not compared.
+        entry_rows = rows[table.sources]
+        width = table.width
+        positions = self.num_tokens[entry_rows][:, None] - width + np.arange(width)[None, :]
+        flat = entry_rows[:, None] * self.max_model_len + np.maximum(positions, 0)
+        recent = self.token_ids.view(-1).index_select(0, self._upload(flat.reshape(-1)))
+        return table.inputs(recent.view(len(entry_rows), width).long(), self.device)
+
+    def _logit_bias_inputs(self, sample_rows: np.ndarray) -> LogitBiasInputs | None:
+        biased = np.flatnonzero(self.has_logit_bias[sample_rows])
+        if not len(biased):
+            return None
+        states = self.row_states
+        entries = [
+            (i, states[row].logit_bias) for i, row in zip(biased.tolist(), sample_rows[biased].tolist())
+        ]
+        return logit_bias_inputs(entries, self.device)  # type: ignore[arg-type]
 
     def _token_counts(
         self, rows: np.ndarray, num_tokens: np.ndarray, vocab_size: int

@@ -90,7 +90,7 @@ def assert_engine_idle(engine: LLMEngine) -> None:
         ({"model": "tiny", "prompt": "x", "n": 0}, 400, "n", None),
         ({"model": "tiny", "prompt": "x", "logprobs": 50}, 400, "logprobs", "0 to 20"),
         ({"model": "tiny", "prompt": "x", "best_of": 3}, 400, "best_of", None),
-        ({"model": "tiny", "prompt": "x", "logit_bias": {"5": 1.0}}, 400, "logit_bias", None),
+        ({"model": "tiny", "prompt": "x", "logit_bias": {"5": 101}}, 400, "logit_bias", "-100 to 100"),
         ({"model": "tiny", "prompt": []}, 400, "prompt", "empty"),
         ({"model": "tiny", "prompt": [[]]}, 400, "prompt", "empty"),
         ({"model": "tiny", "prompt": [5, 100000]}, 400, None, "out of range"),

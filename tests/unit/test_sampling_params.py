@@ -58,6 +58,19 @@ def test_sampling_type():
         ({"seed": 2**64}, ["seed", "18446744073709551616", "-2**63 to 2**64 - 1"]),
         ({"stop": ["ok", ""]}, ["stop", "non-empty"]),
         ({"stop_token_ids": [-1]}, ["stop_token_ids", "-1"]),
+        ({"logit_bias": {5: 100.5}}, ["logit_bias={5: 100.5}", "-100 to 100"]),
+        ({"logit_bias": {"5": 1.0}}, ["logit_bias", "integers >= 0"]),
+        ({"logit_bias": {-1: 1.0}}, ["logit_bias", "integers >= 0"]),
+        ({"logit_bias": {5: "x"}}, ["logit_bias", "numbers"]),
+        ({"logit_bias": [5]}, ["logit_bias", "dict"]),
+        ({"allowed_token_ids": []}, ["allowed_token_ids=[]", "non-empty"]),
+        ({"allowed_token_ids": [3, -2, 1.5]}, ["allowed_token_ids=[-2, 1.5]", "integers >= 0"]),
+        ({"bad_words": ["ok", ""]}, ["bad_words", "not empty"]),
+        ({"bad_words": ["  "]}, ["bad_words", "whitespace"]),
+        ({"bad_words": "word"}, ["bad_words", "list of strings"]),
+        ({"truncate_prompt_tokens": 0}, ["truncate_prompt_tokens=0", "-1"]),
+        ({"truncate_prompt_tokens": -2}, ["truncate_prompt_tokens=-2", ">= 1"]),
+        ({"extra_args": [1]}, ["extra_args", "dict"]),
         ({"stop": "x", "detokenize": False}, ["stop", "detokenize=True"]),
         ({"temperature": float("nan")}, ["temperature", "nan"]),
     ],
@@ -89,3 +102,24 @@ def test_clone_and_replace():
         p.replace(top_p=2.0)
     with pytest.raises(TypeError, match="best_of"):
         p.replace(best_of=2)
+
+
+def test_token_constraint_fields_and_copies():
+    p = SamplingParams(
+        logit_bias={3: -100, 7: 2.5},
+        allowed_token_ids=(1, 2, 3),
+        bad_words=("foo", "bar baz"),
+        truncate_prompt_tokens=-1,
+        extra_args={"custom": [1]},
+    )
+    assert p.allowed_token_ids == [1, 2, 3] and p.bad_words == ["foo", "bar baz"]
+    assert p.has_token_constraints and not SamplingParams().has_token_constraints
+    assert SamplingParams().bad_words == [] and SamplingParams().bad_words_token_ids is None
+    p._bad_words_token_ids = [[1], [2, 3]]
+    copy = p.replace(seed=1)
+    assert copy.bad_words_token_ids == [[1], [2, 3]]  # same words: their tokens carry over
+    copy.logit_bias[9] = 1.0
+    copy.allowed_token_ids.append(9)
+    copy.bad_words.append("new")
+    assert 9 not in p.logit_bias and 9 not in p.allowed_token_ids and p.bad_words == ["foo", "bar baz"]
+    assert p.replace(bad_words=["other"]).bad_words_token_ids is None  # tokenized again by the engine

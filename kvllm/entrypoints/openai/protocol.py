@@ -44,6 +44,7 @@ class ErrorResponse(OpenAIBaseModel):
 
 class StreamOptions(OpenAIBaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage on every chunk too (with include_usage)
 
 
 class UsageInfo(OpenAIBaseModel):
@@ -52,8 +53,35 @@ class UsageInfo(OpenAIBaseModel):
     total_tokens: int = 0
 
 
+# vLLM request fields kvllm does not implement, with the value that means "not used" (vLLM's default).
+# A request that sets one to anything else is refused with a 400 naming it, never silently served
+# without it; other unknown fields (OpenAI clients send optional ones freely) are ignored.
+UNSUPPORTED_VLLM_FIELDS: dict[str, Any] = {
+    "use_beam_search": False,
+    "length_penalty": 1.0,
+    "prompt_embeds": None,
+    "structured_outputs": None,
+    "priority": 0,
+    "return_tokens_as_token_ids": None,
+    "cache_salt": None,
+    "kv_transfer_params": None,
+    "repetition_detection": None,
+    "thinking_token_budget": None,
+    "continue_final_message": False,
+    "documents": None,
+    "media_io_kwargs": None,
+    "mm_processor_kwargs": None,
+    "return_prompt_text": None,
+}
+
+
 class SamplingExtras(OpenAIBaseModel):
-    """Sampling fields shared by completions and chat (OpenAI's, then vLLM's extras)."""
+    """Sampling fields shared by completions and chat (OpenAI's, then vLLM's extras).
+
+    Unknown fields are kept (`model_extra`) so the handlers can refuse vLLM's unsupported ones.
+    """
+
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     n: int = 1
@@ -78,6 +106,12 @@ class SamplingExtras(OpenAIBaseModel):
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     return_token_ids: bool = False  # vLLM's: token ids of the prompt and of each choice in the response
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None  # keep the last k prompt tokens; -1: the last max_model_len
+    truncation_side: Literal["left", "right"] | None = None  # vLLM's: "right" keeps the first k instead
+    prompt_logprobs: int | None = None
+    vllm_xargs: dict[str, Any] | None = None  # vLLM's: SamplingParams.extra_args, for custom processors
 
 
 # ---- completions -------------------------------------------------------------------------------
@@ -101,12 +135,25 @@ class CompletionLogProbs(OpenAIBaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(OpenAIBaseModel):
+    """vLLM's Logprob in prompt_logprobs: -inf is sent as -9999.0 (JSON has no infinity)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per prompt position: token id -> its Logprob; the first position has none (nothing predicts it).
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 class CompletionChoice(OpenAIBaseModel):
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
     prompt_token_ids: list[int] | None = None
     token_ids: list[int] | None = None
 
@@ -146,6 +193,7 @@ class ChatCompletionRequest(SamplingExtras):
     tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    echo: bool = False  # vLLM's: the reply starts with the last message when it has the reply's role
     chat_template: str | None = None  # vLLM's: refused unless --trust-request-chat-template
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -185,6 +233,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None
     prompt_token_ids: list[int] | None = None
 
 

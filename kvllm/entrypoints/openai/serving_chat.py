@@ -26,8 +26,12 @@ from kvllm.entrypoints.openai.serving_engine import (
     check_valid_unicode,
     log_client_left,
     merge_streams,
+    message_text,
+    prompt_logprobs_body,
     sse,
     stream_error_event,
+    stream_usage,
+    usage_info,
 )
 from kvllm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 
@@ -61,6 +65,7 @@ class OpenAIServingChat(OpenAIServing):
             request.chat_template_kwargs,
             template,
         )
+        prompt_ids = self.truncate(prompt_ids, request)
         self.check_prompt_ids(prompt_ids, "messages")
         requested = (
             request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
@@ -68,11 +73,15 @@ class OpenAIServingChat(OpenAIServing):
         max_tokens = self.resolve_max_tokens(len(prompt_ids), requested, None, "messages")
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         params = self.sampling_params(request, max_tokens, logprobs)
+        if request.echo and request.prompt_logprobs is None and request.top_logprobs is not None:
+            if not request.stream:  # vLLM's rule: an echoed prompt gets top_logprobs prompt logprobs
+                params = params.replace(prompt_logprobs=request.top_logprobs)
         self.check_generation_budget([params])
         request_id = random_id("chatcmpl")
         streams = await self.add_requests(request_id, [({"prompt_token_ids": prompt_ids}, params)])
+        echoed = _echoed(request)
         if request.stream:
-            return self._stream(request, request_id, streams[0])
+            return self._stream(request, request_id, streams[0], echoed, len(prompt_ids))
         final: RequestOutput | None = None
         try:
             async for _, output in merge_streams(streams):
@@ -83,7 +92,7 @@ class OpenAIServingChat(OpenAIServing):
         choices = [
             ChatCompletionChoice(
                 index=c.index,
-                message=ChatResponseMessage(content=c.text),
+                message=ChatResponseMessage(content=echoed + c.text),
                 logprobs=self._logprobs(request, c, 0, len(c.token_ids)),
                 finish_reason=c.finish_reason,
                 stop_reason=c.stop_reason,
@@ -96,6 +105,7 @@ class OpenAIServingChat(OpenAIServing):
             model=self.model_name,
             choices=choices,
             usage=_usage(final),
+            prompt_logprobs=prompt_logprobs_body(final.prompt_logprobs),
             prompt_token_ids=final.prompt_token_ids if request.return_token_ids else None,
         )
 
@@ -107,9 +117,22 @@ class OpenAIServingChat(OpenAIServing):
         return chat_logprobs(c.token_ids[start:end], c.logprobs[start:end], request.top_logprobs or 0)
 
     async def _stream(
-        self, request: ChatCompletionRequest, request_id: str, stream: RequestStream
+        self,
+        request: ChatCompletionRequest,
+        request_id: str,
+        stream: RequestStream,
+        echoed: str,
+        num_prompt_tokens: int,
     ) -> AsyncIterator[str]:
-        def chunk(choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None) -> str:
+        include_usage, continuous_usage = stream_usage(request.stream_options)
+
+        def chunk(
+            choices: list[ChatCompletionStreamChoice],
+            usage: UsageInfo | None = None,
+            completion_tokens: int = 0,
+        ) -> str:
+            if usage is None and continuous_usage and choices:
+                usage = usage_info(num_prompt_tokens, completion_tokens)
             return sse(
                 ChatCompletionStreamResponse(
                     id=request_id, model=self.model_name, choices=choices, usage=usage
@@ -124,6 +147,9 @@ class OpenAIServingChat(OpenAIServing):
                 yield chunk(
                     [ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))]
                 )
+            if echoed:
+                for i in range(n):
+                    yield chunk([ChatCompletionStreamChoice(index=i, delta=DeltaMessage(content=echoed))])
             async for _, last in merge_streams([stream]):
                 for c in last.outputs:
                     i = c.index
@@ -144,12 +170,8 @@ class OpenAIServingChat(OpenAIServing):
                     )
                     sent_text[i], sent_tokens[i] = len(c.text), len(c.token_ids)
                     finished[i] = c.finish_reason is not None
-                    yield chunk([choice])
-            if (
-                last is not None
-                and request.stream_options is not None
-                and request.stream_options.include_usage
-            ):
+                    yield chunk([choice], completion_tokens=sent_tokens[i])
+            if last is not None and include_usage:
                 yield chunk([], _usage(last))
             yield "data: [DONE]\n\n"
         except Exception as exc:
@@ -160,6 +182,16 @@ class OpenAIServingChat(OpenAIServing):
             raise
         finally:
             stream.close()
+
+
+def _echoed(request: ChatCompletionRequest) -> str:
+    """What echo=true puts before each reply: the last message, when it has the reply's role (vLLM's
+    rule: "assistant", or the last message's own role without a generation prompt)."""
+    if not request.echo or not request.messages:
+        return ""
+    last = request.messages[-1]
+    role = "assistant" if request.add_generation_prompt else last.role
+    return message_text(last) if last.role == role else ""
 
 
 def _usage(output: RequestOutput) -> UsageInfo:

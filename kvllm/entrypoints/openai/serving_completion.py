@@ -21,8 +21,11 @@ from kvllm.entrypoints.openai.serving_engine import (
     check_valid_unicode,
     log_client_left,
     merge_streams,
+    prompt_logprobs_body,
     sse,
     stream_error_event,
+    stream_usage,
+    usage_info,
 )
 from kvllm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 
@@ -49,15 +52,15 @@ class OpenAIServingCompletion(OpenAIServing):
         requested = request.max_tokens if "max_tokens" in request.model_fields_set else None
         texts, prompts = [], []
         if request.echo or _has_text(request.prompt):
-            parsed = await self.in_tokenizer_thread(self._parse_prompts, request.prompt, request.echo)
+            parsed = await self.in_tokenizer_thread(self._parse_prompts, request)
         else:  # token ids only: nothing to wait for the tokenizer thread for
-            parsed = self._parse_prompts(request.prompt, echo=False)
+            parsed = self._parse_prompts(request)
         for text, ids in parsed:
             self.check_prompt_ids(ids, "prompt")
             max_tokens = self.resolve_max_tokens(len(ids), requested, DEFAULT_MAX_TOKENS, "prompt")
             params = self.sampling_params(request, max_tokens, request.logprobs)
-            if request.echo and request.logprobs is not None:  # the echoed prompt gets logprobs too
-                params = params.replace(prompt_logprobs=request.logprobs)
+            if request.echo and request.logprobs is not None and request.prompt_logprobs is None:
+                params = params.replace(prompt_logprobs=request.logprobs)  # the echoed prompt's logprobs
             engine_prompt: dict[str, Any] = {"prompt_token_ids": ids}
             if text is not None:
                 engine_prompt["prompt"] = text
@@ -96,11 +99,24 @@ class OpenAIServingCompletion(OpenAIServing):
         usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
         return CompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage)
 
-    def _parse_prompts(self, prompt: Any, echo: bool) -> list[tuple[str | None, list[int]]]:
-        """(text, token ids) per prompt; token-id prompts get their text decoded when echoed.
+    def _parse_prompts(self, request: CompletionRequest) -> list[tuple[str | None, list[int]]]:
+        """(text, token ids) per prompt, truncated as the request asks; token-id prompts (and truncated
+        ones) get their text decoded when echoed.
 
         CPU-heavy: runs in the tokenizer thread.
         """
+        parsed = self._tokenize_prompts(request.prompt, request.echo)
+        if request.truncate_prompt_tokens is None:
+            return parsed
+        truncated = []
+        for text, ids in parsed:
+            kept = self.truncate(ids, request)
+            if len(kept) < len(ids):
+                text = self.tokenizer.decode(kept) if request.echo else None
+            truncated.append((text, kept))
+        return truncated
+
+    def _tokenize_prompts(self, prompt: Any, echo: bool) -> list[tuple[str | None, list[int]]]:
         if isinstance(prompt, str):
             return [(prompt, self.tokenizer(prompt).input_ids)]
         if not prompt:
@@ -153,6 +169,7 @@ class OpenAIServingCompletion(OpenAIServing):
             logprobs=logprobs,
             finish_reason=c.finish_reason,
             stop_reason=c.stop_reason,
+            prompt_logprobs=None if request.stream else prompt_logprobs_body(prompt_logprobs),
         )
         if request.return_token_ids:
             choice.token_ids = c.token_ids[start:end]
@@ -180,6 +197,7 @@ class OpenAIServingCompletion(OpenAIServing):
         texts: list[str | None],
     ) -> AsyncIterator[str]:
         n = request.n
+        include_usage, continuous_usage = stream_usage(request.stream_options)
         sent_text = [0] * (len(streams) * n)
         sent_tokens = [0] * (len(streams) * n)
         offsets = [0] * (len(streams) * n)
@@ -215,13 +233,15 @@ class OpenAIServingCompletion(OpenAIServing):
                         offsets[idx] = choice.logprobs.text_offset[-1] + len(choice.logprobs.tokens[-1])
                     sent_text[idx], sent_tokens[idx] = len(c.text), len(c.token_ids)
                     finished[idx] = c.finish_reason is not None
-                    yield sse(CompletionResponse(id=request_id, model=self.model_name, choices=[choice]))
-            if request.stream_options is not None and request.stream_options.include_usage:
-                usage = UsageInfo(
-                    prompt_tokens=sum(len(o.prompt_token_ids) for o in last if o is not None),
-                    completion_tokens=sum(len(c.token_ids) for o in last if o is not None for c in o.outputs),
+                    chunk = CompletionResponse(id=request_id, model=self.model_name, choices=[choice])
+                    if continuous_usage:
+                        chunk.usage = usage_info(len(output.prompt_token_ids), len(c.token_ids))
+                    yield sse(chunk)
+            if include_usage:
+                usage = usage_info(
+                    sum(len(o.prompt_token_ids) for o in last if o is not None),
+                    sum(len(c.token_ids) for o in last if o is not None for c in o.outputs),
                 )
-                usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
                 yield sse(CompletionResponse(id=request_id, model=self.model_name, choices=[], usage=usage))
             yield "data: [DONE]\n\n"
         except Exception as exc:

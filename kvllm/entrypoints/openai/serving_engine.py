@@ -20,12 +20,20 @@ from pydantic import BaseModel
 
 from kvllm.config.serving import ServingLimits
 from kvllm.engine.async_llm import AsyncLLM, RequestStream
-from kvllm.engine.input_processor import with_generation_defaults
+from kvllm.engine.input_processor import truncate_prompt, with_generation_defaults
 from kvllm.entrypoints.chat_utils import ChatTemplateError, ChatTemplateRenderer
 from kvllm.entrypoints.openai.errors import OpenAIError, internal_error, to_openai_error
-from kvllm.entrypoints.openai.protocol import ChatMessage, SamplingExtras
+from kvllm.entrypoints.openai.protocol import (
+    UNSUPPORTED_VLLM_FIELDS,
+    ChatMessage,
+    PromptLogprob,
+    PromptLogprobs,
+    SamplingExtras,
+    StreamOptions,
+    UsageInfo,
+)
 from kvllm.logger import init_logger
-from kvllm.outputs import RequestOutput
+from kvllm.outputs import PositionLogprobs, RequestOutput
 from kvllm.sampling_params import SamplingParams
 
 logger = init_logger(__name__)
@@ -80,8 +88,39 @@ class OpenAIServing:
             )
 
     def check_unsupported(self, request: SamplingExtras) -> None:
-        if request.logit_bias:
-            raise OpenAIError("logit_bias is not supported by this server; omit it", param="logit_bias")
+        """Fields and combinations refused before any work (vLLM's rules), with a 400 naming the field."""
+        for name, value in (request.model_extra or {}).items():
+            if name in UNSUPPORTED_VLLM_FIELDS and value != UNSUPPORTED_VLLM_FIELDS[name]:
+                raise OpenAIError(
+                    f"{name} is not supported by this server; omit it (or send vLLM's default, "
+                    f"{json.dumps(UNSUPPORTED_VLLM_FIELDS[name])})",
+                    param=name,
+                )
+        if request.prompt_logprobs is not None:
+            if request.stream and request.prompt_logprobs != 0:
+                raise OpenAIError(
+                    "prompt_logprobs are not available when stream=true; omit one of them",
+                    param="prompt_logprobs",
+                )
+            self.check_logprobs(request.prompt_logprobs, "prompt_logprobs")
+        if request.truncation_side is not None and request.truncate_prompt_tokens is None:
+            raise OpenAIError("truncation_side needs truncate_prompt_tokens", param="truncation_side")
+
+    def truncate(self, token_ids: list[int], request: SamplingExtras) -> list[int]:
+        """The prompt as truncate_prompt_tokens / truncation_side keep it (400 naming the field)."""
+        k = request.truncate_prompt_tokens
+        if k is None:
+            return token_ids
+        if not (k == -1 or k >= 1):
+            raise OpenAIError(
+                f"truncate_prompt_tokens={k} is not valid; allowed: -1 (the last max_model_len tokens) or an "
+                "integer >= 1 (the last k tokens)",
+                param="truncate_prompt_tokens",
+            )
+        try:
+            return truncate_prompt(token_ids, k, self.max_model_len, request.truncation_side or "left")
+        except ValueError as exc:
+            raise OpenAIError.bad_request(exc) from None
 
     def check_limits(self, request: SamplingExtras, num_prompts: int = 1) -> None:
         """The per-request limits that need no tokenizing: n, prompts, stop strings (400 naming each)."""
@@ -164,6 +203,11 @@ class OpenAIServing:
             "skip_special_tokens": request.skip_special_tokens,
             "spaces_between_special_tokens": request.spaces_between_special_tokens,
             "include_stop_str_in_output": request.include_stop_str_in_output,
+            "logit_bias": _logit_bias(request.logit_bias),
+            "allowed_token_ids": request.allowed_token_ids,
+            "bad_words": request.bad_words,
+            "prompt_logprobs": request.prompt_logprobs,
+            "extra_args": request.vllm_xargs,
         }
         fields = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
         kwargs.update(
@@ -232,7 +276,7 @@ class OpenAIServing:
                     f"chat_template_kwargs.{name} is set by the server; use the request field instead",
                     param="chat_template_kwargs",
                 )
-        conversation = [{"role": m.role, "content": _text_content(m)} for m in messages]
+        conversation = [{"role": m.role, "content": message_text(m)} for m in messages]
         try:
             text = self.renderer.render(
                 template,
@@ -263,7 +307,54 @@ class OpenAIServing:
         return streams
 
 
-def _text_content(message: ChatMessage) -> str:
+def _logit_bias(logit_bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias (token ids as JSON string keys) with integer keys; values checked later."""
+    if logit_bias is None:
+        return None
+    biases: dict[int, float] = {}
+    for key, bias in logit_bias.items():
+        try:
+            biases[int(key)] = bias
+        except ValueError:
+            raise OpenAIError(
+                f'logit_bias key {key!r} is not valid; allowed: token ids (integers as strings, e.g. "50256")',
+                param="logit_bias",
+            ) from None
+    return biases
+
+
+def stream_usage(options: StreamOptions | None) -> tuple[bool, bool]:
+    """(usage in a last chunk, usage on every chunk): vLLM's include_usage and continuous_usage_stats."""
+    include = options is not None and options.include_usage
+    return include, include and options is not None and options.continuous_usage_stats
+
+
+def usage_info(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    return UsageInfo(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+    )
+
+
+def prompt_logprobs_body(positions: list[PositionLogprobs | None] | None) -> PromptLogprobs | None:
+    """RequestOutput.prompt_logprobs as vLLM's response field: -inf becomes -9999.0 (as vLLM sends it)."""
+    if positions is None:
+        return None
+    return [
+        None
+        if entry is None
+        else {
+            token_id: PromptLogprob(
+                logprob=max(lp.logprob, -9999.0), rank=lp.rank, decoded_token=lp.decoded_token
+            )
+            for token_id, lp in entry.items()
+        }
+        for entry in positions
+    ]
+
+
+def message_text(message: ChatMessage) -> str:
     if message.content is None or isinstance(message.content, str):
         return message.content or ""
     parts = []
