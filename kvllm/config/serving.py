@@ -8,6 +8,7 @@ the body size) that names the limit and its flag. No torch is imported here.
 
 from __future__ import annotations
 
+import codecs
 import json
 import os
 from dataclasses import dataclass, field, fields
@@ -139,3 +140,51 @@ def parse_json_list(flag: str, text: str) -> tuple[str, ...]:
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise ValueError(f"{flag} {text!r} is not valid; allowed: a JSON list of strings, e.g. '[\"*\"]'")
     return tuple(value)
+
+
+@dataclass(frozen=True)
+class ChatTemplateDefaults:
+    """The server's chat rendering defaults (vLLM's --chat-template, --default-chat-template-kwargs):
+    `template` replaces the model's own; `kwargs` are template variables a request's
+    chat_template_kwargs may override."""
+
+    template: str | None = None
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_cli(cls, chat_template: str | None, default_kwargs: str | None) -> ChatTemplateDefaults:
+        kwargs: Any = {}
+        if default_kwargs is not None:
+            try:
+                kwargs = json.loads(default_kwargs)
+            except json.JSONDecodeError as exc:
+                raise ValueError(
+                    f"--default-chat-template-kwargs is not valid JSON ({exc.msg}); allowed: a JSON object, "
+                    "e.g. '{\"enable_thinking\": false}'"
+                ) from None
+            if not isinstance(kwargs, dict):
+                raise ValueError(
+                    f"--default-chat-template-kwargs must be a JSON object, got {type(kwargs).__name__}"
+                )
+        return cls(load_chat_template(chat_template), kwargs)
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """--chat-template as vLLM reads it: a file's path (its text), or, when no such file opens and the
+    value has Jinja's characters ({, } or a newline), the template itself with backslash escapes
+    (a single-line form) decoded. A value that looks like a path but does not open is an error."""
+    if value is None:
+        return None
+    try:
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    except OSError as exc:
+        if not any(c in value for c in "{}\n"):
+            raise ValueError(
+                f"--chat-template {value!r} looks like a file path, but it could not be opened ({exc.strerror}); "
+                "allowed: a template file's path, or the template itself"
+            ) from None
+    try:
+        return codecs.decode(value, "unicode_escape")
+    except UnicodeError:  # characters beyond Latin-1 carry no escapes to decode: the text as given
+        return value

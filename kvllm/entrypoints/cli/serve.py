@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import fields
 from typing import Any
 
-from kvllm.config.serving import HttpOptions, ServingLimits, parse_json_list
+from kvllm.config.serving import ChatTemplateDefaults, HttpOptions, ServingLimits, parse_json_list
 from kvllm.entrypoints.cli.engine_args import engine_arg_parser, engine_args_from_cli
 from kvllm.entrypoints.cli.vllm_flags import FRONTEND_FLAGS, add_unsupported_flags
 from kvllm.logger import init_logger
@@ -24,7 +24,8 @@ def register(subparsers: Any) -> None:
         allow_abbrev=False,
         help="Serve a model over an OpenAI-compatible HTTP API.",
         description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
-        "/v1/models, /tokenize, /detokenize, /health, /version, /metrics).",
+        "/v1/responses, /v1/models, /tokenize, /detokenize, /health, /ping, /invocations, /reset_prefix_cache, "
+        "/version, /metrics).",
     )
     server = parser.add_argument_group("server")
     server.add_argument(
@@ -90,6 +91,24 @@ def register(subparsers: Any) -> None:
         default=_env_flag("VLLM_KEEP_ALIVE_ON_ENGINE_DEATH"),
         help="After the engine fails, keep answering 503 instead of exiting with code 1 (default: off, "
         "or the VLLM_KEEP_ALIVE_ON_ENGINE_DEATH environment variable, as in vLLM).",
+    )
+    server.add_argument(
+        "--chat-template",
+        "--chat_template",
+        dest="chat_template",
+        default=None,
+        metavar="FILE_OR_TEMPLATE",
+        help="The chat template to render instead of the model's: a Jinja file's path, or the template "
+        "itself in single-line form (backslash escapes decoded), as vLLM reads it.",
+    )
+    server.add_argument(
+        "--default-chat-template-kwargs",
+        "--default_chat_template_kwargs",
+        dest="default_chat_template_kwargs",
+        default=None,
+        metavar="JSON",
+        help='Template variables for every chat request, as a JSON object (e.g. \'{"enable_thinking": '
+        "false}'); a request's chat_template_kwargs override them.",
     )
     server.add_argument(
         "--config",
@@ -243,6 +262,7 @@ def run(args: argparse.Namespace) -> int:
             f"--log-stats-interval {args.log_stats_interval} is not valid; allowed: >= 0 (0 = off)"
         )
     limits = ServingLimits.from_kwargs(vars(args))
+    chat_defaults = ChatTemplateDefaults.from_cli(args.chat_template, args.default_chat_template_kwargs)
     http = http_options_from_cli(args)
     log_stats_interval = 0.0 if engine_args.disable_log_stats else args.log_stats_interval
     from kvllm.entrypoints.openai.server import run_server
@@ -260,4 +280,5 @@ def run(args: argparse.Namespace) -> int:
         limits=limits,
         keep_alive_on_engine_death=args.keep_alive_on_engine_death,
         http=http,
+        chat_defaults=chat_defaults,
     )

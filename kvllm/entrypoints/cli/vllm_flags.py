@@ -125,16 +125,10 @@ FRONTEND_FLAGS: dict[str, Verdict] = {
     "--config": SUPPORTED,
     "--grpc": _off("kvllm serves the OpenAI-compatible HTTP API only; there is no gRPC server"),
     "--lora-modules": _no(LORA),
-    "--chat-template": _no(
-        "kvllm renders the model's own chat template (chat_template.jinja or tokenizer_config.json in "
-        "the model folder): put another template there, or send one per request with "
-        "--trust-request-chat-template"
-    ),
+    "--chat-template": SUPPORTED,
     "--chat-template-content-format": _no("kvllm has no content-format setting", "auto"),
     "--trust-request-chat-template": SUPPORTED,
-    "--default-chat-template-kwargs": _no(
-        "kvllm takes chat_template_kwargs per request only; send them in each request"
-    ),
+    "--default-chat-template-kwargs": SUPPORTED,
     "--response-role": _no("kvllm answers with the role 'assistant'", "assistant"),
     "--return-tokens-as-token-ids": _off("kvllm returns logprob tokens as text"),
     "--enable-auto-tool-choice": _off(TOOLS),

@@ -35,7 +35,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from pydantic import ValidationError
 
 from kvllm.config.engine import EngineArgs
-from kvllm.config.serving import HttpOptions, ServingLimits
+from kvllm.config.serving import ChatTemplateDefaults, HttpOptions, ServingLimits
 from kvllm.engine.async_llm import AsyncLLM
 from kvllm.engine.llm_engine import LLMEngine
 from kvllm.entrypoints.chat_utils import ChatTemplateRenderer
@@ -65,7 +65,7 @@ from kvllm.entrypoints.openai.protocol import (
 from kvllm.entrypoints.openai.protocol_responses import ResponsesRequest
 from kvllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from kvllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from kvllm.entrypoints.openai.serving_engine import tokenizer_executor
+from kvllm.entrypoints.openai.serving_engine import check_chat_defaults, tokenizer_executor
 from kvllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from kvllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from kvllm.logger import init_logger
@@ -82,15 +82,19 @@ def build_app(
     log_stats_interval: float = 10.0,
     engine: LLMEngine | None = None,
     limits: ServingLimits | None = None,
+    chat_defaults: ChatTemplateDefaults | None = None,
 ) -> FastAPI:
     """The FastAPI app serving one model. Builds the engine from `engine_args` unless `engine` is given.
 
     The engine thread starts and stops with the app's lifespan. `served_model_name` is the name (or
     names) clients use in "model" (default: the model argument); `api_key` protects /v1/*;
     `log_stats_interval` is the period of the stats log line in seconds (0 disables it); `limits`
-    bound what one request may ask for.
+    bound what one request may ask for; `chat_defaults` are --chat-template and
+    --default-chat-template-kwargs.
     """
     limits = limits or ServingLimits()
+    chat_defaults = chat_defaults or ChatTemplateDefaults()
+    check_chat_defaults(chat_defaults)
     if engine is None:
         engine = LLMEngine.from_engine_args(engine_args or EngineArgs())
     if isinstance(served_model_name, str):
@@ -131,7 +135,7 @@ def build_app(
     app.add_middleware(InFlightMiddleware, tracker=app.state.in_flight)
     install_error_handlers(app)
     renderer = ChatTemplateRenderer()
-    serving = [cls(llm, names, limits, executor, renderer) for cls in _SERVING_CLASSES]
+    serving = [cls(llm, names, limits, executor, renderer, chat_defaults) for cls in _SERVING_CLASSES]
     _add_routes(app, llm, names, registry, serving, protected=bool(api_key))
     return app
 
@@ -444,6 +448,7 @@ def run_server(
     limits: ServingLimits | None = None,
     keep_alive_on_engine_death: bool = False,
     http: HttpOptions | None = None,
+    chat_defaults: ChatTemplateDefaults | None = None,
 ) -> int:
     """Serve until SIGINT/SIGTERM or engine death; returns the exit code (1 after engine death).
 
@@ -457,6 +462,7 @@ def run_server(
         api_key=api_key,
         log_stats_interval=log_stats_interval,
         limits=limits,
+        chat_defaults=chat_defaults,
     )
     llm: AsyncLLM = app.state.llm
     host = ALL_INTERFACES if host is None else host

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
-from kvllm.config.serving import ServingLimits
+from kvllm.config.serving import ChatTemplateDefaults, ServingLimits
 from kvllm.engine.async_llm import AsyncLLM, RequestStream
 from kvllm.engine.input_processor import truncate_prompt, with_generation_defaults
 from kvllm.entrypoints.chat_utils import ChatTemplateError, ChatTemplateRenderer
@@ -48,6 +48,16 @@ def tokenizer_executor() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvllm-tokenizer")
 
 
+def check_chat_defaults(defaults: ChatTemplateDefaults) -> None:
+    """Refuse default template variables the server sets itself (ValueError, before serving)."""
+    reserved = sorted(set(defaults.kwargs) & {*_RESERVED_TEMPLATE_VARIABLES, "chat_template"})
+    if reserved:
+        raise ValueError(
+            f"--default-chat-template-kwargs may not set {', '.join(reserved)}: the server sets them "
+            "(a template goes in --chat-template)"
+        )
+
+
 class OpenAIServing:
     """Base of the OpenAI handlers: validation that turns bad input into 4xx errors before the engine."""
 
@@ -58,8 +68,10 @@ class OpenAIServing:
         limits: ServingLimits | None = None,
         executor: Executor | None = None,
         renderer: ChatTemplateRenderer | None = None,
+        chat_defaults: ChatTemplateDefaults | None = None,
     ) -> None:
         self.llm = llm
+        self.chat_defaults = chat_defaults or ChatTemplateDefaults()
         self.served_model_names = list(served_model_names)
         self.limits = limits or ServingLimits()
         self.executor = executor or tokenizer_executor()
@@ -233,7 +245,8 @@ class OpenAIServing:
             raise OpenAIError(f"The {param} is empty: at least one token is needed", param=param)
 
     def chat_template(self, request_template: str | None, kwargs: dict[str, Any] | None) -> str:
-        """The template to render: the model's, or (with --trust-request-chat-template) the request's."""
+        """The template to render: the request's (with --trust-request-chat-template), else the server's
+        --chat-template, else the model's."""
         given = request_template if request_template is not None else (kwargs or {}).get("chat_template")
         if given is not None:
             if not self.limits.trust_request_chat_template:
@@ -246,7 +259,7 @@ class OpenAIServing:
             if not isinstance(given, str):
                 raise OpenAIError("chat_template must be a string (a Jinja template)", param="chat_template")
             return given
-        template = getattr(self.tokenizer, "chat_template", None)
+        template = self.chat_defaults.template or getattr(self.tokenizer, "chat_template", None)
         if not template:
             raise OpenAIError(
                 "This model's tokenizer has no chat template; use /v1/completions with a plain prompt",
@@ -276,6 +289,7 @@ class OpenAIServing:
                     f"chat_template_kwargs.{name} is set by the server; use the request field instead",
                     param="chat_template_kwargs",
                 )
+        variables = {**self.chat_defaults.kwargs, **variables}  # the request's values win
         conversation = [{"role": m.role, "content": message_text(m)} for m in messages]
         try:
             text = self.renderer.render(
