@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 from fastapi.testclient import TestClient
 
-from kvllm.config.engine import EngineArgs
 from kvllm.config.serving import ChatTemplateDefaults, load_chat_template
 from kvllm.engine.llm_engine import LLMEngine
 from kvllm.entrypoints.cli.main import build_parser
 from kvllm.entrypoints.openai.server import build_app
+from tests.unit.test_openai_server import tiny_engine
 
 TEMPLATE = "{{ greeting }}:{% for m in messages %}[{{ m.role }}|{{ m['content'] }}]{% endfor %}"
 
@@ -46,10 +46,7 @@ def test_serve_parses_both_flags(tmp_path):
 
 @pytest.fixture(scope="module")
 def engine(tiny_qwen3_path) -> LLMEngine:
-    args = EngineArgs(
-        model=str(tiny_qwen3_path), dtype="float32", max_model_len=128, kv_cache_memory_bytes=1 << 21
-    )
-    return LLMEngine.from_engine_args(args)
+    return tiny_engine(tiny_qwen3_path)
 
 
 def _rendered_ids(client: TestClient, **extra) -> list[int]:

@@ -17,15 +17,17 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 MAX_MODEL_LEN = 128
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_qwen3_path) -> LLMEngine:
+def tiny_engine(path, max_model_len: int = MAX_MODEL_LEN) -> LLMEngine:
+    """The server tests' engine: the tiny model in float32 with a small KV cache."""
     args = EngineArgs(
-        model=str(tiny_qwen3_path),
-        dtype="float32",
-        max_model_len=MAX_MODEL_LEN,
-        kv_cache_memory_bytes=1 << 21,
+        model=str(path), dtype="float32", max_model_len=max_model_len, kv_cache_memory_bytes=1 << 21
     )
     return LLMEngine.from_engine_args(args)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_qwen3_path) -> LLMEngine:
+    return tiny_engine(tiny_qwen3_path)
 
 
 @pytest.fixture(scope="module")

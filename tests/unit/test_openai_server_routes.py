@@ -13,20 +13,21 @@ from fastapi.testclient import TestClient
 from kvllm.config.engine import EngineArgs
 from kvllm.engine.llm_engine import LLMEngine
 from kvllm.entrypoints.openai.server import build_app
-from tests.unit.test_openai_server import AUTH, assert_engine_idle, assert_openai_error, post, sse_events
+from tests.unit.test_openai_server import (
+    AUTH,
+    assert_engine_idle,
+    assert_openai_error,
+    post,
+    sse_events,
+    tiny_engine,
+)
 
 MAX_MODEL_LEN = 128
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_qwen3_path) -> LLMEngine:
-    args = EngineArgs(
-        model=str(tiny_qwen3_path),
-        dtype="float32",
-        max_model_len=MAX_MODEL_LEN,
-        kv_cache_memory_bytes=1 << 21,
-    )
-    return LLMEngine.from_engine_args(args)
+    return tiny_engine(tiny_qwen3_path, MAX_MODEL_LEN)
 
 
 @pytest.fixture(scope="module")

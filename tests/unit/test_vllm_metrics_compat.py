@@ -18,7 +18,6 @@ from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvllm.config.engine import EngineArgs
 from kvllm.core.kv_cache_manager import KVCacheManager
 from kvllm.core.request import Request
 from kvllm.core.scheduler import Scheduler
@@ -35,6 +34,7 @@ from kvllm.entrypoints.openai.metrics import (
 from kvllm.entrypoints.openai.server import build_app
 from kvllm.outputs import CompletionOutput, RequestOutput
 from kvllm.sampling_params import RequestOutputKind, SamplingParams
+from tests.unit.test_openai_server import tiny_engine
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "tests" / "data" / "vllm_0_22_metrics.json"
@@ -55,13 +55,7 @@ def _tool():
 
 @pytest.fixture(scope="module")
 def engine(tiny_qwen3_path) -> LLMEngine:
-    args = EngineArgs(
-        model=str(tiny_qwen3_path),
-        dtype="float32",
-        max_model_len=MAX_MODEL_LEN,
-        kv_cache_memory_bytes=1 << 21,
-    )
-    return LLMEngine.from_engine_args(args)
+    return tiny_engine(tiny_qwen3_path, MAX_MODEL_LEN)
 
 
 @pytest.fixture(scope="module")

@@ -34,6 +34,7 @@ from collections.abc import Mapping, Sequence
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvllm.engine.llm_engine import EngineStats, LLMEngine
+from kvllm.engine.metrics_reader import build_1_2_5_buckets
 from kvllm.logger import init_logger
 from kvllm.outputs import RequestOutput
 
@@ -72,18 +73,6 @@ REQUEST_LATENCY_BUCKETS = (  # e2e, queue, prefill, decode and inference time
 )  # fmt: skip
 ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 N_PARAM_BUCKETS = (1, 2, 5, 10, 20)
-
-
-def build_1_2_5_buckets(max_value: int) -> list[int]:
-    """1, 2, 5, 10, 20, 50, ... up to max_value (vLLM's bounds for token-count histograms)."""
-    buckets: list[int] = []
-    scale = 1
-    while True:
-        for mantissa in (1, 2, 5):
-            if mantissa * scale > max_value:
-                return buckets
-            buckets.append(mantissa * scale)
-        scale *= 10
 
 
 def cache_config_info(engine: LLMEngine) -> dict[str, str]:

@@ -221,17 +221,21 @@ class OpenAIServing:
             "prompt_logprobs": request.prompt_logprobs,
             "extra_args": request.vllm_xargs,
         }
-        fields = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-        kwargs.update(
-            with_generation_defaults({n: getattr(request, n) for n in fields}, self.default_sampling)
-        )
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(request, name) is not None:
-                kwargs[name] = getattr(request, name)
+        kwargs.update(self.sampling_knobs(request))
         try:
             return SamplingParams(**kwargs)
         except ValueError as exc:
             raise OpenAIError.bad_request(exc) from None
+
+    def sampling_knobs(self, request: Any) -> dict[str, Any]:
+        """The request's temperature, top-p/k, min-p and penalties, unset ones from the model's
+        generation_config (as vLLM's --generation-config auto)."""
+        fields = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+        knobs = with_generation_defaults({n: getattr(request, n) for n in fields}, self.default_sampling)
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(request, name) is not None:
+                knobs[name] = getattr(request, name)
+        return knobs
 
     def check_logprobs(self, value: int | None, name: str) -> None:
         most = self.llm.engine.args.max_logprobs  # --max-logprobs

@@ -27,7 +27,6 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from kvllm.engine.async_llm import RequestStream
-from kvllm.engine.input_processor import with_generation_defaults
 from kvllm.entrypoints.openai.errors import OpenAIError, internal_error, to_openai_error
 from kvllm.entrypoints.openai.protocol import ChatMessage
 from kvllm.entrypoints.openai.protocol_responses import (
@@ -202,13 +201,7 @@ class OpenAIServingResponses(OpenAIServing):
             "skip_special_tokens": request.skip_special_tokens,
             "include_stop_str_in_output": request.include_stop_str_in_output,
         }
-        fields = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-        kwargs.update(
-            with_generation_defaults({n: getattr(request, n) for n in fields}, self.default_sampling)
-        )
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(request, name) is not None:
-                kwargs[name] = getattr(request, name)
+        kwargs.update(self.sampling_knobs(request))
         try:
             return SamplingParams(**kwargs)
         except ValueError as exc:
