@@ -31,7 +31,7 @@ def test_serve_is_registered_with_engine_and_server_flags():
     assert (args.host, args.port, args.api_key, args.served_model_name) == (
         None,  # all interfaces, as vLLM (run_server warns when no API key is set)
         9001,
-        "k",
+        ["k"],
         ["a", "b"],
     )
     assert args.shutdown_timeout == 2.5 and args.log_stats_interval == 10.0

@@ -329,9 +329,10 @@ def test_tokenizing_does_not_block_the_event_loop(engine, monkeypatch):
 @pytest.mark.parametrize(
     ("flag", "environ", "expected"),
     [
-        (None, {"VLLM_API_KEY": "v"}, "v"),
-        (None, {"KVLLM_API_KEY": "k", "VLLM_API_KEY": "v"}, "k"),
-        ("f", {"KVLLM_API_KEY": "k", "VLLM_API_KEY": "v"}, "f"),
+        (None, {"VLLM_API_KEY": "v"}, ("v",)),
+        (None, {"KVLLM_API_KEY": "k", "VLLM_API_KEY": "v"}, ("k",)),
+        (["f"], {"KVLLM_API_KEY": "k", "VLLM_API_KEY": "v"}, ("f",)),
+        (["f", "g"], {}, ("f", "g")),  # vLLM's --api-key takes several
         (None, {}, None),
     ],
 )
@@ -342,7 +343,18 @@ def test_serve_reads_vllm_api_key_beside_kvllm_api_key(flag, environ, expected, 
         monkeypatch.delenv(name, raising=False)
     for name, value in environ.items():
         monkeypatch.setenv(name, value)
-    argv = ["serve", "--dtype", "float32"] + (["--api-key", flag] if flag else [])
+    argv = ["serve", "--dtype", "float32"] + (["--api-key", *flag] if flag else [])
     assert main(argv) == 0
     assert seen["api_key"] == expected
     assert serve.resolve_api_key(flag, environ) == expected
+
+
+def test_any_of_several_api_keys_is_accepted(engine):
+    app = build_app(engine=engine, served_model_name="tiny", api_key=["key-a", "key-b"], log_stats_interval=0)
+    with TestClient(app) as c:
+        for key, status in (("key-a", 200), ("key-b", 200), ("key-c", 401), ("key-a key-b", 401)):
+            response = c.get("/v1/models", headers={"Authorization": f"Bearer {key}"})
+            assert response.status_code == status, (key, response.text)
+        assert c.get("/v1/models").status_code == 401
+    with pytest.raises(ValueError, match="empty key"):
+        serve.resolve_api_key(["ok", ""], {})

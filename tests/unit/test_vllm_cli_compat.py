@@ -590,7 +590,7 @@ ACCEPTED_LINES: list[tuple[str, dict[str, Any]]] = [
     ("vllm serve Qwen/Qwen2.5-1.5B-Instruct", {"model": "Qwen/Qwen2.5-1.5B-Instruct"}),
     (
         "vllm serve NousResearch/Meta-Llama-3-8B-Instruct --dtype auto --api-key token-abc123",
-        {"dtype": "auto", "api_key": "token-abc123"},
+        {"dtype": "auto", "api_key": ("token-abc123",)},
     ),
     ("vllm serve Qwen/Qwen2.5-1.5B-Instruct --generation-config vllm", {"generation_config": "vllm"}),
     (

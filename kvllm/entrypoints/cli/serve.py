@@ -39,9 +39,11 @@ def register(subparsers: Any) -> None:
         "--api-key",
         "--api_key",
         dest="api_key",
+        nargs="+",
         default=None,
-        help="Require 'Authorization: Bearer KEY' on /v1/* (default: the KVLLM_API_KEY environment "
-        "variable, else VLLM_API_KEY, as vLLM reads it).",
+        metavar="KEY",
+        help="Require 'Authorization: Bearer KEY' on /v1/* with one of these keys (default: the "
+        "KVLLM_API_KEY environment variable, else VLLM_API_KEY, as vLLM reads it).",
     )
     server.add_argument(
         "--served-model-name",
@@ -238,15 +240,19 @@ def _env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def resolve_api_key(flag: str | None, environ: Mapping[str, str]) -> str | None:
-    """--api-key, else KVLLM_API_KEY, else VLLM_API_KEY (a vLLM user's setting must not open the server)."""
-    if flag:
-        return flag
+def resolve_api_key(flag: str | list[str] | None, environ: Mapping[str, str]) -> tuple[str, ...] | None:
+    """The accepted keys: --api-key's, else KVLLM_API_KEY, else VLLM_API_KEY (a vLLM user's setting must
+    not open the server)."""
+    keys = [flag] if isinstance(flag, str) else list(flag or [])
+    if keys:
+        if not all(keys):
+            raise ValueError("--api-key got an empty key; allowed: one or more non-empty keys")
+        return tuple(keys)
     if environ.get("KVLLM_API_KEY"):
-        return environ["KVLLM_API_KEY"]
+        return (environ["KVLLM_API_KEY"],)
     if environ.get("VLLM_API_KEY"):
         logger.info("Using the API key from VLLM_API_KEY")
-        return environ["VLLM_API_KEY"]
+        return (environ["VLLM_API_KEY"],)
     return None
 
 

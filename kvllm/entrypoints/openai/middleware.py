@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+from collections.abc import Sequence
 
 from fastapi import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -16,19 +17,23 @@ GUARDED_PATHS = ("/invocations", "/reset_prefix_cache")
 
 
 class APIKeyMiddleware:
-    """Requires `Authorization: Bearer <api key>` on every /v1/* request and on GUARDED_PATHS (401
-    otherwise)."""
+    """Requires `Authorization: Bearer <key>` with one of the server's keys on every /v1/* request and
+    on GUARDED_PATHS (401 otherwise)."""
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, api_keys: Sequence[str]) -> None:
+        if not api_keys or not all(api_keys):
+            raise ValueError("APIKeyMiddleware needs one or more non-empty keys")
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = [f"Bearer {key}".encode() for key in api_keys]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
         guarded = path.startswith("/v1") or path in GUARDED_PATHS
         if scope["type"] == "http" and guarded and scope["method"] != "OPTIONS":
             given = dict(scope["headers"]).get(b"authorization", b"")
-            if not secrets.compare_digest(given, self.expected):
+            # Every key is compared, so the time taken does not tell which one came close.
+            matches = [secrets.compare_digest(given, expected) for expected in self.expected]
+            if not any(matches):
                 message = (
                     "Invalid API key"
                     if given

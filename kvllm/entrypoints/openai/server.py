@@ -78,7 +78,7 @@ def build_app(
     engine_args: EngineArgs | None = None,
     *,
     served_model_name: str | Sequence[str] | None = None,
-    api_key: str | None = None,
+    api_key: str | Sequence[str] | None = None,
     log_stats_interval: float = 10.0,
     engine: LLMEngine | None = None,
     limits: ServingLimits | None = None,
@@ -87,7 +87,8 @@ def build_app(
     """The FastAPI app serving one model. Builds the engine from `engine_args` unless `engine` is given.
 
     The engine thread starts and stops with the app's lifespan. `served_model_name` is the name (or
-    names) clients use in "model" (default: the model argument); `api_key` protects /v1/*;
+    names) clients use in "model" (default: the model argument); `api_key` (one key or several)
+    protects /v1/*;
     `log_stats_interval` is the period of the stats log line in seconds (0 disables it); `limits`
     bound what one request may ask for; `chat_defaults` are --chat-template and
     --default-chat-template-kwargs.
@@ -130,13 +131,14 @@ def build_app(
     app.state.in_flight = InFlightRequests()
     # Starlette runs the last added outermost: count every request, then check keys, then body sizes.
     app.add_middleware(RequestBodyLimitMiddleware, max_bytes=limits.max_request_body_bytes)
-    if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    api_keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
+    if api_keys:
+        app.add_middleware(APIKeyMiddleware, api_keys=api_keys)
     app.add_middleware(InFlightMiddleware, tracker=app.state.in_flight)
     install_error_handlers(app)
     renderer = ChatTemplateRenderer()
     serving = [cls(llm, names, limits, executor, renderer, chat_defaults) for cls in _SERVING_CLASSES]
-    _add_routes(app, llm, names, registry, serving, protected=bool(api_key))
+    _add_routes(app, llm, names, registry, serving, protected=bool(api_keys))
     return app
 
 
@@ -416,7 +418,7 @@ _UVICORN_GRACEFUL_TIMEOUT = 3  # s uvicorn waits for connections after the drain
 ALL_INTERFACES = "0.0.0.0"
 
 
-def bind_warning(host: str | None, api_key: str | None) -> str | None:
+def bind_warning(host: str | None, api_key: str | Sequence[str] | None) -> str | None:
     """The start-up warning for a server others can reach with no API key, or None."""
     if api_key:
         return None
@@ -439,7 +441,7 @@ def run_server(
     *,
     host: str | None = None,
     port: int = 8000,
-    api_key: str | None = None,
+    api_key: str | Sequence[str] | None = None,
     served_model_name: Sequence[str] | None = None,
     shutdown_timeout: float = 5.0,
     log_stats_interval: float = 10.0,
