@@ -24,7 +24,7 @@ def test_api_server_module_dispatches_to_serve_with_the_same_flags(monkeypatch):
     assert code == 7
     args = seen["args"]
     assert engine_args_from_cli(args).model == "some/model"
-    assert (args.port, args.api_key, args.host) == (9001, "k", None)
+    assert (args.port, args.api_key, args.host) == (9001, ["k"], None)
 
 
 def test_api_server_module_reports_bad_flags_as_serve_does():
