@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvllm.engine.async_llm import EngineDeadError, EngineNotAcceptingError
+from kvllm.engine.llm_engine import EngineSleepingError
 from kvllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, random_id
 from kvllm.logger import init_logger
 
@@ -77,6 +78,8 @@ def to_openai_error(exc: Exception) -> Exception:
         return OpenAIError.bad_request(exc)
     if isinstance(exc, EngineNotAcceptingError):
         return OpenAIError(str(exc), 503)
+    if isinstance(exc, EngineSleepingError):
+        return OpenAIError(f"{exc} (POST /wake_up)", 503)
     if isinstance(exc, EngineDeadError):
         return OpenAIError(str(exc), 500)
     return exc

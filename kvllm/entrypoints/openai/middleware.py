@@ -13,7 +13,7 @@ from kvllm.entrypoints.openai.errors import error_response
 
 # Beyond /v1/*: routes that generate or change the engine's state (vLLM guards /v1 only; a key that
 # left SageMaker's /invocations open would not protect the model).
-GUARDED_PATHS = ("/invocations", "/reset_prefix_cache")
+GUARDED_PATHS = ("/invocations", "/reset_prefix_cache", "/sleep", "/wake_up", "/is_sleeping")
 
 
 class APIKeyMiddleware:

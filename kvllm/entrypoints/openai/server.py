@@ -7,8 +7,9 @@ closes the connections and the engine thread stops. A second SIGINT/SIGTERM exit
 Routes beside OpenAI's: /ping (GET and POST) answers as /health and /invocations takes a chat or
 completion body and answers as that route (SageMaker's contract, as vLLM serves it);
 /reset_prefix_cache (POST) forgets the cached prefixes, or answers 409 while requests hold KV blocks
-(vLLM's answer; kvllm mounts it without vLLM's VLLM_SERVER_DEV_MODE). With an API key, /v1/*,
-/invocations and /reset_prefix_cache need it (see middleware.APIKeyMiddleware).
+(vLLM's answer; kvllm mounts it without vLLM's VLLM_SERVER_DEV_MODE); /sleep, /wake_up and
+/is_sleeping are mounted with it only (sleep_routes.py). With an API key, /v1/*, /invocations and
+those routes need it (see middleware.APIKeyMiddleware).
 
 Engine death (the engine thread crashed): in-flight requests get an error and /health answers 503
 at once; once the HTTP requests in flight are answered (at most `shutdown_timeout` s) the process
@@ -68,6 +69,7 @@ from kvllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from kvllm.entrypoints.openai.serving_engine import check_chat_defaults, tokenizer_executor
 from kvllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from kvllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+from kvllm.entrypoints.openai.sleep_routes import add_sleep_routes, dev_mode
 from kvllm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -139,6 +141,8 @@ def build_app(
     renderer = ChatTemplateRenderer()
     serving = [cls(llm, names, limits, executor, renderer, chat_defaults) for cls in _SERVING_CLASSES]
     _add_routes(app, llm, names, registry, serving, protected=bool(api_keys))
+    if dev_mode():
+        add_sleep_routes(app, llm, prometheus, protected=bool(api_keys))
     return app
 
 
