@@ -39,24 +39,31 @@ def free_port() -> int:
 class RemoteServer:
     """A `kvllm serve` subprocess on 127.0.0.1 and a free port; its log goes to a file.
 
-    `prelude` is Python run in the server process before `kvllm serve` starts (to inject faults).
+    `prelude` is Python run in the server process before `kvllm serve` starts (to inject faults);
+    `api_server_module` starts it as vLLM deployments do, `python -m ...api_server --model M`.
     """
 
     def __init__(
-        self, model: Path, *flags: str, startup_timeout: float = 180.0, prelude: str | None = None
+        self,
+        model: Path,
+        *flags: str,
+        startup_timeout: float = 180.0,
+        prelude: str | None = None,
+        api_server_module: bool = False,
     ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(tempfile.mkstemp(prefix="kvllm-serve-", suffix=".log")[1])
-        if prelude is None:
-            launcher = ["-m", "kvllm.entrypoints.cli.main"]
+        if api_server_module:
+            launcher = ["-m", "kvllm.entrypoints.openai.api_server", "--model"]
+        elif prelude is None:
+            launcher = ["-m", "kvllm.entrypoints.cli.main", "serve"]
         else:
             main = "import sys\nfrom kvllm.entrypoints.cli.main import main\nsys.exit(main(sys.argv[1:]))\n"
-            launcher = ["-c", f"{prelude}\n{main}"]
+            launcher = ["-c", f"{prelude}\n{main}", "serve"]
         cmd = [
             sys.executable,
             *launcher,
-            "serve",
             str(model),
             "--host",
             "127.0.0.1",

@@ -3,81 +3,21 @@ driven by the `openai` client's Responses API, with the SageMaker and cache rout
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import tempfile
-import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from tests.e2e.test_server_openai import API_KEY, ENGINE_FLAGS, MODEL_NAME, free_port
+from tests.e2e.test_server_openai import API_KEY, MODEL_NAME, RemoteServer
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
-class ApiServerModule:
-    """The server started as vLLM deployments start theirs: `python -m ...api_server --model M`."""
-
-    def __init__(self, model: Path, startup_timeout: float = 180.0) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = Path(tempfile.mkstemp(prefix="kvllm-api-server-", suffix=".log")[1])
-        cmd = [
-            sys.executable,
-            "-m",
-            "kvllm.entrypoints.openai.api_server",
-            "--model",
-            str(model),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--served-model-name",
-            MODEL_NAME,
-            "--api-key",
-            API_KEY,
-            "--disable-uvicorn-access-log",
-            *ENGINE_FLAGS,
-        ]
-        with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
-        deadline = time.monotonic() + startup_timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"api_server exited with {self.proc.returncode}:\n{self.log()[-3000:]}")
-            try:
-                if httpx.get(f"{self.url}/ping", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        self.stop()
-        raise RuntimeError(f"api_server did not answer /ping in {startup_timeout} s:\n{self.log()[-3000:]}")
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
 @pytest.fixture(scope="module")
-def server(tiny_qwen3_path) -> Iterator[ApiServerModule]:
-    srv = ApiServerModule(tiny_qwen3_path)
+def server(tiny_qwen3_path) -> Iterator[RemoteServer]:
+    """The server started as vLLM deployments start theirs: `python -m ...api_server --model M`."""
+    srv = RemoteServer(tiny_qwen3_path, api_server_module=True)
     try:
         yield srv
     finally:
