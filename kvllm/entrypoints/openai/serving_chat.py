@@ -24,6 +24,7 @@ from kvllm.entrypoints.openai.protocol import (
 from kvllm.entrypoints.openai.serving_engine import (
     OpenAIServing,
     check_valid_unicode,
+    final_output,
     log_client_left,
     merge_streams,
     message_text,
@@ -82,13 +83,7 @@ class OpenAIServingChat(OpenAIServing):
         echoed = _echoed(request)
         if request.stream:
             return self._stream(request, request_id, streams[0], echoed, len(prompt_ids))
-        final: RequestOutput | None = None
-        try:
-            async for _, output in merge_streams(streams):
-                final = output
-        finally:
-            streams[0].close()
-        assert final is not None
+        final = await final_output(streams[0])
         choices = [
             ChatCompletionChoice(
                 index=c.index,

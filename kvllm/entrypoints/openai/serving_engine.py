@@ -415,6 +415,18 @@ def _strings(value: Any, path: str) -> Any:
             yield from _strings(item, f"{path}[{i}]")
 
 
+async def final_output(stream: RequestStream) -> RequestOutput:
+    """The last output of one request's stream (its finished result); the stream is closed after."""
+    final: RequestOutput | None = None
+    try:
+        async for _, output in merge_streams([stream]):
+            final = output
+    finally:
+        stream.close()
+    assert final is not None
+    return final
+
+
 async def merge_streams(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Outputs of several streams as they arrive, tagged with the stream's index.
 

@@ -41,6 +41,7 @@ from kvllm.entrypoints.openai.protocol_responses import (
 from kvllm.entrypoints.openai.serving_engine import (
     OpenAIServing,
     check_valid_unicode,
+    final_output,
     log_client_left,
     merge_streams,
 )
@@ -161,13 +162,7 @@ class OpenAIServingResponses(OpenAIServing):
         message_id = f"msg_{uuid.uuid4().hex}"
         if request.stream:
             return self._stream(skeleton, message_id, streams[0])
-        final: RequestOutput | None = None
-        try:
-            async for _, output in merge_streams(streams):
-                final = output
-        finally:
-            streams[0].close()
-        assert final is not None
+        final = await final_output(streams[0])
         return _finished(skeleton, message_id, final)
 
     def _messages(self, request: ResponsesRequest) -> list[ChatMessage]:
