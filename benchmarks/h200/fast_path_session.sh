@@ -9,13 +9,13 @@
 #   2. carry [".vllm/part2"]:          bash benchmarks/h200/fast_path_session.sh vllm
 #      vLLM 0.22 with its defaults through the same fast_path_bench.
 #   flashinfer (carry [".fi"]): FLASHINFER's graphs-vs-eager test and fast_path_bench with its decode
-#      graphs (--assume-graph-support until the test passes; its first use compiles for ~2 minutes).
+#      graphs (its first use compiles for ~2 minutes).
 #   WITH_SYNC=1 adds kvllm with --no-async-scheduling to call 1. Results come back as $OUT/<phase>.tgz.
 #   smoke: the first lease's TRITON_ATTN-only check (graphs before the fused kernels).
 #   diag (carry [".stage1"] to stage FlashAttention-4 on the way): TRITON_ATTN's nano-vllm run with a
 #      per-step log and Triton compile counts (step_log.py), and step profiles at long contexts.
 #   fa (carry [".stage2"], within 30 s of a call that carried ".stage1"): FLASH_ATTN (FA4):
-#      graphs-vs-eager test and fast_path_bench with the step log.
+#      graphs-vs-eager test (SKIP_TESTS=1 skips it) and fast_path_bench with the step log.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-gpu-out}; mkdir -p "$out"
@@ -64,8 +64,7 @@ flashinfer)
   env "${FI_ENV[@]}" KVLLM_GPU_REPORT_DIR=$d timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
     tests/gpu/test_cuda_graphs_gpu.py -k FLASHINFER > "$d/pytest-flashinfer.log" 2>&1
   since "FLASHINFER graph test: $(tail -n 1 "$d/pytest-flashinfer.log")"
-  (export "${FI_ENV[@]}"; bench flashinfer --engine kvllm --backend FLASHINFER --iters 2 --warmups 1 --step-log \
-    --assume-graph-support)
+  (export "${FI_ENV[@]}"; bench flashinfer --engine kvllm --backend FLASHINFER --iters 2 --warmups 1 --step-log)
   tar czf "$out/flashinfer.tgz" -C /tmp flashinfer
   since "done"
   ;;
@@ -106,8 +105,7 @@ fa)
     tests/gpu/test_cuda_graphs_gpu.py -k FLASH_ATTN > "$d/pytest-flash-attn.log" 2>&1
   since "FLASH_ATTN graph test: $(tail -n 1 "$d/pytest-flash-attn.log")"
   fi
-  bench flash-attn --engine kvllm --backend FLASH_ATTN --iters 2 --warmups 1 --step-log --profile-batches 1,256 \
-    --assume-graph-support
+  bench flash-attn --engine kvllm --backend FLASH_ATTN --iters 2 --warmups 1 --step-log --profile-batches 1,256
   tar czf "$out/fa.tgz" -C /tmp fa
   since "done"
   ;;
