@@ -32,7 +32,7 @@ bench() {  # $1 label, rest: fast_path_bench arguments; results in $d/<engine>.j
   grep -h '^{' "$d/bench-$label.log" > "$d/bench-$label.jsonl"; python3 benchmarks/h200/summarize.py "$d/bench-$label.jsonl"
 }
 
-case "${1:?usage: fast_path_session.sh kvllm|vllm|flashinfer|smoke|diag|tune|fa}" in
+case "${1:?usage: fast_path_session.sh kvllm|vllm|flashinfer|smoke|diag|tune|fa|host}" in
 kvllm)
   d=/tmp/kvllm; mkdir -p "$d"
   [ -f .vllm/part1/remote-stage.sh ] && bash .vllm/part1/remote-stage.sh 1 > "$d/vllm-stage1.log" 2>&1
@@ -107,6 +107,22 @@ fa)
   fi
   bench flash-attn --engine kvllm --backend FLASH_ATTN --iters 2 --warmups 1 --step-log --profile-batches 1,256
   tar czf "$out/fa.tgz" -C /tmp fa
+  since "done"
+  ;;
+host)  # carry [".pyspy"] (a py-spy wheel: pip download --no-deps py-spy -d .pyspy): host time of a step
+  d=/tmp/host; mkdir -p "$d"
+  python3 -m pip install -q --no-deps --target /tmp/pyspy .pyspy/*.whl > /dev/null 2>&1
+  git log --oneline -1 2>/dev/null | tee "$d/gpu.txt"
+  timeout 240 python3 benchmarks/h200/host_profile.py --out "$d" --batches 1,256 --pyspy-wait > "$d/host.log" 2>&1 &
+  pid=$!
+  for b in 1 256; do
+    until grep -q "PYSPY pid .* batch $b" "$d/host.log" 2>/dev/null || ! kill -0 $pid 2>/dev/null; do sleep 0.2; done
+    target=$(grep "PYSPY pid .* batch $b" "$d/host.log" | awk '{print $3}')
+    [ -n "$target" ] && timeout 20 /tmp/pyspy/bin/py-spy record --pid "$target" --duration 3 --rate 1000 \
+      --format raw --nonblocking -o "$d/pyspy-bs$b.txt" > "$d/pyspy-bs$b.log" 2>&1
+  done
+  wait $pid; since "host profile (exit $?)"; grep "ms/step" "$d/host.log"
+  tar czf "$out/host.tgz" -C /tmp host
   since "done"
   ;;
 esac

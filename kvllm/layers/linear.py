@@ -1,8 +1,10 @@
 """The decoder layers' linear maps: `Linear`, and layers that fuse several checkpoint matrices into one,
 each shard loaded by name.
 
-`Linear` is nn.Linear whose forward runs the small-M Triton kernel (kvllm/layers/ops/linear.py) for
-decode-sized inputs where fused ops are on, and F.linear otherwise. The LM head is not one of these:
+`Linear` is nn.Linear whose forward runs, where fused ops are on, the GEMV kernel
+(kvllm/layers/ops/gemv.py) for one row (and for up to four rows of a narrow output), the small-M
+tensor-core kernel (kvllm/layers/ops/linear.py) for other decode-sized inputs of a narrow output, and
+F.linear otherwise. The LM head is not one of these:
 `compute_logits` calls F.linear on the head's weight directly.
 
 A fused layer's parameters carry a `weight_loader(param, loaded_weight, shard_id)` that copies one
@@ -28,12 +30,15 @@ def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> N
 
 
 class Linear(nn.Linear):
-    """nn.Linear (same parameters and state dict) that runs a few rows through the small-M kernel."""
+    """nn.Linear (same parameters and state dict) that runs a few rows through the decode kernels."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if use_fused_ops(x):
-            from kvllm.layers.ops.linear import linear, use_small_m_kernel
+            from kvllm.layers.ops.gemv import gemv, use_gemv
+            from kvllm.layers.ops.linear import is_narrow, linear, use_small_m_kernel
 
+            if use_gemv(x, self.weight, narrow=is_narrow(self.weight)):
+                return gemv(x, self.weight, self.bias)
             if use_small_m_kernel(x, self.weight):
                 return linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)

@@ -146,38 +146,62 @@ def test_predicate() -> None:
 
 
 @pytest.fixture
-def kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Rows of each call of the kernel wrapper (the layer imports it at call time, so this sees it)."""
-    calls: list[int] = []
+def kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
+    """(kernel, rows) of each call of the GEMV and small-M wrappers (the layer imports them at call
+    time, so this sees them)."""
+    import kvllm.layers.ops.gemv as gemv_ops
 
-    def spy(x, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
-        calls.append(x.shape[0])
-        return real(x, *args, **kwargs)
+    calls: list[tuple[str, int]] = []
 
-    real = ops.linear
-    monkeypatch.setattr(ops, "linear", spy)
+    def spy(name, real):  # noqa: ANN001, ANN202
+        def wrapper(x, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+            calls.append((name, x.shape[0]))
+            return real(x, *args, **kwargs)
+
+        return wrapper
+
+    monkeypatch.setattr(ops, "linear", spy("small_m", ops.linear))
+    monkeypatch.setattr(gemv_ops, "gemv", spy("gemv", gemv_ops.gemv))
     return calls
 
 
-def test_layers_dispatch(kernel_calls: list[int]) -> None:
+def test_layers_dispatch(kernel_calls: list[tuple[str, int]]) -> None:
     torch.manual_seed(0)
     layers = [Linear(64, 48, bias=True), MergedLinear(64, [32, 16]), QKVLinear(64, 16, 2, 1, bias=True)]
     for layer in layers:
         for parameter in layer.parameters():
             parameter.data.normal_()
     for layer in layers:
+        # Every layer here has a narrow output (48 columns): GEMV up to 4 rows, then the small-M kernel.
         for shape, mode, kernel in [
-            ((3, 64), "1", True),
-            ((MAX_ROWS, 64), "1", True),
-            ((MAX_ROWS + 1, 64), "1", False),
-            ((2, 3, 64), "1", False),  # 3-D: F.linear (the models pass [T, hidden])
-            ((3, 64), "auto", False),  # CPU
-            ((3, 64), "0", False),
+            ((1, 64), "1", "gemv"),
+            ((3, 64), "1", "gemv"),
+            ((5, 64), "1", "small_m"),
+            ((MAX_ROWS, 64), "1", "small_m"),
+            ((MAX_ROWS + 1, 64), "1", None),
+            ((2, 3, 64), "1", None),  # 3-D: F.linear (the models pass [T, hidden])
+            ((3, 64), "auto", None),  # CPU
+            ((3, 64), "0", None),
         ]:
             kernel_calls.clear()
             x = torch.randn(shape)
             with fused_ops_mode(mode), torch.no_grad():
                 out = layer(x)
-            assert kernel_calls == ([shape[0]] if kernel else []), (type(layer).__name__, shape, mode)
+            assert kernel_calls == ([(kernel, shape[0])] if kernel else []), (
+                type(layer).__name__,
+                shape,
+                mode,
+            )
             ref = F.linear(x, layer.weight, layer.bias)
             torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_wide_outputs_take_the_gemv_for_one_row_only(kernel_calls: list[tuple[str, int]]) -> None:
+    wide = Linear(32, TARGET_PROGRAMS * BLOCK_N, bias=False)
+    for rows, kernel in [(1, "gemv"), (2, None), (4, None)]:
+        kernel_calls.clear()
+        x = torch.randn(rows, 32)
+        with fused_ops_mode("1"), torch.no_grad():
+            out = wide(x)
+        assert kernel_calls == ([(kernel, rows)] if kernel else []), rows
+        torch.testing.assert_close(out, F.linear(x, wide.weight), rtol=1e-5, atol=1e-5)

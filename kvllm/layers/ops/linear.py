@@ -142,6 +142,12 @@ def default_config(n: int, k: int, dtype: torch.dtype) -> LinearConfig:
     return LinearConfig(block_k=block_k, split_k=split)
 
 
+def is_narrow(weight: torch.Tensor) -> bool:
+    """Whether weight [N, K] has too few output columns for cuBLAS to fill an H200 at decode sizes:
+    fewer 16-column tiles than TARGET_PROGRAMS (Qwen3-0.6B's o_proj and down_proj, N = 1024)."""
+    return triton.cdiv(weight.shape[0], BLOCK_N) < TARGET_PROGRAMS
+
+
 def use_small_m_kernel(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `linear(x, weight)` should run this kernel: fused ops on for x (CUDA, or forced), x a
     [M, K] matrix with 1 <= M <= MAX_ROWS and a contiguous last dimension, weight a contiguous [N, K]
@@ -153,7 +159,7 @@ def use_small_m_kernel(x: torch.Tensor, weight: torch.Tensor) -> bool:
         x.dim() == 2
         and 1 <= x.shape[0] <= MAX_ROWS
         and weight.dim() == 2
-        and triton.cdiv(weight.shape[0], BLOCK_N) < TARGET_PROGRAMS
+        and is_narrow(weight)
         and x.shape[1] == weight.shape[1]
         and x.shape[1] > 0
         and x.shape[1] % 16 == 0
