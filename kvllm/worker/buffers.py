@@ -43,6 +43,7 @@ class StagingBuffer:
             self._uploaded: list[torch.cuda.Event | None] = [None, None]
         else:
             self._hosts = [self.gpu]
+        self._host_arrays = [h.numpy() for h in self._hosts]  # one numpy view each, made once
         self._current = 0
 
     def next_host(self) -> torch.Tensor:
@@ -53,6 +54,11 @@ class StagingBuffer:
             if event is not None:
                 event.synchronize()
         return self._hosts[self._current]
+
+    def next_host_numpy(self) -> Any:
+        """`next_host()` as a numpy array (the same object each time a buffer comes round)."""
+        self.next_host()
+        return self._host_arrays[self._current]
 
     @property
     def host(self) -> torch.Tensor:
@@ -94,7 +100,13 @@ class Layout:
             self.offsets[name] = (offset, size)
             offset += -(-size // align) * align
         self.size = offset
+        self._views: dict[int, tuple[Any, dict[str, Any]]] = {}
 
     def views(self, buffer: Any) -> dict[str, Any]:
-        """Each section of `buffer` (a numpy array or a tensor) as a view, by name."""
-        return {name: buffer[start : start + size] for name, (start, size) in self.offsets.items()}
+        """Each section of `buffer` (a numpy array or a tensor) as a view, by name. Made once per
+        buffer object (slicing costs microseconds a view, every step), so pass long-lived buffers."""
+        cached = self._views.get(id(buffer))
+        if cached is None or cached[0] is not buffer:
+            views = {name: buffer[start : start + size] for name, (start, size) in self.offsets.items()}
+            cached = self._views[id(buffer)] = (buffer, views)
+        return cached[1]

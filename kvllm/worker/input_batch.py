@@ -35,6 +35,7 @@ from kvllm.sample.metadata import (
 from kvllm.sample.token_constraints import bad_word_table, logit_bias_arrays, logit_bias_inputs
 from kvllm.sampling_params import SamplingParams
 from kvllm.worker.buffers import CpuGpuBuffer, Layout, StagingBuffer, upload_from_host
+from kvllm.worker.decode_advance import DecodeStepMemory, advance_decode
 
 
 @dataclass
@@ -65,6 +66,8 @@ class ModelInputs:
 
 class InputBatch:
     """Rows of per-request state plus the staging buffers of one step, at maximum sizes."""
+
+    decode_fast_path = True  # advance repeated graph decode steps on the device (decode_advance.py)
 
     def __init__(
         self,
@@ -128,6 +131,9 @@ class InputBatch:
         # Block-table entries appended this step (flat index, block id) and prompts of new rows.
         self._block_updates: list[tuple[np.ndarray, list[int]]] = []
         self._new_tokens: list[tuple[int, list[int]]] = []
+        # The previous step, when it was a graph decode the next one may advance (decode_advance.py).
+        self._last_decode: DecodeStepMemory | None = None
+        self.num_advanced_steps = 0  # steps prepared by the fast path (tests and benchmarks read it)
 
     # ---- row bookkeeping ------------------------------------------------------------------------
 
@@ -219,6 +225,7 @@ class InputBatch:
         state = self.states.pop(req_id, None)
         if state is None:
             return
+        self._last_decode = None
         row = state.row
         self.row_states[row] = None
         self.block_table.np[row, : self.num_blocks[row]] = 0
@@ -274,6 +281,10 @@ class InputBatch:
         sequence length 0, slot -1).
         """
         rows, query_lens = self.update_states(step)
+        advanced = self._advance(rows, query_lens, pad_to)
+        if advanced is not None:
+            return advanced
+        self._last_decode = None
         self._sync_rows_to_device()
         num_reqs = len(rows)
         starts = self.num_computed[rows]
@@ -285,8 +296,8 @@ class InputBatch:
             raise ValueError(f"pad_to={pad_to} needs a uniform decode batch of at most {pad_to} requests")
         padded = pad_to if pad_to is not None else num_reqs
 
-        i32 = self._i32_layout.views(self.step_i32.next_host().numpy())
-        i64 = self._i64_layout.views(self.step_i64.next_host().numpy())
+        i32 = self._i32_layout.views(self.step_i32.next_host_numpy())
+        i64 = self._i64_layout.views(self.step_i64.next_host_numpy())
         cu = i32["query_start_loc"]
         cu[0] = 0
         np.cumsum(query_lens, out=cu[1 : num_reqs + 1])
@@ -357,25 +368,116 @@ class InputBatch:
         # ids reach the device token table before the next step reads them; the host never needs them).
         self.num_computed[rows] += query_lens
         self.num_tokens[sample_rows] += 1
+        sampling_request_indices = samples.tolist()
+        if pad_to is not None and all_sample:
+            self._last_decode = DecodeStepMemory(
+                rows=rows,
+                pad_to=pad_to,
+                seq_lens=i32["seq_lens"][:padded].copy(),
+                query_start_loc=torch.from_numpy(cu[: padded + 1].copy()),
+                sampling_metadata=sampling_metadata if self._sampling_is_static(sample_rows) else None,
+                sampling_request_indices=sampling_request_indices,
+            )
         return ModelInputs(
             input_ids=self.input_ids[:num_inputs],
             positions=dev32["positions"][:num_inputs],
             attn_metadata=metadata,
             logits_indices=None if all_sample else dev64["logits_indices"][:num_samples],
-            sampling_request_indices=samples.tolist(),
+            sampling_request_indices=list(sampling_request_indices),
             sampling_metadata=sampling_metadata,
             num_tokens=num_tokens,
             query_starts=starts,
             prompt_logprob_indices=np.flatnonzero(self.wants_prompt_logprobs[rows]).tolist(),
         )
 
+    def _advance(self, rows: np.ndarray, query_lens: np.ndarray, pad_to: int | None) -> ModelInputs | None:
+        """The step's inputs by the decode fast path (decode_advance.py), or None when it does not
+        apply: not a graph decode of the previous step's rows, or something to upload first."""
+        last = self._last_decode
+        if (
+            last is None
+            or not self.decode_fast_path
+            or pad_to != last.pad_to
+            or self._new_tokens
+            or self._params_dirty
+            or len(rows) != len(last.rows)
+            or not np.array_equal(rows, last.rows)
+            or (query_lens != 1).any()
+        ):
+            return None
+        self._sync_rows_to_device()  # block ids appended this step, before the kernel reads them
+        num_reqs = len(rows)
+        dev32 = self._i32_layout.views(self.step_i32.gpu)
+        dev64 = self._i64_layout.views(self.step_i64.gpu)
+        dev_rows = dev64["rows"][:num_reqs]
+        advance_decode(
+            dev32["positions"][:num_reqs],
+            dev32["seq_lens"][:num_reqs],
+            dev64["slots"][:num_reqs],
+            dev64["sample_slots"][:num_reqs],
+            dev_rows,
+            self.input_ids[:num_reqs],
+            self.token_ids,
+            self.block_table.gpu,
+            self.block_size,
+        )
+        seq_lens = last.seq_lens.copy()
+        seq_lens[:num_reqs] += 1
+        last.seq_lens = seq_lens
+        max_cols = int(self.num_blocks[rows].max())
+        metadata = CommonAttentionMetadata(
+            num_reqs=pad_to,
+            num_actual_tokens=pad_to,
+            num_decodes=pad_to,
+            num_decode_tokens=pad_to,
+            query_start_loc=dev32["query_start_loc"][: pad_to + 1],
+            query_start_loc_cpu=last.query_start_loc,
+            seq_lens=dev32["seq_lens"][:pad_to],
+            seq_lens_cpu=torch.from_numpy(seq_lens),
+            max_query_len=1,
+            max_seq_len=int(seq_lens[:num_reqs].max()),
+            block_table=self.block_table.gpu[dev64["rows"][:pad_to], :max_cols],
+            slot_mapping=dev64["slots"][:pad_to],
+        )
+        self._pending = _PendingStep(rows, dev64["sample_slots"][:num_reqs])
+        sampling_metadata = last.sampling_metadata
+        if sampling_metadata is None:
+            sampling_metadata = self._sampling_metadata(rows, dev_rows)
+        starts = self.num_computed[rows]
+        self.num_computed[rows] += 1
+        self.num_tokens[rows] += 1
+        if last.sampling_metadata is None and self._sampling_is_static(rows):
+            last.sampling_metadata = sampling_metadata
+        self.num_advanced_steps += 1
+        return ModelInputs(
+            input_ids=self.input_ids[:pad_to],
+            positions=dev32["positions"][:pad_to],
+            attn_metadata=metadata,
+            logits_indices=None,
+            sampling_request_indices=list(last.sampling_request_indices),
+            sampling_metadata=sampling_metadata,
+            num_tokens=num_reqs,
+            query_starts=starts,
+            prompt_logprob_indices=np.flatnonzero(self.wants_prompt_logprobs[rows]).tolist(),
+        )
+
+    def _sampling_is_static(self, sample_rows: np.ndarray) -> bool:
+        """Whether these rows' sampling metadata stays valid for their next decode step: nothing in it
+        follows the tokens generated so far. Penalties count them, bad words match their suffix, and
+        min_tokens suppresses EOS until enough are out. A feature adding per-step sampler inputs must
+        return False here for the rows that use it."""
+        if self.has_penalties[sample_rows].any() or self.has_bad_words[sample_rows].any():
+            return False
+        num_output = self.num_tokens[sample_rows] - self.num_prompt_tokens[sample_rows]
+        return not (num_output < self.min_tokens[sample_rows] + 1).any()
+
     def capture_metadata(self, num_reqs: int) -> CommonAttentionMetadata:
         """A uniform-decode batch of `num_reqs` dummy requests for CUDA-graph capture: each has one
         token at position 0 that reads block 0 and writes nothing (slot -1)."""
         if num_reqs > min(self.max_num_reqs, self.max_num_tokens):
             raise ValueError(f"cannot capture {num_reqs} requests: the batch holds {self.max_num_reqs}")
-        i32 = self._i32_layout.views(self.step_i32.next_host().numpy())
-        i64 = self._i64_layout.views(self.step_i64.next_host().numpy())
+        i32 = self._i32_layout.views(self.step_i32.next_host_numpy())
+        i64 = self._i64_layout.views(self.step_i64.next_host_numpy())
         self.input_ids[:num_reqs] = 0
         i32["positions"][:num_reqs] = 0
         i32["query_start_loc"][: num_reqs + 1] = np.arange(num_reqs + 1)
