@@ -32,7 +32,7 @@ bench() {  # $1 label, rest: fast_path_bench arguments; results in $d/<engine>.j
   grep -h '^{' "$d/bench-$label.log" > "$d/bench-$label.jsonl"; python3 benchmarks/h200/summarize.py "$d/bench-$label.jsonl"
 }
 
-case "${1:?usage: fast_path_session.sh kvllm|vllm|flashinfer|smoke|diag|tune|fa|host}" in
+case "${1:?usage: fast_path_session.sh kvllm|vllm|flashinfer|smoke|diag|tune|fa|host|quick}" in
 kvllm)
   d=/tmp/kvllm; mkdir -p "$d"
   [ -f .vllm/part1/remote-stage.sh ] && bash .vllm/part1/remote-stage.sh 1 > "$d/vllm-stage1.log" 2>&1
@@ -123,6 +123,19 @@ host)  # carry [".pyspy"] (a py-spy wheel: pip download --no-deps py-spy -d .pys
   done
   wait $pid; since "host profile (exit $?)"; grep "ms/step" "$d/host.log"
   tar czf "$out/host.tgz" -C /tmp host
+  since "done"
+  ;;
+quick)  # carry [".pyspy"]: GPU tests of the decode kernels, then batch-1..256 latency, nano-vllm and a host profile
+  d=/tmp/quick; mkdir -p "$d"
+  python3 -m pip install -q --no-deps --target /tmp/pyspy .pyspy/*.whl > /dev/null 2>&1
+  git log --oneline -1 2>/dev/null | tee "$d/gpu.txt"
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/gpu/test_gemv_gpu.py \
+    tests/gpu/test_small_m_linear_gpu.py tests/gpu/test_cuda_graphs_gpu.py -k "not FLASH" > "$d/pytest-gpu.log" 2>&1
+  since "GPU tests: $(tail -n 1 "$d/pytest-gpu.log")"
+  bench triton --engine kvllm --backend TRITON_ATTN --only latency,nano --iters 2 --warmups 1 --profile-batches 1,256
+  timeout 120 python3 benchmarks/h200/host_profile.py --out "$d" --batches 1,256 > "$d/host.log" 2>&1
+  since "host profile (exit $?)"; grep "ms/step" "$d/host.log"
+  tar czf "$out/quick.tgz" -C /tmp quick
   since "done"
   ;;
 esac

@@ -31,8 +31,10 @@ SWEEP = list(itertools.product((1, 2, 4, 8), (1024, 2048, 4096), (1, 2, 4), (1,)
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--quick", action="store_true", help="the default config only (no sweep)")
     args = parser.parse_args()
-    from kvllm.layers.ops.gemv import GemvConfig, default_config, gemv
+    from kvllm.layers.ops.activation import silu_and_mul
+    from kvllm.layers.ops.gemv import GemvConfig, default_config, gemv, gemv_silu_and_mul
     from kvllm.layers.ops.linear import linear, use_small_m_kernel
 
     args.out.mkdir(parents=True, exist_ok=True)
@@ -55,8 +57,23 @@ def main() -> int:
             if use_small_m_kernel(x, weights[0]):
                 us = graph_us(lambda i, x=x, w=weights: linear(x, w[i % len(w)]))
                 results.append(base | {"impl": "small_m", "us": us})
+            if name == "gate_up":  # the projection then the activation kernel, against one fused launch
+                results.append(
+                    base
+                    | {
+                        "impl": "gemv+silu",
+                        "us": graph_us(lambda i, x=x, w=weights: silu_and_mul(gemv(x, w[i % len(w)]))),
+                    }
+                )
+                results.append(
+                    base
+                    | {
+                        "impl": "gemv_silu_fused",
+                        "us": graph_us(lambda i, x=x, w=weights: gemv_silu_and_mul(x, w[i % len(w)])),
+                    }
+                )
             default = default_config(n, k, dtype)
-            for config in [default] + [GemvConfig(*c) for c in SWEEP]:
+            for config in [default] + [GemvConfig(*c) for c in ([] if args.quick else SWEEP)]:
                 err = (
                     gemv(x, weights[0], config=config).float() - ref
                 ).abs().max().item() / ref.abs().max().item()

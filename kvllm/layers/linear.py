@@ -65,6 +65,25 @@ class MergedLinear(Linear):
         if self.bias is not None:
             self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
 
+    def gated(self, x: torch.Tensor, act: nn.Module) -> torch.Tensor:
+        """act(self(x)) for a gate_up pair ([gate; up], equal halves). SiLU on one row (or up to four
+        of a narrow output) where fused ops are on is one GEMV launch with the activation in its
+        epilogue; anything else runs the projection, then `act`."""
+        from kvllm.layers.activation import SiluAndMul
+
+        if (
+            type(act) is SiluAndMul
+            and use_fused_ops(x)
+            and len(self.output_sizes) == 2
+            and self.output_sizes[0] == self.output_sizes[1]
+        ):
+            from kvllm.layers.ops.gemv import gemv_silu_and_mul, use_gemv
+            from kvllm.layers.ops.linear import is_narrow
+
+            if use_gemv(x, self.weight, narrow=is_narrow(self.weight)):
+                return gemv_silu_and_mul(x, self.weight, self.bias)
+        return act(self(x))
+
     def _shard_rows(self, shard_id: int | str) -> tuple[int, int]:
         index = self.shard_names.index(shard_id) if isinstance(shard_id, str) else shard_id
         start = sum(self.output_sizes[:index])

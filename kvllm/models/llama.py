@@ -120,7 +120,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj.gated(x, self.act_fn))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -49,19 +49,24 @@ def test_matches_f_linear(dtype, n, k, m, with_bias) -> None:
     assert (out.float() - ref.float()).abs().max().item() <= tol * scale
 
 
-def test_layer_runs_the_kernel_on_cuda_in_auto_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_layer_runs_the_kernels_on_cuda_in_auto_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    """o_proj-shaped (narrow) layer: the GEMV for 1-4 rows, the small-M kernel for 5-16, cuBLAS above."""
+    import kvllm.layers.ops.gemv as gemv_ops
     import kvllm.layers.ops.linear as ops
 
-    calls: list[int] = []
-    real = ops.linear
+    calls: list[tuple[str, int]] = []
 
-    def spy(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:  # noqa: ANN002, ANN003
-        calls.append(x.shape[0])
-        return real(x, *args, **kwargs)
+    def spy(name, real):  # noqa: ANN001, ANN202
+        def wrapper(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:  # noqa: ANN002, ANN003
+            calls.append((name, x.shape[0]))
+            return real(x, *args, **kwargs)
 
-    monkeypatch.setattr(ops, "linear", spy)
-    layer = Linear(1024, 4096, bias=False).to(CUDA, torch.bfloat16)
+        return wrapper
+
+    monkeypatch.setattr(ops, "linear", spy("small_m", ops.linear))
+    monkeypatch.setattr(gemv_ops, "gemv", spy("gemv", gemv_ops.gemv))
+    layer = Linear(2048, 1024, bias=False).to(CUDA, torch.bfloat16)
     with fused_ops_mode("auto"), torch.no_grad():
-        layer(torch.randn(4, 1024, device=CUDA, dtype=torch.bfloat16))
-        layer(torch.randn(MAX_ROWS + 1, 1024, device=CUDA, dtype=torch.bfloat16))
-    assert calls == [4]
+        for rows in (1, 4, 8, MAX_ROWS + 1):
+            layer(torch.randn(rows, 2048, device=CUDA, dtype=torch.bfloat16))
+    assert calls == [("gemv", 1), ("gemv", 4), ("small_m", 8)]

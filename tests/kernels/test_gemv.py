@@ -9,7 +9,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvllm.layers.ops.gemv import MAX_ROWS, GemvConfig, block_m_for, default_config, gemv, use_gemv
+from kvllm.layers.ops.gemv import (
+    MAX_ROWS,
+    GemvConfig,
+    block_m_for,
+    default_config,
+    gemv,
+    gemv_silu_and_mul,
+    use_gemv,
+)
 
 TOLERANCES = {torch.float16: (1e-3, 1e-3), torch.bfloat16: (8e-3, 1e-2), torch.float32: (1e-5, 1e-4)}
 
@@ -73,3 +81,51 @@ def test_use_gemv_predicate():
     assert not use_gemv(rows(1).float(), w, narrow=True)  # mixed dtypes
     assert not use_gemv(rows(1), w.t().contiguous().t(), narrow=True)  # strided weight
     assert not use_gemv(rows(1).double(), w.double(), narrow=True)
+
+
+def unfused_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The unfused path's roundings in plain torch: the projection to x's dtype, then silu, then the product."""
+    y = reference(x, weight, bias).to(x.dtype).float()
+    gate, up = y.chunk(2, dim=-1)
+    return (torch.nn.functional.silu(gate).to(x.dtype).float() * up).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+@pytest.mark.parametrize("m", [1, 3])
+def test_gemv_silu_and_mul_matches_the_unfused_roundings(dtype, m):
+    d, k = 40, 96
+    x, w = randn(m, k, dtype=dtype, seed=m), randn(2 * d, k, dtype=dtype, seed=5) * 0.3
+    bias = randn(2 * d, dtype=dtype, seed=6)
+    out = gemv_silu_and_mul(x, w, bias, GemvConfig(block_n=8, block_k=32))
+    ref = unfused_silu_and_mul(x, w, bias)
+    assert out.shape == (m, d) and out.dtype == dtype
+    # One ulp apart at most where the float32 sums, rounded to 16 bits, fall on different sides.
+    rtol, atol = TOLERANCES[dtype]
+    torch.testing.assert_close(out.float(), ref.float(), rtol=rtol, atol=atol)
+    with pytest.raises(ValueError, match="even number of rows"):
+        gemv_silu_and_mul(x, w[:-1])
+
+
+def test_merged_linear_gated_fuses_silu_for_one_row(monkeypatch):
+    import kvllm.layers.ops.gemv as gemv_ops
+    from kvllm.layers.activation import SiluAndMul
+    from kvllm.layers.linear import MergedLinear
+    from kvllm.layers.ops.dispatch import fused_ops_mode
+
+    calls = []
+    real = gemv_ops.gemv_silu_and_mul
+    monkeypatch.setattr(
+        gemv_ops, "gemv_silu_and_mul", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw)
+    )
+    torch.manual_seed(0)
+    layer = MergedLinear(64, [48, 48])
+    layer.weight.data.normal_()
+    act = SiluAndMul()
+    for rows in (1, 2):  # 96 columns: narrow, so up to 4 rows fuse
+        x = torch.randn(rows, 64)
+        with fused_ops_mode("1"), torch.no_grad():
+            out = layer.gated(x, act)
+        with fused_ops_mode("0"), torch.no_grad():
+            ref = act(layer(x))
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert calls == [1, 2]

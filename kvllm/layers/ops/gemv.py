@@ -11,6 +11,11 @@ once: enough programs for any width, and no second kernel. On an H200 the fastes
 
 The row count is a compile-time BLOCK_M of 1, 2 or 4 (rows past M masked), so at most three variants
 per weight shape are compiled, all at start-up warm-up.
+
+`gemv_silu_and_mul` runs a fused gate_up projection ([2d, K]: gate rows, then up rows) and applies
+silu(gate) * up in the epilogue: each program reads its columns of both halves, so the activation
+kernel and the [M, 2d] intermediate disappear. It rounds where the unfused path does (the projection
+to the activation dtype, silu, the product), so its outputs are the unfused path's.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvllm.layers.ops.common import cast_to, interpreting
+from kvllm.layers.ops.common import cast_to, exp_f32, interpreting, round_to
 
 MAX_ROWS = 4
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -44,8 +49,10 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    GATED: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
+    # GATED: N is the output width d; W holds 2d rows (gate, then up) and out gets silu(gate) * up.
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -54,25 +61,35 @@ def _gemv_kernel(
     n_mask = offs_n < N
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    up_offset = N * stride_wn  # GATED only: the up half's rows follow the gate half's
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
         if EVEN_K:
-            w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
-            x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
+            w_mask = n_mask[:, None]
+            x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0).to(tl.float32)
         else:
             k_mask = (k + offs_k) < K
-            w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-            x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        product = x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
-        acc += tl.sum(product, axis=2)
+            w_mask = n_mask[:, None] & k_mask[None, :]
+            x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        w = tl.load(w_ptrs, mask=w_mask, other=0.0).to(tl.float32)
+        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+        if GATED:
+            w_up = tl.load(w_ptrs + up_offset, mask=w_mask, other=0.0).to(tl.float32)
+            acc_up += tl.sum(x[:, None, :] * w_up[None, :, :], axis=2)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc_up += tl.load(bias_ptr + N + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    dtype = out_ptr.dtype.element_ty
+    if GATED:
+        gate = round_to(acc, dtype, INTERPRET)
+        up = round_to(acc_up, dtype, INTERPRET)
+        acc = round_to(tl.math.div_rn(gate, 1.0 + exp_f32(-gate, INTERPRET)), dtype, INTERPRET) * up
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-    tl.store(
-        out_ptrs, cast_to(acc, out_ptr.dtype.element_ty, INTERPRET), mask=m_mask[:, None] & n_mask[None, :]
-    )
+    tl.store(out_ptrs, cast_to(acc, dtype, INTERPRET), mask=m_mask[:, None] & n_mask[None, :])
 
 
 @dataclass(frozen=True)
@@ -127,6 +144,8 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
         raise ValueError(
             f"gemv needs x [M, K] and weight [N, K], got x {tuple(x.shape)} and weight {tuple(weight.shape)}"
         )
+    if x.shape[1] == 0:
+        raise ValueError("gemv needs K >= 1 (x and weight have no columns)")
     if x.shape[0] > MAX_ROWS:
         raise ValueError(f"x has {x.shape[0]} rows; the GEMV kernel takes at most {MAX_ROWS}")
     if x.dtype not in SUPPORTED_DTYPES or weight.dtype != x.dtype:
@@ -161,14 +180,35 @@ def gemv(
     Accumulates in float32 and rounds once, as F.linear does. `config` overrides `default_config`.
     """
     _check(x, weight, bias)
+    return _launch(x, weight, bias, weight.shape[0], config or default_config(*weight.shape, x.dtype), False)
+
+
+def gemv_silu_and_mul(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    config: GemvConfig | None = None,
+) -> torch.Tensor:
+    """silu(gate) * up of the fused projection x @ weight^T (+ bias), weight [2d, K] holding the gate
+    rows then the up rows -> [M, d], for 0 <= M <= MAX_ROWS (see the module docstring)."""
+    _check(x, weight, bias)
+    if weight.shape[0] % 2:
+        raise ValueError(
+            f"a gate_up weight has an even number of rows (gate, then up), got {weight.shape[0]}"
+        )
+    if config is None:  # the same programs as the plain projection of 2d rows: half the columns each
+        plain = default_config(*weight.shape, x.dtype)
+        config = GemvConfig(max(1, plain.block_n // 2), plain.block_k, plain.num_warps, plain.num_stages)
+    return _launch(x, weight, bias, weight.shape[0] // 2, config, True)
+
+
+def _launch(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n: int, config: GemvConfig, gated: bool
+) -> torch.Tensor:
     m, k = x.shape
-    n = weight.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
-    if k == 0:
-        return out.zero_() if bias is None else out.copy_(bias.expand(m, n))
-    config = config or default_config(n, k, x.dtype)
     for name in ("block_n", "block_k"):
         value = getattr(config, name)
         if value < 1 or value & (value - 1):
@@ -183,6 +223,7 @@ def gemv(
         BLOCK_K=config.block_k,
         EVEN_K=k % config.block_k == 0,
         HAS_BIAS=bias is not None,
+        GATED=gated,
         INTERPRET=interpreting(),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
