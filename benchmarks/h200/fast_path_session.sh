@@ -133,6 +133,7 @@ quick)  # carry [".pyspy"]: GPU tests of the decode kernels, then batch-1..256 l
     tests/gpu/test_small_m_linear_gpu.py tests/gpu/test_cuda_graphs_gpu.py -k "not FLASH" > "$d/pytest-gpu.log" 2>&1
   since "GPU tests: $(tail -n 1 "$d/pytest-gpu.log")"
   bench triton --engine kvllm --backend TRITON_ATTN --only latency,nano --iters 2 --warmups 1 --profile-batches 1,256
+  timeout 60 python3 benchmarks/h200/gemv_bench.py --out "$d" --quick > "$d/gemv-bench.log" 2>&1; tail -n 9 "$d/gemv-bench.log"
   timeout 120 python3 benchmarks/h200/host_profile.py --out "$d" --batches 1,256 > "$d/host.log" 2>&1
   since "host profile (exit $?)"; grep "ms/step" "$d/host.log"
   tar czf "$out/quick.tgz" -C /tmp quick

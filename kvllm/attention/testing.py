@@ -396,7 +396,6 @@ def run_triton_case(
     device: str | torch.device = "cpu",
     use_sinks: bool = False,
     num_splits: int | None = None,
-    min_segment_tokens: int | None = None,
     decode_config: object | None = None,
     prefill_config: object | None = None,
     seed: int = 0,
@@ -407,8 +406,7 @@ def run_triton_case(
 
     The output buffer starts as NaN (every real token must be written) and the reference reads
     what the cache holds after the step. `num_splits` forces the decode launch's split-KV segment
-    count (None = the builder's choice), at most one segment per `min_segment_tokens` keys of a
-    request (None = the backend's MIN_SEGMENT_TOKENS); sinks are random_sinks(num_heads, seed + 1).
+    count (None = the builder's choice); sinks are random_sinks(num_heads, seed + 1).
     """
     from kvllm.attention.backends.triton_attn import TritonAttentionBackend
 
@@ -416,8 +414,7 @@ def run_triton_case(
     return run_backend_case(
         TritonAttentionBackend, *shape, device=device, seed=seed, reference="cache", preallocated_output=True,
         sinks=random_sinks(num_heads, seed + 1, device) if use_sinks else None,
-        impl_attrs={"decode_config": decode_config, "prefill_config": prefill_config}
-        | ({} if min_segment_tokens is None else {"min_segment_tokens": min_segment_tokens}),
+        impl_attrs={"decode_config": decode_config, "prefill_config": prefill_config},
         metadata_attrs={} if num_splits is None else {"num_splits": num_splits},
         **options,
     )  # fmt: skip

@@ -83,20 +83,17 @@ def test_fp8_kv_cache(kv_cache_dtype, dtype) -> None:
 
 
 @pytest.mark.parametrize("num_splits", [2, 8])
-@pytest.mark.parametrize("min_segment_tokens", [1, 64, 256])
 @pytest.mark.parametrize(
     "sliding_window,use_sinks,kv_cache_dtype",
     [(None, False, "auto"), (100, True, "auto"), (None, True, "fp8_e4m3")],
 )
-def test_split_kv_decode(num_splits, min_segment_tokens, sliding_window, use_sinks, kv_cache_dtype) -> None:
+def test_split_kv_decode(num_splits, sliding_window, use_sinks, kv_cache_dtype) -> None:
     # Segments shorter than a tile and longer than several tiles, plus a request with fewer
-    # tiles than segments (its extra segments are empty and must drop out of the reduce). With
-    # min_segment_tokens 64 the requests use 1 to 4 segments (the short ones write their output
-    # directly, skipping the reduce); with 256 all of them use one.
+    # tiles than segments (its extra segments are empty and must drop out of the reduce).
     case = run_triton_case(
         [1, 1, 1, 1, 5], [300, 4, 129, 40, 60], 8, 2, 96, 16, torch.float16,
         sliding_window=sliding_window, use_sinks=use_sinks, kv_cache_dtype=kv_cache_dtype, k_scale=0.5,
-        v_scale=2.0, num_splits=num_splits, min_segment_tokens=min_segment_tokens, decode_config=SMALL,
+        v_scale=2.0, num_splits=num_splits, decode_config=SMALL,
     )  # fmt: skip
     check(case, torch.float16)
 

@@ -10,13 +10,10 @@ import torch
 from kvllm.attention.impl import AttentionImpl, AttentionLayer, AttentionMetadataBuilder
 from kvllm.attention.metadata import CommonAttentionMetadata
 from kvllm.attention.ops.triton_reshape_and_cache import reshape_and_cache
-from kvllm.attention.ops.triton_unified_attention import (
-    MAX_SEGMENTS,
-    MIN_SEGMENT_TOKENS,
-    KernelConfig,
-    unified_attention,
-)
+from kvllm.attention.ops.triton_unified_attention import MAX_SEGMENTS, KernelConfig, unified_attention
 from kvllm.utils.dtypes import FP8_DTYPES, FP8_TORCH_DTYPES
+
+MIN_SPLIT_TOKENS = 256  # a split-KV segment below this many keys costs more in the reduce than it saves
 
 
 @dataclass
@@ -70,7 +67,7 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
         if programs == 0 or programs >= 2 * self.num_sms:
             return 1
         by_occupancy = 1 << (-(-4 * self.num_sms // programs) - 1).bit_length()
-        by_length = max(1, max_seq_len // MIN_SEGMENT_TOKENS)
+        by_length = max(1, max_seq_len // MIN_SPLIT_TOKENS)
         by_length = 1 << (by_length.bit_length() - 1)
         return max(1, min(by_occupancy, by_length, MAX_SEGMENTS))
 
@@ -150,7 +147,6 @@ class TritonAttentionImpl(AttentionImpl):
         self.fp8_dtype = FP8_TORCH_DTYPES.get(self.kv_cache_dtype)
         self.decode_config: KernelConfig | None = None
         self.prefill_config: KernelConfig | None = None
-        self.min_segment_tokens = MIN_SEGMENT_TOKENS  # the split's run-time cap (tests lower it)
 
     def kv_cache_views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return kv_cache[0], kv_cache[1]
@@ -197,7 +193,6 @@ class TritonAttentionImpl(AttentionImpl):
             k_scale=layer.k_scale,
             v_scale=layer.v_scale,
             num_splits=md.num_splits,
-            min_segment_tokens=self.min_segment_tokens,
             decode_cfg=self.decode_config,
             prefill_cfg=self.prefill_config,
         )  # fmt: skip

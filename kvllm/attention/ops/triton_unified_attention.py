@@ -29,11 +29,6 @@ LOG2E = 1.4426950408889634
 # The most KV segments a decode launch may split into. The reduce kernel is compiled for this many
 # (masked) segments whatever the step uses, so a new split count never compiles a variant mid-serving.
 MAX_SEGMENTS = 64
-# A split-KV segment below this many keys costs more in the reduce than it saves. The decode launch
-# caps the split at run time, per request, from its own length (`seq_len // this`, at least one
-# segment), so a CUDA graph captured for the longest context does not split a short one: a request
-# left with one segment writes its output directly and the reduce skips it.
-MIN_SEGMENT_TOKENS = 256
 
 
 @dataclass(frozen=True)
@@ -157,9 +152,7 @@ def _attend_tiles(
 # Arguments that change from step to step (how many requests, where the decodes end, the block
 # table's width, the split count) are not specialized on: Triton would otherwise compile a variant
 # for every "== 1" / "multiple of 16" combination of them, seconds each, in the middle of serving.
-@triton.jit(
-    do_not_specialize=["seq_lo", "seq_hi", "num_segments", "min_segment_tiles", "window", "stride_bt"]
-)
+@triton.jit(do_not_specialize=["seq_lo", "seq_hi", "num_segments", "window", "stride_bt"])
 def _unified_attention_kernel(
     out_ptr,
     q_ptr,
@@ -174,12 +167,10 @@ def _unified_attention_kernel(
     part_out_ptr,  # SPLIT only: float32 [tokens, num_heads, num_segments, HEAD_SIZE_PAD]
     part_m_ptr,  # SPLIT only: float32 [tokens, num_heads, num_segments], running max (log2 units)
     part_l_ptr,  # SPLIT only: float32 [tokens, num_heads, num_segments], running sum
-    part_count_ptr,  # SPLIT only: int32 [tokens], segments the token's request used
     seq_lo,
     seq_hi,
     num_heads,
     num_segments,
-    min_segment_tiles,
     scale,
     soft_cap,
     window,
@@ -268,10 +259,7 @@ def _unified_attention_kernel(
     tile_lo = kv_lo // TILE_N
     tile_hi = tl.cdiv(kv_hi, TILE_N)
     if SPLIT:
-        active = tl.minimum(num_segments, tl.maximum((tile_hi - tile_lo) // min_segment_tiles, 1))
-        if segment >= active:
-            return
-        per_segment = tl.cdiv(tile_hi - tile_lo, active)
+        per_segment = tl.cdiv(tile_hi - tile_lo, num_segments)
         seg_lo = tl.minimum(tile_lo + segment * per_segment, tile_hi)
         seg_hi = tl.minimum(seg_lo + per_segment, tile_hi)
     else:
@@ -393,27 +381,19 @@ def _unified_attention_kernel(
     )
     acc = acc * v_scale
 
-    out_ptrs = out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
     if SPLIT:
-        if (segment == 0) & (kv_head == 0):
-            tl.store(part_count_ptr + q_start, active)
-        if active > 1:
-            part = (token * num_heads + head) * num_segments + segment
-            tl.store(
-                part_out_ptr + part[:, None] * HEAD_SIZE_PAD + offs_d[None, :], acc, mask=row_ok[:, None]
-            )
-            tl.store(part_m_ptr + part, m_i, mask=row_ok)
-            tl.store(part_l_ptr + part, l_i, mask=row_ok)
-        else:
-            _store_normalized(out_ptrs, acc, l_i, io_mask)
+        part = (token * num_heads + head) * num_segments + segment
+        tl.store(part_out_ptr + part[:, None] * HEAD_SIZE_PAD + offs_d[None, :], acc, mask=row_ok[:, None])
+        tl.store(part_m_ptr + part, m_i, mask=row_ok)
+        tl.store(part_l_ptr + part, l_i, mask=row_ok)
     else:
-        _store_normalized(out_ptrs, acc, l_i, io_mask)
-
-
-@triton.jit
-def _store_normalized(out_ptrs, acc, l_i, mask):
-    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    tl.store(out_ptrs, (acc / l_safe[:, None]).to(out_ptrs.dtype.element_ty), mask=mask)
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        out = acc / l_safe[:, None]
+        tl.store(
+            out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=io_mask,
+        )
 
 
 @triton.jit(do_not_specialize=["num_tokens", "num_segments"])
@@ -422,7 +402,6 @@ def _reduce_segments_kernel(
     part_out_ptr,
     part_m_ptr,
     part_l_ptr,
-    part_count_ptr,
     query_start_loc_ptr,
     num_tokens,
     num_heads,
@@ -438,13 +417,9 @@ def _reduce_segments_kernel(
     # Padded requests (query length 0) own no token; their rows were never computed.
     if token >= tl.load(query_start_loc_ptr + num_tokens):
         return
-    # A request left with one segment wrote its output directly.
-    used = tl.load(part_count_ptr + token)
-    if used <= 1:
-        return
     offs_s = tl.arange(0, SEGMENTS_PAD)
     offs_d = tl.arange(0, HEAD_SIZE_PAD)
-    seg_ok = offs_s < used
+    seg_ok = offs_s < num_segments
     part = (token.to(tl.int64) * num_heads + head) * num_segments + offs_s
     m = tl.load(part_m_ptr + part, mask=seg_ok, other=float("-inf"))
     l_i = tl.load(part_l_ptr + part, mask=seg_ok, other=0.0)
@@ -483,8 +458,7 @@ def unified_attention(
     sinks: torch.Tensor | None = None,  # [num_heads]
     k_scale: torch.Tensor | None = None,  # float32 scalar tensors, fp8 caches only
     v_scale: torch.Tensor | None = None,
-    num_splits: int = 1,  # KV segments of the decode launch (at most); 1 = no split
-    min_segment_tokens: int = MIN_SEGMENT_TOKENS,
+    num_splits: int = 1,  # KV segments of the decode launch; 1 = no split
     decode_cfg: KernelConfig | None = None,
     prefill_cfg: KernelConfig | None = None,
 ) -> torch.Tensor:
@@ -523,17 +497,15 @@ def unified_attention(
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
     )
 
-    def launch(
-        grid, cfg, seq_lo, seq_hi, block_q, decode_only, split, part_out, part_ml, part_count, segments
-    ):
+    def launch(grid, cfg, seq_lo, seq_hi, block_q, decode_only, split, part_out, part_ml, segments):
         _unified_attention_kernel[grid](
             out, query, key_cache, value_cache,
             sinks if sinks is not None else dummy,
             k_scale if is_fp8 else dummy,
             v_scale if is_fp8 else dummy,
             block_table, seq_lens, query_start_loc,
-            part_out, part_ml[0], part_ml[1], part_count,
-            seq_lo, seq_hi, num_heads, segments, max(1, min_segment_tokens // cfg.tile_n),
+            part_out, part_ml[0], part_ml[1],
+            seq_lo, seq_hi, num_heads, segments,
             scale, float(logits_soft_cap or 0.0), int(sliding_window or 0),
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
             key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
@@ -555,7 +527,6 @@ def unified_attention(
             part_ml = torch.empty(
                 (2, num_decode_reqs, num_heads, num_splits), dtype=torch.float32, device=query.device
             )
-            part_count = torch.empty(num_decode_reqs, dtype=torch.int32, device=query.device)
             launch(
                 (num_decode_reqs, num_kv_heads, num_splits),
                 cfg,
@@ -566,23 +537,21 @@ def unified_attention(
                 True,
                 part_out,
                 part_ml,
-                part_count,
                 num_splits,
             )
             _reduce_segments_kernel[(num_decode_reqs, num_heads)](
-                out, part_out, part_ml[0], part_ml[1], part_count, query_start_loc, num_decode_reqs, num_heads,
-                num_splits,
+                out, part_out, part_ml[0], part_ml[1], query_start_loc, num_decode_reqs, num_heads, num_splits,
                 out.stride(0), out.stride(1),
                 HEAD_SIZE=head_size, HEAD_SIZE_PAD=head_pad, SEGMENTS_PAD=MAX_SEGMENTS, num_warps=4,
             )  # fmt: skip
         else:
             launch((num_decode_reqs, num_kv_heads, 1), cfg, 0, num_decode_reqs, 1, True, False,
-                   dummy, (dummy, dummy), dummy, 1)  # fmt: skip
+                   dummy, (dummy, dummy), 1)  # fmt: skip
     if num_reqs > num_decode_reqs:
         cfg = prefill_cfg or prefill_config(head_size, g, query.dtype)
         block_q = max(1, cfg.block_m // g)
         # Tokens of the prefill requests are at most num_tokens - num_decode_reqs.
         num_q_blocks = (num_tokens - num_decode_reqs) // block_q + (num_reqs - num_decode_reqs)
         launch((num_q_blocks, num_kv_heads, 1), cfg, num_decode_reqs, num_reqs, block_q, False, False,
-               dummy, (dummy, dummy), dummy, 1)  # fmt: skip
+               dummy, (dummy, dummy), 1)  # fmt: skip
     return out
