@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from typing import Any
@@ -10,7 +11,8 @@ from kvllm.config.engine import EngineArgs, unknown_engine_argument_error
 from kvllm.engine.input_processor import ChatMessage, PromptType
 from kvllm.engine.llm_engine import LLMEngine
 from kvllm.engine.metrics_reader import FinishedRequestCounters, Metric, metrics_snapshot
-from kvllm.outputs import RequestOutput
+from kvllm.outputs import EmbeddingRequestOutput, RequestOutput
+from kvllm.pooling_params import PoolingParams
 from kvllm.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -86,6 +88,40 @@ class LLM:
                 )
         return self._run(prompt_list, params_list, use_tqdm)
 
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt, in prompt order (a pooling model: `LLM(model, runner="pooling")`).
+
+        `outputs.embedding` is a list of floats, pooled and normalized as the model's PoolerConfig
+        says; `pooling_params` (one, or one per prompt) may ask for `dimensions` or no normalization.
+        """
+        prompt_list = _as_prompt_list(prompts)
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            params_list = [pooling_params or PoolingParams()] * len(prompt_list)
+        else:
+            params_list = list(pooling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(
+                    f"Got {len(params_list)} pooling_params for {len(prompt_list)} prompts; pass one, or one each"
+                )
+        if truncate_prompt_tokens is not None:
+            params_list = [
+                dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens) for p in params_list
+            ]
+        if not self.llm_engine.model_config.is_pooling:
+            raise ValueError(
+                "LLM.embed() is only supported for pooling models; this one runs with --runner generate. "
+                "Try converting the model using `--convert embed` (LLM(..., runner='pooling'))"
+            )
+        outputs = self._run(prompt_list, params_list, use_tqdm)
+        return [EmbeddingRequestOutput.from_base(o) for o in outputs]
+
     def chat(
         self,
         messages: list[ChatMessage] | list[list[ChatMessage]],
@@ -113,24 +149,26 @@ class LLM:
             conversation, add_generation_prompt, chat_template_kwargs
         )
 
-    def _run(
-        self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool
-    ) -> list[RequestOutput]:
+    def _run(self, prompts: list[PromptType], params: list[Any], use_tqdm: bool) -> list[Any]:
         engine = self.llm_engine
         ids = []
         # Only finished requests are returned, so only finished requests need outputs (as vLLM's LLM).
-        final_only: dict[int, SamplingParams] = {}
+        final_only: dict[int, Any] = {}
         try:
             for prompt, p in zip(prompts, params):
                 if id(p) not in final_only:
-                    final_only[id(p)] = p.replace(output_kind=RequestOutputKind.FINAL_ONLY)
+                    final_only[id(p)] = (
+                        p.replace(output_kind=RequestOutputKind.FINAL_ONLY)
+                        if isinstance(p, SamplingParams)
+                        else p
+                    )
                 request_id = str(next(self._counter))
                 engine.add_request(request_id, prompt, final_only[id(p)])
                 ids.append(request_id)
         except Exception:
             engine.abort_request(ids)
             raise
-        finished: dict[str, RequestOutput] = {}
+        finished: dict[str, Any] = {}
         bar = _progress_bar(len(ids)) if use_tqdm else None
         num_in = num_out = 0
         try:
@@ -138,7 +176,8 @@ class LLM:
                 for output in engine.step():
                     if output.finished:
                         finished[output.request_id] = output
-                        self._finished.record(output)
+                        if isinstance(output, RequestOutput):
+                            self._finished.record(output)
                         if bar is not None:
                             num_in += len(output.prompt_token_ids)
                             num_out += output.num_output_tokens

@@ -109,7 +109,6 @@ SCHEDULER = (
     "kvllm's scheduler has no such setting; tune it with --max-num-seqs, --max-num-batched-tokens "
     "and --enable-chunked-prefill"
 )
-POOLING = "kvllm runs generative models only (--runner generate); pooling and embedding models are not supported yet"
 REQUEST_LOGS = (
     "kvllm does not log request parameters or outputs; the uvicorn access log has one line per request "
     "(--disable-uvicorn-access-log turns it off)"
@@ -207,8 +206,8 @@ FRONTEND_FLAGS: dict[str, Verdict] = {
 # kvllm command that builds an engine.
 ENGINE_FLAGS: dict[str, Verdict] = {
     "--model": SUPPORTED,
-    "--runner": _no(POOLING, "auto", "generate"),
-    "--convert": _no(POOLING, "auto", "none"),
+    "--runner": SUPPORTED,
+    "--convert": SUPPORTED,
     "--tokenizer": SUPPORTED,
     "--tokenizer-mode": SUPPORTED,
     "--trust-remote-code": SUPPORTED,
@@ -247,7 +246,7 @@ ENGINE_FLAGS: dict[str, Verdict] = {
     ),
     "--hf-token": SUPPORTED,
     "--hf-overrides": SUPPORTED,
-    "--pooler-config": _no(POOLING),
+    "--pooler-config": SUPPORTED,
     "--generation-config": SUPPORTED,
     "--override-generation-config": SUPPORTED,
     "--enable-sleep-mode": _off("kvllm has no sleep mode: its device memory stays allocated while it runs"),
