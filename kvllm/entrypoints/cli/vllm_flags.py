@@ -180,9 +180,7 @@ FRONTEND_FLAGS: dict[str, Verdict] = {
     "--ssl-cert-reqs": SUPPORTED,
     "--ssl-ciphers": SUPPORTED,
     "--root-path": SUPPORTED,
-    "--middleware": _no(
-        "kvllm does not load ASGI middleware from import paths; put a reverse proxy in front of it"
-    ),
+    "--middleware": SUPPORTED,
     "--enable-request-id-headers": _off("kvllm does not add X-Request-Id headers to responses"),
     "--disable-fastapi-docs": SUPPORTED,
     "--h11-max-incomplete-event-size": SUPPORTED,
