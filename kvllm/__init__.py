@@ -10,6 +10,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "LLM": "kvllm.llm",
     "SamplingParams": "kvllm.sampling_params",
+    "BeamSearchParams": "kvllm.sampling_params",
     "PoolingParams": "kvllm.pooling_params",
     "PoolerConfig": "kvllm.config.pooler",
     "PoolingRequestOutput": "kvllm.outputs",
@@ -29,6 +30,7 @@ __all__ = [
     "AsyncEngineArgs",
     "AsyncLLMEngine",
     "AttentionBackendEnum",
+    "BeamSearchParams",
     "AttentionConfig",
     "CompletionOutput",
     "EmbeddingRequestOutput",
@@ -52,7 +54,7 @@ if TYPE_CHECKING:
     from kvllm.llm import LLM
     from kvllm.outputs import CompletionOutput, EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
     from kvllm.pooling_params import PoolingParams
-    from kvllm.sampling_params import SamplingParams
+    from kvllm.sampling_params import BeamSearchParams, SamplingParams
 
 
 def __getattr__(name: str) -> Any:

@@ -7,13 +7,19 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
+from kvllm.beam_search import (
+    BeamSearchInstance,
+    BeamSearchOutput,
+    BeamSearchSequence,
+    create_sort_beams_key_function,
+)
 from kvllm.config.engine import EngineArgs, unknown_engine_argument_error
 from kvllm.engine.input_processor import ChatMessage, PromptType
 from kvllm.engine.llm_engine import LLMEngine
 from kvllm.engine.metrics_reader import FinishedRequestCounters, Metric, metrics_snapshot
 from kvllm.outputs import EmbeddingRequestOutput, RequestOutput
 from kvllm.pooling_params import PoolingParams
-from kvllm.sampling_params import RequestOutputKind, SamplingParams
+from kvllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -91,10 +97,10 @@ class LLM:
     def embed(
         self,
         prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
         *,
         truncate_prompt_tokens: int | None = None,
         use_tqdm: bool = True,
-        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
     ) -> list[EmbeddingRequestOutput]:
         """One embedding per prompt, in prompt order (a pooling model: `LLM(model, runner="pooling")`).
 
@@ -121,6 +127,65 @@ class LLM:
             )
         outputs = self._run(prompt_list, params_list, use_tqdm)
         return [EmbeddingRequestOutput.from_base(o) for o in outputs]
+
+    def beam_search(
+        self, prompts: list[PromptType], params: BeamSearchParams, use_tqdm: bool = False
+    ) -> list[BeamSearchOutput]:
+        """vLLM's beam search (see kvllm/beam_search.py): one BeamSearchOutput per prompt, whose
+        `sequences` are the best `params.beam_width` beams, best first."""
+        tokenizer = self.get_tokenizer()
+        eos = tokenizer.eos_token_id
+        sort_key = create_sort_beams_key_function(eos, params.length_penalty)
+        step_params = SamplingParams(
+            logprobs=2 * params.beam_width, max_tokens=1, temperature=params.temperature, detokenize=False
+        )
+        processor = self.llm_engine.input_processor
+        instances = [BeamSearchInstance(processor.tokenize_prompt(p)[1]) for p in _as_prompt_list(prompts)]
+        max_len = self.llm_engine.model_config.max_model_len
+        steps = range(params.max_tokens)
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            steps = tqdm(steps, desc="Beam search", unit="token")
+        for _ in steps:
+            for instance in instances:  # a beam at max_model_len cannot grow: it ends with "length"
+                instance.completed += [b for b in instance.beams if len(b.tokens) >= max_len]
+                instance.beams = [b for b in instance.beams if len(b.tokens) < max_len]
+            beams = [(instance, beam) for instance in instances for beam in instance.beams]
+            if not beams:
+                break
+            outputs = self.generate(
+                [{"prompt_token_ids": beam.tokens} for _, beam in beams], step_params, use_tqdm=False
+            )
+            candidates: dict[int, list[BeamSearchSequence]] = {id(i): [] for i in instances}
+            for (instance, beam), output in zip(beams, outputs):
+                logprobs = output.outputs[0].logprobs
+                if not logprobs:
+                    continue
+                for token_id, entry in logprobs[0].items():
+                    grown = BeamSearchSequence(
+                        tokens=beam.tokens + [token_id],
+                        logprobs=beam.logprobs + [logprobs[0]],
+                        cum_logprob=beam.cum_logprob + entry.logprob,
+                    )
+                    if token_id == eos and not params.ignore_eos:
+                        grown.finish_reason = "stop"
+                        instance.completed.append(grown)
+                    else:
+                        candidates[id(instance)].append(grown)
+            for instance in instances:
+                ranked = sorted(candidates[id(instance)], key=sort_key, reverse=True)
+                instance.beams = ranked[: params.beam_width]
+        results = []
+        for instance in instances:
+            best = sorted(instance.completed + instance.beams, key=sort_key, reverse=True)[
+                : params.beam_width
+            ]
+            for beam in best:
+                beam.text = tokenizer.decode(beam.tokens)
+                beam.finish_reason = beam.finish_reason or "length"
+            results.append(BeamSearchOutput(sequences=best))
+        return results
 
     def chat(
         self,
