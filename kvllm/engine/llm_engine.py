@@ -16,6 +16,7 @@ from kvllm.core.scheduler import Scheduler
 from kvllm.core.step_result import PendingStep
 from kvllm.engine.input_processor import InputProcessor, PromptType, truncate_prompt
 from kvllm.engine.output_processor import OutputProcessor
+from kvllm.engine.pooling import check_pooling_params, pooling_request, pooling_scheduler_settings
 from kvllm.engine.warm_up import WarmUpStats, warm_up
 from kvllm.executor.uniproc_executor import UniProcExecutor
 from kvllm.models.model_config import ModelConfig
@@ -31,8 +32,6 @@ logger = logging.getLogger(__name__)
 __all__ = ["EngineSleepingError", "EngineStats", "LLMEngine", "PromptType"]
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
-# What a pooling request's Request carries as sampling parameters: nothing is sampled or detokenized.
-_POOLING_SAMPLING = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
 
 
 class EngineSleepingError(RuntimeError):
@@ -59,7 +58,7 @@ class LLMEngine:
         self.args = args
         self.device = resolve_device(args.device)
         self.model_config = ModelConfig.from_engine_args(args, self.device)
-        chunked_prefill, prefix_caching = _pooling_scheduler_settings(args, self.model_config)
+        chunked_prefill, prefix_caching = pooling_scheduler_settings(args, self.model_config)
         if args.max_num_batched_tokens is not None:
             max_batched = args.max_num_batched_tokens
         elif chunked_prefill:
@@ -201,17 +200,7 @@ class LLMEngine:
         token_ids = truncate_prompt(token_ids, params.truncate_prompt_tokens, self.model_config.max_model_len)
         self.input_processor.validate_prompt(token_ids, room_to_generate=False)
         self._check_fits_cache(token_ids)
-        request = Request(
-            request_id=request_id,
-            prompt_token_ids=list(token_ids),
-            sampling_params=_POOLING_SAMPLING,
-            max_tokens=1,  # the scheduler's placeholder for the prompt's end, never a sampled token
-            parent_id=request_id,
-            eos_token_ids=(),
-            pooling_params=params,
-        )
-        if arrival_time is not None:
-            request.arrival_time = arrival_time
+        request = pooling_request(request_id, token_ids, params, arrival_time)
         self.output_processor.add_request(request_id, text, token_ids, [request])
         self.scheduler.add_request(request)
 
@@ -373,42 +362,3 @@ def _check_kv_cache_holds_one_request(
         f"least {needed * bytes_per_block}, or on a GPU a higher gpu_memory_utilization), or lower "
         f"max_model_len to at most {tokens}"
     )
-
-
-def _pooling_scheduler_settings(args: EngineArgs, model_config: ModelConfig) -> tuple[bool, bool]:
-    """(chunked prefill, prefix caching) for the model. An encoder attends over the whole prompt at
-    once, so its prompts are never chunked; pooling needs every prompt row except for LAST pooling of a
-    causal model, so only that keeps the prefix cache (as vLLM)."""
-    chunked, prefix = args.enable_chunked_prefill, args.enable_prefix_caching
-    if model_config.is_encoder_only and chunked:
-        logger.info(
-            "Chunked prefill off: %s attends bidirectionally over each prompt", model_config.architecture
-        )
-        chunked = False
-    pooler = model_config.pooler_config
-    if prefix and model_config.is_pooling:
-        if model_config.is_encoder_only or (pooler is not None and pooler.seq_pooling_type != "LAST"):
-            logger.info("Prefix caching off: pooling needs the hidden states of every prompt token")
-            prefix = False
-    return chunked, prefix
-
-
-def check_pooling_params(params: PoolingParams, model_config: ModelConfig) -> None:
-    """ValueError for `dimensions` the model cannot give (vLLM's rule: matryoshka models only)."""
-    if params.dimensions is None:
-        return
-    hf = model_config.hf_config
-    allowed = getattr(hf, "matryoshka_dimensions", None)
-    if not (getattr(hf, "is_matryoshka", False) or allowed):
-        raise ValueError(
-            f'Model "{model_config.model}" does not support matryoshka representation, changing output '
-            "dimensions will lead to poor results."
-        )
-    if allowed and params.dimensions not in allowed:
-        raise ValueError(
-            f'Model "{model_config.model}" only supports {list(allowed)} matryoshka dimensions, using other output dimensions will lead to poor results.'
-        )
-    if params.dimensions > model_config.hidden_size:
-        raise ValueError(
-            f"dimensions={params.dimensions} is larger than the model's embedding size {model_config.hidden_size}"
-        )

@@ -225,3 +225,24 @@ def test_minilm_matches_sentence_transformers() -> None:
     torch.testing.assert_close(got, reference, atol=MINILM_ATOL, rtol=0)
     with pytest.raises(ValueError, match="more than max_model_len=256"):
         llm.embed("Paris " * 300, use_tqdm=False)
+
+
+def test_async_llm_engine_encode(bert_path: Path) -> None:
+    """vLLM's AsyncLLMEngine.encode: one PoolingRequestOutput, equal to LLM.embed's vector."""
+    import asyncio
+
+    from kvllm import AsyncEngineArgs, AsyncLLMEngine, PoolingRequestOutput
+
+    expected = LLM(str(bert_path)).embed(PROMPTS[1], use_tqdm=False)[0].outputs.embedding
+    engine = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(model=str(bert_path)))
+
+    async def run() -> list:
+        assert await engine.get_supported_tasks() == ("embed",)
+        return [out async for out in engine.encode(PROMPTS[1], PoolingParams(), "e1")]
+
+    try:
+        outputs = asyncio.run(run())
+    finally:
+        engine.shutdown()
+    assert len(outputs) == 1 and isinstance(outputs[0], PoolingRequestOutput) and outputs[0].finished
+    assert outputs[0].outputs.data.tolist() == expected

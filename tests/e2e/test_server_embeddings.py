@@ -94,6 +94,14 @@ def test_embedding_errors(server: RemoteServer) -> None:
         client.completions.create(model=MODEL_NAME, prompt="hi")
     with pytest.raises(openai.NotFoundError, match="does not support the Chat Completions API"):
         client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}])
+    # SageMaker's /invocations takes an embeddings body for a pooling model.
+    response = httpx.post(
+        f"{server.url}/invocations",
+        json={"input": ["hi", "there"], "encoding_format": "float"},
+        headers={"Authorization": f"Bearer {API_KEY}"},
+        timeout=60,
+    )
+    assert response.status_code == 200 and [d["index"] for d in response.json()["data"]] == [0, 1]
     # Still serving after the errors.
     assert len(client.embeddings.create(model=MODEL_NAME, input="hi").data[0].embedding) == 384
 

@@ -687,6 +687,7 @@ REFUSED_LINES: list[tuple[str, str]] = [
     ("vllm serve M --quantization fp8", "quantization='fp8'"),
     ("vllm serve M -q gptq", "quantization='gptq'"),
     ("vllm serve BAAI/bge-reranker-base --runner pooling --convert classify", "no classification"),
+    ("vllm serve intfloat/e5-mistral-7b-instruct --task embed", "--task embed: vLLM 0.22 replaced --task"),
     ("vllm serve llava-hf/llava-1.5-7b-hf --limit-mm-per-prompt.image 2", "kvllm serves text-only models"),
     (
         "vllm serve M --cpu-offload-gb 10",

@@ -437,6 +437,12 @@ ENGINE_FLAGS: dict[str, Verdict] = {
     "--enable-log-requests": _off(REQUEST_LOGS),
     # Not in vLLM 0.22, but in the guides of earlier versions (0.10 and before).
     "--disable-log-requests": _bool(REQUEST_LOGS, "true"),
+    "--task": _no(
+        "vLLM 0.22 replaced --task with --runner / --convert: use --runner pooling for embeddings "
+        "(--task embed), --runner generate otherwise",
+        "auto",
+        "generate",
+    ),
 }
 
 # vLLM's short spellings (-O is rewritten by vLLM's parser itself: -O3, -O 3, -O=3).
