@@ -10,6 +10,11 @@ __version__ = "0.1.0"
 _LAZY = {
     "LLM": "kvllm.llm",
     "SamplingParams": "kvllm.sampling_params",
+    "BeamSearchParams": "kvllm.sampling_params",
+    "PoolingParams": "kvllm.pooling_params",
+    "PoolerConfig": "kvllm.config.pooler",
+    "PoolingRequestOutput": "kvllm.outputs",
+    "EmbeddingRequestOutput": "kvllm.outputs",
     "RequestOutput": "kvllm.outputs",
     "CompletionOutput": "kvllm.outputs",
     "AttentionConfig": "kvllm.config.attention",
@@ -25,10 +30,15 @@ __all__ = [
     "AsyncEngineArgs",
     "AsyncLLMEngine",
     "AttentionBackendEnum",
+    "BeamSearchParams",
     "AttentionConfig",
     "CompletionOutput",
+    "EmbeddingRequestOutput",
     "EngineArgs",
     "LLMEngine",
+    "PoolerConfig",
+    "PoolingParams",
+    "PoolingRequestOutput",
     "RequestOutput",
     "SamplingParams",
 ]
@@ -37,12 +47,14 @@ if TYPE_CHECKING:
     from kvllm.config.attention import AttentionConfig
     from kvllm.config.backend_names import AttentionBackendEnum
     from kvllm.config.engine import EngineArgs
+    from kvllm.config.pooler import PoolerConfig
     from kvllm.engine.arg_utils import AsyncEngineArgs
     from kvllm.engine.async_llm_engine import AsyncLLMEngine
     from kvllm.engine.llm_engine import LLMEngine
     from kvllm.llm import LLM
-    from kvllm.outputs import CompletionOutput, RequestOutput
-    from kvllm.sampling_params import SamplingParams
+    from kvllm.outputs import CompletionOutput, EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
+    from kvllm.pooling_params import PoolingParams
+    from kvllm.sampling_params import BeamSearchParams, SamplingParams
 
 
 def __getattr__(name: str) -> Any:

@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from typing import Any
 
+from kvllm.beam_search import (
+    BeamSearchInstance,
+    BeamSearchOutput,
+    BeamSearchSequence,
+    create_sort_beams_key_function,
+)
 from kvllm.config.engine import EngineArgs, unknown_engine_argument_error
 from kvllm.engine.input_processor import ChatMessage, PromptType
 from kvllm.engine.llm_engine import LLMEngine
 from kvllm.engine.metrics_reader import FinishedRequestCounters, Metric, metrics_snapshot
-from kvllm.outputs import RequestOutput
-from kvllm.sampling_params import RequestOutputKind, SamplingParams
+from kvllm.outputs import EmbeddingRequestOutput, RequestOutput
+from kvllm.pooling_params import PoolingParams
+from kvllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -86,6 +94,99 @@ class LLM:
                 )
         return self._run(prompt_list, params_list, use_tqdm)
 
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt, in prompt order (a pooling model: `LLM(model, runner="pooling")`).
+
+        `outputs.embedding` is a list of floats, pooled and normalized as the model's PoolerConfig
+        says; `pooling_params` (one, or one per prompt) may ask for `dimensions` or no normalization.
+        """
+        prompt_list = _as_prompt_list(prompts)
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            params_list = [pooling_params or PoolingParams()] * len(prompt_list)
+        else:
+            params_list = list(pooling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(
+                    f"Got {len(params_list)} pooling_params for {len(prompt_list)} prompts; pass one, or one each"
+                )
+        if truncate_prompt_tokens is not None:
+            params_list = [
+                dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens) for p in params_list
+            ]
+        if not self.llm_engine.model_config.is_pooling:
+            raise ValueError(
+                "LLM.embed() is only supported for pooling models; this one runs with --runner generate. "
+                "Try converting the model using `--convert embed` (LLM(..., runner='pooling'))"
+            )
+        outputs = self._run(prompt_list, params_list, use_tqdm)
+        return [EmbeddingRequestOutput.from_base(o) for o in outputs]
+
+    def beam_search(
+        self, prompts: list[PromptType], params: BeamSearchParams, use_tqdm: bool = False
+    ) -> list[BeamSearchOutput]:
+        """vLLM's beam search (see kvllm/beam_search.py): one BeamSearchOutput per prompt, whose
+        `sequences` are the best `params.beam_width` beams, best first."""
+        tokenizer = self.get_tokenizer()
+        eos = tokenizer.eos_token_id
+        sort_key = create_sort_beams_key_function(eos, params.length_penalty)
+        step_params = SamplingParams(
+            logprobs=2 * params.beam_width, max_tokens=1, temperature=params.temperature, detokenize=False
+        )
+        processor = self.llm_engine.input_processor
+        instances = [BeamSearchInstance(processor.tokenize_prompt(p)[1]) for p in _as_prompt_list(prompts)]
+        max_len = self.llm_engine.model_config.max_model_len
+        steps = range(params.max_tokens)
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            steps = tqdm(steps, desc="Beam search", unit="token")
+        for _ in steps:
+            for instance in instances:  # a beam at max_model_len cannot grow: it ends with "length"
+                instance.completed += [b for b in instance.beams if len(b.tokens) >= max_len]
+                instance.beams = [b for b in instance.beams if len(b.tokens) < max_len]
+            beams = [(instance, beam) for instance in instances for beam in instance.beams]
+            if not beams:
+                break
+            outputs = self.generate(
+                [{"prompt_token_ids": beam.tokens} for _, beam in beams], step_params, use_tqdm=False
+            )
+            candidates: dict[int, list[BeamSearchSequence]] = {id(i): [] for i in instances}
+            for (instance, beam), output in zip(beams, outputs):
+                logprobs = output.outputs[0].logprobs
+                if not logprobs:
+                    continue
+                for token_id, entry in logprobs[0].items():
+                    grown = BeamSearchSequence(
+                        tokens=beam.tokens + [token_id],
+                        logprobs=beam.logprobs + [logprobs[0]],
+                        cum_logprob=beam.cum_logprob + entry.logprob,
+                    )
+                    if token_id == eos and not params.ignore_eos:
+                        grown.finish_reason = "stop"
+                        instance.completed.append(grown)
+                    else:
+                        candidates[id(instance)].append(grown)
+            for instance in instances:
+                ranked = sorted(candidates[id(instance)], key=sort_key, reverse=True)
+                instance.beams = ranked[: params.beam_width]
+        results = []
+        for instance in instances:
+            best = sorted(instance.completed + instance.beams, key=sort_key, reverse=True)[
+                : params.beam_width
+            ]
+            for beam in best:
+                beam.text = tokenizer.decode(beam.tokens)
+                beam.finish_reason = beam.finish_reason or "length"
+            results.append(BeamSearchOutput(sequences=best))
+        return results
+
     def chat(
         self,
         messages: list[ChatMessage] | list[list[ChatMessage]],
@@ -113,24 +214,26 @@ class LLM:
             conversation, add_generation_prompt, chat_template_kwargs
         )
 
-    def _run(
-        self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool
-    ) -> list[RequestOutput]:
+    def _run(self, prompts: list[PromptType], params: list[Any], use_tqdm: bool) -> list[Any]:
         engine = self.llm_engine
         ids = []
         # Only finished requests are returned, so only finished requests need outputs (as vLLM's LLM).
-        final_only: dict[int, SamplingParams] = {}
+        final_only: dict[int, Any] = {}
         try:
             for prompt, p in zip(prompts, params):
                 if id(p) not in final_only:
-                    final_only[id(p)] = p.replace(output_kind=RequestOutputKind.FINAL_ONLY)
+                    final_only[id(p)] = (
+                        p.replace(output_kind=RequestOutputKind.FINAL_ONLY)
+                        if isinstance(p, SamplingParams)
+                        else p
+                    )
                 request_id = str(next(self._counter))
                 engine.add_request(request_id, prompt, final_only[id(p)])
                 ids.append(request_id)
         except Exception:
             engine.abort_request(ids)
             raise
-        finished: dict[str, RequestOutput] = {}
+        finished: dict[str, Any] = {}
         bar = _progress_bar(len(ids)) if use_tqdm else None
         num_in = num_out = 0
         try:
@@ -138,7 +241,8 @@ class LLM:
                 for output in engine.step():
                     if output.finished:
                         finished[output.request_id] = output
-                        self._finished.record(output)
+                        if isinstance(output, RequestOutput):
+                            self._finished.record(output)
                         if bar is not None:
                             num_in += len(output.prompt_token_ids)
                             num_out += output.num_output_tokens

@@ -5,7 +5,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["CompletionOutput", "Logprob", "PositionLogprobs", "RequestOutput", "decode_logprobs"]
+__all__ = [
+    "CompletionOutput",
+    "EmbeddingOutput",
+    "EmbeddingRequestOutput",
+    "Logprob",
+    "PoolingOutput",
+    "PoolingRequestOutput",
+    "PositionLogprobs",
+    "RequestOutput",
+    "decode_logprobs",
+]
 
 
 @dataclass
@@ -78,3 +88,59 @@ class RequestOutput:
     @property
     def num_output_tokens(self) -> int:
         return sum(len(o.token_ids) for o in self.outputs)
+
+
+@dataclass
+class PoolingOutput:
+    """The pooled vector of one prompt: a float32 tensor on the CPU [hidden_size or dimensions]."""
+
+    data: Any
+
+
+@dataclass
+class PoolingRequestOutput:
+    """The result of one pooling request (vLLM's class): `outputs.data` is the pooled tensor."""
+
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    num_cached_tokens: int
+    finished: bool
+    metrics: dict[str, float] = field(default_factory=dict)
+    prompt: str | None = None
+
+    @property
+    def num_output_tokens(self) -> int:
+        return 0
+
+
+@dataclass
+class EmbeddingOutput:
+    """One embedding as a list of floats (vLLM's EmbeddingOutput)."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What `LLM.embed` returns per prompt (vLLM's class): `outputs.embedding` is a list of floats."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    num_cached_tokens: int
+    finished: bool
+
+    @classmethod
+    def from_base(cls, output: PoolingRequestOutput) -> EmbeddingRequestOutput:
+        return cls(
+            output.request_id,
+            EmbeddingOutput(output.outputs.data.tolist()),
+            output.prompt_token_ids,
+            output.num_cached_tokens,
+            output.finished,
+        )

@@ -265,3 +265,26 @@ def _check_range(name: str, value: Any, low: float, high: float, allowed: str) -
 def _check_int(name: str, value: Any, minimum: int, allowed: str | None = None) -> None:
     if not _is_int(value) or value < minimum:
         _fail(name, value, allowed or f"an integer >= {minimum}")
+
+
+@dataclass
+class BeamSearchParams:
+    """Settings of `LLM.beam_search` (vLLM's class): `beam_width` beams, up to `max_tokens` new tokens
+    each; a beam ends at the tokenizer's EOS unless `ignore_eos`; beams are ranked by cumulative
+    logprob / length**`length_penalty` (the length counts the prompt, as vLLM's). `temperature` is
+    passed to the one-token steps; the logprobs that rank beams are the raw model's, before it."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        _check_int("beam_width", self.beam_width, 1)
+        _check_int("max_tokens", self.max_tokens, 1)
+        _check_number("temperature", self.temperature)
+        if self.temperature < 0:
+            _fail("temperature", self.temperature, "a number >= 0")
+        _check_number("length_penalty", self.length_penalty)

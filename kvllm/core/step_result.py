@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from kvllm.outputs import PositionLogprobs
@@ -18,6 +18,8 @@ class StepResult:
     sampler_output: SamplerOutput | None
     # scheduled index -> (prompt position of the first entry, logprobs of consecutive prompt tokens)
     prompt_logprobs: dict[int, tuple[int, list[PositionLogprobs]]] = field(default_factory=dict)
+    # Pooling runner: scheduled index -> the embedding (float32, CPU) of each prompt that ended this step.
+    pooled: dict[int, Any] = field(default_factory=dict)
 
 
 class PendingStep(Protocol):

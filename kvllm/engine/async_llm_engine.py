@@ -22,7 +22,8 @@ from kvllm.config.engine import EngineArgs
 from kvllm.engine.async_llm import AsyncLLM, EngineDeadError, StatRecorder
 from kvllm.engine.llm_engine import LLMEngine, PromptType
 from kvllm.models.model_config import ModelConfig
-from kvllm.outputs import RequestOutput
+from kvllm.outputs import PoolingRequestOutput, RequestOutput
+from kvllm.pooling_params import PoolingParams
 from kvllm.sampling_params import SamplingParams
 
 
@@ -85,7 +86,7 @@ class AsyncLLMEngine:
         return self.engine.model_config
 
     async def get_supported_tasks(self) -> tuple[str, ...]:
-        return ("generate",)
+        return ("embed",) if self.engine.model_config.is_pooling else ("generate",)
 
     async def is_tracing_enabled(self) -> bool:
         return False
@@ -115,6 +116,16 @@ class AsyncLLMEngine:
         await self._ensure_started()
         async for output in self.async_llm.generate(prompt, sampling_params, request_id):
             yield output
+
+    async def encode(
+        self, prompt: PromptType, pooling_params: PoolingParams, request_id: str, *, lora_request: Any = None
+    ) -> AsyncIterator[PoolingRequestOutput]:
+        """A pooling model's embedding of `prompt`: one PoolingRequestOutput (vLLM's `encode`)."""
+        if lora_request is not None:
+            raise ValueError("lora_request is not supported: kvllm serves no LoRA adapters")
+        await self._ensure_started()
+        async for output in self.async_llm.generate(prompt, pooling_params, request_id):  # type: ignore[arg-type]
+            yield output  # type: ignore[misc]
 
     async def abort(self, request_id: str | Iterable[str]) -> None:
         """Abort requests; their streams end with finish_reason "abort". Unknown ids are ignored."""

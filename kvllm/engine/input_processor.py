@@ -92,12 +92,18 @@ class InputProcessor:
             "or a dict with 'prompt' or 'prompt_token_ids'"
         )
 
-    def validate_prompt(self, token_ids: list[int]) -> None:
-        """ValueError unless the prompt is non-empty, leaves room to generate and stays in the vocabulary."""
+    def validate_prompt(self, token_ids: list[int], room_to_generate: bool = True) -> None:
+        """ValueError unless the prompt is non-empty, leaves room to generate (a pooling prompt may fill
+        max_model_len) and stays in the vocabulary."""
         if not token_ids:
             raise ValueError("The prompt is empty: at least one token is needed")
         max_len = self.model_config.max_model_len
-        if len(token_ids) >= max_len:
+        if not room_to_generate and len(token_ids) > max_len:
+            raise ValueError(
+                f"The input is {len(token_ids)} tokens long, more than max_model_len={max_len}; shorten it "
+                "or set truncate_prompt_tokens"
+            )
+        if room_to_generate and len(token_ids) >= max_len:
             raise ValueError(
                 f"The prompt is {len(token_ids)} tokens long, which leaves no room to generate within "
                 f"max_model_len={max_len}; shorten the prompt or raise max_model_len"

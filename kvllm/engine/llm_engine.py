@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -13,14 +14,16 @@ from kvllm.core.request import Request
 from kvllm.core.sched_output import SchedulerOutput
 from kvllm.core.scheduler import Scheduler
 from kvllm.core.step_result import PendingStep
-from kvllm.engine.input_processor import InputProcessor, PromptType
+from kvllm.engine.input_processor import InputProcessor, PromptType, truncate_prompt
 from kvllm.engine.output_processor import OutputProcessor
+from kvllm.engine.pooling import check_pooling_params, pooling_request, pooling_scheduler_settings
 from kvllm.engine.warm_up import WarmUpStats, warm_up
 from kvllm.executor.uniproc_executor import UniProcExecutor
 from kvllm.models.model_config import ModelConfig
 from kvllm.models.tokenizer import load_tokenizer
 from kvllm.outputs import RequestOutput
 from kvllm.platforms import resolve_device
+from kvllm.pooling_params import PoolingParams
 from kvllm.sampling_params import SamplingParams
 from kvllm.worker.sleep_mode import SLEEP_LEVELS, WAKE_UP_TAGS
 
@@ -55,13 +58,14 @@ class LLMEngine:
         self.args = args
         self.device = resolve_device(args.device)
         self.model_config = ModelConfig.from_engine_args(args, self.device)
+        chunked_prefill, prefix_caching = pooling_scheduler_settings(args, self.model_config)
         if args.max_num_batched_tokens is not None:
             max_batched = args.max_num_batched_tokens
-        elif args.enable_chunked_prefill:
+        elif chunked_prefill:
             max_batched = DEFAULT_MAX_NUM_BATCHED_TOKENS
         else:
             max_batched = max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.model_config.max_model_len)
-        if not args.enable_chunked_prefill and max_batched < self.model_config.max_model_len:
+        if not chunked_prefill and max_batched < self.model_config.max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens={max_batched} is smaller than max_model_len="
                 f"{self.model_config.max_model_len} with chunked prefill off, so long prompts could never "
@@ -81,16 +85,14 @@ class LLMEngine:
         )
         self.executor.initialize_kv_cache(num_blocks, args.max_num_seqs)
         self.block_size = self.executor.block_size
-        self.kv_cache_manager = KVCacheManager(num_blocks, self.block_size, args.enable_prefix_caching)
-        self.scheduler = Scheduler(
-            self.kv_cache_manager, args.max_num_seqs, max_batched, args.enable_chunked_prefill
-        )
+        self.kv_cache_manager = KVCacheManager(num_blocks, self.block_size, prefix_caching)
+        self.scheduler = Scheduler(self.kv_cache_manager, args.max_num_seqs, max_batched, chunked_prefill)
         self.async_scheduling = args.async_scheduling
         self._in_flight: tuple[SchedulerOutput, PendingStep] | None = None
         self.sleep_level = 0  # 0: awake; else the level of the last sleep() until wake_up() ends it
         self._log_cache_size(num_blocks)
-        if self.device.type == "cuda":
-            self.warm_up()
+        if self.device.type == "cuda" and not self.model_config.is_pooling:
+            self.warm_up()  # generate steps; a pooling engine's prefill-only steps need no warm-up
         if self.model_config.default_sampling:
             logger.info(
                 "Sampling defaults from the model's generation_config.json: %s (used where a request does "
@@ -124,16 +126,16 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams | None = None,
+        params: SamplingParams | PoolingParams | None = None,
         arrival_time: float | None = None,
     ) -> None:
-        """Validate and queue a request. Raises ValueError for input the engine cannot serve."""
+        """Validate and queue a request (PoolingParams for a pooling model). Raises ValueError for input
+        the engine cannot serve."""
+        if self.model_config.is_pooling or isinstance(params, PoolingParams):
+            self._add_pooling_request(request_id, prompt, params or PoolingParams(), arrival_time)
+            return
         params = params or SamplingParams()
-        if self.sleep_level:
-            raise EngineSleepingError(
-                f"The engine is asleep (sleep level {self.sleep_level}): its weights and KV cache are off the "
-                "device. Call wake_up() before adding requests"
-            )
+        self._check_not_sleeping()
         if request_id in self.output_processor.parents:
             raise ValueError(f"Request id {request_id!r} is already in use")
         text, token_ids = self.input_processor.tokenize_prompt(prompt)
@@ -168,6 +170,39 @@ class LLMEngine:
         self.output_processor.add_request(request_id, text, token_ids, requests)
         for request in requests:
             self.scheduler.add_request(request)
+
+    def _check_not_sleeping(self) -> None:
+        if self.sleep_level:
+            raise EngineSleepingError(
+                f"The engine is asleep (sleep level {self.sleep_level}): its weights and KV cache are off the "
+                "device. Call wake_up() before adding requests"
+            )
+
+    def _add_pooling_request(
+        self, request_id: str, prompt: PromptType, params: Any, arrival_time: float | None
+    ) -> None:
+        """One prefill whose hidden states are pooled (no token is sampled, no decode is scheduled)."""
+        if not self.model_config.is_pooling:
+            raise ValueError(
+                "Embedding (pooling) requests are not supported by this model: it runs with --runner "
+                "generate. Try converting the model using `--convert embed` (or `--runner pooling`)"
+            )
+        if not isinstance(params, PoolingParams):
+            raise ValueError(
+                "LLM.generate() is only supported for generative models; this one runs with --runner "
+                "pooling. Use LLM.embed() (or /v1/embeddings), or pass `--runner generate`"
+            )
+        self._check_not_sleeping()
+        if request_id in self.output_processor.parents:
+            raise ValueError(f"Request id {request_id!r} is already in use")
+        check_pooling_params(params, self.model_config)
+        text, token_ids = self.input_processor.tokenize_prompt(prompt)
+        token_ids = truncate_prompt(token_ids, params.truncate_prompt_tokens, self.model_config.max_model_len)
+        self.input_processor.validate_prompt(token_ids, room_to_generate=False)
+        self._check_fits_cache(token_ids)
+        request = pooling_request(request_id, token_ids, params, arrival_time)
+        self.output_processor.add_request(request_id, text, token_ids, [request])
+        self.scheduler.add_request(request)
 
     def _check_fits_cache(self, token_ids: list[int]) -> None:
         needed = self.kv_cache_manager.blocks_needed(len(token_ids) + 1)

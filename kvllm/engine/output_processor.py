@@ -15,7 +15,14 @@ from typing import TYPE_CHECKING, Any
 
 from kvllm.core.request import Request
 from kvllm.engine.detokenizer import IncrementalDetokenizer
-from kvllm.outputs import CompletionOutput, PositionLogprobs, RequestOutput, decode_logprobs
+from kvllm.outputs import (
+    CompletionOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
+    PositionLogprobs,
+    RequestOutput,
+    decode_logprobs,
+)
 from kvllm.sampling_params import RequestOutputKind
 
 if TYPE_CHECKING:
@@ -107,6 +114,8 @@ class OutputProcessor:
         """
         for index, (first_position, entries) in result.prompt_logprobs.items():
             self._record_prompt_logprobs(plan.scheduled[index].request, first_position, entries)
+        if result.pooled:
+            return self._process_pooled(plan, result.pooled)
         if result.sampler_output is None:
             return [], []
         now = time.monotonic()
@@ -133,6 +142,25 @@ class OutputProcessor:
             if request.finish_reason is not None:
                 finished.append(request)
             touched[parent.request_id] = parent
+        return self._collect_outputs(touched), finished
+
+    def _process_pooled(
+        self, plan: SchedulerOutput, pooled: dict[int, Any]
+    ) -> tuple[list[RequestOutput | PoolingRequestOutput], list[Request]]:
+        """Pooling requests whose prompt ended in the step: their embedding ends them."""
+        now = time.monotonic()
+        touched: dict[str, ParentRequest] = {}
+        finished: list[Request] = []
+        for index, vector in pooled.items():
+            request = plan.scheduled[index].request
+            request.resolve_placeholder()
+            if request.finish_reason is not None:
+                continue  # aborted after this step was launched
+            request.pooled_data = vector
+            request.first_token_time = request.last_token_time = now
+            request.finish_reason = "stop"
+            finished.append(request)
+            touched[request.parent_id] = self.parents[request.parent_id]
         return self._collect_outputs(touched), finished
 
     def _collect_outputs(self, touched: dict[str, ParentRequest]) -> list[RequestOutput]:
@@ -192,7 +220,18 @@ class OutputProcessor:
         if seq.request.sampling_params.detokenize:
             seq.detokenizer.finish()
 
-    def _make_output(self, parent: ParentRequest) -> RequestOutput:
+    def _make_output(self, parent: ParentRequest) -> RequestOutput | PoolingRequestOutput:
+        first = parent.sequences[0].request
+        if first.pooling_params is not None:
+            return PoolingRequestOutput(
+                parent.request_id,
+                PoolingOutput(first.pooled_data),
+                parent.prompt_token_ids,
+                first.num_cached_prompt_tokens,
+                parent.finished,
+                _request_metrics(parent),
+                prompt=parent.prompt,
+            )
         delta = parent.output_kind is RequestOutputKind.DELTA
         outputs = []
         for seq in parent.sequences:
@@ -217,7 +256,6 @@ class OutputProcessor:
                     stop_reason=r.stop_reason,
                 )
             )
-        first = parent.sequences[0].request
         prompt_logprobs = first.prompt_logprobs if first.sampling_params.prompt_logprobs is not None else None
         return RequestOutput(
             parent.request_id,

@@ -44,6 +44,11 @@ def num_kv_heads(hf_config: Any) -> int:
     return getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
 
 
+def is_encoder_only(hf_config: Any) -> bool:
+    """Whether the model attends bidirectionally over the whole prompt (BERT-style encoders)."""
+    return (getattr(text_config(hf_config), "model_type", "") or "") in _ENCODER_ONLY_MODEL_TYPES
+
+
 def layer_sliding_window(hf_config: Any, layer_index: int) -> int | None:
     """The attention window of one layer, or None for full attention."""
     window = getattr(hf_config, "sliding_window", None)

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvllm.config.choices import GENERATION_CONFIG_SAMPLING, MODEL_DTYPES
+from kvllm.config.pooler import PoolerConfig
 from kvllm.logger import init_logger
 from kvllm.models import hf_config as rules
 from kvllm.models.tokenizer import tokenizer_eos_id
@@ -46,12 +47,22 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     # Sampling defaults from generation_config.json (as vLLM applies them): SamplingParams field -> value.
     default_sampling: dict[str, Any] = field(default_factory=dict)
+    runner_type: str = "generate"  # "pooling": prompts are embedded (see kvllm/models/pooling_config.py)
+    pooler_config: PoolerConfig | None = None  # resolved, for runner_type "pooling"
+    is_encoder_only: bool = (
+        False  # bidirectional attention over the whole prompt (no chunking, no prefix cache)
+    )
+
+    @property
+    def is_pooling(self) -> bool:
+        return self.runner_type == "pooling"
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, device: torch.device) -> ModelConfig:
         from transformers import AutoConfig
 
-        from kvllm.models.registry import resolve_architecture
+        from kvllm.models import pooling_config
+        from kvllm.models.registry import default_pooling_type, is_pooling_architecture, resolve_architecture
 
         hub = {"download_dir": args.download_dir, "hf_token": args.hf_token}
         model, model_path = _resolve_model(args.model, args.revision, **hub)
@@ -71,6 +82,20 @@ class ModelConfig:
         architecture = resolve_architecture(getattr(hf_config, "architectures", None))
         num_kv_heads = rules.num_kv_heads(hf_config)
         check_num_kv_heads(args.attention_config.num_kv_heads, num_kv_heads, model)
+        runner_type = pooling_config.resolve_runner_type(
+            args.runner, args.convert, architecture, model_path, is_pooling_architecture(architecture)
+        )
+        pooler = None
+        max_model_len = args.max_model_len
+        if runner_type == "pooling":
+            pooler = pooling_config.resolve_pooler_config(
+                args.pooler_config, model_path, default_pooling_type(architecture)
+            )
+            st_len = pooling_config.sentence_transformers_max_seq_length(model_path)
+            if max_model_len is None and st_len is not None:
+                max_model_len = min(st_len, getattr(hf_config, "max_position_embeddings", st_len))
+        elif args.pooler_config is not None:
+            raise ValueError("pooler_config applies to pooling models only; pass runner='pooling' with it")
         return cls(
             model=model,
             model_path=model_path,
@@ -78,7 +103,7 @@ class ModelConfig:
             hf_config=hf_config,
             architecture=architecture,
             dtype=resolve_dtype(args.dtype, hf_config, device),
-            max_model_len=resolve_max_model_len(args.max_model_len, hf_config),
+            max_model_len=resolve_max_model_len(max_model_len, hf_config),
             num_hidden_layers=hf_config.num_hidden_layers,
             num_attention_heads=hf_config.num_attention_heads,
             num_kv_heads=num_kv_heads,
@@ -95,6 +120,9 @@ class ModelConfig:
                 ),
                 **generation_overrides(args.override_generation_config),
             },
+            runner_type=runner_type,
+            pooler_config=pooler,
+            is_encoder_only=rules.is_encoder_only(hf_config),
         )
 
 

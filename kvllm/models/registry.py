@@ -12,7 +12,21 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": ("kvllm.models.llama", "MistralForCausalLM"),
     "Qwen2ForCausalLM": ("kvllm.models.llama", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("kvllm.models.llama", "Qwen3ForCausalLM"),
+    "BertModel": ("kvllm.models.bert", "BertModel"),
 }
+
+# Embedding architectures (run with --runner pooling only) -> their default pooling type, as vLLM's.
+# Causal LMs converted to embedding models (--convert embed) pool the LAST token by default.
+_POOLING_MODELS: dict[str, str] = {"BertModel": "CLS"}
+CONVERTED_DEFAULT_POOLING = "LAST"
+
+
+def is_pooling_architecture(architecture: str) -> bool:
+    return architecture in _POOLING_MODELS
+
+
+def default_pooling_type(architecture: str) -> str:
+    return _POOLING_MODELS.get(architecture, CONVERTED_DEFAULT_POOLING)
 
 
 def supported_architectures() -> list[str]:

@@ -25,6 +25,7 @@ from kvllm.sample.sampler import HostCopy, Sampler
 from kvllm.utils.dtypes import dtype_name, kv_cache_torch_dtype
 from kvllm.worker.cuda_graph import CudaGraphRunner, default_capture_sizes
 from kvllm.worker.input_batch import InputBatch, ModelInputs
+from kvllm.worker.pooler import Pooler
 from kvllm.worker.sleep_mode import SleepState, empty_device_cache, offload_weights, restore_weights
 
 logger = logging.getLogger(__name__)
@@ -43,10 +44,12 @@ class PendingStepResult:
     request_indices: list[int]
     copy: HostCopy | None
     prompt_logprobs: dict[int, tuple[int, list[PositionLogprobs]]]
+    pooled: dict[int, torch.Tensor] | None = None  # pooling runner: scheduled index -> embedding
 
     def result(self) -> StepResult:
         output = self.copy.wait() if self.copy is not None else None
-        return StepResult(self.request_indices, output, self.prompt_logprobs)
+        pooled = {i: v.cpu() for i, v in self.pooled.items()} if self.pooled else {}
+        return StepResult(self.request_indices, output, self.prompt_logprobs, pooled)
 
 
 class ModelRunner:
@@ -84,6 +87,8 @@ class ModelRunner:
             kv_cache_dtype=args.kv_cache_dtype,
         )
         self.sampler = Sampler()
+        # The pooling runner embeds prompts instead of sampling (kvllm/worker/pooler.py).
+        self.pooler = Pooler(model_config.pooler_config) if model_config.is_pooling else None
         self.model: torch.nn.Module | None = None
         self.attention_layers: list[Attention] = []
         self.metadata_builder = None
@@ -109,7 +114,8 @@ class ModelRunner:
         positions = torch.arange(num_tokens, device=self.device)
         with set_forward_context(None):
             hidden = self.model(input_ids, positions)
-        self.model.compute_logits(hidden[-num_logits:])
+        if self.pooler is None:
+            self.model.compute_logits(hidden[-num_logits:])
 
     # ---- KV cache ----------------------------------------------------------------------------
 
@@ -221,6 +227,9 @@ class ModelRunner:
         args = self.args
         if not graphs_available(self.device) or args.enforce_eager:
             return []
+        if self.pooler is not None:
+            logger.info("CUDA graphs off: the pooling runner runs prefill steps only, which run eagerly")
+            return []
         support = self.attn_backend.cudagraph_support
         if support == "never":
             logger.info(
@@ -247,6 +256,8 @@ class ModelRunner:
         assert self.input_batch is not None and self.metadata_builder is not None
         pad_to = self._graph_size(step)
         inputs = self.input_batch.prepare(step, pad_to)
+        if self.model_config.is_encoder_only:
+            inputs.attn_metadata.causal = False  # every token of a prompt attends to all of it
         if pad_to is not None:
             assert self.graph_runner is not None
             hidden = self.graph_runner.replay(inputs.attn_metadata, inputs.num_tokens)
@@ -254,6 +265,10 @@ class ModelRunner:
             attn_metadata = self.metadata_builder.build(inputs.attn_metadata)
             with set_forward_context(attn_metadata):
                 hidden = self.model(inputs.input_ids, inputs.positions)
+        if self.pooler is not None:
+            token_starts = inputs.attn_metadata.query_start_loc_cpu.tolist()
+            pooled = self.pooler.pool(step, token_starts, inputs.query_starts.tolist(), hidden)
+            return PendingStepResult([], None, {}, pooled)
         prompt_logprobs = self._prompt_logprobs(step, inputs, hidden)
         if inputs.sampling_metadata is None:
             return PendingStepResult([], None, prompt_logprobs)

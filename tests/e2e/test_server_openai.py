@@ -396,6 +396,9 @@ def test_bad_input_gets_openai_errors_and_the_server_keeps_serving(server):
         )
     with pytest.raises(openai.AuthenticationError):
         server.client(default_headers={"Authorization": "Bearer wrong"}).models.list()
+    # A generative model has no embeddings (vLLM mounts no /v1/embeddings for it).
+    with pytest.raises(openai.NotFoundError, match="does not support the Embeddings API"):
+        client.embeddings.create(model=MODEL_NAME, input="hi")
     headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
     for content, status in [
         ("{oops", 400),

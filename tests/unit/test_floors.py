@@ -19,7 +19,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[2] / "kvllm"
 
 FLOORS: tuple[tuple[str, ...], ...] = (
-    ("logger", "utils", "forward_context", "sampling_params", "outputs"),
+    ("logger", "utils", "forward_context", "sampling_params", "pooling_params", "outputs", "beam_search"),
     ("config",),  # the vocabulary of user choices, backend names, EngineArgs (no torch)
     ("platforms",),  # DeviceInfo, detection, priority lists (names only)
     ("attention",),

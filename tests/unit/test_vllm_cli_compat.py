@@ -645,6 +645,11 @@ ACCEPTED_LINES: list[tuple[str, dict[str, Any]]] = [
     ("vllm serve M -O3", {"enforce_eager": False}),
     ("vllm serve M --model-impl auto --distributed-executor-backend mp", {"model": "M"}),
     ("vllm serve --model M --port 8001", {"model": "M", "port": 8001}),
+    ("vllm serve BAAI/bge-base-en-v1.5 --runner pooling", {"runner": "pooling"}),
+    (
+        """vllm serve Qwen/Qwen3-Embedding-0.6B --runner pooling --convert embed --pooler-config '{"pooling_type": "LAST"}'""",
+        {"convert": "embed"},
+    ),
 ]
 
 REFUSED_LINES: list[tuple[str, str]] = [
@@ -681,10 +686,8 @@ REFUSED_LINES: list[tuple[str, str]] = [
     ),
     ("vllm serve M --quantization fp8", "quantization='fp8'"),
     ("vllm serve M -q gptq", "quantization='gptq'"),
-    (
-        "vllm serve BAAI/bge-base-en-v1.5 --runner pooling",
-        "--runner pooling: kvllm runs generative models only",
-    ),
+    ("vllm serve BAAI/bge-reranker-base --runner pooling --convert classify", "no classification"),
+    ("vllm serve intfloat/e5-mistral-7b-instruct --task embed", "--task embed: vLLM 0.22 replaced --task"),
     ("vllm serve llava-hf/llava-1.5-7b-hf --limit-mm-per-prompt.image 2", "kvllm serves text-only models"),
     (
         "vllm serve M --cpu-offload-gb 10",

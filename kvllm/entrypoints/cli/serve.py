@@ -175,6 +175,15 @@ def _add_http_flags(parser: argparse.ArgumentParser) -> None:
     )
     _flag(
         group,
+        "middleware",
+        action="append",
+        default=[],
+        metavar="IMPORT.PATH",
+        help="ASGI middleware to add, by import path (repeat for several): a class is added with "
+        "app.add_middleware, an async function with @app.middleware('http'), as vLLM does.",
+    )
+    _flag(
+        group,
         "disable-access-log-for-endpoints",
         metavar="PATHS",
         help="Comma-separated paths left out of the access log, e.g. /health,/metrics.",
@@ -197,6 +206,11 @@ def http_options_from_cli(args: argparse.Namespace) -> HttpOptions:
     endpoints = tuple(
         p.strip() for p in (args.disable_access_log_for_endpoints or "").split(",") if p.strip()
     )
+    if args.middleware:  # fail before the model loads
+        from kvllm.entrypoints.openai.http_options import resolve_middleware
+
+        for path in args.middleware:
+            resolve_middleware(path)
     return HttpOptions(
         uds=args.uds,
         root_path=args.root_path,
@@ -209,6 +223,7 @@ def http_options_from_cli(args: argparse.Namespace) -> HttpOptions:
         disable_fastapi_docs=args.disable_fastapi_docs,
         h11_max_incomplete_event_size=args.h11_max_incomplete_event_size,
         disable_access_log_for_endpoints=endpoints,
+        middleware=tuple(args.middleware),
         **lists,
     )
 

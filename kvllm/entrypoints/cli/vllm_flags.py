@@ -109,7 +109,6 @@ SCHEDULER = (
     "kvllm's scheduler has no such setting; tune it with --max-num-seqs, --max-num-batched-tokens "
     "and --enable-chunked-prefill"
 )
-POOLING = "kvllm runs generative models only (--runner generate); pooling and embedding models are not supported yet"
 REQUEST_LOGS = (
     "kvllm does not log request parameters or outputs; the uvicorn access log has one line per request "
     "(--disable-uvicorn-access-log turns it off)"
@@ -181,9 +180,7 @@ FRONTEND_FLAGS: dict[str, Verdict] = {
     "--ssl-cert-reqs": SUPPORTED,
     "--ssl-ciphers": SUPPORTED,
     "--root-path": SUPPORTED,
-    "--middleware": _no(
-        "kvllm does not load ASGI middleware from import paths; put a reverse proxy in front of it"
-    ),
+    "--middleware": SUPPORTED,
     "--enable-request-id-headers": _off("kvllm does not add X-Request-Id headers to responses"),
     "--disable-fastapi-docs": SUPPORTED,
     "--h11-max-incomplete-event-size": SUPPORTED,
@@ -207,8 +204,8 @@ FRONTEND_FLAGS: dict[str, Verdict] = {
 # kvllm command that builds an engine.
 ENGINE_FLAGS: dict[str, Verdict] = {
     "--model": SUPPORTED,
-    "--runner": _no(POOLING, "auto", "generate"),
-    "--convert": _no(POOLING, "auto", "none"),
+    "--runner": SUPPORTED,
+    "--convert": SUPPORTED,
     "--tokenizer": SUPPORTED,
     "--tokenizer-mode": SUPPORTED,
     "--trust-remote-code": SUPPORTED,
@@ -247,7 +244,7 @@ ENGINE_FLAGS: dict[str, Verdict] = {
     ),
     "--hf-token": SUPPORTED,
     "--hf-overrides": SUPPORTED,
-    "--pooler-config": _no(POOLING),
+    "--pooler-config": SUPPORTED,
     "--generation-config": SUPPORTED,
     "--override-generation-config": SUPPORTED,
     "--enable-sleep-mode": _off("kvllm has no sleep mode: its device memory stays allocated while it runs"),
@@ -440,6 +437,12 @@ ENGINE_FLAGS: dict[str, Verdict] = {
     "--enable-log-requests": _off(REQUEST_LOGS),
     # Not in vLLM 0.22, but in the guides of earlier versions (0.10 and before).
     "--disable-log-requests": _bool(REQUEST_LOGS, "true"),
+    "--task": _no(
+        "vLLM 0.22 replaced --task with --runner / --convert: use --runner pooling for embeddings "
+        "(--task embed), --runner generate otherwise",
+        "auto",
+        "generate",
+    ),
 }
 
 # vLLM's short spellings (-O is rewritten by vLLM's parser itself: -O3, -O 3, -O=3).

@@ -3,6 +3,8 @@ access-log filter (vLLM's frontend flags; see kvllm.config.serving.HttpOptions).
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import logging
 from typing import Any
 
@@ -27,10 +29,37 @@ def apply_to_app(app: FastAPI, options: HttpOptions) -> None:
             allow_methods=list(options.allowed_methods),
             allow_headers=list(options.allowed_headers),
         )
+    for path in options.middleware:
+        add_middleware(app, path)
     if options.disable_fastapi_docs:
         hidden = {app.openapi_url, app.docs_url, app.redoc_url, app.swagger_ui_oauth2_redirect_url}
         app.router.routes[:] = [r for r in app.router.routes if getattr(r, "path", None) not in hidden]
         app.openapi_url = app.docs_url = app.redoc_url = None
+
+
+def add_middleware(app: FastAPI, path: str) -> None:
+    """vLLM's --middleware: import `path` ("module.Name"); a class is added as ASGI middleware, an async
+    function as an HTTP middleware (`async def f(request, call_next)`)."""
+    imported = resolve_middleware(path)
+    if inspect.isclass(imported):
+        app.add_middleware(imported)
+    else:
+        app.middleware("http")(imported)
+    logger.info("Added middleware %s", path)
+
+
+def resolve_middleware(path: str) -> Any:
+    """The class or async function `path` names; ValueError saying what is wrong otherwise."""
+    module_name, _, name = path.rpartition(".")
+    if not module_name:
+        raise ValueError(f"--middleware {path!r} is not an import path; e.g. my_package.middleware.Timing")
+    try:
+        imported = getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"--middleware {path!r} cannot be imported: {exc}") from None
+    if not (inspect.isclass(imported) or inspect.iscoroutinefunction(imported)):
+        raise ValueError(f"Invalid middleware {path}. Must be a function or a class.")
+    return imported
 
 
 def uvicorn_config(app: FastAPI, options: HttpOptions, **kwargs: Any) -> uvicorn.Config:

@@ -36,7 +36,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from kvllm.engine.llm_engine import EngineStats, LLMEngine
 from kvllm.engine.metrics_reader import build_1_2_5_buckets
 from kvllm.logger import init_logger
-from kvllm.outputs import RequestOutput
+from kvllm.outputs import PoolingRequestOutput, RequestOutput
 
 logger = init_logger(__name__)
 
@@ -154,7 +154,7 @@ class FinishedRequestStats:
             stats.num_generation_tokens = int(m["num_generation_tokens"])
             stats.max_num_generation_tokens = int(m["max_num_generation_tokens"])
             stats.max_tokens_param = int(m["max_tokens"])
-            stats.n_param = len(output.outputs)
+            stats.n_param = len(output.outputs) if isinstance(output.outputs, list) else 1  # pooling: 1
         return stats
 
 
@@ -187,6 +187,12 @@ class StatsCollector:
     def record(self, outputs: Sequence[RequestOutput], stats: EngineStats, now: float) -> None:
         it = IterationStats()
         for output in outputs:
+            if isinstance(output, PoolingRequestOutput):  # one prefill, no generated tokens
+                it.num_prompt_tokens += len(output.prompt_token_ids)
+                it.num_cached_prompt_tokens += output.num_cached_tokens
+                it.finished_reasons.append("stop")
+                it.finished_requests.append(FinishedRequestStats.from_output(output, now))
+                continue
             m = output.metrics
             tracked = self._requests.setdefault(output.request_id, _Tracked())
             # The engine's count is cumulative whatever the output kind; an output without it is cumulative.

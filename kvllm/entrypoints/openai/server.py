@@ -63,9 +63,11 @@ from kvllm.entrypoints.openai.protocol import (
     ModelList,
     TokenizeRequest,
 )
+from kvllm.entrypoints.openai.protocol_embedding import EmbeddingRequest, EmbeddingResponse
 from kvllm.entrypoints.openai.protocol_responses import ResponsesRequest
 from kvllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from kvllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from kvllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from kvllm.entrypoints.openai.serving_engine import check_chat_defaults, tokenizer_executor
 from kvllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from kvllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
@@ -151,6 +153,7 @@ _SERVING_CLASSES = (
     OpenAIServingChat,
     OpenAIServingTokenization,
     OpenAIServingResponses,
+    OpenAIServingEmbedding,
 )
 
 
@@ -168,7 +171,7 @@ def _add_routes(
     serving: list[Any],
     protected: bool,
 ) -> None:
-    completions, chat, tokenization, responses = serving
+    completions, chat, tokenization, responses, embeddings = serving
     auth = (401,) if protected else ()
     generation_errors = error_responses(400, *auth, 404, 413, 500, 503)
     text_errors = error_responses(400, 404, 413, 500)
@@ -181,27 +184,45 @@ def _add_routes(
         if not llm.is_accepting:
             raise OpenAIError("The server is shutting down and takes no new requests", 503)
 
+    def check_generative(api: str) -> None:
+        check_serving()
+        if llm.engine.model_config.is_pooling:  # vLLM registers no generation routes for these
+            raise OpenAIError(
+                f"The model does not support the {api} API: it is served with --runner pooling (use "
+                "/v1/embeddings, or serve a generative model)",
+                404,
+            )
+
     @app.post("/v1/completions", response_model=None, responses=generation_errors)
     async def create_completion(body: CompletionRequest, raw: Request) -> Any:
-        check_serving()
+        check_generative("Completions")
         return _as_response(await _until_disconnect(raw, completions.create_completion(body)))
 
     @app.post("/v1/chat/completions", response_model=None, responses=generation_errors)
     async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Any:
-        check_serving()
+        check_generative("Chat Completions")
         return _as_response(await _until_disconnect(raw, chat.create_chat_completion(body)))
 
     @app.post("/v1/responses", response_model=None, responses=generation_errors)
     async def create_response(body: ResponsesRequest, raw: Request) -> Any:
-        check_serving()
+        check_generative("Responses")
         return _as_response(await _until_disconnect(raw, responses.create_response(body)))
+
+    @app.post("/v1/embeddings", response_model=None, responses=generation_errors)
+    async def create_embedding(body: EmbeddingRequest, raw: Request) -> EmbeddingResponse | Response:
+        check_serving()
+        return await _until_disconnect(raw, embeddings.create_embedding(body))
 
     @app.post("/invocations", response_model=None, responses=generation_errors)
     async def invocations(raw: Request) -> Any:
         """SageMaker's route: a chat body ("messages") as /v1/chat/completions, else a completion
-        body ("prompt") as /v1/completions (vLLM's order: chat first)."""
+        body ("prompt") as /v1/completions (vLLM's order: chat first); for a pooling model, an
+        embeddings body ("input") as /v1/embeddings."""
         check_serving()
         body = await _json_object(raw)
+        if llm.engine.model_config.is_pooling:
+            request = _validated(EmbeddingRequest, body)
+            return await _until_disconnect(raw, embeddings.create_embedding(request))
         if "messages" in body:
             request = _validated(ChatCompletionRequest, body)
             return _as_response(await _until_disconnect(raw, chat.create_chat_completion(request)))
