@@ -21,6 +21,12 @@ BUILTIN_BACKENDS: dict[str, str] = {
     "FLEX_ATTENTION": "kvllm.attention.backends.flex_attention:FlexAttentionBackend",
     "FLASH_ATTN": "kvllm.attention.backends.flash_attn:FlashAttentionBackend",
     "FLASHINFER": "kvllm.attention.backends.flashinfer:FlashInferBackend",
+    "CPU_MLA": "kvllm.attention.backends.mla.cpu_mla:CpuMLABackend",
+    "TRITON_MLA": "kvllm.attention.backends.mla.triton_mla:TritonMLABackend",
+    "FLASHINFER_MLA": "kvllm.attention.backends.mla.flashinfer_mla:FlashInferMLABackend",
+    "FLASHMLA": "kvllm.attention.backends.mla.flashmla:FlashMLABackend",
+    "FLASH_ATTN_MLA": "kvllm.attention.backends.mla.flash_attn_mla:FlashAttnMLABackend",
+    "CUTLASS_MLA": "kvllm.attention.backends.mla.cutlass_mla:CutlassMLABackend",
 }
 
 _backends: dict[str, str] | None = None  # name -> "module:Class"; built on first use

@@ -13,6 +13,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen2ForCausalLM": ("kvllm.models.llama", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("kvllm.models.llama", "Qwen3ForCausalLM"),
     "BertModel": ("kvllm.models.bert", "BertModel"),
+    "DeepseekV2ForCausalLM": ("kvllm.models.deepseek_v2", "DeepseekV2ForCausalLM"),
+    "DeepseekV3ForCausalLM": ("kvllm.models.deepseek_v2", "DeepseekV3ForCausalLM"),
 }
 
 # Embedding architectures (run with --runner pooling only) -> their default pooling type, as vLLM's.

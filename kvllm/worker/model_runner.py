@@ -15,6 +15,7 @@ from kvllm.core.sched_output import SchedulerOutput
 from kvllm.core.step_result import StepResult
 from kvllm.forward_context import set_forward_context
 from kvllm.layers.attention import Attention
+from kvllm.layers.mla_attention import MLAAttention
 from kvllm.models.hf_config import selector_config_from_hf_config
 from kvllm.models.loader import load_model
 from kvllm.models.model_config import ModelConfig
@@ -79,18 +80,29 @@ class ModelRunner:
         explain_kv_cache_dtype(selector_config.dtype, args.kv_cache_dtype, device_info)
         self.attn_backend: type[AttentionBackend] = choice.backend
         self.block_size = choice.block_size
+        # An MLA backend's cache is one latent plane per layer (kv_lora_rank + rope wide, one "head").
+        is_mla = self.attn_backend.is_mla
         self.kv_cache_spec = KVCacheSpec(
             block_size=self.block_size,
-            num_kv_heads=model_config.num_kv_heads,
-            head_size=model_config.head_size,
+            num_kv_heads=1 if is_mla else model_config.num_kv_heads,
+            head_size=selector_config.head_size if is_mla else model_config.head_size,
             dtype=kv_cache_torch_dtype(args.kv_cache_dtype, model_config.dtype),
             kv_cache_dtype=args.kv_cache_dtype,
+            use_mla=is_mla,
         )
+        self.mla_prefill = None
+        if is_mla:
+            from kvllm.attention.backends.mla.prefill import choose_prefill_backend
+
+            self.mla_prefill = choose_prefill_backend(
+                device_info, selector_config.dtype, args.attention_config.mla_prefill_backend
+            )
+            logger.info("Using %s MLA prefill backend.", self.mla_prefill.name)
         self.sampler = Sampler()
         # The pooling runner embeds prompts instead of sampling (kvllm/worker/pooler.py).
         self.pooler = Pooler(model_config.pooler_config) if model_config.is_pooling else None
         self.model: torch.nn.Module | None = None
-        self.attention_layers: list[Attention] = []
+        self.attention_layers: list[Attention | MLAAttention] = []
         self.metadata_builder = None
         self.input_batch: InputBatch | None = None
         self.graph_runner: CudaGraphRunner | None = None
@@ -102,9 +114,15 @@ class ModelRunner:
         """Load the weights (seeded: dummy weights are drawn from torch's generator) and bind the backend."""
         torch.manual_seed(self.args.seed)
         self.model = load_model(self.model_config, self.args.load_format, self.device)
-        self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention | MLAAttention)]
+        prefill_impl = None
+        if self.mla_prefill is not None:
+            prefill_impl = self.mla_prefill.get_impl_cls()()
         for layer in self.attention_layers:
-            layer.bind_backend(self.attn_backend, self.args.kv_cache_dtype)
+            if isinstance(layer, MLAAttention):
+                layer.bind_backend(self.attn_backend, self.args.kv_cache_dtype, prefill_impl)
+            else:
+                layer.bind_backend(self.attn_backend, self.args.kv_cache_dtype)
 
     @torch.inference_mode()
     def profile_run(self, num_tokens: int, num_logits: int) -> None:
