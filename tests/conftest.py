@@ -64,3 +64,15 @@ def smollm2_path() -> str:
     from kvllm.models.default_model import default_model_path
 
     return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def tiny_deepseek_v2_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """DeepSeek-V2: 2 layers (dense, MoE), MLA latent 32 + 8, no q LoRA, YaRN with mscale."""
+    return model_factory.make_tiny_deepseek_v2(tmp_path_factory.mktemp("tiny_deepseek_v2"))
+
+
+@pytest.fixture(scope="session")
+def tiny_deepseek_v3_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """DeepSeek-V3: like tiny_deepseek_v2 with q LoRA and sigmoid routing with a correction bias."""
+    return model_factory.make_tiny_deepseek_v3(tmp_path_factory.mktemp("tiny_deepseek_v3"))

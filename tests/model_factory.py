@@ -138,6 +138,80 @@ def make_tiny_mistral(path: Path, **overrides: Any) -> Path:
     return save_model(path, config)
 
 
+DEEPSEEK_YARN_ROPE = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 512,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+    "beta_fast": 32,
+    "beta_slow": 1,
+}
+
+
+def _deepseek_common(num_tokens: int, **overrides: Any) -> dict[str, Any]:
+    """Two layers (the first dense, the second MoE: 8 experts in 4 groups, top-2 of the best 2 groups,
+    1 shared expert), MLA with kv_lora_rank 32 + rope 8 (latent 40), nope 16, v 16, YaRN with mscale."""
+    kwargs = _common(
+        num_tokens,
+        num_key_value_heads=4,
+        head_dim=None,
+        moe_intermediate_size=32,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        n_group=4,
+        topk_group=2,
+        first_k_dense_replace=1,
+        tie_word_embeddings=False,
+        rope_parameters=DEEPSEEK_YARN_ROPE,
+    )
+    kwargs.pop("head_dim")
+    kwargs.update(overrides)
+    return kwargs
+
+
+def make_tiny_deepseek_v2(path: Path, **overrides: Any) -> Path:
+    """DeepSeek-V2: no q LoRA, softmax group-limited greedy routing, routed_scaling_factor 2."""
+    from transformers import DeepseekV2Config
+
+    num_tokens = write_tokenizer(path)
+    config = DeepseekV2Config(
+        **_deepseek_common(
+            num_tokens,
+            q_lora_rank=None,
+            topk_method="group_limited_greedy",
+            routed_scaling_factor=2.0,
+            **overrides,
+        )
+    )
+    return save_model(path, config)
+
+
+def make_tiny_deepseek_v3(path: Path, **overrides: Any) -> Path:
+    """DeepSeek-V3: q LoRA (rank 48), sigmoid routing with a random e_score_correction_bias, norm_topk_prob,
+    routed_scaling_factor 2.5, interleaved rope."""
+    from safetensors.torch import load_file, save_file
+    from transformers import DeepseekV3Config
+
+    num_tokens = write_tokenizer(path)
+    config = DeepseekV3Config(**_deepseek_common(num_tokens, q_lora_rank=48, **overrides))
+    save_model(path, config)
+    # transformers initialises the bias to zeros; a random one makes the test see it.
+    weights = load_file(str(path / "model.safetensors"))
+    generator = torch.Generator().manual_seed(1)
+    for name, tensor in weights.items():
+        if name.endswith("e_score_correction_bias"):
+            weights[name] = torch.rand(tensor.shape, generator=generator) * 0.5
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
 LLAMA3_ROPE = {
     "rope_type": "llama3",
     "factor": 8.0,
