@@ -195,6 +195,26 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     return lines
 
 
+def _mla_prefill_table() -> list[str]:
+    """The MLA prefill backends in automatic order, from their declarations."""
+    from kvllm.attention.backends.mla.prefill import DECLARATIONS, PRIORITY
+
+    rows = []
+    for i, name in enumerate(PRIORITY, 1):
+        b = DECLARATIONS[name]
+        cap = (
+            "n/a"
+            if "cuda" not in b.platforms
+            else (f">= {b.min_capability[0]}.{b.min_capability[1]}" if b.min_capability else "any")
+        )
+        needs = f"`{b.required_package}`" if b.required_package else "nothing extra"
+        status = b.not_available or "implemented"
+        dtypes = ", ".join(_DTYPE_SHORT.get(d, d) for d in b.dtypes)
+        rows.append([str(i), f"`{name}`", b.description, dtypes, ", ".join(b.platforms), cap, needs, status])
+    header = ["Priority", "Backend", "What", "Dtypes", "Platforms", "Compute Cap.", "Needs", "In this build"]
+    return _table(header, rows)
+
+
 def _priority_section() -> list[str]:
     lines = [
         "## Backend priority",
@@ -239,9 +259,17 @@ def render() -> str:
     lines += [
         "## MLA (Multi-head Latent Attention) backends",
         "",
-        "MLA uses different backends for prefill and decode. The prefill backend is chosen at run time",
-        "(`-ac.mla_prefill_backend`, FlashAttention varlen first); the decode backend comes from the",
-        "priority lists above.",
+        "MLA uses different backends for prefill and decode. The decode backend comes from the priority",
+        "lists above (or `--attention-backend`) and attends in the latent space with absorbed weights;",
+        "its cache is one latent tensor per layer, `(num_blocks, block_size, kv_lora_rank + qk_rope_head_dim)`",
+        "(Head Sizes below are that latent width: 576 for DeepSeek). The prefill backend up-projects",
+        "the latent to per-head keys and values (qk 192 / v 128 for DeepSeek) and is chosen at start-up:",
+        "`-ac.mla_prefill_backend=NAME` is validated and fails with its reasons, otherwise the first",
+        "valid one in this order is used.",
+        "",
+        "### Prefill backends",
+        "",
+        *_mla_prefill_table(),
         "",
         "### Decode backends",
         "",

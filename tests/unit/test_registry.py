@@ -27,7 +27,11 @@ def test_builtins_registered_only_when_their_module_exists() -> None:
     for name, path in backend_names.BUILTIN_BACKENDS.items():
         assert (name in names) == backend_names.module_exists(path.partition(":")[0])
     # Names with no implementation are known to the enum but never registered.
-    assert "FLASHMLA" not in names and "CPU_MLA" not in names
+    assert "ROCM_AITER_MLA" not in names and "ROCM_ATTN" not in names
+    # The MLA family is registered, the kernel-less ones (FLASHMLA, ...) too, so selection can explain them.
+    assert {"CPU_MLA", "TRITON_MLA", "FLASHINFER_MLA", "FLASHMLA", "FLASH_ATTN_MLA", "CUTLASS_MLA"} <= set(
+        names
+    )
 
 
 def test_listing_names_imports_no_backend_module() -> None:

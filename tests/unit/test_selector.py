@@ -132,9 +132,9 @@ def test_manual_choice_is_never_replaced(fakes: None) -> None:
 
 def test_unregistered_enum_member_is_unknown() -> None:
     with pytest.raises(
-        ValueError, match=r"^Unknown attention backend: 'FLASHMLA'. Valid options are: CPU_ATTN"
+        ValueError, match=r"^Unknown attention backend: 'ROCM_AITER_MLA'. Valid options are: CPU_ATTN"
     ):
-        choose_attention_backend(SMOL, SM90, B.FLASHMLA)
+        choose_attention_backend(SMOL, SM90, B.ROCM_AITER_MLA)
 
 
 def test_no_valid_backend_lists_reasons(fakes: None) -> None:
@@ -149,11 +149,14 @@ def test_no_valid_backend_lists_reasons(fakes: None) -> None:
     assert "FLEX_ATTENTION: " in text
 
 
-def test_no_valid_backend_on_cpu_for_mla() -> None:
+def test_mla_on_cpu_is_cpu_mla_and_its_limits_are_reasons() -> None:
+    mla = AttentionSelectorConfig(head_size=576, dtype="bfloat16", use_mla=True)
+    assert choose_attention_backend(mla, CPU).backend.name == "CPU_MLA"
     with pytest.raises(
-        ValueError, match=r"No valid attention backend found for cpu .*CPU_MLA: \['not implemented"
+        ValueError,
+        match=r"No valid attention backend found for cpu .*CPU_MLA: \['head_size 1100 not supported",
     ):
-        choose_attention_backend(AttentionSelectorConfig(head_size=576, dtype="bfloat16", use_mla=True), CPU)
+        choose_attention_backend(AttentionSelectorConfig(head_size=1100, dtype="bfloat16", use_mla=True), CPU)
 
 
 def test_block_size_preferred_and_pinned(fakes: None, kvllm_logs: pytest.LogCaptureFixture) -> None:  # noqa: F811

@@ -79,8 +79,11 @@ def _mla_decode_segment(
         kv = tl.load(rows[:, None] + offs_l[None, :], mask=pos_ok[:, None] & l_ok[None, :], other=0.0)
         kpe = tl.load(rows[:, None] + L + offs_r[None, :], mask=pos_ok[:, None] & r_ok[None, :], other=0.0)
         if IS_FP8:
-            kv = (kv.to(tl.float32) * k_scale).to(q_nope.dtype)
-            kpe = (kpe.to(tl.float32) * k_scale).to(q_nope.dtype)
+            kv = kv.to(tl.float32) * k_scale
+            kpe = kpe.to(tl.float32) * k_scale
+        # A 16-bit cache under a model of another dtype (or a dequantized fp8 one): compute in q's dtype.
+        kv = kv.to(q_nope.dtype)
+        kpe = kpe.to(q_nope.dtype)
         scores = tl.dot(q_nope, tl.trans(kv)) + tl.dot(q_pe, tl.trans(kpe))  # [BLOCK_H, BLOCK_N]
         scores = tl.where(pos_ok[None, :], scores * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))

@@ -15,7 +15,7 @@ Both parts use the same softmax scale (the model's, YaRN mscale included).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -54,6 +54,8 @@ class MLAPrefillMetadata:
     kv_start_loc_cpu: list[int]  # offsets into kv_slots per request, + total
     query_start_loc: torch.Tensor  # int32 device copy of query_start_loc_cpu
     kv_start_loc: torch.Tensor  # int32 device copy of kv_start_loc_cpu
+    # Per-step state a prefill kernel keeps across layers (e.g. "planned"); fresh every step.
+    backend_state: dict[str, Any] = field(default_factory=dict)
 
     @property
     def num_prefills(self) -> int:
@@ -163,11 +165,7 @@ class MLAAttentionImpl(ABC):
         self.v_head_dim = v_head_dim
         self.kv_cache_dtype = kv_cache_dtype
         self.fp8_dtype = FP8_TORCH_DTYPES.get(kv_cache_dtype)
-        if prefill_impl is None:
-            from kvllm.attention.backends.mla.prefill_impl import TorchSDPAPrefill
-
-            prefill_impl = TorchSDPAPrefill()
-        self.prefill_impl = prefill_impl
+        self.prefill_impl = prefill_impl  # None: decode-only use (a step with prefills is an error)
 
     @abstractmethod
     def forward_decode(
@@ -243,6 +241,10 @@ class MLAAttentionImpl(ABC):
             latent_out = self.forward_decode(torch.cat([ql_nope, q_pe], dim=-1), kv_cache, md.decode, layer)
             output[:nd] = torch.bmm(latent_out.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
         if md.prefill is not None:
+            if self.prefill_impl is None:
+                raise RuntimeError(
+                    "this MLA layer has no prefill backend bound (see -ac.mla_prefill_backend)"
+                )
             pf = md.prefill
             end = pf.token_start + pf.query_start_loc_cpu[-1]
             latent = self.read_latent(kv_cache, pf.kv_slots, q.dtype, layer)

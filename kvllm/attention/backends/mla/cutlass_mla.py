@@ -32,6 +32,7 @@ class CutlassMLABackend(MLABackend):
     max_capability: ClassVar[tuple[int, int] | None] = (10, 9)
     preferred_block_size: ClassVar[int] = 128
     implemented: ClassVar[bool] = False
+    verified_on: ClassVar[str] = "never: no kernel binding in this build (always rejected with a reason)"
 
     @classmethod
     def extra_reasons(cls, config: AttentionSelectorConfig, device: DeviceInfo) -> list[str]:

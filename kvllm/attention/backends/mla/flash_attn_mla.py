@@ -28,3 +28,4 @@ class FlashAttnMLABackend(MLABackend):
     required_package: ClassVar[str | None] = "flash_attn_interface"
     preferred_block_size: ClassVar[int] = 16
     implemented: ClassVar[bool] = False
+    verified_on: ClassVar[str] = "never: no kernel binding in this build (always rejected with a reason)"

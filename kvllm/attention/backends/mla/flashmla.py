@@ -29,3 +29,4 @@ class FlashMLABackend(MLABackend):
     required_package: ClassVar[str | None] = "flash_mla"
     preferred_block_size: ClassVar[int] = 64
     implemented: ClassVar[bool] = False
+    verified_on: ClassVar[str] = "never: no kernel binding in this build (always rejected with a reason)"
