@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvllm.config.backend_names import AttentionBackendEnum, BackendName
+from kvllm.config.backend_names import MLA_PREFILL_BACKENDS, AttentionBackendEnum, BackendName
 from kvllm.config.choices import KV_CACHE_DTYPES
 
 # Fields some guides put in AttentionConfig although they are engine settings; EngineArgs moves
@@ -33,7 +33,17 @@ class AttentionConfig:
     )
     mla_prefill_backend: str | None = field(
         default=None,
-        metadata={"help": "Prefill backend for MLA models. Default: automatic."},
+        metadata={
+            "help": "Prefill backend for MLA (DeepSeek) models: "
+            + ", ".join(MLA_PREFILL_BACKENDS)
+            + ". Default: the first valid one, in that order."
+        },
+    )
+    use_prefill_query_quantization: bool = field(
+        default=False,
+        metadata={
+            "help": "vLLM's fp8 query in MLA prefill; not implemented in kvllm (only false is accepted)."
+        },
     )
     block_size: int | None = field(
         default=None,
@@ -71,6 +81,20 @@ class AttentionConfig:
                     f"attention_config.flash_attn_version={self.flash_attn_version!r} is not valid; allowed: 2, 3, 4"
                 )
             object.__setattr__(self, "flash_attn_version", version)
+        if self.mla_prefill_backend is not None:
+            name = str(self.mla_prefill_backend).strip().upper()
+            if name not in MLA_PREFILL_BACKENDS:
+                raise ValueError(
+                    f"attention_config.mla_prefill_backend={self.mla_prefill_backend!r} is not valid; "
+                    f"allowed: {', '.join(MLA_PREFILL_BACKENDS)}"
+                )
+            object.__setattr__(self, "mla_prefill_backend", name)
+        if _as_bool("use_prefill_query_quantization", self.use_prefill_query_quantization):
+            raise ValueError(
+                "attention_config.use_prefill_query_quantization=true is not supported: kvllm's MLA prefill "
+                "runs in the model dtype (fp8 queries are not implemented); leave it false"
+            )
+        object.__setattr__(self, "use_prefill_query_quantization", False)
         if self.use_trtllm_attention is not None:
             object.__setattr__(
                 self, "use_trtllm_attention", _as_bool("use_trtllm_attention", self.use_trtllm_attention)

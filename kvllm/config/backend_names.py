@@ -29,6 +29,10 @@ BUILTIN_BACKENDS: dict[str, str] = {
     "CUTLASS_MLA": "kvllm.attention.backends.mla.cutlass_mla:CutlassMLABackend",
 }
 
+# MLA prefill backends (vLLM's names plus kvllm's TORCH_SDPA), in automatic order: the vocabulary of
+# -ac.mla_prefill_backend. Their declarations live in kvllm.attention.backends.mla.prefill.
+MLA_PREFILL_BACKENDS = ("FLASH_ATTN", "FLASHINFER", "TRTLLM_RAGGED", "CUDNN", "TORCH_SDPA")
+
 _backends: dict[str, str] | None = None  # name -> "module:Class"; built on first use
 
 

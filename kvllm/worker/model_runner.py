@@ -94,10 +94,18 @@ class ModelRunner:
         if is_mla:
             from kvllm.attention.backends.mla.prefill import choose_prefill_backend
 
+            hf = model_config.hf_config
+            head_dims = (hf.qk_nope_head_dim + hf.qk_rope_head_dim, hf.v_head_dim)
             self.mla_prefill = choose_prefill_backend(
-                device_info, selector_config.dtype, args.attention_config.mla_prefill_backend
+                device_info, selector_config.dtype, args.attention_config.mla_prefill_backend, head_dims
             )
             logger.info("Using %s MLA prefill backend.", self.mla_prefill.name)
+        elif args.attention_config.mla_prefill_backend is not None:
+            logger.warning(
+                "attention_config.mla_prefill_backend=%s is ignored: %s does not use MLA attention",
+                args.attention_config.mla_prefill_backend,
+                model_config.architecture,
+            )
         self.sampler = Sampler()
         # The pooling runner embeds prompts instead of sampling (kvllm/worker/pooler.py).
         self.pooler = Pooler(model_config.pooler_config) if model_config.is_pooling else None

@@ -69,6 +69,7 @@ def backends_report(
     device: DeviceInfo,
     requested: BackendName | None = None,
     simulated: bool = False,
+    mla_head_dims: tuple[int, int] | None = None,
 ) -> str:
     """The text `kvllm backends` prints (selection itself logs to stderr)."""
     from kvllm.attention.selector import NOT_IMPLEMENTED, backend_reasons, choose_attention_backend
@@ -112,7 +113,28 @@ def backends_report(
             lines.append(f"Your selection: {requested.name} is valid (block size {choice.block_size})")
         except ValueError as exc:
             lines.append(f"Your selection: {exc}")
+    if config.use_mla:
+        lines += mla_prefill_lines(config, device, mla_head_dims)
     return "\n".join(lines)
+
+
+def mla_prefill_lines(
+    config: AttentionSelectorConfig, device: DeviceInfo, head_dims: tuple[int, int] | None = None
+) -> list[str]:
+    """The MLA prefill backends in automatic order with their reasons, and which one would be used."""
+    from kvllm.attention.backends.mla.prefill import DECLARATIONS, PRIORITY, choose_prefill_backend
+
+    lines = ["", "MLA prefill backends (automatic order; -ac.mla_prefill_backend picks one):"]
+    for i, name in enumerate(PRIORITY, 1):
+        reasons = DECLARATIONS[name].reasons(device, config.dtype, head_dims)
+        lines.append(f"  {i}. {'❌' if reasons else '✅'} {name:<14} " + ("; ".join(reasons) or "valid"))
+    try:
+        lines.append(
+            f"MLA prefill selection: {choose_prefill_backend(device, config.dtype, None, head_dims).name}"
+        )
+    except ValueError as exc:
+        lines.append(f"MLA prefill selection: none. {exc}")
+    return lines
 
 
 def run(args: argparse.Namespace) -> int:
@@ -133,7 +155,11 @@ def run(args: argparse.Namespace) -> int:
         attention_config=engine_args.attention_config,
     )
     simulated = args.platform is not None or args.capability is not None
-    print(backends_report(model, config, device, engine_args.backend, simulated))
+    text = getattr(hf_config, "get_text_config", lambda: hf_config)()
+    mla_head_dims = None
+    if config.use_mla:
+        mla_head_dims = (text.qk_nope_head_dim + text.qk_rope_head_dim, text.v_head_dim)
+    print(backends_report(model, config, device, engine_args.backend, simulated, mla_head_dims))
     try:
         choose_attention_backend(config, device, engine_args.backend)
     except ValueError:

@@ -13,11 +13,14 @@ import importlib
 import importlib.util
 from dataclasses import dataclass
 
+from kvllm.config.backend_names import MLA_PREFILL_BACKENDS
+from kvllm.logger import init_logger
 from kvllm.platforms.interface import DeviceInfo
 
+logger = init_logger(__name__)
+
 # Automatic order (FlashAttention varlen first, as vLLM orders it).
-PRIORITY = ("FLASH_ATTN", "FLASHINFER", "TRTLLM_RAGGED", "CUDNN", "TORCH_SDPA")
-MLA_PREFILL_BACKENDS = PRIORITY
+PRIORITY = MLA_PREFILL_BACKENDS
 
 
 @dataclass(frozen=True)
@@ -31,6 +34,8 @@ class MLAPrefillBackend:
     min_capability: tuple[int, int] | None = None
     required_package: str | None = None
     pip_extra: str | None = None
+    # (qk, v) head-dim pairs it runs; empty = any.
+    head_dims: tuple[tuple[int, int], ...] = ()
     # None: implemented by `impl_path`; otherwise why this build cannot run it.
     not_available: str | None = None
     impl_path: str = ""
@@ -42,9 +47,15 @@ class MLAPrefillBackend:
         module_name, _, class_name = self.impl_path.partition(":")
         return getattr(importlib.import_module(module_name), class_name)
 
-    def reasons(self, device: DeviceInfo, dtype: str) -> list[str]:
-        """Every reason this backend cannot run the prefill of an MLA model in `dtype` on `device`."""
+    def reasons(self, device: DeviceInfo, dtype: str, head_dims: tuple[int, int] | None = None) -> list[str]:
+        """Every reason this backend cannot run the prefill of an MLA model in `dtype` on `device`, with
+        per-head (qk, v) dims `head_dims` (qk_nope + rope, v_head_dim) when known."""
         reasons = []
+        if head_dims is not None and self.head_dims and tuple(head_dims) not in self.head_dims:
+            allowed = ", ".join(f"qk {qk} / v {v}" for qk, v in self.head_dims)
+            reasons.append(
+                f"head dims qk {head_dims[0]} / v {head_dims[1]} not supported (supported: {allowed})"
+            )
         if device.platform not in self.platforms:
             reasons.append(
                 f"platform {device.platform} not supported (supported: {', '.join(self.platforms)})"
@@ -78,6 +89,7 @@ DECLARATIONS: dict[str, MLAPrefillBackend] = {
             min_capability=(9, 0),
             required_package="flash_attn",
             pip_extra="flash-attn",
+            head_dims=((192, 128),),
             not_available="no FlashAttention MLA prefill binding in this build (qk 192 / v 128 unverified with FA4)",
         ),
         MLAPrefillBackend(
@@ -88,6 +100,7 @@ DECLARATIONS: dict[str, MLAPrefillBackend] = {
             min_capability=(8, 0),
             required_package="flashinfer",
             pip_extra="flashinfer",
+            head_dims=((192, 128),),
             impl_path="kvllm.attention.backends.mla.prefill_flashinfer:FlashInferMLAPrefill",
         ),
         MLAPrefillBackend(
@@ -126,11 +139,13 @@ def check_prefill_backend_name(name: str) -> str:
     return key
 
 
-def choose_prefill_backend(device: DeviceInfo, dtype: str, requested: str | None = None) -> MLAPrefillBackend:
+def choose_prefill_backend(
+    device: DeviceInfo, dtype: str, requested: str | None = None, head_dims: tuple[int, int] | None = None
+) -> MLAPrefillBackend:
     """The requested prefill backend if it can run (else ValueError with its reasons), or the first valid."""
     if requested is not None:
         backend = DECLARATIONS[check_prefill_backend_name(requested)]
-        reasons = backend.reasons(device, dtype)
+        reasons = backend.reasons(device, dtype, head_dims)
         if reasons:
             raise ValueError(
                 f"Selected MLA prefill backend {backend.name} is not valid for this configuration. "
@@ -139,8 +154,12 @@ def choose_prefill_backend(device: DeviceInfo, dtype: str, requested: str | None
         return backend
     rejected = {}
     for name in PRIORITY:
-        reasons = DECLARATIONS[name].reasons(device, dtype)
+        reasons = DECLARATIONS[name].reasons(device, dtype, head_dims)
         if not reasons:
+            for other, other_reasons in rejected.items():
+                logger.info(
+                    "MLA prefill backend %s (higher priority) rejected: %s", other, "; ".join(other_reasons)
+                )
             return DECLARATIONS[name]
         rejected[name] = reasons
     raise ValueError(
