@@ -47,6 +47,7 @@ def _mla_decode_segment(
     BLOCK_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     IS_FP8: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,  # "ieee" for float32 models (tf32 would cost ~1e-3 relative error)
 ):
     b = tl.program_id(0)
     head_block = tl.program_id(1)
@@ -84,13 +85,15 @@ def _mla_decode_segment(
         # A 16-bit cache under a model of another dtype (or a dequantized fp8 one): compute in q's dtype.
         kv = kv.to(q_nope.dtype)
         kpe = kpe.to(q_nope.dtype)
-        scores = tl.dot(q_nope, tl.trans(kv)) + tl.dot(q_pe, tl.trans(kpe))  # [BLOCK_H, BLOCK_N]
+        scores = tl.dot(q_nope, tl.trans(kv), input_precision=DOT_PRECISION) + tl.dot(
+            q_pe, tl.trans(kpe), input_precision=DOT_PRECISION
+        )  # [BLOCK_H, BLOCK_N]
         scores = tl.where(pos_ok[None, :], scores * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv)
+        acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv, input_precision=DOT_PRECISION)
         m_i = m_new
 
     mid = (b * NUM_HEADS + heads) * NUM_SPLITS + split
@@ -174,6 +177,7 @@ def mla_decode(
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
         NUM_HEADS=H, L=L, R=R, BLOCK_L=block_l, BLOCK_R=block_r, BLOCK_H=block_h, BLOCK_N=block_n,
         BLOCK_SIZE=kv_cache.shape[1], NUM_SPLITS=num_splits, IS_FP8=is_fp8,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     _mla_decode_reduce[(B, H)](

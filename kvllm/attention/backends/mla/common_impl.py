@@ -200,9 +200,22 @@ class MLAAttentionImpl(ABC):
         slot_mapping: torch.Tensor,
         layer: MLALayer,
     ) -> None:
+        """Store [kv_c_normed, k_pe] at the slots (slot -1 = padding, skipped); fp8: latent / k_scale."""
+        latent = torch.cat([kv_c_normed, k_pe], dim=-1)
+        if kv_cache.is_cuda:
+            # The Triton KV write skips slot -1 without a host sync; the latent goes in as both "K"
+            # and "V" of a one-head cache view (the same rows, written twice with the same values).
+            from kvllm.attention.ops.triton_reshape_and_cache import reshape_and_cache
+
+            rows = latent.view(latent.shape[0], 1, -1)
+            view = kv_cache.view(*kv_cache.shape[:2], 1, kv_cache.shape[-1])
+            reshape_and_cache(
+                rows, rows, view, view, slot_mapping, layer.k_scale, layer.k_scale, latent.shape[0]
+            )
+            return
         flat = kv_cache.view(-1, kv_cache.shape[-1])
         valid = slot_mapping >= 0
-        latent = torch.cat([kv_c_normed, k_pe], dim=-1)[valid]
+        latent = latent[valid]
         if self.fp8_dtype is not None:
             latent = latent.float() / layer.k_scale
         flat[slot_mapping[valid]] = latent.to(kv_cache.dtype)

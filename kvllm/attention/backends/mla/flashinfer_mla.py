@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from kvllm.attention.backend import MultipleOf, OneOf, SizeRule
+from kvllm.attention.backend import AttentionSelectorConfig, MultipleOf, OneOf, SizeRule
+from kvllm.attention.backends.flashinfer import kv_dtype_mismatch_reasons
 from kvllm.attention.backends.mla.common import DEEPSEEK_LATENT_SIZE, MLABackend
+from kvllm.platforms.interface import DeviceInfo
 
 
 class FlashInferMLABackend(MLABackend):
@@ -29,6 +31,10 @@ class FlashInferMLABackend(MLABackend):
     pip_extra: ClassVar[str | None] = "flashinfer"
     preferred_block_size: ClassVar[int] = 16
     verified_on: ClassVar[str] = "pending: tests/gpu/test_mla_gpu.py on the H200 (SM 9.0)"
+
+    @classmethod
+    def extra_reasons(cls, config: AttentionSelectorConfig, device: DeviceInfo) -> list[str]:
+        return super().extra_reasons(config, device) + kv_dtype_mismatch_reasons(config)
 
     impl_path = "kvllm.attention.backends.mla.flashinfer_mla_impl:FlashInferMLAImpl"
     builder_path = "kvllm.attention.backends.mla.flashinfer_mla_impl:FlashInferMLAMetadataBuilder"

@@ -25,9 +25,9 @@ from kvllm.attention.backends.mla.common_impl import (
 @dataclass
 class FlashInferMLADecodeState:
     wrapper: Any
-    qo_indptr: torch.Tensor  # int32 [B + 1]: one query per request
-    kv_indptr: torch.Tensor  # int32 [B + 1]: page offsets into kv_indices
-    kv_indices: torch.Tensor  # int32 [sum pages]: the requests' pages, in order
+    qo_indptr: torch.Tensor  # int32 [B + 1] on the host: one query per request
+    kv_indptr: torch.Tensor  # int32 [B + 1] on the host: page offsets into kv_indices
+    kv_indices: torch.Tensor  # int32 [sum pages] on the device: the requests' pages, in order
     planned: bool = False
 
 
@@ -48,11 +48,11 @@ class FlashInferMLAMetadataBuilder(MLAMetadataBuilder):
         width = int(pages.max())
         used = torch.arange(width)[None, :] < pages[:, None]
         kv_indices = decode.block_table[:, :width][used.to(decode.block_table.device)]
-        device = decode.block_table.device
+        # FlashInfer plans on the host: host indptrs and lengths cost no device-to-host copy.
         return FlashInferMLADecodeState(
             wrapper=self.wrapper,
-            qo_indptr=torch.arange(decode.num_decodes + 1, dtype=torch.int32, device=device),
-            kv_indptr=kv_indptr.to(device),
+            qo_indptr=torch.arange(decode.num_decodes + 1, dtype=torch.int32),
+            kv_indptr=kv_indptr,
             kv_indices=kv_indices.to(torch.int32),
         )
 
@@ -75,7 +75,7 @@ class FlashInferMLAImpl(MLAAttentionImpl):
                 state.qo_indptr,
                 state.kv_indptr,
                 state.kv_indices,
-                md.seq_lens,
+                md.seq_lens_cpu,
                 self.num_heads,
                 L,
                 R,

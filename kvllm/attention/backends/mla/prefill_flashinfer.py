@@ -28,9 +28,9 @@ class FlashInferMLAPrefill(MLAPrefillImpl):
             self.wrapper = flashinfer.prefill.BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD")
         if not md.backend_state.get("flashinfer_planned"):
             num_heads = q.shape[1]
-            self.wrapper.plan(
-                md.query_start_loc,
-                md.kv_start_loc,
+            self.wrapper.plan(  # host indptrs: FlashInfer plans on the host
+                torch.tensor(md.query_start_loc_cpu, dtype=torch.int32),
+                torch.tensor(md.kv_start_loc_cpu, dtype=torch.int32),
                 num_heads,
                 num_heads,
                 q.shape[-1],

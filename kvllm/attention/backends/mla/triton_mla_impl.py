@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from kvllm.attention.backends.mla.common_impl import MLAAttentionImpl, MLADecodeMetadata, MLALayer
@@ -21,6 +23,13 @@ def num_splits_for(num_programs: int, max_seq_len: int, num_sms: int) -> int:
     return max(1, min(by_occupancy, by_length, MAX_SPLITS))
 
 
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 16  # interpreter runs: any fixed value keeps the plan deterministic
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 class TritonMLAImpl(MLAAttentionImpl):
     """Decode with `kvllm.attention.ops.triton_mla_decode`; `num_splits` overrides the split heuristic."""
 
@@ -35,7 +44,7 @@ class TritonMLAImpl(MLAAttentionImpl):
         if self.num_splits is not None:
             splits = self.num_splits
         else:
-            num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 16
+            num_sms = _num_sms(q.device)
             programs = md.num_decodes * -(-self.num_heads // self.block_h)
             splits = num_splits_for(programs, md.max_seq_len, num_sms)
         return mla_decode(

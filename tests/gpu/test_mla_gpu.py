@@ -1,0 +1,112 @@
+"""MLA backends on a GPU: every declared combination against the float32 reference (DeepSeek dims).
+
+TRITON_MLA (its own kernel) and FLASHINFER_MLA (FlashInfer's MLA paged wrapper, with FlashInfer's
+ragged prefill for the prefill part) over dtypes x KV dtypes x block sizes x head counts, each on a
+mixed batch (decodes with short and long contexts, a chunked prefill with context, a fresh prefill)
+over scrambled block tables, through the backend's builder and implementation
+(kvllm.attention.mla_testing). KVLLM_MLA_GPU_DTYPES limits the model dtypes (FlashInfer compiles
+one module per dtype on first use, one to two minutes each).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from kvllm.attention import registry
+from kvllm.attention.backend import AttentionSelectorConfig
+from kvllm.attention.mla_testing import DEEPSEEK_V2_LITE, MLADims, mla_reference, prepare_mla_case
+from kvllm.config.choices import FP8_KV_CACHE_DTYPES
+from kvllm.platforms import current_device_info
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+TOLERANCE = {torch.float32: (1e-4, 1e-3), torch.float16: (5e-3, 2e-2), torch.bfloat16: (2e-2, 8e-2)}
+FP8_TOLERANCE = (8e-2, 2e-1)
+K_SCALE = 0.25
+QUERY_LENS = [1, 1, 1, 1, 9, 40]
+CONTEXT_LENS = [1, 77, 1000, 3000, 300, 0]
+DTYPES = os.environ.get("KVLLM_MLA_GPU_DTYPES", "float16,bfloat16,float32").split(",")
+HEADS = (16, 128)  # DeepSeek-V2-Lite's, and V3's
+
+
+def _cases() -> list[object]:
+    params = []
+    for name in ("TRITON_MLA", "FLASHINFER_MLA"):
+        backend = registry.get_backend_class(name)
+        for dtype in backend.supported_dtypes:
+            for kv in backend.supported_kv_cache_dtypes:
+                for block in (16, 64):
+                    for heads in HEADS:
+                        pid = f"{name}-{dtype}-kv_{kv}-b{block}-h{heads}"
+                        marks = [] if dtype in DTYPES else [pytest.mark.skip(reason="KVLLM_MLA_GPU_DTYPES")]
+                        params.append(pytest.param(name, dtype, kv, block, heads, id=pid, marks=marks))
+    return params
+
+
+@pytest.mark.parametrize(("name", "dtype", "kv_cache_dtype", "block_size", "num_heads"), _cases())
+def test_mla_backend_matches_reference_on_gpu(name, dtype, kv_cache_dtype, block_size, num_heads):
+    backend = registry.get_backend_class(name)
+    device = current_device_info()
+    config = AttentionSelectorConfig(
+        head_size=576, dtype=dtype, kv_cache_dtype=kv_cache_dtype, block_size=block_size, use_mla=True
+    )
+    reasons = backend.validate_configuration(config, device)
+    if reasons:
+        pytest.skip(f"{name} does not claim this combination here: {reasons}")
+    prefill_impl = None
+    if name == "FLASHINFER_MLA":
+        from kvllm.attention.backends.mla.prefill_flashinfer import FlashInferMLAPrefill
+
+        prefill_impl = FlashInferMLAPrefill()
+    dims = MLADims(num_heads, 512, 64, 128, 128)
+    fp8 = kv_cache_dtype in FP8_KV_CACHE_DTYPES
+    case = prepare_mla_case(
+        backend, QUERY_LENS, CONTEXT_LENS, dims, block_size, TORCH_DTYPES[dtype], "cuda", seed=3,
+        kv_cache_dtype=kv_cache_dtype, k_scale=K_SCALE if fp8 else 1.0, prefill_impl=prefill_impl,
+    )  # fmt: skip
+    out = case.first_layer().float()
+    ref = mla_reference(case)
+    assert torch.isfinite(out).all()
+    rel_tol, abs_tol = FP8_TOLERANCE if fp8 else TOLERANCE[TORCH_DTYPES[dtype]]
+    rel = ((out - ref).norm() / ref.norm()).item()
+    max_abs = (out - ref).abs().max().item()
+    assert rel < rel_tol and max_abs < abs_tol, f"relative error {rel:.2e}, max abs {max_abs:.2e}"
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 16])
+def test_triton_mla_split_counts(num_splits):
+    """Every split count merges to the same result (segments shorter than a tile, empty ones included)."""
+    backend = registry.get_backend_class("TRITON_MLA")
+    case = prepare_mla_case(
+        backend, [1] * 5, [0, 15, 16, 300, 5000], DEEPSEEK_V2_LITE, 16, torch.bfloat16, "cuda", seed=5
+    )
+    case.impl.num_splits = num_splits
+    out = case.first_layer().float()
+    ref = mla_reference(case)
+    assert ((out - ref).norm() / ref.norm()).item() < 2e-2
+
+
+@pytest.mark.skipif(importlib.util.find_spec("flashinfer") is None, reason="flashinfer not installed")
+def test_flashinfer_ragged_prefill_matches_torch_sdpa():
+    from kvllm.attention.backends.mla.prefill_flashinfer import FlashInferMLAPrefill
+    from kvllm.attention.backends.mla.prefill_impl import TorchSDPAPrefill
+
+    backend = registry.get_backend_class("TRITON_MLA")
+    outs = []
+    for prefill in (FlashInferMLAPrefill(), TorchSDPAPrefill()):
+        case = prepare_mla_case(
+            backend, [17, 64, 200], [0, 100, 31], DEEPSEEK_V2_LITE, 16, torch.bfloat16, "cuda", seed=9,
+            prefill_impl=prefill,
+        )  # fmt: skip
+        outs.append(case.first_layer().float())
+    ref = mla_reference(case)
+    for out in outs:
+        assert ((out - ref).norm() / ref.norm()).item() < 2e-2
