@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# MLA on the H200 in one device call (about 4 minutes; carry [".fi"] for FLASHINFER_MLA, see
+# MLA on the H200 in one device call (about 4 minutes, at most 4m45s by its timeouts; carry [".fi"] for FLASHINFER_MLA, see
 # ../shared/gpu/stage-flashinfer.sh; without it the FlashInfer parts are skipped with their reason):
 #   1. tests/gpu/test_mla_gpu.py: TRITON_MLA and FLASHINFER_MLA against float32 over their declared
 #      combinations (bf16 only unless MLA_DTYPES says more: FlashInfer compiles per dtype);
@@ -14,14 +14,14 @@ export PYTHONPATH=.:/tmp/site-fi FLASHINFER_WORKSPACE_BASE=/tmp/fiws TVM_FFI_CAC
 export KVLLM_MLA_GPU_DTYPES=${MLA_DTYPES:-bfloat16}
 nvidia-smi --query-gpu=name,compute_cap,driver_version --format=csv,noheader > "$out/gpu.txt" 2>&1
 
-timeout 150 python3 -m pytest tests/gpu/test_mla_gpu.py -m gpu -q -rfE -p no:cacheprovider \
+timeout 120 python3 -m pytest tests/gpu/test_mla_gpu.py -m gpu -q -rfE -p no:cacheprovider \
   --junitxml="$out/mla-junit.xml" > "$out/mla-tests.log" 2>&1
-timeout 60 python3 benchmarks/h200/mla_bench.py kernels --out "$out/mla_kernels.json" > "$out/mla-kernels.log" 2>&1
+timeout 45 python3 benchmarks/h200/mla_bench.py kernels --out "$out/mla_kernels.json" > "$out/mla-kernels.log" 2>&1
 python3 benchmarks/h200/mla_bench.py model /tmp/dsv2lite > "$out/mla-model.log" 2>&1
 for backend in TRITON_MLA FLASHINFER_MLA; do
-  timeout 120 python3 -m kvllm.entrypoints.cli.main bench throughput /tmp/dsv2lite --load-format dummy \
-    --attention-backend "$backend" --dtype bfloat16 --max-model-len 2048 --input-len 512 --output-len 128 \
-    --num-prompts 128 --output-json "$out/e2e-$backend.json" > "$out/e2e-$backend.log" 2>&1
+  timeout 60 python3 -m kvllm.entrypoints.cli.main bench throughput /tmp/dsv2lite --load-format dummy \
+    --attention-backend "$backend" --dtype bfloat16 --max-model-len 2048 --input-len 256 --output-len 64 \
+    --num-prompts 64 --output-json "$out/e2e-$backend.json" > "$out/e2e-$backend.log" 2>&1
   echo "$backend e2e rc=$?" >> "$out/e2e-rc.txt"
 done
 
