@@ -33,6 +33,7 @@ def test_backend_import_status_names_every_backend() -> None:
     lines = backend_import_status()
     assert len(lines) == len(registry.registered_backend_names())
     assert any(line.strip().startswith("✅ CPU_ATTN") for line in lines)
+    assert any(line.strip().startswith("❌ FLASHMLA: declared only") for line in lines)
     for line in lines:
         if "not installed" in line:
             assert "pip install 'kvllm[" in line  # the fix is named

@@ -150,6 +150,9 @@ def backend_import_status() -> list[str]:
         except ImportError as exc:
             lines.append(f"  ❌ {name}: declarations do not import: {exc}{_library_fix(exc)}")
             continue
+        if not getattr(backend, "implemented", True):  # declared so selection can explain it (MLA family)
+            lines.append(f"  ❌ {name}: declared only, no kernel binding in this build (always rejected)")
+            continue
         missing = backend.missing_package_reason()
         if missing:
             lines.append(f"  ❌ {name}: {missing}")
