@@ -27,6 +27,7 @@ def test_get_model_class_takes_the_first_supported() -> None:
 
 def test_unknown_architecture_lists_the_supported_ones() -> None:
     with pytest.raises(
-        ValueError, match="GPT2LMHeadModel.*supported: .*DeepseekV3ForCausalLM, LlamaForCausalLM, MistralForCausalLM"
+        ValueError,
+        match="GPT2LMHeadModel.*supported: .*DeepseekV3ForCausalLM, LlamaForCausalLM, MistralForCausalLM",
     ):
         get_model_class(["GPT2LMHeadModel"])
