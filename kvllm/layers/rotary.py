@@ -1,4 +1,4 @@
-"""Rotary position embeddings (NeoX / HF "rotate half" layout) with default, linear and llama3 scaling."""
+"""Rotary position embeddings (NeoX / HF "rotate half" layout) with default, linear, llama3 and YaRN scaling."""
 
 from __future__ import annotations
 
@@ -8,29 +8,53 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+from kvllm.models.hf_config import rope_parameters_from_config
+
+__all__ = ["RopeInputs", "RotaryEmbedding", "rope_parameters_from_config"]
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
-def rope_parameters_from_config(hf_config: Any) -> dict[str, Any]:
-    """The RoPE settings of an HF config as one dict with `rope_type` and `rope_theta`.
+def _yarn_inv_freq(rotary_dim: int, params: dict[str, Any], base: float, max_position: int) -> torch.Tensor:
+    """YaRN: frequencies interpolated by `factor` below a band of dimensions, kept above it, ramped in it
+    (the band from beta_fast / beta_slow rotations over the original context), as HF computes them."""
+    factor = float(params.get("factor") or max_position / params["original_max_position_embeddings"])
+    original = float(params["original_max_position_embeddings"])
+    beta_fast = float(params.get("beta_fast") or 32)
+    beta_slow = float(params.get("beta_slow") or 1)
 
-    transformers 5 keeps them in `config.rope_parameters`; older configs use `rope_scaling` (may be
-    None) next to a top-level `rope_theta`. Both are read; explicit keys win over the top-level theta.
-    """
-    params: dict[str, Any] = {}
-    for attr in ("rope_scaling", "rope_parameters"):
-        value = getattr(hf_config, attr, None)
-        if isinstance(value, dict):
-            params.update(value)
-    if "type" in params and "rope_type" not in params:
-        params["rope_type"] = params.pop("type")
-    params.setdefault("rope_type", "default")
-    if "rope_theta" not in params:
-        params["rope_theta"] = getattr(hf_config, "rope_theta", None) or 10000.0
-    return params
+    def correction_dim(num_rotations: float) -> float:
+        return rotary_dim * math.log(original / (num_rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim)
+    extrapolation = 1 - ramp
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
 
 
-def _inv_freq(rotary_dim: int, params: dict[str, Any]) -> torch.Tensor:
+def rope_attention_factor(params: dict[str, Any]) -> float:
+    """The factor YaRN multiplies cos and sin by (1.0 for every other rope type)."""
+    if params["rope_type"] != "yarn":
+        return 1.0
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    factor = float(params["factor"])
+    if params.get("mscale") and params.get("mscale_all_dim"):
+        return mscale(factor, float(params["mscale"])) / mscale(factor, float(params["mscale_all_dim"]))
+    return mscale(factor)
+
+
+def _inv_freq(rotary_dim: int, params: dict[str, Any], max_position: int) -> torch.Tensor:
     base = float(params["rope_theta"])
     inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
     rope_type = params["rope_type"]
@@ -52,6 +76,8 @@ def _inv_freq(rotary_dim: int, params: dict[str, Any]) -> torch.Tensor:
             wavelen <= old_context_len / low_freq_factor
         )
         return torch.where(is_medium, smoothed, scaled)
+    if rope_type == "yarn":
+        return _yarn_inv_freq(rotary_dim, params, base, max_position)
     raise ValueError(
         f"rope_type={rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
     )
@@ -79,9 +105,12 @@ class RotaryEmbedding(nn.Module):
         self.rotary_dim = int(head_size * float(rope_parameters.get("partial_rotary_factor", 1.0)))
         # Computed on the CPU whatever the default device, so every device gets the same table.
         with torch.device("cpu"):
-            inv_freq = _inv_freq(self.rotary_dim, rope_parameters)
+            inv_freq = _inv_freq(self.rotary_dim, rope_parameters, max_position)
             freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
             cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+            attention_factor = rope_attention_factor(rope_parameters)
+            if attention_factor != 1.0:
+                cache = cache * attention_factor
         self.register_buffer("cos_sin_cache", cache.to(torch.get_default_device()), persistent=False)
 
     def _apply(self, fn: Any, recurse: bool = True) -> RotaryEmbedding:

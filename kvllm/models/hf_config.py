@@ -7,6 +7,7 @@ so the head size and sliding window the selector validates are the ones the laye
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any
 
 from kvllm.attention.backend import AttentionSelectorConfig
@@ -18,6 +19,11 @@ from kvllm.platforms.interface import DeviceInfo
 _ALIBI_MODEL_TYPES = frozenset({"bloom", "mpt", "baichuan", "falcon_alibi"})
 # HF model types that are encoder-only (bidirectional, no KV cache).
 _ENCODER_ONLY_MODEL_TYPES = frozenset({"bert", "roberta", "xlm-roberta", "modernbert", "nomic_bert"})
+# HF model types whose attention adds a learned per-head sink logit to the softmax denominator.
+_SINK_MODEL_TYPES = frozenset({"gpt_oss"})
+# Configs of these types carry `attn_logit_softcapping`, but HF's (and vLLM's) Gemma 3 attention never
+# applies it; only Gemma 2 caps attention logits.
+_SOFT_CAP_IGNORED_MODEL_TYPES = frozenset({"gemma3", "gemma3_text"})
 
 
 def load_hf_config(model: str, trust_remote_code: bool = False, revision: str | None = None) -> Any:
@@ -66,6 +72,87 @@ def sliding_window(hf_config: Any) -> int | None:
     return max(windows) if windows else None
 
 
+def layer_type(hf_config: Any, layer_index: int) -> str:
+    """HF's `layer_types[i]` ("sliding_attention" / "full_attention"), derived where the config has none."""
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types is not None:
+        return str(layer_types[layer_index])
+    return "sliding_attention" if layer_sliding_window(hf_config, layer_index) else "full_attention"
+
+
+@dataclass(frozen=True)
+class LayerAttentionSettings:
+    """What one attention layer asks of the backend beyond head sizes (the AttentionImpl contract)."""
+
+    sliding_window: int | None
+    logits_soft_cap: float | None
+    has_sinks: bool
+
+
+def layer_attention_settings(hf_config: Any, layer_index: int) -> LayerAttentionSettings:
+    """The window, soft-cap and sinks of layer `layer_index`: what the model builds its Attention with,
+    and (over all layers) what `selector_config_from_hf_config` asks the backends for."""
+    model_type = getattr(hf_config, "model_type", "") or ""
+    soft_cap = getattr(hf_config, "attn_logit_softcapping", None)
+    if model_type in _SOFT_CAP_IGNORED_MODEL_TYPES:
+        soft_cap = None
+    return LayerAttentionSettings(
+        sliding_window=layer_sliding_window(hf_config, layer_index),
+        logits_soft_cap=float(soft_cap) if soft_cap else None,
+        has_sinks=model_type in _SINK_MODEL_TYPES,
+    )
+
+
+def unsupported_config_reason(hf_config: Any) -> str | None:
+    """Why kvllm cannot run a config of an architecture it implements (None when it can): checkpoint
+    formats and options the model code does not implement. ModelConfig and `kvllm backends` ask here."""
+    text = text_config(hf_config)
+    model_type = getattr(text, "model_type", "") or ""
+    quant = getattr(hf_config, "quantization_config", None) or {}
+    quant_method = (
+        quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+    )
+    if quant_method == "mxfp4":
+        return (
+            "MXFP4-quantized experts (gpt-oss's released checkpoints) are not supported; "
+            "use a BF16 checkpoint of the model (its experts dequantized)"
+        )
+    if model_type == "phi3":
+        rope_type = rope_parameters_from_config(text)["rope_type"]
+        if rope_type not in ("default", "linear"):
+            return (
+                f"Phi-3 with rope_type {rope_type!r} (LongRoPE, the 128k variants) is not supported: HF switches "
+                "every position's frequencies once a sequence passes original_max_position_embeddings, which a "
+                "batch of requests of different lengths cannot share; use a 4k-context Phi-3 checkpoint"
+            )
+    if getattr(text, "use_bidirectional_attention", False):
+        return "bidirectional (encoder) variants of decoder models are not supported"
+    return None
+
+
+def rope_parameters_from_config(hf_config: Any, layer_type: str | None = None) -> dict[str, Any]:
+    """The RoPE settings of an HF config as one dict with `rope_type` and `rope_theta`.
+
+    transformers 5 keeps them in `config.rope_parameters`; older configs use `rope_scaling` (may be
+    None) next to a top-level `rope_theta`. Both are read; explicit keys win over the top-level theta.
+    Models with settings per layer type (Gemma 3: "sliding_attention" / "full_attention") nest one
+    dict per type in `rope_parameters`; `layer_type` picks one.
+    """
+    params: dict[str, Any] = {}
+    for attr in ("rope_scaling", "rope_parameters"):
+        value = getattr(hf_config, attr, None)
+        if isinstance(value, dict) and layer_type is not None and isinstance(value.get(layer_type), dict):
+            value = value[layer_type]
+        if isinstance(value, dict):
+            params.update(value)
+    if "type" in params and "rope_type" not in params:
+        params["rope_type"] = params.pop("type")
+    params.setdefault("rope_type", "default")
+    if "rope_theta" not in params:
+        params["rope_theta"] = getattr(hf_config, "rope_theta", None) or 10000.0
+    return params
+
+
 def config_dtype_name(hf_config: Any) -> str | None:
     """The checkpoint dtype named in the config (transformers 4 `torch_dtype` or 5 `dtype`)."""
     value = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
@@ -112,7 +199,8 @@ def selector_config_from_hf_config(
         size = int(kv_lora_rank) + int(getattr(text, "qk_rope_head_dim", 0) or 0)
     else:
         size = head_size(text)
-    soft_cap = getattr(text, "attn_logit_softcapping", None)
+    layers = [layer_attention_settings(text, i) for i in range(text.num_hidden_layers)]
+    soft_caps = {layer.logits_soft_cap for layer in layers} - {None}
     attention_config = attention_config or AttentionConfig()
     encoder_only = model_type in _ENCODER_ONLY_MODEL_TYPES
     return AttentionSelectorConfig(
@@ -121,9 +209,9 @@ def selector_config_from_hf_config(
         kv_cache_dtype=kv_cache_dtype,
         block_size=block_size,
         use_mla=use_mla,
-        has_sink=model_type == "gpt_oss",
-        has_sliding_window=sliding_window(text) is not None,
-        logits_soft_cap=float(soft_cap) if soft_cap else None,
+        has_sink=any(layer.has_sinks for layer in layers),
+        has_sliding_window=any(layer.sliding_window is not None for layer in layers),
+        logits_soft_cap=max(soft_caps) if soft_caps else None,
         use_alibi=model_type in _ALIBI_MODEL_TYPES or bool(getattr(text, "alibi", False)),
         attn_type="encoder_only" if encoder_only else "decoder",
         use_non_causal=encoder_only,

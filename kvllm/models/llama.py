@@ -1,4 +1,6 @@
-"""The Llama family: Llama 2/3, SmolLM2, Mistral, Qwen2 (+ qkv bias) and Qwen3 (+ QK-norm) in one file.
+"""The Llama family: Llama 2/3, SmolLM2, Mistral, Qwen2 (+ qkv bias), Qwen3 (+ QK-norm) and Phi-3 (qkv and
+gate_up fused in the checkpoint) in one file. Other families build on its attention and decoder layer: the
+MoE models replace the MLP (`LlamaForCausalLM.make_mlp`), gpt-oss adds sinks, Gemma its norms and scales.
 
 The model runs on a flat batch of tokens from many requests: `forward(input_ids [T], positions [T])`
 returns hidden states [T, hidden_size]; which token belongs to which request is known only to the
@@ -7,7 +9,7 @@ attention backend, through the forward context.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -20,7 +22,7 @@ from kvllm.layers.linear import Linear, MergedLinear, QKVLinear, default_weight_
 from kvllm.layers.norm import RMSNorm
 from kvllm.layers.ops.dispatch import use_fused_ops
 from kvllm.layers.rotary import RopeInputs, RotaryEmbedding, rope_parameters_from_config
-from kvllm.models.hf_config import head_size, layer_sliding_window, num_kv_heads
+from kvllm.models.hf_config import head_size, layer_attention_settings, num_kv_heads
 
 # checkpoint name fragment -> (fused parameter fragment, shard id)
 _STACKED_PARAMS = (
@@ -33,10 +35,22 @@ _STACKED_PARAMS = (
 
 
 class LlamaAttention(nn.Module):
-    """Self-attention: fused qkv projection, optional QK-norm, RoPE, paged attention, output projection."""
+    """Self-attention: fused qkv projection, optional QK-norm, RoPE, paged attention, output projection.
+
+    The layer's window, logit soft-cap and sinks come from `layer_attention_settings`, the rule the
+    attention selector validates backends against. `scale` defaults to head_size ** -0.5; `norm_cls`
+    is the QK-norm (Gemma 3 passes its own).
+    """
 
     def __init__(
-        self, hf_config: Any, layer_index: int, rotary_emb: RotaryEmbedding, qkv_bias: bool, qk_norm: bool
+        self,
+        hf_config: Any,
+        layer_index: int,
+        rotary_emb: RotaryEmbedding,
+        qkv_bias: bool,
+        qk_norm: bool,
+        scale: float | None = None,
+        norm_cls: type[nn.Module] = RMSNorm,
     ) -> None:
         super().__init__()
         self.num_heads = hf_config.num_attention_heads
@@ -50,15 +64,18 @@ class LlamaAttention(nn.Module):
             hf_config.hidden_size,
             bias=getattr(hf_config, "attention_bias", False),
         )
-        self.q_norm = RMSNorm(self.head_size, hf_config.rms_norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(self.head_size, hf_config.rms_norm_eps) if qk_norm else None
+        self.q_norm = norm_cls(self.head_size, hf_config.rms_norm_eps) if qk_norm else None
+        self.k_norm = norm_cls(self.head_size, hf_config.rms_norm_eps) if qk_norm else None
         self.rotary_emb = rotary_emb
+        settings = layer_attention_settings(hf_config, layer_index)
         self.attn = Attention(
             num_heads=self.num_heads,
             head_size=self.head_size,
-            scale=self.head_size**-0.5,
+            scale=self.head_size**-0.5 if scale is None else scale,
             num_kv_heads=self.num_kv_heads,
-            sliding_window=layer_sliding_window(hf_config, layer_index),
+            sliding_window=settings.sliding_window,
+            logits_soft_cap=settings.logits_soft_cap,
+            has_sinks=settings.has_sinks,
             prefix=f"model.layers.{layer_index}.self_attn.attn",
         )
 
@@ -123,17 +140,31 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.gate_up_proj.gated(x, self.act_fn))
 
 
+def llama_mlp(hf_config: Any, layer_index: int) -> nn.Module:
+    """The dense MLP of a decoder layer (the default `LlamaForCausalLM.make_mlp`)."""
+    return LlamaMLP(
+        hf_config.hidden_size, hf_config.intermediate_size, bias=getattr(hf_config, "mlp_bias", False)
+    )
+
+
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm decoder layer; the residual stream is threaded through the norms (add fused in)."""
+    """Pre-norm decoder layer; the residual stream is threaded through the norms (add fused in).
+
+    `mlp` is any module mapping [T, hidden] -> [T, hidden] (dense SwiGLU, or a mixture of experts).
+    """
 
     def __init__(
-        self, hf_config: Any, layer_index: int, rotary_emb: RotaryEmbedding, qkv_bias: bool, qk_norm: bool
+        self,
+        hf_config: Any,
+        layer_index: int,
+        rotary_emb: RotaryEmbedding,
+        qkv_bias: bool,
+        qk_norm: bool,
+        mlp: nn.Module,
     ) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(hf_config, layer_index, rotary_emb, qkv_bias, qk_norm)
-        self.mlp = LlamaMLP(
-            hf_config.hidden_size, hf_config.intermediate_size, bias=getattr(hf_config, "mlp_bias", False)
-        )
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
 
@@ -156,7 +187,9 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embedding, decoder layers and final norm."""
 
-    def __init__(self, hf_config: Any, qkv_bias: bool, qk_norm: bool) -> None:
+    def __init__(
+        self, hf_config: Any, qkv_bias: bool, qk_norm: bool, make_mlp: Callable[[Any, int], nn.Module]
+    ) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size)
         # One cos/sin cache shared by all layers (it can be tens of MB for long contexts).
@@ -164,7 +197,7 @@ class LlamaModel(nn.Module):
             head_size(hf_config), hf_config.max_position_embeddings, rope_parameters_from_config(hf_config)
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(hf_config, i, rotary_emb, qkv_bias, qk_norm)
+            LlamaDecoderLayer(hf_config, i, rotary_emb, qkv_bias, qk_norm, make_mlp(hf_config, i))
             for i in range(hf_config.num_hidden_layers)
         )
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
@@ -180,7 +213,8 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """A Llama-family causal LM. Subclasses switch on qkv bias (Qwen2) and QK-norm (Qwen3)."""
+    """A Llama-family causal LM. Subclasses switch on qkv bias (Qwen2) and QK-norm (Qwen3), and replace
+    the MLP (`make_mlp`) and the checkpoint-name rules (`checkpoint_name`, `expert_params_mapping`)."""
 
     qkv_bias: bool | None = None  # None: the config's `attention_bias`
     qk_norm: bool = False
@@ -189,13 +223,30 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = hf_config
         qkv_bias = self.qkv_bias if self.qkv_bias is not None else getattr(hf_config, "attention_bias", False)
-        self.model = LlamaModel(hf_config, bool(qkv_bias), self.qk_norm)
+        self.model = LlamaModel(hf_config, bool(qkv_bias), self.qk_norm, self.make_mlp)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head = None
         else:
             # Plain nn.Linear: compute_logits calls F.linear on its weight (not the small-M kernel).
             self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+
+    @staticmethod
+    def make_mlp(hf_config: Any, layer_index: int) -> nn.Module:
+        """The feed-forward block of layer `layer_index`."""
+        return llama_mlp(hf_config, layer_index)
+
+    def checkpoint_name(self, name: str) -> str | None:
+        """A checkpoint tensor's name as this model's parameter naming spells it; None to skip the tensor."""
+        if "rotary_emb.inv_freq" in name:
+            return None
+        if name == "lm_head.weight" and self.tie_word_embeddings:
+            return None
+        return name
+
+    def expert_params_mapping(self) -> list[tuple[str, str, int, str]]:
+        """(parameter fragment, checkpoint fragment, expert id, shard id) of MoE experts; none for dense models."""
+        return []
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -214,21 +265,29 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load HF-named checkpoint tensors; returns the names of the parameters that were filled."""
         params = dict(self.named_parameters())
+        expert_mapping = self.expert_params_mapping()
         loaded: set[str] = set()
-        for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
+        for checkpoint_name, tensor in weights:
+            name = self.checkpoint_name(checkpoint_name)
+            if name is None:
                 continue
-            if name == "lm_head.weight" and self.tie_word_embeddings:
+            expert = next((m for m in expert_mapping if m[1] in name), None) if ".experts." in name else None
+            if expert is not None:
+                param_part, checkpoint_part, expert_id, expert_shard = expert
+                param_name = name.replace(checkpoint_part, param_part)
+                param = self._param(params, param_name, checkpoint_name)
+                param.weight_loader(param, tensor, expert_shard, expert_id)  # type: ignore[attr-defined]
+                loaded.add(param_name)
                 continue
             for checkpoint_part, param_part, shard_id in _STACKED_PARAMS:
                 if checkpoint_part in name:
                     param_name = name.replace(checkpoint_part, param_part)
-                    param = self._param(params, param_name, name)
+                    param = self._param(params, param_name, checkpoint_name)
                     param.weight_loader(param, tensor, shard_id)  # type: ignore[attr-defined]
                     break
             else:
                 param_name = name
-                param = self._param(params, param_name, name)
+                param = self._param(params, param_name, checkpoint_name)
                 default_weight_loader(param, tensor)
             loaded.add(param_name)
         return loaded
@@ -254,3 +313,9 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
     """Qwen3: Llama with per-head RMSNorm on q and k before RoPE (and qkv bias as the config says)."""
 
     qk_norm = True
+
+
+class Phi3ForCausalLM(LlamaForCausalLM):
+    """Phi-3: Llama whose checkpoint already fuses q/k/v (`qkv_proj`, rows q then k then v) and gate/up
+    (`gate_up_proj`, rows gate then up), which is kvllm's own layout, so those tensors load as they are.
+    LongRoPE (the 128k variants) is rejected by `unsupported_config_reason`."""

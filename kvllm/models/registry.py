@@ -15,6 +15,9 @@ _MODELS: dict[str, tuple[str, str]] = {
     "BertModel": ("kvllm.models.bert", "BertModel"),
     "DeepseekV2ForCausalLM": ("kvllm.models.deepseek_v2", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": ("kvllm.models.deepseek_v2", "DeepseekV3ForCausalLM"),
+    "Phi3ForCausalLM": ("kvllm.models.llama", "Phi3ForCausalLM"),
+    "Qwen3MoeForCausalLM": ("kvllm.models.qwen3_moe", "Qwen3MoeForCausalLM"),
+    "MixtralForCausalLM": ("kvllm.models.qwen3_moe", "MixtralForCausalLM"),
 }
 
 # Embedding architectures (run with --runner pooling only) -> their default pooling type, as vLLM's.

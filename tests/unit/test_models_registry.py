@@ -7,16 +7,29 @@ import pytest
 from kvllm.models.registry import get_model_class, supported_architectures
 
 
+CAUSAL_LMS = [
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Phi3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
+    "DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM",
+    "BertModel",
+]
+
+
 def test_supported_architectures() -> None:
-    assert supported_architectures() == [
-        "BertModel",
-        "DeepseekV2ForCausalLM",
-        "DeepseekV3ForCausalLM",
-        "LlamaForCausalLM",
-        "MistralForCausalLM",
-        "Qwen2ForCausalLM",
-        "Qwen3ForCausalLM",
-    ]
+    names = supported_architectures()
+    assert names == sorted(names)
+    assert set(CAUSAL_LMS) <= set(names)
+
+
+@pytest.mark.parametrize("architecture", CAUSAL_LMS)
+def test_every_architecture_imports_as_its_own_class(architecture: str) -> None:
+    assert get_model_class([architecture]).__name__ == architecture
 
 
 def test_get_model_class_takes_the_first_supported() -> None:
@@ -26,8 +39,5 @@ def test_get_model_class_takes_the_first_supported() -> None:
 
 
 def test_unknown_architecture_lists_the_supported_ones() -> None:
-    with pytest.raises(
-        ValueError,
-        match="GPT2LMHeadModel.*supported: .*DeepseekV3ForCausalLM, LlamaForCausalLM, MistralForCausalLM",
-    ):
+    with pytest.raises(ValueError, match="GPT2LMHeadModel.*supported: .*LlamaForCausalLM, MistralForCausalLM"):
         get_model_class(["GPT2LMHeadModel"])
