@@ -426,3 +426,46 @@ def make_tiny_phi3(path: Path, **overrides: Any) -> Path:
     extra = dict(tie_word_embeddings=False, partial_rotary_factor=0.5, sliding_window=None)
     config = Phi3Config(**_common(num_tokens, **{**extra, **overrides}))
     return save_model(path, config)
+
+
+def make_tiny_gemma2(path: Path, **overrides: Any) -> Path:
+    """A 2-layer Gemma 2: sliding window 24 on layer 0, full layer 1, attention soft-cap 3 and final soft-cap 5
+    (HF's 50 and 30 barely bend a tiny model's logits), query_pre_attn_scalar 24 (not the head size), tied
+    embeddings."""
+    from transformers import Gemma2Config
+
+    num_tokens = write_tokenizer(path)
+    extra = dict(sliding_window=24, query_pre_attn_scalar=24, tie_word_embeddings=True)
+    extra.update(attn_logit_softcapping=3.0, final_logit_softcapping=5.0)
+    config = Gemma2Config(**_common(num_tokens, **{**extra, **overrides}))
+    return save_model(path, config)
+
+
+def make_tiny_gemma3(path: Path, **overrides: Any) -> Path:
+    """A 3-layer Gemma 3 text model: sliding (window 24, theta 10k) layers 0-1, full layer 2 (theta 1M),
+    QK-norm, final soft-cap 30."""
+    from transformers import Gemma3TextConfig
+
+    num_tokens = write_tokenizer(path)
+    extra = dict(
+        num_hidden_layers=3,
+        sliding_window=24,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        query_pre_attn_scalar=24,
+        final_logit_softcapping=30.0,
+        tie_word_embeddings=True,
+    )
+    config = Gemma3TextConfig(**_common(num_tokens, **{**extra, **overrides}))
+    config.architectures = ["Gemma3ForCausalLM"]
+    return save_model(path, config)
+
+
+def make_tiny_gpt_oss(path: Path, **overrides: Any) -> Path:
+    """A 2-layer gpt-oss: sliding window 24 (layer 0) then full attention, sinks, 4 experts of 32 top-2 with
+    biases and the clamped SwiGLU, YaRN RoPE (HF's default parameters), q/k/v/o biases."""
+    from transformers import GptOssConfig
+
+    num_tokens = write_tokenizer(path)
+    extra = dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, sliding_window=24)
+    config = GptOssConfig(**_common(num_tokens, tie_word_embeddings=False, **{**extra, **overrides}))
+    return save_model(path, config)

@@ -222,14 +222,19 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, hf_config: Any) -> None:
         super().__init__()
         self.config = hf_config
-        qkv_bias = self.qkv_bias if self.qkv_bias is not None else getattr(hf_config, "attention_bias", False)
-        self.model = LlamaModel(hf_config, bool(qkv_bias), self.qk_norm, self.make_mlp)
+        self.model = self.build_model(hf_config)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head = None
         else:
             # Plain nn.Linear: compute_logits calls F.linear on its weight (not the small-M kernel).
             self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+
+    def build_model(self, hf_config: Any) -> nn.Module:
+        """The decoder stack (embedding, layers, final norm): `forward(input_ids, positions)` -> hidden states,
+        with the token embedding as `embed_tokens`."""
+        qkv_bias = self.qkv_bias if self.qkv_bias is not None else getattr(hf_config, "attention_bias", False)
+        return LlamaModel(hf_config, bool(qkv_bias), self.qk_norm, self.make_mlp)
 
     @staticmethod
     def make_mlp(hf_config: Any, layer_index: int) -> nn.Module:

@@ -80,6 +80,9 @@ class ModelConfig:
             ) from e
         hf_config = apply_hf_overrides(hf_config, args.hf_overrides)
         architecture = resolve_architecture(getattr(hf_config, "architectures", None))
+        unsupported = rules.unsupported_config_reason(hf_config)
+        if unsupported:
+            raise ValueError(f"model {model!r} ({architecture}) cannot be loaded: {unsupported}")
         num_kv_heads = rules.num_kv_heads(hf_config)
         check_num_kv_heads(args.attention_config.num_kv_heads, num_kv_heads, model)
         runner_type = pooling_config.resolve_runner_type(

@@ -16,6 +16,9 @@ _MODELS: dict[str, tuple[str, str]] = {
     "DeepseekV2ForCausalLM": ("kvllm.models.deepseek_v2", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": ("kvllm.models.deepseek_v2", "DeepseekV3ForCausalLM"),
     "Phi3ForCausalLM": ("kvllm.models.llama", "Phi3ForCausalLM"),
+    "Gemma2ForCausalLM": ("kvllm.models.gemma", "Gemma2ForCausalLM"),
+    "Gemma3ForCausalLM": ("kvllm.models.gemma", "Gemma3ForCausalLM"),
+    "GptOssForCausalLM": ("kvllm.models.gpt_oss", "GptOssForCausalLM"),
     "Qwen3MoeForCausalLM": ("kvllm.models.qwen3_moe", "Qwen3MoeForCausalLM"),
     "MixtralForCausalLM": ("kvllm.models.qwen3_moe", "MixtralForCausalLM"),
 }
@@ -46,6 +49,18 @@ def resolve_architecture(architectures: list[str] | None) -> str:
     raise ValueError(
         f"model architecture {architectures!r} is not supported; supported: {', '.join(supported_architectures())}"
     )
+
+
+def unsupported_model_reason(hf_config: object) -> str | None:
+    """Why kvllm cannot load a model of this config (its architecture, or an option of it), or None."""
+    from kvllm.models.hf_config import unsupported_config_reason
+
+    try:
+        architecture = resolve_architecture(getattr(hf_config, "architectures", None))
+    except ValueError as exc:
+        return str(exc)
+    reason = unsupported_config_reason(hf_config)
+    return f"{architecture}: {reason}" if reason else None
 
 
 def get_model_class(architectures: list[str]) -> type[nn.Module]:

@@ -6,7 +6,6 @@ import pytest
 
 from kvllm.models.registry import get_model_class, supported_architectures
 
-
 CAUSAL_LMS = [
     "LlamaForCausalLM",
     "MistralForCausalLM",
@@ -39,5 +38,7 @@ def test_get_model_class_takes_the_first_supported() -> None:
 
 
 def test_unknown_architecture_lists_the_supported_ones() -> None:
-    with pytest.raises(ValueError, match="GPT2LMHeadModel.*supported: .*LlamaForCausalLM, MistralForCausalLM"):
+    with pytest.raises(
+        ValueError, match="GPT2LMHeadModel.*supported: .*LlamaForCausalLM, MistralForCausalLM"
+    ):
         get_model_class(["GPT2LMHeadModel"])

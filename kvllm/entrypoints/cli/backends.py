@@ -70,8 +70,10 @@ def backends_report(
     requested: BackendName | None = None,
     simulated: bool = False,
     mla_head_dims: tuple[int, int] | None = None,
+    model_problem: str | None = None,
 ) -> str:
-    """The text `kvllm backends` prints (selection itself logs to stderr)."""
+    """The text `kvllm backends` prints (selection itself logs to stderr). `model_problem`: why kvllm
+    cannot load the model at all (then no backend is reported as simply "valid")."""
     from kvllm.attention.selector import NOT_IMPLEMENTED, backend_reasons, choose_attention_backend
     from kvllm.platforms import backend_priority, is_simulated
 
@@ -79,6 +81,7 @@ def backends_report(
         f"Platform: {device.describe()}{' (simulated)' if simulated or is_simulated() else ''}",
         f"Model: {model}",
         f"Attention needs: {config}",
+        *([f"Model support: ❌ kvllm cannot load this model: {model_problem}"] if model_problem else []),
         "",
         "Registered attention backends:",
     ]
@@ -89,6 +92,8 @@ def backends_report(
         reasons = backend_reasons(name, config, device)
         if reasons:
             lines.append(f"  ❌ {name:<{width}}  " + "; ".join(reasons))
+        elif model_problem:
+            lines.append(f"  ⚠️ {name:<{width}}  attention valid, but kvllm cannot load the model (see above)")
         elif name in in_priority:
             lines.append(f"  ✅ {name:<{width}}  valid")
         else:
@@ -102,6 +107,9 @@ def backends_report(
         note = "" if registry.is_registered(name.name) else f"  ({NOT_IMPLEMENTED})"
         lines.append(f"  {i}. {name.name}{note}")
     lines.append("")
+    if model_problem:
+        lines.append(f"Automatic selection: none. kvllm cannot load this model: {model_problem}")
+        return "\n".join(lines)
     try:
         choice = choose_attention_backend(config, device)
         lines.append(f"Automatic selection: {choice.backend.name} (block size {choice.block_size})")
@@ -141,6 +149,7 @@ def run(args: argparse.Namespace) -> int:
     """Run the subcommand; exit code 1 when neither automatic nor requested selection would work."""
     from kvllm.attention.selector import choose_attention_backend
     from kvllm.models.hf_config import load_hf_config, selector_config_from_hf_config
+    from kvllm.models.registry import unsupported_model_reason
 
     engine_args = engine_args_from_cli(args)
     device = resolve_device(args.platform, args.capability)
@@ -159,7 +168,14 @@ def run(args: argparse.Namespace) -> int:
     mla_head_dims = None
     if config.use_mla:
         mla_head_dims = (text.qk_nope_head_dim + text.qk_rope_head_dim, text.v_head_dim)
-    print(backends_report(model, config, device, engine_args.backend, simulated, mla_head_dims))
+    model_problem = unsupported_model_reason(hf_config)
+    print(
+        backends_report(
+            model, config, device, engine_args.backend, simulated, mla_head_dims, model_problem=model_problem
+        )
+    )
+    if model_problem:
+        return 1
     try:
         choose_attention_backend(config, device, engine_args.backend)
     except ValueError:
