@@ -58,7 +58,7 @@ def backend_lines(stdout: str) -> dict[str, str]:
     lines = {}
     for line in stdout.splitlines():
         parts = line.split()
-        if len(parts) >= 2 and parts[0] in ("✅", "❌"):
+        if len(parts) >= 2 and parts[0] in ("✅", "❌", "⚠️"):
             lines[parts[1]] = line
     return lines
 
@@ -134,3 +134,71 @@ def test_default_model() -> None:
     result = run_backends()
     assert result.returncode == 0, result.stderr
     assert "✅ CPU_ATTN" in result.stdout and "head_size=64" in result.stdout
+
+
+def _config_folder(folder: Path, config: object) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(folder)  # type: ignore[attr-defined]
+    return folder
+
+
+SMALL = dict(vocab_size=64, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+
+
+def test_architecture_kvllm_cannot_load_is_not_valid(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "config.json").write_text(
+        json.dumps({**SMOLLM2_CONFIG, "architectures": ["GPT2LMHeadModel"]})
+    )
+    assert main(["backends", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert (
+        "Model support: ❌ kvllm cannot load this model: model architecture ['GPT2LMHeadModel'] is not supported"
+        in out
+    )
+    lines = backend_lines(out)
+    assert "attention valid, but kvllm cannot load the model" in lines["CPU_ATTN"]
+    assert not any(line.rstrip().endswith(" valid") for line in lines.values())
+    assert "Automatic selection: none. kvllm cannot load this model" in out
+
+
+def test_mxfp4_gpt_oss_is_refused_with_its_reason(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from transformers import GptOssConfig
+
+    config = GptOssConfig(
+        num_hidden_layers=2, num_local_experts=4, architectures=["GptOssForCausalLM"], **SMALL
+    )
+    config.quantization_config = {"quant_method": "mxfp4"}
+    assert main(["backends", str(_config_folder(tmp_path, config))]) == 1
+    out = capsys.readouterr().out
+    assert "kvllm cannot load this model: GptOssForCausalLM: MXFP4-quantized experts" in out
+
+
+def test_gemma2_and_gpt_oss_features_decide_the_backends(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Window, soft-cap and sinks of the real model configs reach the report, and each backend lacking one
+    says which."""
+    from transformers import Gemma2Config, GptOssConfig
+
+    gemma2 = _config_folder(
+        tmp_path / "gemma2", Gemma2Config(num_hidden_layers=2, architectures=["Gemma2ForCausalLM"], **SMALL)
+    )
+    assert main(["backends", str(gemma2), "--platform", "cuda", "--capability", "9.0"]) in (0, 1)
+    out = capsys.readouterr().out
+    assert "has_sliding_window=True" in out and "logits_soft_cap=50.0" in out and "Model support" not in out
+    lines = backend_lines(out)
+    assert "sliding window not supported" in lines["FLASHINFER"]
+    assert "logits soft-cap 50.0 not supported" in lines["FLASHINFER"]
+    assert lines["TRITON_ATTN"].lstrip().startswith("✅") or "triton not installed" in lines["TRITON_ATTN"]
+    gpt_oss = _config_folder(
+        tmp_path / "gpt_oss",
+        GptOssConfig(num_hidden_layers=2, num_local_experts=4, architectures=["GptOssForCausalLM"], **SMALL),
+    )
+    assert main(["backends", str(gpt_oss)]) == 0
+    out = capsys.readouterr().out
+    assert "has_sink=True" in out
+    lines = backend_lines(out)
+    assert lines["CPU_ATTN"].lstrip().startswith("✅")
+    assert "attention sinks not supported" in lines["FLEX_ATTENTION"]
