@@ -130,7 +130,10 @@ def moe_align_block_size(
     num_pairs = flat.numel()
     device = flat.device
     capacity = triton.cdiv(num_pairs + num_experts * (block_m - 1), block_m) * block_m
-    counts = torch.bincount(flat, minlength=num_experts)
+    # scatter_add, not bincount: bincount on CUDA reads the maximum back to the host (no graph capture).
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(
+        0, flat, torch.ones_like(flat)
+    )
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)
     padded_start = padded_end - padded
