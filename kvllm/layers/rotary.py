@@ -8,11 +8,30 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from kvllm.models.hf_config import rope_parameters_from_config
-
-__all__ = ["RopeInputs", "RotaryEmbedding", "rope_parameters_from_config"]
-
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def rope_parameters_from_config(hf_config: Any, layer_type: str | None = None) -> dict[str, Any]:
+    """The RoPE settings of an HF config as one dict with `rope_type` and `rope_theta`.
+
+    transformers 5 keeps them in `config.rope_parameters`; older configs use `rope_scaling` (may be
+    None) next to a top-level `rope_theta`. Both are read; explicit keys win over the top-level theta.
+    Models with settings per layer type (Gemma 3: "sliding_attention" / "full_attention") nest one
+    dict per type in `rope_parameters`; `layer_type` picks one.
+    """
+    params: dict[str, Any] = {}
+    for attr in ("rope_scaling", "rope_parameters"):
+        value = getattr(hf_config, attr, None)
+        if isinstance(value, dict) and layer_type is not None and isinstance(value.get(layer_type), dict):
+            value = value[layer_type]
+        if isinstance(value, dict):
+            params.update(value)
+    if "type" in params and "rope_type" not in params:
+        params["rope_type"] = params.pop("type")
+    params.setdefault("rope_type", "default")
+    if "rope_theta" not in params:
+        params["rope_theta"] = getattr(hf_config, "rope_theta", None) or 10000.0
+    return params
 
 
 def _yarn_inv_freq(rotary_dim: int, params: dict[str, Any], base: float, max_position: int) -> torch.Tensor:

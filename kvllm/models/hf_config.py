@@ -118,7 +118,12 @@ def unsupported_config_reason(hf_config: Any) -> str | None:
             "use a BF16 checkpoint of the model (its experts dequantized)"
         )
     if model_type == "phi3":
-        rope_type = rope_parameters_from_config(text)["rope_type"]
+        # The rope type as kvllm.layers.rotary.rope_parameters_from_config reads it (layers stand below models).
+        rope: dict[str, Any] = {}
+        for attr in ("rope_scaling", "rope_parameters"):
+            value = getattr(text, attr, None)
+            rope.update(value if isinstance(value, dict) else {})
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", "linear"):
             return (
                 f"Phi-3 with rope_type {rope_type!r} (LongRoPE, the 128k variants) is not supported: HF switches "
@@ -128,29 +133,6 @@ def unsupported_config_reason(hf_config: Any) -> str | None:
     if getattr(text, "use_bidirectional_attention", False):
         return "bidirectional (encoder) variants of decoder models are not supported"
     return None
-
-
-def rope_parameters_from_config(hf_config: Any, layer_type: str | None = None) -> dict[str, Any]:
-    """The RoPE settings of an HF config as one dict with `rope_type` and `rope_theta`.
-
-    transformers 5 keeps them in `config.rope_parameters`; older configs use `rope_scaling` (may be
-    None) next to a top-level `rope_theta`. Both are read; explicit keys win over the top-level theta.
-    Models with settings per layer type (Gemma 3: "sliding_attention" / "full_attention") nest one
-    dict per type in `rope_parameters`; `layer_type` picks one.
-    """
-    params: dict[str, Any] = {}
-    for attr in ("rope_scaling", "rope_parameters"):
-        value = getattr(hf_config, attr, None)
-        if isinstance(value, dict) and layer_type is not None and isinstance(value.get(layer_type), dict):
-            value = value[layer_type]
-        if isinstance(value, dict):
-            params.update(value)
-    if "type" in params and "rope_type" not in params:
-        params["rope_type"] = params.pop("type")
-    params.setdefault("rope_type", "default")
-    if "rope_theta" not in params:
-        params["rope_theta"] = getattr(hf_config, "rope_theta", None) or 10000.0
-    return params
 
 
 def config_dtype_name(hf_config: Any) -> str | None:

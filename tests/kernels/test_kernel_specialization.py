@@ -26,6 +26,7 @@ EXPECTED = {
     "kvllm.sample.gumbel:_reduce_chunks_kernel": ["num_chunks"],
     "kvllm.layers.ops.linear:_small_m_linear_kernel": ["M"],
     "kvllm.layers.ops.linear:_split_k_reduce_kernel": [],  # rows come from the grid
+    "kvllm.layers.moe.fused_moe_triton:_fused_moe_kernel": ["num_valid_pairs"],
 }
 
 SCRIPT = """
