@@ -8,7 +8,7 @@ attention backend, through the forward context.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +21,9 @@ from kvllm.layers.norm import RMSNorm
 from kvllm.layers.ops.dispatch import use_fused_ops
 from kvllm.layers.rotary import RopeInputs, RotaryEmbedding, rope_parameters_from_config
 from kvllm.models.hf_config import head_size, layer_sliding_window, num_kv_heads
+
+if TYPE_CHECKING:
+    from kvllm.layers.quantization.base import QuantizationConfig
 
 # checkpoint name fragment -> (fused parameter fragment, shard id)
 _STACKED_PARAMS = (
@@ -36,19 +39,35 @@ class LlamaAttention(nn.Module):
     """Self-attention: fused qkv projection, optional QK-norm, RoPE, paged attention, output projection."""
 
     def __init__(
-        self, hf_config: Any, layer_index: int, rotary_emb: RotaryEmbedding, qkv_bias: bool, qk_norm: bool
+        self,
+        hf_config: Any,
+        layer_index: int,
+        rotary_emb: RotaryEmbedding,
+        qkv_bias: bool,
+        qk_norm: bool,
+        quant_config: QuantizationConfig | None = None,
     ) -> None:
         super().__init__()
         self.num_heads = hf_config.num_attention_heads
         self.num_kv_heads = num_kv_heads(hf_config)
         self.head_size = head_size(hf_config)
+        prefix = f"model.layers.{layer_index}.self_attn"
         self.qkv_proj = QKVLinear(
-            hf_config.hidden_size, self.head_size, self.num_heads, self.num_kv_heads, bias=qkv_bias
+            hf_config.hidden_size,
+            self.head_size,
+            self.num_heads,
+            self.num_kv_heads,
+            bias=qkv_bias,
+            quant_config=quant_config,
+            prefix=f"{prefix}.qkv_proj",
+            shard_prefixes=[f"{prefix}.{name}_proj" for name in "qkv"],
         )
         self.o_proj = Linear(
             self.num_heads * self.head_size,
             hf_config.hidden_size,
             bias=getattr(hf_config, "attention_bias", False),
+            quant_config=quant_config,
+            prefix=f"{prefix}.o_proj",
         )
         self.q_norm = RMSNorm(self.head_size, hf_config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_size, hf_config.rms_norm_eps) if qk_norm else None
@@ -113,11 +132,27 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """SwiGLU feed-forward: down(silu(gate(x)) * up(x)) with gate and up fused."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        bias: bool = False,
+        quant_config: QuantizationConfig | None = None,
+        prefix: str = "mlp",
+    ) -> None:
         super().__init__()
-        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size], bias=bias)
+        self.gate_up_proj = MergedLinear(
+            hidden_size,
+            [intermediate_size, intermediate_size],
+            bias=bias,
+            quant_config=quant_config,
+            prefix=f"{prefix}.gate_up_proj",
+            shard_prefixes=[f"{prefix}.gate_proj", f"{prefix}.up_proj"],
+        )
         self.act_fn = SiluAndMul()
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
+        self.down_proj = Linear(
+            intermediate_size, hidden_size, bias=bias, quant_config=quant_config, prefix=f"{prefix}.down_proj"
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.gate_up_proj.gated(x, self.act_fn))
@@ -127,12 +162,22 @@ class LlamaDecoderLayer(nn.Module):
     """Pre-norm decoder layer; the residual stream is threaded through the norms (add fused in)."""
 
     def __init__(
-        self, hf_config: Any, layer_index: int, rotary_emb: RotaryEmbedding, qkv_bias: bool, qk_norm: bool
+        self,
+        hf_config: Any,
+        layer_index: int,
+        rotary_emb: RotaryEmbedding,
+        qkv_bias: bool,
+        qk_norm: bool,
+        quant_config: QuantizationConfig | None = None,
     ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(hf_config, layer_index, rotary_emb, qkv_bias, qk_norm)
+        self.self_attn = LlamaAttention(hf_config, layer_index, rotary_emb, qkv_bias, qk_norm, quant_config)
         self.mlp = LlamaMLP(
-            hf_config.hidden_size, hf_config.intermediate_size, bias=getattr(hf_config, "mlp_bias", False)
+            hf_config.hidden_size,
+            hf_config.intermediate_size,
+            bias=getattr(hf_config, "mlp_bias", False),
+            quant_config=quant_config,
+            prefix=f"model.layers.{layer_index}.mlp",
         )
         self.input_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
@@ -156,7 +201,9 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embedding, decoder layers and final norm."""
 
-    def __init__(self, hf_config: Any, qkv_bias: bool, qk_norm: bool) -> None:
+    def __init__(
+        self, hf_config: Any, qkv_bias: bool, qk_norm: bool, quant_config: QuantizationConfig | None = None
+    ) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size)
         # One cos/sin cache shared by all layers (it can be tens of MB for long contexts).
@@ -164,7 +211,7 @@ class LlamaModel(nn.Module):
             head_size(hf_config), hf_config.max_position_embeddings, rope_parameters_from_config(hf_config)
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(hf_config, i, rotary_emb, qkv_bias, qk_norm)
+            LlamaDecoderLayer(hf_config, i, rotary_emb, qkv_bias, qk_norm, quant_config)
             for i in range(hf_config.num_hidden_layers)
         )
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
@@ -184,12 +231,13 @@ class LlamaForCausalLM(nn.Module):
 
     qkv_bias: bool | None = None  # None: the config's `attention_bias`
     qk_norm: bool = False
+    supports_quantization = True  # takes quant_config (kvllm/layers/quantization)
 
-    def __init__(self, hf_config: Any) -> None:
+    def __init__(self, hf_config: Any, quant_config: QuantizationConfig | None = None) -> None:
         super().__init__()
         self.config = hf_config
         qkv_bias = self.qkv_bias if self.qkv_bias is not None else getattr(hf_config, "attention_bias", False)
-        self.model = LlamaModel(hf_config, bool(qkv_bias), self.qk_norm)
+        self.model = LlamaModel(hf_config, bool(qkv_bias), self.qk_norm, quant_config)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head = None
@@ -229,7 +277,7 @@ class LlamaForCausalLM(nn.Module):
             else:
                 param_name = name
                 param = self._param(params, param_name, name)
-                default_weight_loader(param, tensor)
+                getattr(param, "weight_loader", default_weight_loader)(param, tensor)
             loaded.add(param_name)
         return loaded
 

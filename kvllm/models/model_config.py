@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
     from kvllm.config.engine import EngineArgs
+    from kvllm.layers.quantization.base import QuantizationConfig
 
 logger = init_logger(__name__)
 
@@ -53,6 +54,7 @@ class ModelConfig:
         False  # bidirectional attention over the whole prompt (no chunking, no prefix cache)
     )
 
+    quant_config: QuantizationConfig | None = None  # from --quantization and quantization_config
     @property
     def is_pooling(self) -> bool:
         return self.runner_type == "pooling"
@@ -61,8 +63,13 @@ class ModelConfig:
     def from_engine_args(cls, args: EngineArgs, device: torch.device) -> ModelConfig:
         from transformers import AutoConfig
 
+<<<<<<< HEAD
         from kvllm.models import pooling_config
         from kvllm.models.registry import default_pooling_type, is_pooling_architecture, resolve_architecture
+=======
+        from kvllm.layers.quantization import get_quantization_config
+        from kvllm.models.registry import resolve_architecture
+>>>>>>> ab20686 (Quantized checkpoints: AWQ, GPTQ, fp8 and compressed-tensors linear methods (vLLM's LinearMethod pattern, per-parameter loaders), W4A16 and block-fp8 Triton kernels, checked against HF transformers on tiny quantized models)
 
         hub = {"download_dir": args.download_dir, "hf_token": args.hf_token}
         model, model_path = _resolve_model(args.model, args.revision, **hub)
@@ -120,9 +127,13 @@ class ModelConfig:
                 ),
                 **generation_overrides(args.override_generation_config),
             },
+<<<<<<< HEAD
             runner_type=runner_type,
             pooler_config=pooler,
             is_encoder_only=rules.is_encoder_only(hf_config),
+=======
+            quant_config=get_quantization_config(args.quantization, hf_config),
+>>>>>>> ab20686 (Quantized checkpoints: AWQ, GPTQ, fp8 and compressed-tensors linear methods (vLLM's LinearMethod pattern, per-parameter loaders), W4A16 and block-fp8 Triton kernels, checked against HF transformers on tiny quantized models)
         )
 
 
