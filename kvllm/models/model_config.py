@@ -55,6 +55,7 @@ class ModelConfig:
     )
 
     quant_config: QuantizationConfig | None = None  # from --quantization and quantization_config
+
     @property
     def is_pooling(self) -> bool:
         return self.runner_type == "pooling"
@@ -63,13 +64,9 @@ class ModelConfig:
     def from_engine_args(cls, args: EngineArgs, device: torch.device) -> ModelConfig:
         from transformers import AutoConfig
 
-<<<<<<< HEAD
+        from kvllm.layers.quantization import get_quantization_config
         from kvllm.models import pooling_config
         from kvllm.models.registry import default_pooling_type, is_pooling_architecture, resolve_architecture
-=======
-        from kvllm.layers.quantization import get_quantization_config
-        from kvllm.models.registry import resolve_architecture
->>>>>>> ab20686 (Quantized checkpoints: AWQ, GPTQ, fp8 and compressed-tensors linear methods (vLLM's LinearMethod pattern, per-parameter loaders), W4A16 and block-fp8 Triton kernels, checked against HF transformers on tiny quantized models)
 
         hub = {"download_dir": args.download_dir, "hf_token": args.hf_token}
         model, model_path = _resolve_model(args.model, args.revision, **hub)
@@ -127,13 +124,10 @@ class ModelConfig:
                 ),
                 **generation_overrides(args.override_generation_config),
             },
-<<<<<<< HEAD
             runner_type=runner_type,
             pooler_config=pooler,
             is_encoder_only=rules.is_encoder_only(hf_config),
-=======
             quant_config=get_quantization_config(args.quantization, hf_config),
->>>>>>> ab20686 (Quantized checkpoints: AWQ, GPTQ, fp8 and compressed-tensors linear methods (vLLM's LinearMethod pattern, per-parameter loaders), W4A16 and block-fp8 Triton kernels, checked against HF transformers on tiny quantized models)
         )
 
 

@@ -129,3 +129,59 @@ def test_fp8_logits_match_hf(base_128: Path, tmp_path: Path, scheme, static, hf_
         expected = _hf_logits(str(fp8_dequantized(base_128, folder, tmp_path / "dense")), activations)
     torch.testing.assert_close(kvllm_logits(folder), expected, rtol=0, atol=ATOL)
     assert (_hf_logits(str(base_128)) - expected).abs().max() > 100 * ATOL
+
+
+@pytest.mark.parametrize("fmt,act_order", [("awq", False), ("gptq", True)])
+def test_engine_greedy_ids_equal_hf(base: Path, tmp_path: Path, fmt, act_order) -> None:
+    from kvllm import LLM, SamplingParams
+    from tests.hf_reference import hf_greedy
+
+    folder, dense = int4_checkpoint(base, tmp_path / fmt, fmt, 32, act_order=act_order)
+    expected, _, _ = hf_greedy(str(dequantized_copy(base, tmp_path / "dense", dense)), PROMPT, 8)
+    llm = LLM(model=str(folder), quantization=fmt, max_model_len=64, kv_cache_memory_bytes=2**22)
+    out = llm.generate(
+        {"prompt_token_ids": PROMPT}, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    )
+    assert list(out[0].outputs[0].token_ids) == expected
+
+
+def test_quantization_mismatch_and_unquantized_checkpoint_errors(base: Path, tmp_path: Path) -> None:
+    folder, _ = int4_checkpoint(base, tmp_path / "awq", "awq", 32)
+    with pytest.raises(ValueError, match="does not match the checkpoint, which is quantized with 'awq'"):
+        kvllm_logits(folder, quantization="gptq")
+    with pytest.raises(ValueError, match="needs a checkpoint quantized with awq"):
+        kvllm_logits(base, quantization="awq")
+    # vLLM's Marlin names are run by kvllm's kernels.
+    torch.testing.assert_close(
+        kvllm_logits(folder, quantization="awq_marlin"), kvllm_logits(folder), rtol=0, atol=0
+    )
+
+
+def test_online_fp8_quantizes_a_16_bit_checkpoint(base_128: Path) -> None:
+    """--quantization fp8 on an unquantized checkpoint: per-channel weights, per-token activations."""
+    from safetensors.torch import load_file
+
+    from kvllm.layers.quantization.fp8 import quantize_per_channel
+
+    state = load_file(str(base_128 / "model.safetensors"))
+    dense = {}
+    for name in state:
+        if name.split(".")[-2] in PROJECTIONS:
+            weight, scale = quantize_per_channel(state[name])
+            dense[name] = weight.float() * scale[:, None]
+    folder = dequantized_copy(base_128, base_128.parent / "online_reference", dense)
+    torch.testing.assert_close(
+        kvllm_logits(base_128, quantization="fp8"), _hf_logits(str(folder), "token"), rtol=0, atol=ATOL
+    )
+
+
+def test_dummy_weights_for_every_method(base: Path, base_128: Path, tmp_path: Path) -> None:
+    """load_format=dummy fills packed integers, fp8 values and scales with values the layers run on."""
+    folders = [int4_checkpoint(base, tmp_path / f, f, 32, act_order=f == "gptq")[0] for f in ("awq", "gptq")]
+    folders.append(fp8_checkpoint(base_128, tmp_path / "block", "block"))
+    for folder in folders:
+        config = ModelConfig.from_engine_args(EngineArgs(model=str(folder)), CPU)
+        model = load_model(config, "dummy", CPU)
+        with torch.no_grad(), set_forward_context(None):
+            logits = model.compute_logits(model(torch.tensor(PROMPT), torch.arange(len(PROMPT))))
+        assert torch.isfinite(logits).all() and logits.std() > 0
