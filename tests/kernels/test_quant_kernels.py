@@ -65,10 +65,11 @@ def test_w4a16_matches_float32_reference(dtype, m, n, k, group, with_bias) -> No
 
 
 @pytest.mark.parametrize("split_k", [1, 2, 4])
-def test_w4a16_split_k_configs(split_k) -> None:
+@pytest.mark.parametrize("gather", [False, True], ids=["reshape", "gather"])
+def test_w4a16_split_k_and_unpack_configs(split_k, gather) -> None:
     qweight, scales, zeros = random_int4(48, 512, 128, torch.float16, seed=1)
     x = torch.randn(2, 512, generator=_gen(2)).half()
-    config = W4A16Config(16, 32, 128, split_k)
+    config = W4A16Config(16, 32, 128, split_k, gather=gather)
     out = w4a16_triton(x, qweight, scales, zeros, 128, config=config)
     expected = x.float() @ dequantize(qweight, scales, zeros, 128).half().float().T
     torch.testing.assert_close(out.float(), expected, rtol=2e-3, atol=2e-3)
@@ -111,3 +112,14 @@ def test_quantize_fp8_per_token() -> None:
     assert q.dtype == FP8 and scale.shape == (4, 1)
     assert torch.equal(q.float().abs().amax(1)[:3], torch.full((3,), 448.0))
     torch.testing.assert_close(q.float() * scale, x, rtol=0.07, atol=1e-6)  # e4m3: 3 mantissa bits
+
+
+@pytest.mark.parametrize("group", [None, 128])
+def test_quantize_fp8_kernel_matches_torch(group) -> None:
+    """Bit-exact: both divide in IEEE float32 and round to nearest even."""
+    x = torch.randn(5, 384, generator=_gen(11)) * 3
+    q_ref, s_ref = quantize_fp8(x, group)
+    with fused_ops_mode("1"):
+        q, s = quantize_fp8(x, group)
+    torch.testing.assert_close(s, s_ref, rtol=0, atol=0)
+    torch.testing.assert_close(q.float(), q_ref.float(), rtol=0, atol=0)

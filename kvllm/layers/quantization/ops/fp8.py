@@ -9,18 +9,54 @@ import torch
 import triton
 import triton.language as tl
 
+from kvllm.attention.ops.triton_reshape_and_cache import fp8_constexprs, fp8_quantize
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
 MIN_SCALE = 1e-12  # an all-zero row quantizes to zeros with this scale, not NaN
 
 
+@triton.jit
+def _quantize_fp8_kernel(
+    x_ptr, q_ptr, scale_ptr, stride_xm, K,
+    GROUP: tl.constexpr,
+    BLOCK: tl.constexpr,
+    FP8_MANTISSA_BITS: tl.constexpr,
+    FP8_MIN_EXPONENT: tl.constexpr,
+    FP8_ROUND_BY_HAND: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0)
+    group = tl.program_id(1)
+    offs = group * GROUP + tl.arange(0, BLOCK)
+    mask = (tl.arange(0, BLOCK) < GROUP) & (offs < K)
+    x = tl.load(x_ptr + row * stride_xm + offs, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=0), 448.0), 1e-12)
+    # |x| / scale <= 448 up to the division's rounding, which the round to the fp8 grid absorbs.
+    q = fp8_quantize(x, scale, q_ptr.dtype.element_ty, FP8_MANTISSA_BITS, FP8_MIN_EXPONENT, FP8_ROUND_BY_HAND)
+    tl.store(q_ptr + row * K + offs, q, mask=mask)
+    tl.store(scale_ptr + row * tl.cdiv(K, GROUP) + group, scale)
+
+
 def quantize_fp8(x: torch.Tensor, group_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (fp8 [M, K], float32 scales [M, 1] per token, or [M, K / group_size] per group),
-    x ~= q * scale with each row's (group's) largest magnitude mapped to 448."""
+    x ~= q * scale with each row's (group's) largest magnitude mapped to 448. One Triton launch where
+    fused ops are on (CUDA), torch ops otherwise (the reference; the same arithmetic)."""
+    from kvllm.layers.ops.dispatch import use_fused_ops
+
     m, k = x.shape
     group = k if group_size is None else group_size
     if k % group:
         raise ValueError(f"fp8 group quantization needs K ({k}) to be a multiple of the group size {group}")
+    if use_fused_ops(x) and x.stride(1) == 1:
+        q = torch.empty((m, k), dtype=FP8, device=x.device)
+        scale = torch.empty((m, k // group), dtype=torch.float32, device=x.device)
+        if m:
+            block = triton.next_power_of_2(group)
+            _quantize_fp8_kernel[(m, k // group)](
+                x, q, scale, x.stride(0), k, GROUP=group, BLOCK=block, **fp8_constexprs(FP8),
+                num_warps=min(16, max(1, block // 512)),
+            )  # fmt: skip
+        return q, scale
     xg = x.float().view(m, k // group, group)
     scale = (xg.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)
     q = (xg / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)

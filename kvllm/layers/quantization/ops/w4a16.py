@@ -70,6 +70,7 @@ def _w4a16_kernel(
     SPLIT_K: tl.constexpr,
     PARTIAL_ROWS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    GATHER: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
@@ -96,14 +97,22 @@ def _w4a16_kernel(
             mask=m_mask[:, None] & k_mask[None, :],
             other=0.0,
         )
-        kw = k // 8 + offs_kw
-        packed = tl.load(
-            qw_ptr + offs_n[:, None] * words_per_row + kw[None, :],
-            mask=n_mask[:, None] & (kw < k_end // 8)[None, :],
-            other=0,
-        )
-        q = (packed[:, :, None] >> shifts[None, None, :]) & 0xF
-        q = tl.reshape(q, (BLOCK_N, BLOCK_K))
+        if GATHER:  # each word loaded once per value it holds (cache hits), no reshape
+            packed = tl.load(
+                qw_ptr + offs_n[:, None] * words_per_row + ((k + offs_k) // 8)[None, :],
+                mask=n_mask[:, None] & k_mask[None, :],
+                other=0,
+            )
+            q = (packed >> (((k + offs_k) % 8) * 4)[None, :]) & 0xF
+        else:
+            kw = k // 8 + offs_kw
+            packed = tl.load(
+                qw_ptr + offs_n[:, None] * words_per_row + kw[None, :],
+                mask=n_mask[:, None] & (kw < k_end // 8)[None, :],
+                other=0,
+            )
+            q = (packed[:, :, None] >> shifts[None, None, :]) & 0xF
+            q = tl.reshape(q, (BLOCK_N, BLOCK_K))
         group = k // GROUP_SIZE
         s = tl.load(s_ptr + offs_n * num_groups + group, mask=n_mask, other=0.0).to(tl.float32)
         z = tl.load(z_ptr + offs_n * num_groups + group, mask=n_mask, other=0.0).to(tl.float32)
@@ -137,6 +146,7 @@ class W4A16Config:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    gather: bool = False  # unpack by loading each word per value (True) or by a reshape (False)
 
 
 def default_config(m: int, n: int, k: int, group_size: int) -> W4A16Config:
@@ -244,6 +254,7 @@ def w4a16_triton(
         SPLIT_K=split,
         PARTIAL_ROWS=SMALL_M,
         HAS_BIAS=bias is not None,
+        GATHER=config.gather,
         INTERPRET=interpret,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
