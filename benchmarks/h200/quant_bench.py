@@ -1,10 +1,10 @@
 """Quantized weights on one GPU: kernels beside cuBLAS / torch._scaled_mm, and whole-model decode.
 
-    PYTHONPATH=. python3 benchmarks/h200/quant_bench.py --out DIR [--parts kernels,e2e] [--quick]
+    PYTHONPATH=. python3 benchmarks/h200/quant_bench.py --out DIR [--parts kernels,e2e] [--quick] [--sweep]
 
 kernels  Llama-3-8B's four projections (qkv, o, gate_up, down). Decode rows (M = 1, 16): bf16 F.linear
-         (cuBLAS), kvllm's bf16 small-M kernel, W4A16 (group 128; reshape and gather unpacking, and a few
-         tile/split variants). Prefill/batch rows (M = 256, 2048): bf16 F.linear, fp8 per-channel W8A8
+         (cuBLAS), kvllm's bf16 small-M kernel, W4A16 (group 128; reshape and gather unpacking; with
+         --sweep tile/split variants at M = 1). Prefill/batch rows (M = 256, 2048): bf16 F.linear, fp8 per-channel W8A8
          through torch._scaled_mm (GEMM alone, and with kvllm's per-token activation quantization),
          block-fp8 (128x128) Triton GEMM with its activation quantization, W4A16. Each time is the median
          per call of a CUDA graph of LOOP calls, each reading another copy of the weight (together more
@@ -39,6 +39,7 @@ GEMM_ROWS = (256, 2048)
 LOOP, REPLAYS = 20, 10
 COLD_BYTES = 256 << 20
 GROUP = 128
+SWEEP = False  # --sweep: W4A16 tile/split/unpack variants at M = 1 (about a minute more of compiling)
 ENGINES = {
     "bf16": (None, None),
     "awq": (
@@ -131,12 +132,16 @@ def bench_rows(shape: str, m: int, n: int, k: int, quick: bool) -> list[dict[str
         )
     base = default_config(m, n, k, GROUP)
     variants = {"w4a16": base, "w4a16 gather": W4A16Config(**{**base.__dict__, "gather": True})}
-    if m <= 16 and not quick:
-        for bn, split, stages, warps in ((32, base.split_k, 4, 4), (128, base.split_k, 4, 4),
-                                         (64, base.split_k * 2, 4, 4), (64, base.split_k, 3, 8)):  # fmt: skip
-            variants[f"w4a16 bn{bn} s{split} st{stages} w{warps}"] = W4A16Config(
-                16, bn, 128, split, warps, stages
-            )
+    if m == 1 and SWEEP:
+        sweep = ((32, 128, base.split_k, 4, 4), (128, 128, base.split_k, 4, 4), (64, 128, base.split_k * 2, 4, 4),
+                 (64, 128, base.split_k, 3, 8), (64, 256, max(1, base.split_k // 2), 4, 4),
+                 (128, 256, base.split_k, 3, 8), (32, 256, base.split_k, 4, 4))  # fmt: skip
+        for bn, bk, split, stages, warps in sweep:
+            for gather in (False, True):
+                config = W4A16Config(16, bn, bk, split, warps, stages, gather)
+                variants[f"w4a16 bn{bn} bk{bk} s{split} st{stages} w{warps}{' gather' if gather else ''}"] = (
+                    config
+                )
     for name, config in variants.items():
         try:
             us = graph_us(lambda i, c=config: w4a16_triton(x, *w4[i % len(w4)], GROUP, config=c))
@@ -224,6 +229,7 @@ def main() -> int:
     parser.add_argument("--parts", default="kernels,e2e")
     parser.add_argument("--engines", default=",".join(ENGINES))
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--sweep", action="store_true", help="W4A16 launch-config variants at M = 1")
     parser.add_argument("--engine-timeout", type=float, default=150.0)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--folder", help=argparse.SUPPRESS)
@@ -232,6 +238,8 @@ def main() -> int:
     if args.child:
         engine_child(args.child, args.folder, args.quantization, args.quick)
         return 0
+    global SWEEP
+    SWEEP = args.sweep
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     parts = args.parts.split(",")

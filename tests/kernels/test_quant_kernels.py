@@ -75,6 +75,15 @@ def test_w4a16_split_k_and_unpack_configs(split_k, gather) -> None:
     torch.testing.assert_close(out.float(), expected, rtol=2e-3, atol=2e-3)
 
 
+@pytest.mark.parametrize("block_k", [64, 128], ids=["two_groups_per_tile", "four_groups_per_tile"])
+def test_w4a16_tiles_spanning_groups(block_k) -> None:
+    qweight, scales, zeros = random_int4(40, 256, 32, torch.float16, seed=6)
+    x = torch.randn(3, 256, generator=_gen(7)).half()
+    out = w4a16_triton(x, qweight, scales, zeros, 32, config=W4A16Config(16, 32, block_k, 2))
+    expected = x.float() @ dequantize(qweight, scales, zeros, 32).half().float().T
+    torch.testing.assert_close(out.float(), expected, rtol=2e-3, atol=2e-3)
+
+
 def test_w4a16_act_order_gathers_inputs() -> None:
     qweight, scales, zeros = random_int4(32, 128, 32, torch.float32, seed=3)
     perm = torch.randperm(128, generator=_gen(4))

@@ -8,7 +8,7 @@ Act-order checkpoints (GPTQ desc_act) are permuted along K at load time so group
 activations are then gathered with the same permutation (`perm`).
 
 Reference: `dequantize` (float32) and a float32 matmul. The Triton kernel dequantizes each [BLOCK_N,
-BLOCK_K] tile in registers (one group per tile: BLOCK_K divides G), rounds it to x's dtype as the
+BLOCK_K] tile in registers (scales per column when the tile is within one group), rounds it to x's dtype as the
 dequantize-then-F.linear path does, and accumulates x @ W^T in float32 with tensor-core dots. Small M
 (decode) uses a 16-row tile and splits K over programs when N gives too few (partial sums reduced in a
 fixed order, kvllm/layers/ops/linear.py's reduce kernel); large M uses 64/128-row tiles.
@@ -113,10 +113,16 @@ def _w4a16_kernel(
             )
             q = (packed[:, :, None] >> shifts[None, None, :]) & 0xF
             q = tl.reshape(q, (BLOCK_N, BLOCK_K))
-        group = k // GROUP_SIZE
-        s = tl.load(s_ptr + offs_n * num_groups + group, mask=n_mask, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + offs_n * num_groups + group, mask=n_mask, other=0.0).to(tl.float32)
-        w = (q.to(tl.float32) - z[:, None]) * s[:, None]
+        if BLOCK_K <= GROUP_SIZE:  # one group per tile: a scale and a zero per column
+            group = k // GROUP_SIZE
+            s = tl.load(s_ptr + offs_n * num_groups + group, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+            z = tl.load(z_ptr + offs_n * num_groups + group, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        else:  # several groups per tile: gathered per value (repeated addresses, from the cache)
+            group_ptrs = offs_n[:, None] * num_groups + ((k + offs_k) // GROUP_SIZE)[None, :]
+            gmask = n_mask[:, None] & k_mask[None, :]
+            s = tl.load(s_ptr + group_ptrs, mask=gmask, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + group_ptrs, mask=gmask, other=0.0).to(tl.float32)
+        w = (q.to(tl.float32) - z) * s
         if INTERPRET:
             # The interpreter's 16-bit dots are unreliable; float32 products of 16-bit values are exact.
             w = round_to(w, dtype, INTERPRET)
@@ -232,9 +238,16 @@ def w4a16_triton(
         return out
     group_size = min(group_size, k)
     config = config or default_config(m, n, k, group_size)
-    if group_size % config.block_k or config.block_k % 16:
+    bk = config.block_k
+    if (
+        bk < 16
+        or bk & (bk - 1)
+        or (bk <= group_size and group_size % bk)
+        or (bk > group_size and bk % group_size)
+    ):
         raise ValueError(
-            f"block_k {config.block_k} must be a multiple of 16 dividing the group size {group_size}"
+            f"block_k {bk} must be a power of two >= 16 that divides the group size {group_size} or is a "
+            "multiple of it"
         )
     k_per_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
     split = triton.cdiv(k, k_per_split)
