@@ -46,10 +46,15 @@ def test_pack_roundtrip() -> None:
     "dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "fp32"]
 )
 @pytest.mark.parametrize(
-    "m,n,k,group",
-    [(1, 96, 256, 128), (3, 40, 512, 64), (16, 64, 256, 256), (20, 72, 256, 128), (130, 136, 256, 32)],
+    "m,n,k,group,with_bias",
+    [
+        (1, 96, 256, 128, False),
+        (3, 40, 512, 64, True),
+        (16, 64, 256, 256, False),
+        (20, 72, 256, 128, True),
+        (130, 136, 256, 32, True),
+    ],
 )
-@pytest.mark.parametrize("with_bias", [False, True], ids=["no_bias", "bias"])
 def test_w4a16_matches_float32_reference(dtype, m, n, k, group, with_bias) -> None:
     """Small M with split-K (K 512 over few columns), a 16-row tile, 64-row tiles, and 128-row tiles
     with a partial last tile and group size 32."""

@@ -86,7 +86,7 @@ def get_quantization_config(requested: str | None, hf_config: Any) -> Quantizati
             )
         from kvllm.layers.quantization.fp8 import Fp8Config
 
-        config: QuantizationConfig = Fp8Config.online()
+        config: QuantizationConfig = Fp8Config.for_online_quantization()
     else:
         raw = str(checkpoint.get("quant_method", "")).strip().lower()
         if not raw:

@@ -12,6 +12,7 @@ and `per_shard` (one scalar per shard: per-tensor scales). Tensor-parallel shard
 
 from __future__ import annotations
 
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -133,8 +134,6 @@ def layer_is_ignored(prefixes: list[str], ignored: list[str] | tuple[str, ...] |
 def is_ignored(prefix: str, ignored: list[str] | tuple[str, ...] | None) -> bool:
     """Whether a layer is in a checkpoint's not-quantized list: names matched as whole path
     components (`lm_head`, `down_proj`, `model.layers.0.mlp`), or `re:` regular expressions."""
-    import re
-
     if not ignored:
         return False
     for entry in ignored:

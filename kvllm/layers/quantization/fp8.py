@@ -78,7 +78,8 @@ class Fp8Config(QuantizationConfig):
         self.ignored_layers = list(ignored_layers or [])
 
     @classmethod
-    def online(cls) -> Fp8Config:  # type: ignore[override]
+    def for_online_quantization(cls) -> Fp8Config:
+        """`--quantization fp8` on a 16-bit checkpoint."""
         return cls(online=True)
 
     @classmethod

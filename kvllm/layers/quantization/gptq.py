@@ -18,8 +18,6 @@ from torch import nn
 from kvllm.layers.quantization.base import (
     LinearMethodBase,
     QuantizationConfig,
-    UnquantizedLinearMethod,
-    layer_is_ignored,
     new_parameter,
 )
 from kvllm.layers.quantization.int4 import (
@@ -73,9 +71,7 @@ class GPTQConfig(QuantizationConfig):
         )
 
     def get_linear_method(self, prefixes: list[str]) -> LinearMethodBase:
-        if layer_is_ignored(prefixes, None):
-            return UnquantizedLinearMethod()
-        return GPTQLinearMethod(self.group_size, self.zero_plus_one)
+        return GPTQLinearMethod(self.group_size, self.zero_plus_one)  # GPTQ quantizes every decoder linear
 
     def describe(self) -> str:
         order = ", act order" if self.desc_act else ""
