@@ -122,7 +122,9 @@ def _w4a16_kernel(
             gmask = n_mask[:, None] & k_mask[None, :]
             s = tl.load(s_ptr + group_ptrs, mask=gmask, other=0.0).to(tl.float32)
             z = tl.load(z_ptr + group_ptrs, mask=gmask, other=0.0).to(tl.float32)
-        w = (q.to(tl.float32) - z) * s
+        # q as a float32 without an int-to-float conversion: the bits 0x4B000000 | q are 2^23 + q, and
+        # (2^23 + q) - (2^23 + z) is exactly q - z; one rounding in the product, as the reference.
+        w = ((q | 0x4B000000).to(tl.float32, bitcast=True) - (z + 8388608.0)) * s
         if INTERPRET:
             # The interpreter's 16-bit dots are unreliable; float32 products of 16-bit values are exact.
             w = round_to(w, dtype, INTERPRET)
