@@ -3,8 +3,8 @@
     PYTHONPATH=. python3 benchmarks/h200/quant_bench.py --out DIR [--parts kernels,e2e] [--quick] [--sweep]
 
 kernels  Llama-3-8B's four projections (qkv, o, gate_up, down). Decode rows (M = 1, 16): bf16 F.linear
-         (cuBLAS), kvllm's bf16 small-M kernel, W4A16 (group 128; reshape and gather unpacking; with
-         --sweep tile/split variants at M = 1). Prefill/batch rows (M = 256, 2048): bf16 F.linear, fp8 per-channel W8A8
+         (cuBLAS), kvllm's bf16 GEMV (M = 1) and small-M kernels, W4A16 (group 128; reshape and gather unpacking; with
+         --sweep tile/split variants at M = 1). Prefill/batch rows (M = 256, 1024): bf16 F.linear, fp8 per-channel W8A8
          through torch._scaled_mm (GEMM alone, and with kvllm's per-token activation quantization),
          block-fp8 (128x128) Triton GEMM with its activation quantization, W4A16. Each time is the median
          per call of a CUDA graph of LOOP calls, each reading another copy of the weight (together more
@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}  # (N, K)
 DECODE_ROWS = (1, 16)
-GEMM_ROWS = (256, 2048)
+GEMM_ROWS = (256, 1024)
 LOOP, REPLAYS = 20, 10
 COLD_BYTES = 256 << 20
 GROUP = 128
@@ -124,6 +124,10 @@ def bench_rows(shape: str, m: int, n: int, k: int, quick: bool) -> list[dict[str
     w4 = copies(make_w4, w4_bytes)
     x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
     emit("bf16 F.linear", graph_us(lambda i: F.linear(x, bf16_w[i % len(bf16_w)][0])), bf16_bytes)
+    if m == 1:
+        from kvllm.layers.ops.gemv import gemv
+
+        emit("bf16 GEMV kernel", graph_us(lambda i: gemv(x, bf16_w[i % len(bf16_w)][0])), bf16_bytes)
     if m <= 16:
         emit(
             "bf16 small-M kernel",
