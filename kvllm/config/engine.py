@@ -538,7 +538,7 @@ def unknown_engine_argument_error(unknown: dict[str, Any]) -> Exception:
 
 def _reject_unavailable_features(args: EngineArgs) -> None:
     if args.quantization is not None:
-        from kvllm.layers.quantization import canonical_method
+        from kvllm.config.quantization import canonical_method
 
         canonical_method(args.quantization)  # a ValueError naming what kvllm has
     for name in ("speculative_config", "speculative_decoding"):

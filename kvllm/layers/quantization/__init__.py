@@ -3,13 +3,19 @@
 
 kvllm has AWQ (4-bit GEMM format), GPTQ (4-bit, act-order, sym/asym), fp8 (W8A8 per-tensor,
 per-channel and 128x128 block-wise; online from a 16-bit checkpoint) and compressed-tensors (fp8 W8A8,
-W4A16 pack-quantized). Nothing here imports torch at module level: EngineArgs validates names with it.
+W4A16 pack-quantized). The method names live in kvllm/config/quantization.py (EngineArgs checks them).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from kvllm.config.quantization import (  # noqa: F401  (re-exported: the names live with the config)
+    QUANTIZATION_ALIASES,
+    QUANTIZATION_METHODS,
+    VLLM_ONLY_METHODS,
+    canonical_method,
+)
 from kvllm.logger import init_logger
 
 if TYPE_CHECKING:
@@ -18,40 +24,6 @@ if TYPE_CHECKING:
     from kvllm.layers.quantization.base import QuantizationConfig
 
 logger = init_logger(__name__)
-
-QUANTIZATION_METHODS = ("awq", "gptq", "fp8", "compressed-tensors")
-# vLLM names for kernels of a method kvllm has (run by kvllm's own kernels for that method).
-QUANTIZATION_ALIASES = {
-    "awq_marlin": "awq",
-    "gptq_marlin": "gptq",
-    "compressed_tensors": "compressed-tensors",
-    "fbgemm_fp8": "fp8",
-}
-# vLLM 0.22's other --quantization choices, named in the error.
-VLLM_ONLY_METHODS = (
-    "aqlm", "auto-round", "bitblas", "bitsandbytes", "deepspeedfp", "experts_int8", "fp_quant",
-    "gguf", "gptq_bitblas", "gptq_marlin_24", "hqq", "inc", "ipex", "marlin", "modelopt",
-    "modelopt_fp4", "moe_wna16", "mxfp4", "petit_nvfp4", "ptpc_fp8", "quark", "rtn", "torchao", "tpu_int8",
-)  # fmt: skip
-
-
-def canonical_method(name: str) -> str:
-    """kvllm's name for a --quantization value (aliases mapped, with a log line); ValueError otherwise."""
-    key = name.strip().lower()
-    if key in QUANTIZATION_METHODS:
-        return key
-    if key in QUANTIZATION_ALIASES:
-        method = QUANTIZATION_ALIASES[key]
-        logger.info(
-            "quantization %r: running it with kvllm's %s kernels (Triton / torch._scaled_mm)", name, method
-        )
-        return method
-    known = " (a vLLM method kvllm does not have)" if key in VLLM_ONLY_METHODS else ""
-    raise ValueError(
-        f"quantization={name!r}{known} is not available in kvllm; it has: {', '.join(QUANTIZATION_METHODS)} "
-        f"(also accepted: {', '.join(QUANTIZATION_ALIASES)}). Leave it unset to use the checkpoint's "
-        "quantization_config, or use an unquantized model."
-    )
 
 
 def checkpoint_quantization_config(hf_config: Any) -> dict[str, Any] | None:
