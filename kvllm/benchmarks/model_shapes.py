@@ -41,7 +41,30 @@ QWEN3_0_6B: dict[str, Any] = {
     "use_cache": True,
 }
 
-MODEL_SHAPES: dict[str, dict[str, Any]] = {"Qwen3-0.6B": QWEN3_0_6B}
+LLAMA_3_8B: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 128256,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "hidden_act": "silu",
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "mlp_bias": False,
+    "initializer_range": 0.02,
+    "bos_token_id": 128000,
+    "eos_token_id": 128009,
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+}
+
+MODEL_SHAPES: dict[str, dict[str, Any]] = {"Qwen3-0.6B": QWEN3_0_6B, "Llama-3-8B": LLAMA_3_8B}
 
 _SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 _WORDS = ("the", "a", "model", "token", "cache", "block", "attention", "batch", "benchmark", "random")
@@ -67,13 +90,19 @@ def write_minimal_tokenizer(path: Path) -> None:
     (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
-def write_shape_only_model(name: str, path: str | Path) -> Path:
-    """Write the config-only folder of model `name` (one of MODEL_SHAPES) to `path`."""
+def write_shape_only_model(
+    name: str, path: str | Path, quantization_config: dict[str, Any] | None = None
+) -> Path:
+    """Write the config-only folder of model `name` (one of MODEL_SHAPES) to `path`, with a
+    checkpoint `quantization_config` when given (for quantized dummy-weight benchmarks)."""
     if name not in MODEL_SHAPES:
         raise ValueError(f"unknown model shape {name!r}; allowed: {', '.join(MODEL_SHAPES)}")
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(MODEL_SHAPES[name], indent=2) + "\n")
+    config = dict(MODEL_SHAPES[name])
+    if quantization_config is not None:
+        config["quantization_config"] = quantization_config
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     write_minimal_tokenizer(folder)
     return folder
 

@@ -148,8 +148,9 @@ class EngineArgs:
     quantization: str | None = field(
         default=None,
         metadata=_help(
-            "Weight quantization method (vLLM's flag). Only unset (None) in this version: AWQ, GPTQ, fp8 "
-            "weights... are not available. Use an unquantized or a GGUF model.",
+            "Weight quantization method: awq, gptq, fp8, compressed-tensors (vLLM's names; awq_marlin and "
+            "gptq_marlin are run by kvllm's kernels). Unset: the checkpoint's quantization_config decides; "
+            "fp8 on a 16-bit checkpoint quantizes it online.",
             aliases=("-q",),
         ),
     )
@@ -537,12 +538,9 @@ def unknown_engine_argument_error(unknown: dict[str, Any]) -> Exception:
 
 def _reject_unavailable_features(args: EngineArgs) -> None:
     if args.quantization is not None:
-        raise ValueError(
-            f"quantization={args.quantization!r}: quantized weights ({str(args.quantization).upper()}) are not "
-            "available in this version of kvllm; the only supported value is None (unset). Use an unquantized "
-            "model (float16/bfloat16/float32 safetensors) or a GGUF file (--load-format gguf, dequantized on "
-            "load). To save KV-cache memory instead, use --kv-cache-dtype fp8."
-        )
+        from kvllm.config.quantization import canonical_method
+
+        canonical_method(args.quantization)  # a ValueError naming what kvllm has
     for name in ("speculative_config", "speculative_decoding"):
         value = getattr(args, name)
         if value is not None:

@@ -117,6 +117,8 @@ class GemmaModel(nn.Module):
 class Gemma2ForCausalLM(LlamaForCausalLM):
     """Gemma 2: soft-capped attention logits (through the backend) and final logits."""
 
+    supports_quantization = False  # its MLPs (experts) take no quantization method yet
+
     qk_norm = False
     rope_per_layer_type = False
 

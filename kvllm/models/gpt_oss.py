@@ -80,6 +80,7 @@ class GptOssForCausalLM(LlamaForCausalLM):
     `layer_attention_settings`."""
 
     qkv_bias = None  # the config's attention_bias (True for the released models)
+    supports_quantization = False  # its experts and MLP take no quantization method yet
 
     @staticmethod
     def make_mlp(hf_config: Any, layer_index: int) -> nn.Module:

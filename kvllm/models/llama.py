@@ -10,7 +10,7 @@ attention backend, through the forward context.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +23,9 @@ from kvllm.layers.norm import RMSNorm
 from kvllm.layers.ops.dispatch import use_fused_ops
 from kvllm.layers.rotary import RopeInputs, RotaryEmbedding, rope_parameters_from_config
 from kvllm.models.hf_config import head_size, layer_attention_settings, num_kv_heads
+
+if TYPE_CHECKING:
+    from kvllm.layers.quantization.base import QuantizationConfig
 
 # checkpoint name fragment -> (fused parameter fragment, shard id)
 _STACKED_PARAMS = (
@@ -51,18 +54,29 @@ class LlamaAttention(nn.Module):
         qk_norm: bool,
         scale: float | None = None,
         norm_cls: type[nn.Module] = RMSNorm,
+        quant_config: QuantizationConfig | None = None,
     ) -> None:
         super().__init__()
         self.num_heads = hf_config.num_attention_heads
         self.num_kv_heads = num_kv_heads(hf_config)
         self.head_size = head_size(hf_config)
+        prefix = f"model.layers.{layer_index}.self_attn"
         self.qkv_proj = QKVLinear(
-            hf_config.hidden_size, self.head_size, self.num_heads, self.num_kv_heads, bias=qkv_bias
+            hf_config.hidden_size,
+            self.head_size,
+            self.num_heads,
+            self.num_kv_heads,
+            bias=qkv_bias,
+            quant_config=quant_config,
+            prefix=f"{prefix}.qkv_proj",
+            shard_prefixes=[f"{prefix}.{name}_proj" for name in "qkv"],
         )
         self.o_proj = Linear(
             self.num_heads * self.head_size,
             hf_config.hidden_size,
             bias=getattr(hf_config, "attention_bias", False),
+            quant_config=quant_config,
+            prefix=f"{prefix}.o_proj",
         )
         self.q_norm = norm_cls(self.head_size, hf_config.rms_norm_eps) if qk_norm else None
         self.k_norm = norm_cls(self.head_size, hf_config.rms_norm_eps) if qk_norm else None
@@ -130,20 +144,40 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """SwiGLU feed-forward: down(silu(gate(x)) * up(x)) with gate and up fused."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        bias: bool = False,
+        quant_config: QuantizationConfig | None = None,
+        prefix: str = "mlp",
+    ) -> None:
         super().__init__()
-        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size], bias=bias)
+        self.gate_up_proj = MergedLinear(
+            hidden_size,
+            [intermediate_size, intermediate_size],
+            bias=bias,
+            quant_config=quant_config,
+            prefix=f"{prefix}.gate_up_proj",
+            shard_prefixes=[f"{prefix}.gate_proj", f"{prefix}.up_proj"],
+        )
         self.act_fn = SiluAndMul()
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
+        self.down_proj = Linear(
+            intermediate_size, hidden_size, bias=bias, quant_config=quant_config, prefix=f"{prefix}.down_proj"
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.gate_up_proj.gated(x, self.act_fn))
 
 
-def llama_mlp(hf_config: Any, layer_index: int) -> nn.Module:
+def llama_mlp(hf_config: Any, layer_index: int, quant_config: QuantizationConfig | None = None) -> nn.Module:
     """The dense MLP of a decoder layer (the default `LlamaForCausalLM.make_mlp`)."""
     return LlamaMLP(
-        hf_config.hidden_size, hf_config.intermediate_size, bias=getattr(hf_config, "mlp_bias", False)
+        hf_config.hidden_size,
+        hf_config.intermediate_size,
+        bias=getattr(hf_config, "mlp_bias", False),
+        quant_config=quant_config,
+        prefix=f"model.layers.{layer_index}.mlp",
     )
 
 
@@ -161,9 +195,12 @@ class LlamaDecoderLayer(nn.Module):
         qkv_bias: bool,
         qk_norm: bool,
         mlp: nn.Module,
+        quant_config: QuantizationConfig | None = None,
     ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(hf_config, layer_index, rotary_emb, qkv_bias, qk_norm)
+        self.self_attn = LlamaAttention(
+            hf_config, layer_index, rotary_emb, qkv_bias, qk_norm, quant_config=quant_config
+        )
         self.mlp = mlp
         self.input_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
@@ -188,7 +225,12 @@ class LlamaModel(nn.Module):
     """Embedding, decoder layers and final norm."""
 
     def __init__(
-        self, hf_config: Any, qkv_bias: bool, qk_norm: bool, make_mlp: Callable[[Any, int], nn.Module]
+        self,
+        hf_config: Any,
+        qkv_bias: bool,
+        qk_norm: bool,
+        make_mlp: Callable[[Any, int], nn.Module],
+        quant_config: QuantizationConfig | None = None,
     ) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size)
@@ -197,7 +239,9 @@ class LlamaModel(nn.Module):
             head_size(hf_config), hf_config.max_position_embeddings, rope_parameters_from_config(hf_config)
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(hf_config, i, rotary_emb, qkv_bias, qk_norm, make_mlp(hf_config, i))
+            LlamaDecoderLayer(
+                hf_config, i, rotary_emb, qkv_bias, qk_norm, make_mlp(hf_config, i), quant_config
+            )
             for i in range(hf_config.num_hidden_layers)
         )
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
@@ -218,10 +262,12 @@ class LlamaForCausalLM(nn.Module):
 
     qkv_bias: bool | None = None  # None: the config's `attention_bias`
     qk_norm: bool = False
+    supports_quantization = True  # takes quant_config (kvllm/layers/quantization)
 
-    def __init__(self, hf_config: Any) -> None:
+    def __init__(self, hf_config: Any, quant_config: QuantizationConfig | None = None) -> None:
         super().__init__()
         self.config = hf_config
+        self.quant_config = quant_config
         self.model = self.build_model(hf_config)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
@@ -234,12 +280,11 @@ class LlamaForCausalLM(nn.Module):
         """The decoder stack (embedding, layers, final norm): `forward(input_ids, positions)` -> hidden states,
         with the token embedding as `embed_tokens`."""
         qkv_bias = self.qkv_bias if self.qkv_bias is not None else getattr(hf_config, "attention_bias", False)
-        return LlamaModel(hf_config, bool(qkv_bias), self.qk_norm, self.make_mlp)
+        return LlamaModel(hf_config, bool(qkv_bias), self.qk_norm, self.make_mlp, self.quant_config)
 
-    @staticmethod
-    def make_mlp(hf_config: Any, layer_index: int) -> nn.Module:
-        """The feed-forward block of layer `layer_index`."""
-        return llama_mlp(hf_config, layer_index)
+    def make_mlp(self, hf_config: Any, layer_index: int) -> nn.Module:
+        """The feed-forward block of layer `layer_index` (quantized as the checkpoint says)."""
+        return llama_mlp(hf_config, layer_index, self.quant_config)
 
     def checkpoint_name(self, name: str) -> str | None:
         """A checkpoint tensor's name as this model's parameter naming spells it; None to skip the tensor."""
@@ -293,7 +338,7 @@ class LlamaForCausalLM(nn.Module):
             else:
                 param_name = name
                 param = self._param(params, param_name, checkpoint_name)
-                default_weight_loader(param, tensor)
+                getattr(param, "weight_loader", default_weight_loader)(param, tensor)
             loaded.add(param_name)
         return loaded
 
@@ -324,3 +369,5 @@ class Phi3ForCausalLM(LlamaForCausalLM):
     """Phi-3: Llama whose checkpoint already fuses q/k/v (`qkv_proj`, rows q then k then v) and gate/up
     (`gate_up_proj`, rows gate then up), which is kvllm's own layout, so those tensors load as they are.
     LongRoPE (the 128k variants) is rejected by `unsupported_config_reason`."""
+
+    supports_quantization = False  # its fused checkpoint names have no quantized-shard mapping yet

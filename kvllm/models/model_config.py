@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
     from kvllm.config.engine import EngineArgs
+    from kvllm.layers.quantization.base import QuantizationConfig
 
 logger = init_logger(__name__)
 
@@ -53,6 +54,8 @@ class ModelConfig:
         False  # bidirectional attention over the whole prompt (no chunking, no prefix cache)
     )
 
+    quant_config: QuantizationConfig | None = None  # from --quantization and quantization_config
+
     @property
     def is_pooling(self) -> bool:
         return self.runner_type == "pooling"
@@ -61,6 +64,7 @@ class ModelConfig:
     def from_engine_args(cls, args: EngineArgs, device: torch.device) -> ModelConfig:
         from transformers import AutoConfig
 
+        from kvllm.layers.quantization import get_quantization_config
         from kvllm.models import pooling_config
         from kvllm.models.registry import default_pooling_type, is_pooling_architecture, resolve_architecture
 
@@ -126,6 +130,7 @@ class ModelConfig:
             runner_type=runner_type,
             pooler_config=pooler,
             is_encoder_only=rules.is_encoder_only(hf_config),
+            quant_config=get_quantization_config(args.quantization, hf_config),
         )
 
 

@@ -45,6 +45,8 @@ def is_sparse_layer(hf_config: Any, layer_index: int) -> bool:
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
     """Qwen3-MoE (e.g. Qwen3-30B-A3B)."""
 
+    supports_quantization = False  # its MLPs (experts) take no quantization method yet
+
     qk_norm = True
 
     @staticmethod
@@ -67,6 +69,8 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
 
 class MixtralForCausalLM(LlamaForCausalLM):
     """Mixtral (e.g. Mixtral-8x7B): Mistral with every MLP a mixture of `num_local_experts` experts."""
+
+    supports_quantization = False  # its MLPs (experts) take no quantization method yet
 
     @staticmethod
     def make_mlp(hf_config: Any, layer_index: int) -> nn.Module:

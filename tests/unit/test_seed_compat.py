@@ -238,29 +238,31 @@ def test_agreeing_values_and_later_changes_do_not_conflict():
 # ---- seed 003, 3.2: kvllm serve ... --attention-backend TRITON_ATTN --kv-cache-dtype fp8 --quantization awq
 
 
-def test_serve_quantization_awq_is_the_first_error(qwen3_06b_shape, capsys, no_weights):
-    code, out = run_cli(
-        capsys,
-        "serve",
-        qwen3_06b_shape,
-        "--attention-backend",
-        "TRITON_ATTN",
-        "--kv-cache-dtype",
-        "fp8",
-        "--quantization",
-        "awq",
-    )
+def test_serve_quantization_awq(qwen3_06b_shape, tmp_path, capsys, no_weights):
+    """On an unquantized folder --quantization awq is the first error; on an AWQ folder the command
+    gets as far as an unquantized one (TRITON_ATTN needs a GPU); `kvllm generate` with the same
+    flags and the CPU's attention runs it, fp8 KV cache included."""
+    from tests.quant_checkpoints import int4_checkpoint
+
+    argv = ["--attention-backend", "TRITON_ATTN", "--kv-cache-dtype", "fp8", "--quantization", "awq"]
+    code, out = run_cli(capsys, "serve", qwen3_06b_shape, *argv)
     assert code == 2
-    assert (
-        "kvllm: error: quantization='awq': quantized weights (AWQ) are not available in this version of kvllm; "
-        "the only supported value is None (unset). Use an unquantized model" in out
-    )
+    assert "kvllm: error: quantization='awq' needs a checkpoint quantized with awq" in out
     assert "Selected backend" not in out
-    # Without --quantization the next problem on this machine is TRITON_ATTN itself.
-    code, out = run_cli(
-        capsys, "serve", qwen3_06b_shape, "--attention-backend", "TRITON_ATTN", "--kv-cache-dtype", "fp8"
-    )
+    awq, _ = int4_checkpoint(Path(qwen3_06b_shape), tmp_path / "awq", "awq", 32)
+    code, out = run_cli(capsys, "serve", str(awq), *argv)
     assert code == 2 and "Selected backend TRITON_ATTN is not valid for this configuration." in out
+
+
+def test_generate_with_the_seed_flags_on_an_awq_folder(qwen3_06b_shape, tmp_path, capsys):
+    from tests.quant_checkpoints import int4_checkpoint
+
+    awq, _ = int4_checkpoint(Path(qwen3_06b_shape), tmp_path / "awq", "awq", 32)
+    code, out = run_cli(
+        capsys, "generate", "--model", str(awq), "--kv-cache-dtype", "fp8", "--quantization", "awq",
+        "--prompt", "Hello", "--max-tokens", "4", "--max-model-len", "64", "--kv-cache-memory-bytes", "4M",
+    )  # fmt: skip
+    assert code == 0, out
 
 
 # ---- seed 003, 2.2: LLM(attention_config=AttentionConfig(backend="FLASHINFER", max_seq_len=8192, kv_cache_dtype="fp8"), enable_prefix_caching=True)
@@ -570,7 +572,8 @@ DEFAULTS = EngineArgs()
             ["--attention-config.use_trtllm_attention=0"],
             {"attention_config": AttentionConfig(use_trtllm_attention=False)},
         ),
-        (["--quantization", "awq"], "quantization='awq': quantized weights (AWQ) are not available"),
+        (["--quantization", "awq"], {"quantization": "awq"}),
+        (["--quantization", "gguf"], "quantization='gguf' (a vLLM method kvllm does not have)"),
         (
             ["--speculative-decoding", "medusa"],
             "speculative decoding (Medusa, EAGLE, n-gram, draft models) is not",

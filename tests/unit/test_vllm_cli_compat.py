@@ -602,6 +602,12 @@ ACCEPTED_LINES: list[tuple[str, dict[str, Any]]] = [
         {"max_model_len": 8192, "gpu_memory_utilization": 0.9},
     ),
     ("vllm serve M --attention-config.backend FLASH_ATTN", {"backend": "FLASH_ATTN"}),
+    (
+        "vllm serve Qwen/Qwen3-0.6B --attention-backend TRITON_ATTN --kv-cache-dtype fp8 --quantization awq",
+        {"backend": "TRITON_ATTN", "kv_cache_dtype": "fp8", "quantization": "awq"},
+    ),
+    ("vllm serve M --quantization fp8", {"quantization": "fp8"}),
+    ("vllm serve M -q gptq_marlin", {"quantization": "gptq_marlin"}),
     ("vllm serve M -ac.backend FLASH_ATTN", {"backend": "FLASH_ATTN"}),
     ("""vllm serve M --attention-config '{"backend": "FLASH_ATTN"}'""", {"backend": "FLASH_ATTN"}),
     ("""vllm serve M -ac '{"backend": "FLASH_ATTN"}'""", {"backend": "FLASH_ATTN"}),
@@ -654,8 +660,8 @@ ACCEPTED_LINES: list[tuple[str, dict[str, Any]]] = [
 
 REFUSED_LINES: list[tuple[str, str]] = [
     (
-        "vllm serve Qwen/Qwen3-0.6B --attention-backend TRITON_ATTN --kv-cache-dtype fp8 --quantization awq",
-        "quantization='awq': quantized weights (AWQ) are not available",
+        "vllm serve M --quantization bitsandbytes",
+        "quantization='bitsandbytes' (a vLLM method kvllm does not have)",
     ),
     (
         "vllm serve meta-llama/Llama-2-7b-hf --enable-lora --lora-modules sql-lora=/root/sql-lora",
@@ -684,8 +690,6 @@ REFUSED_LINES: list[tuple[str, str]] = [
         """vllm serve meta-llama/Meta-Llama-3-8B-Instruct --speculative-config '{"model": "yuhuili/EAGLE-LLaMA3-Instruct-8B", "num_speculative_tokens": 5}'""",
         "speculative decoding (Medusa, EAGLE, n-gram, draft models) is not available",
     ),
-    ("vllm serve M --quantization fp8", "quantization='fp8'"),
-    ("vllm serve M -q gptq", "quantization='gptq'"),
     ("vllm serve BAAI/bge-reranker-base --runner pooling --convert classify", "no classification"),
     ("vllm serve intfloat/e5-mistral-7b-instruct --task embed", "--task embed: vLLM 0.22 replaced --task"),
     ("vllm serve llava-hf/llava-1.5-7b-hf --limit-mm-per-prompt.image 2", "kvllm serves text-only models"),

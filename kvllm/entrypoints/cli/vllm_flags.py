@@ -98,8 +98,8 @@ REASONING = (
 )
 SPECULATIVE = "speculative decoding is not available in kvllm; it decodes one token per sequence per step"
 QUANTIZATION = (
-    "quantized weights are not available in kvllm; use an unquantized model or a GGUF file "
-    "(--load-format gguf, dequantized on load)"
+    "kvllm reads the quantization settings from the checkpoint's config.json (quantization_config); "
+    "pick the method with --quantization"
 )
 KERNELS = (
     "kvllm compiles nothing and chooses its kernels itself; the attention kernels are chosen with "
@@ -222,7 +222,7 @@ ENGINE_FLAGS: dict[str, Verdict] = {
     ),
     "--tokenizer-revision": SUPPORTED,
     "--max-model-len": SUPPORTED,
-    "--quantization": _field(QUANTIZATION),
+    "--quantization": SUPPORTED,
     "--quantization-config": _no(QUANTIZATION),
     "--allow-deprecated-quantization": _off(QUANTIZATION),
     "--enforce-eager": SUPPORTED,

@@ -41,9 +41,20 @@ def load_model(model_config: ModelConfig, load_format: str, device: torch.device
         raise ValueError(f"load_format={load_format!r} is not valid; allowed: {', '.join(LOAD_FORMATS)}")
     if load_format == "gguf" and not is_converted_gguf_folder(model_config.model_path):
         raise ValueError(f"load_format='gguf' needs a .gguf model file; {model_config.model!r} is not one")
+    from kvllm.layers.quantization import process_weights_after_loading
+
     model_cls = get_model_class([model_config.architecture])
+    quant_config = getattr(model_config, "quant_config", None)
+    kwargs = {}
+    if quant_config is not None:
+        if not getattr(model_cls, "supports_quantization", False):
+            raise ValueError(
+                f"{model_config.architecture} has no quantized layers in kvllm ({quant_config.name}); "
+                "use an unquantized checkpoint of it"
+            )
+        kwargs["quant_config"] = quant_config
     with _default_dtype(model_config.dtype), torch.device(device):
-        model = model_cls(model_config.hf_config)
+        model = model_cls(model_config.hf_config, **kwargs)
     if load_format == "dummy":
         init_dummy_weights(model)
     else:
@@ -54,4 +65,5 @@ def load_model(model_config: ModelConfig, load_format: str, device: torch.device
                 f"checkpoint {model_config.model_path!r} lacks weights for {len(missing)} parameters, "
                 f"e.g. {', '.join(missing[:5])}"
             )
+    process_weights_after_loading(model)
     return model.eval().requires_grad_(False)

@@ -10,7 +10,8 @@ DUMMY_STD = 0.02  # HF's usual initializer_range: activations stay O(1) through 
 
 @torch.no_grad()
 def init_dummy_weights(model: nn.Module, std: float = DUMMY_STD) -> None:
-    """Norm weights 1, biases 0, everything else N(0, std).
+    """Norm weights 1, biases 0, everything else N(0, std); quantized layers' tensors (packed integers,
+    fp8 values, scales) are filled by the `dummy_init` their quantization method attached.
 
     Drawn on the parameters' device from a generator seeded with torch's seed (`torch.manual_seed`),
     in parameter order: the same seed gives the same weights on the same kind of device, and the
@@ -18,7 +19,12 @@ def init_dummy_weights(model: nn.Module, std: float = DUMMY_STD) -> None:
     """
     generators: dict[torch.device, torch.Generator] = {}
     for name, param in model.named_parameters():
-        if name.endswith("norm.weight"):
+        dummy_init = getattr(param, "dummy_init", None)
+        if dummy_init is not None:
+            if param.device not in generators:
+                generators[param.device] = torch.Generator(param.device).manual_seed(torch.initial_seed())
+            dummy_init(param, generators[param.device])
+        elif name.endswith("norm.weight"):
             param.fill_(1.0)
         elif name.endswith(".bias") or name.endswith(".sinks"):
             param.zero_()

@@ -1,0 +1,283 @@
+"""Quantized weights on one GPU: kernels beside cuBLAS / torch._scaled_mm, and whole-model decode.
+
+    PYTHONPATH=. python3 benchmarks/h200/quant_bench.py --out DIR [--parts kernels,e2e] [--quick] [--sweep]
+
+kernels  Llama-3-8B's four projections (qkv, o, gate_up, down). Decode rows (M = 1, 16): bf16 F.linear
+         (cuBLAS), kvllm's bf16 GEMV (M = 1) and small-M kernels, W4A16 (group 128; reshape and gather unpacking; with
+         --sweep tile/split variants at M = 1). Prefill/batch rows (M = 256, 1024): bf16 F.linear, fp8 per-channel W8A8
+         through torch._scaled_mm (GEMM alone, and with kvllm's per-token activation quantization),
+         block-fp8 (128x128) Triton GEMM with its activation quantization, W4A16. Each time is the median
+         per call of a CUDA graph of LOOP calls, each reading another copy of the weight (together more
+         than the L2), as consecutive layers do. TB/s counts the weight bytes (packed values + scales +
+         zeros) plus x and y once; TFLOP/s = 2 M N K / time.
+e2e      Llama-3-8B-shaped model, dummy weights generated on the GPU, bf16 activations, CUDA graphs, one
+         engine per subprocess: bf16, awq (W4A16 from a config with AWQ's quantization_config), fp8
+         (online per-channel from the bf16 dummy weights), fp8-block (quantization_config with
+         weight_block_size [128, 128]). Batch 1: 32 random prompt tokens, 128 output tokens, EOS ignored,
+         ms per output token = wall time / 128 (median of 3 after a warm-up). Batch 256: 256 x 128 in /
+         128 out, output tokens per second (after a warm-up batch).
+One JSON line per measurement goes to DIR/quant_bench.jsonl; a table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}  # (N, K)
+DECODE_ROWS = (1, 16)
+GEMM_ROWS = (256, 1024)
+LOOP, REPLAYS = 20, 10
+COLD_BYTES = 256 << 20
+GROUP = 128
+SWEEP = False  # --sweep: W4A16 tile/split/unpack variants at M = 1 (about a minute more of compiling)
+ENGINES = {
+    "bf16": (None, None),
+    "awq": (
+        {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"},
+        None,
+    ),
+    "fp8": (None, "fp8"),
+    "fp8-block": (
+        {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
+        None,
+    ),
+}
+
+
+def graph_us(fn: Callable[[int], Any]) -> float:
+    import torch
+
+    for i in range(2):
+        fn(i)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(LOOP):
+            fn(i)
+    graph.replay()
+    times = []
+    for _ in range(REPLAYS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / LOOP)
+    return statistics.median(times)
+
+
+def copies(make: Callable[[], tuple], nbytes: int) -> list[tuple]:
+    return [make() for _ in range(max(2, min(LOOP, -(-COLD_BYTES // nbytes))))]
+
+
+def kernel_records(quick: bool) -> list[dict[str, Any]]:
+    import torch
+
+    records: list[dict[str, Any]] = []
+    for shape, (n, k) in SHAPES.items():
+        for m in DECODE_ROWS + GEMM_ROWS:
+            if not quick or m in (1, 256):
+                records += bench_rows(shape, m, n, k, quick)
+        torch.cuda.empty_cache()
+    return records
+
+
+def bench_rows(shape: str, m: int, n: int, k: int, quick: bool) -> list[dict[str, Any]]:
+    """Every implementation at one shape and row count (fresh weights: nothing kept across calls)."""
+    import torch
+    import torch.nn.functional as F
+
+    from kvllm.layers.ops.linear import linear as small_m_linear
+    from kvllm.layers.quantization.fp8 import quantize_per_channel
+    from kvllm.layers.quantization.ops.fp8 import FP8, block_fp8_linear, quantize_fp8, scaled_mm_rowwise
+    from kvllm.layers.quantization.ops.w4a16 import W4A16Config, default_config, pack_int4, w4a16_triton
+
+    dev = torch.device("cuda")
+    records: list[dict[str, Any]] = []
+
+    def emit(impl: str, us: float, weight_bytes: int, **extra: Any) -> None:
+        moved = weight_bytes + 2 * m * (k + n)
+        rec = {"part": "kernels", "shape": shape, "m": m, "n": n, "k": k, "impl": impl, "us": round(us, 2),
+               "tbps": round(moved / us / 1e6, 3), "tflops": round(2 * m * n * k / us / 1e6, 1), **extra}  # fmt: skip
+        records.append(rec)
+        print(json.dumps(rec), flush=True)
+
+    def make_w4() -> tuple:
+        q = pack_int4(torch.randint(0, 16, (n, k), device=dev))
+        s = (torch.rand(n, k // GROUP, device=dev) * 0.003).bfloat16()
+        z = torch.randint(0, 16, (n, k // GROUP), device=dev).bfloat16()
+        return q, s, z
+
+    bf16_bytes = n * k * 2
+    w4_bytes = n * k // 2 + 2 * 2 * n * (k // GROUP)
+    bf16_w = copies(lambda: (torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02,), bf16_bytes)
+    w4 = copies(make_w4, w4_bytes)
+    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+    emit("bf16 F.linear", graph_us(lambda i: F.linear(x, bf16_w[i % len(bf16_w)][0])), bf16_bytes)
+    if m == 1:
+        from kvllm.layers.ops.gemv import gemv
+
+        emit("bf16 GEMV kernel", graph_us(lambda i: gemv(x, bf16_w[i % len(bf16_w)][0])), bf16_bytes)
+    if m <= 16:
+        emit(
+            "bf16 small-M kernel",
+            graph_us(lambda i: small_m_linear(x, bf16_w[i % len(bf16_w)][0])),
+            bf16_bytes,
+        )
+    base = default_config(m, n, k, GROUP)
+    variants = {"w4a16": base, "w4a16 gather": W4A16Config(**{**base.__dict__, "gather": True})}
+    if m == 1 and SWEEP:
+        sweep = ((32, 128, base.split_k, 4, 4), (128, 128, base.split_k, 4, 4), (64, 128, base.split_k * 2, 4, 4),
+                 (64, 128, base.split_k, 3, 8), (64, 256, max(1, base.split_k // 2), 4, 4),
+                 (128, 256, base.split_k, 3, 8), (32, 256, base.split_k, 4, 4))  # fmt: skip
+        for bn, bk, split, stages, warps in sweep:
+            for gather in (False, True):
+                config = W4A16Config(16, bn, bk, split, warps, stages, gather)
+                variants[f"w4a16 bn{bn} bk{bk} s{split} st{stages} w{warps}{' gather' if gather else ''}"] = (
+                    config
+                )
+    for name, config in variants.items():
+        try:
+            us = graph_us(lambda i, c=config: w4a16_triton(x, *w4[i % len(w4)], GROUP, config=c))
+        except Exception as e:  # a variant that does not compile here: recorded, not fatal
+            print(json.dumps({"shape": shape, "m": m, "impl": name, "error": repr(e)[:300]}), flush=True)
+            continue
+        emit(name, us, w4_bytes, config=config.__dict__)
+    if m >= 256:
+        fp8_w = copies(lambda: quantize_per_channel(bf16_w[0][0]), n * k)
+        xq, xs = quantize_fp8(x)
+        emit("fp8 _scaled_mm (GEMM only)", graph_us(lambda i: torch._scaled_mm(
+            xq, fp8_w[i % len(fp8_w)][0].t(), scale_a=xs, scale_b=fp8_w[i % len(fp8_w)][1].view(1, -1),
+            out_dtype=torch.bfloat16)), n * k)  # fmt: skip
+        emit("fp8 W8A8 per-channel (quant + _scaled_mm)",
+             graph_us(lambda i: scaled_mm_rowwise(x, *fp8_w[i % len(fp8_w)], None)), n * k)  # fmt: skip
+        blocks = copies(lambda: (torch.randn(n, k, device=dev).to(FP8),
+                                 torch.rand(n // 128, k // 128, device=dev) * 0.01), n * k)  # fmt: skip
+        emit("fp8 W8A8 block 128x128 (quant + Triton)",
+             graph_us(lambda i: block_fp8_linear(x, *blocks[i % len(blocks)], (128, 128))), n * k)  # fmt: skip
+    return records
+
+
+def engine_child(name: str, folder: str, quantization: str | None, quick: bool) -> None:
+    """One engine: batch-1 latency and batch-256 throughput; JSON lines on stdout."""
+    import torch
+
+    from kvllm import LLM, SamplingParams
+    from kvllm.benchmarks.datasets import random_requests
+
+    start = time.perf_counter()
+    llm = LLM(folder, load_format="dummy", dtype="bfloat16", max_model_len=2048, max_num_seqs=256,
+              enable_prefix_caching=False, quantization=quantization)  # fmt: skip
+    startup = time.perf_counter() - start
+    vocab = 128256
+    params = SamplingParams(max_tokens=128, temperature=1.0, ignore_eos=True)
+
+    def run(batch: int, seed: int) -> float:
+        requests = random_requests(batch, 32 if batch == 1 else 128, 128, vocab, seed=seed)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in requests], params, use_tqdm=False)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t
+
+    run(1, 0)
+    ms_per_token = statistics.median(run(1, seed) for seed in range(1, 2 if quick else 4)) / 128 * 1e3
+    run(256, 10)
+    wall = run(256, 11)
+    record = {"part": "e2e", "engine": name, "startup_s": round(startup, 1),
+              "batch1_ms_per_token": round(ms_per_token, 3), "batch256_output_tok_s": round(256 * 128 / wall, 1),
+              "weight_gib": round(torch.cuda.memory_allocated() / 2**30, 2), "gpu": torch.cuda.get_device_name()}  # fmt: skip
+    print("RECORD " + json.dumps(record), flush=True)
+
+
+def e2e_records(out: Path, engines: list[str], quick: bool, timeout_s: float) -> list[dict[str, Any]]:
+    from kvllm.benchmarks.model_shapes import write_shape_only_model
+
+    records = []
+    for name in engines:
+        config, quantization = ENGINES[name]
+        folder = write_shape_only_model("Llama-3-8B", out / "models" / name, config)
+        cmd = [sys.executable, __file__, "--child", name, "--folder", str(folder)]
+        cmd += ["--quantization", quantization] if quantization else []
+        cmd += ["--quick"] if quick else []
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+            log = proc.stdout + proc.stderr
+        except subprocess.TimeoutExpired as e:
+            log = f"timed out after {timeout_s} s\n{e.stdout or ''}{e.stderr or ''}"
+        (out / f"e2e-{name}.log").write_text(log if isinstance(log, str) else str(log))
+        lines = [line for line in str(log).splitlines() if line.startswith("RECORD ")]
+        record = (
+            json.loads(lines[-1][7:]) if lines else {"part": "e2e", "engine": name, "error": str(log)[-2000:]}
+        )
+        print(json.dumps(record), flush=True)
+        records.append(record)
+    return records
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", default="gpu-out")
+    parser.add_argument("--parts", default="kernels,e2e")
+    parser.add_argument("--engines", default=",".join(ENGINES))
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--sweep", action="store_true", help="W4A16 launch-config variants at M = 1")
+    parser.add_argument("--engine-timeout", type=float, default=150.0)
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--folder", help=argparse.SUPPRESS)
+    parser.add_argument("--quantization", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        engine_child(args.child, args.folder, args.quantization, args.quick)
+        return 0
+    global SWEEP
+    SWEEP = args.sweep
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    parts = args.parts.split(",")
+    records = kernel_records(args.quick) if "kernels" in parts else []
+    if "e2e" in parts:
+        records += e2e_records(out, args.engines.split(","), args.quick, args.engine_timeout)
+    with open(out / "quant_bench.jsonl", "w") as f:
+        for record in records:
+            f.write(json.dumps(record) + "\n")
+    print_table(records)
+    return 0
+
+
+def print_table(records: list[dict[str, Any]]) -> None:
+    print(f"\n{'shape':8} {'M':>5} {'impl':48} {'us':>9} {'TB/s':>6} {'TFLOP/s':>8}")
+    for r in records:
+        if r.get("part") == "kernels":
+            print(
+                f"{r['shape']:8} {r['m']:>5} {r['impl'][:48]:48} {r['us']:>9.1f} {r['tbps']:>6.2f} {r['tflops']:>8.1f}"
+            )
+    e2e = {r["engine"]: r for r in records if r.get("part") == "e2e" and "error" not in r}
+    for r in records:
+        if r.get("part") == "e2e":
+            if "error" in r:
+                print(f"e2e {r['engine']}: ERROR (see e2e-{r['engine']}.log)")
+                continue
+            base = e2e.get("bf16")
+            speed = ""
+            if base:
+                speed = (f"  batch-1 {base['batch1_ms_per_token'] / r['batch1_ms_per_token']:.2f}x, "
+                         f"batch-256 {r['batch256_output_tok_s'] / base['batch256_output_tok_s']:.2f}x vs bf16")  # fmt: skip
+            print(f"e2e {r['engine']:10} batch-1 {r['batch1_ms_per_token']:.2f} ms/token, batch-256 "
+                  f"{r['batch256_output_tok_s']:.0f} tok/s, weights {r['weight_gib']} GiB{speed}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

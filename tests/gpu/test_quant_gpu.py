@@ -1,0 +1,144 @@
+"""The quantized-weight kernels compiled on a CUDA GPU, against float32 plain torch, and quantized
+models on the GPU against the same checkpoints on the CPU path (dequantize and matmul).
+
+Run on the H200: `PYTHONPATH=. python -m pytest -q -m gpu tests/gpu/test_quant_gpu.py`.
+W4A16: the kernel rounds the dequantized weight to x's dtype and accumulates in float32, so outputs
+are within a 16-bit rounding of the float32 product of x with the rounded weight (tolerance relative
+to the output scale). fp8: products of fp8 values are exact in float32; cuBLAS/Triton sum in another
+order and round to bf16 once.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvllm.layers.quantization.ops.fp8 import (
+    FP8,
+    block_fp8_linear,
+    dequantize_block,
+    quantize_fp8,
+    scaled_mm_rowwise,
+)
+from kvllm.layers.quantization.ops.w4a16 import W4A16Config, dequantize, pack_int4, w4a16_triton
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+CUDA = torch.device("cuda")
+# Llama-3-8B's qkv, o, gate_up and down (N, K), and an odd one
+SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (264, 384)]
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator(CUDA).manual_seed(seed)
+
+
+def random_int4(n: int, k: int, group: int, dtype: torch.dtype, seed: int):
+    g = _gen(seed)
+    qweight = pack_int4(torch.randint(0, 16, (n, k), generator=g, device=CUDA))
+    scales = (0.001 + 0.004 * torch.rand(n, k // group, generator=g, device=CUDA)).to(dtype)
+    zeros = torch.randint(0, 16, (n, k // group), generator=g, device=CUDA).to(dtype)
+    return qweight, scales, zeros
+
+
+def assert_close_scaled(out: torch.Tensor, expected: torch.Tensor, rel: float) -> None:
+    err = (out.float() - expected).abs().max().item()
+    assert err <= rel * expected.abs().max().item(), (err, expected.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("m", [1, 16, 33, 256])
+@pytest.mark.parametrize("gather", [False, True], ids=["reshape", "gather"])
+def test_w4a16_matches_float32(dtype, n, k, m, gather) -> None:
+    group = 128
+    qweight, scales, zeros = random_int4(n, k, group, dtype, seed=n + m)
+    x = torch.randn(m, k, generator=_gen(m), device=CUDA).to(dtype)
+    from kvllm.layers.quantization.ops.w4a16 import default_config
+
+    config = default_config(m, n, k, group)
+    config = W4A16Config(config.block_m, config.block_n, config.block_k, config.split_k,
+                         config.num_warps, config.num_stages, gather)  # fmt: skip
+    out = w4a16_triton(x, qweight, scales, zeros, group, config=config)
+    weight = dequantize(qweight, scales, zeros, group).to(dtype).float()
+    assert_close_scaled(out, x.float() @ weight.T, 1e-2 if dtype == torch.bfloat16 else 2e-3)
+
+
+@pytest.mark.parametrize("n,k", SHAPES[:4])
+@pytest.mark.parametrize("m", [1, 16, 256])
+def test_scaled_mm_rowwise_matches_float32(n, k, m) -> None:
+    g = _gen(n + m)
+    x = torch.randn(m, k, generator=g, device=CUDA).bfloat16()
+    weight = torch.randn(n, k, generator=g, device=CUDA).to(FP8)
+    scale = 0.001 + 0.01 * torch.rand(n, generator=g, device=CUDA)
+    out = scaled_mm_rowwise(x, weight, scale, None)
+    xq, xs = quantize_fp8(x)
+    expected = (xq.float() * xs) @ (weight.float() * scale[:, None]).T
+    assert out.dtype == torch.bfloat16
+    assert_close_scaled(out, expected, 1e-2)
+
+
+@pytest.mark.parametrize("n,k", SHAPES[:4])
+@pytest.mark.parametrize("m", [1, 16, 100, 256])
+def test_block_fp8_matches_float32(n, k, m) -> None:
+    g = _gen(n + m)
+    x = torch.randn(m, k, generator=g, device=CUDA).bfloat16()
+    weight = torch.randn(n, k, generator=g, device=CUDA).to(FP8)
+    scale_inv = 0.001 + 0.01 * torch.rand(-(-n // 128), k // 128, generator=g, device=CUDA)
+    out = block_fp8_linear(x, weight, scale_inv, (128, 128))
+    xq, xs = quantize_fp8(x, 128)
+    expected = (xq.float() * xs.repeat_interleave(128, 1)) @ dequantize_block(weight, scale_inv, (128, 128)).T
+    assert_close_scaled(out, expected, 1e-2)
+
+
+@pytest.mark.parametrize("group", [None, 128])
+def test_quantize_fp8_kernel_is_exact(group) -> None:
+    from kvllm.layers.ops.dispatch import fused_ops_mode
+
+    x = torch.randn(37, 4096, generator=_gen(1), device=CUDA).bfloat16() * 3
+    q, s = quantize_fp8(x, group)
+    with fused_ops_mode("0"):
+        q_ref, s_ref = quantize_fp8(x, group)
+    assert torch.equal(s, s_ref) and torch.equal(q.float(), q_ref.float())
+
+
+@pytest.mark.parametrize(
+    "fmt", ["awq", "gptq-act-order", "compressed-tensors", "fp8-block", "fp8-tensor", "fp8-online"]
+)
+def test_quantized_model_on_gpu_matches_cpu_path(fmt, tmp_path) -> None:
+    """The engine's model on CUDA (Triton / _scaled_mm, bf16) against the same checkpoint on the CPU
+    path in float32: logits within bf16 noise of the float32 ones (2% of their range)."""
+    from kvllm.config.engine import EngineArgs
+    from kvllm.forward_context import set_forward_context
+    from kvllm.models.loader import load_model
+    from kvllm.models.model_config import ModelConfig
+    from tests.model_factory import make_tiny_qwen3
+    from tests.quant_checkpoints import fp8_checkpoint, int4_checkpoint
+
+    base = make_tiny_qwen3(tmp_path / "base", hidden_size=256, num_attention_heads=2, num_key_value_heads=1,
+                           head_dim=128, intermediate_size=512)  # fmt: skip
+    quantization = None
+    if fmt.startswith("fp8-online"):
+        folder, quantization = base, "fp8"
+    elif fmt.startswith("fp8"):
+        folder = fp8_checkpoint(base, tmp_path / fmt, fmt.removeprefix("fp8-"))
+    else:
+        kind = fmt.removesuffix("-act-order")
+        folder, _ = int4_checkpoint(base, tmp_path / fmt, kind, 64, act_order=fmt.endswith("act-order"))
+    prompt = torch.tensor([5, 17, 33, 2, 9, 100, 7, 250, 3] * 3)
+
+    def logits(device: torch.device, dtype: str) -> torch.Tensor:
+        config = ModelConfig.from_engine_args(
+            EngineArgs(model=str(folder), dtype=dtype, quantization=quantization), device
+        )
+        model = load_model(config, "auto", device)
+        with torch.no_grad(), set_forward_context(None):
+            ids = prompt.to(device)
+            return model.compute_logits(model(ids, torch.arange(len(ids), device=device))).float().cpu()
+
+    expected = logits(torch.device("cpu"), "float32")
+    got = logits(CUDA, "bfloat16")
+    assert_close_scaled(got, expected, 2e-2)

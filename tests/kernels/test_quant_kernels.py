@@ -1,0 +1,139 @@
+"""The W4A16 and block-fp8 Triton kernels on the CPU interpreter against float32 plain torch, and
+the quantized layers' kernel dispatch (fused ops on) against their dequantize-and-matmul path.
+
+W4A16: the kernel rounds the dequantized weight to x's dtype (as dequantize + F.linear does) and
+accumulates in float32, so a 16-bit result is within about one ulp of the float32 product of x with
+the rounded weight. Block fp8: fp8 products are exact in float32; the sums differ by order only.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvllm.layers.ops.dispatch import fused_ops_mode
+from kvllm.layers.quantization.ops.fp8 import FP8, block_fp8_linear, dequantize_block, quantize_fp8
+from kvllm.layers.quantization.ops.w4a16 import (
+    W4A16Config,
+    dequantize,
+    pack_int4,
+    unpack_int4,
+    w4a16_linear,
+    w4a16_triton,
+)
+
+TOLERANCES = {torch.float16: (2e-3, 2e-3), torch.bfloat16: (1e-2, 1e-2), torch.float32: (1e-5, 1e-4)}
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def random_int4(n: int, k: int, group: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, ...]:
+    g = _gen(seed)
+    qweight = pack_int4(torch.randint(0, 16, (n, k), generator=g))
+    scales = (0.01 + 0.02 * torch.rand(n, k // group, generator=g)).to(dtype)
+    zeros = torch.randint(0, 16, (n, k // group), generator=g).to(dtype)
+    return qweight, scales, zeros
+
+
+def test_pack_roundtrip() -> None:
+    values = torch.randint(0, 16, (5, 64), generator=_gen(0))
+    assert torch.equal(unpack_int4(pack_int4(values)).long(), values)
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "fp32"]
+)
+@pytest.mark.parametrize(
+    "m,n,k,group,with_bias",
+    [
+        (1, 96, 256, 128, False),
+        (3, 40, 512, 64, True),
+        (16, 64, 256, 256, False),
+        (20, 72, 256, 128, True),
+        (130, 136, 256, 32, True),
+    ],
+)
+def test_w4a16_matches_float32_reference(dtype, m, n, k, group, with_bias) -> None:
+    """Small M with split-K (K 512 over few columns), a 16-row tile, 64-row tiles, and 128-row tiles
+    with a partial last tile and group size 32."""
+    qweight, scales, zeros = random_int4(n, k, group, dtype, seed=m + n)
+    x = torch.randn(m, k, generator=_gen(m)).to(dtype)
+    bias = torch.randn(n, generator=_gen(n)).to(dtype) if with_bias else None
+    out = w4a16_triton(x, qweight, scales, zeros, group, bias)
+    weight = dequantize(qweight, scales, zeros, group).to(dtype).float()
+    expected = x.float() @ weight.T + (bias.float() if bias is not None else 0)
+    rtol, atol = TOLERANCES[dtype]
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), expected, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("split_k", [1, 2, 4])
+@pytest.mark.parametrize("gather", [False, True], ids=["reshape", "gather"])
+def test_w4a16_split_k_and_unpack_configs(split_k, gather) -> None:
+    qweight, scales, zeros = random_int4(48, 512, 128, torch.float16, seed=1)
+    x = torch.randn(2, 512, generator=_gen(2)).half()
+    config = W4A16Config(16, 32, 128, split_k, gather=gather)
+    out = w4a16_triton(x, qweight, scales, zeros, 128, config=config)
+    expected = x.float() @ dequantize(qweight, scales, zeros, 128).half().float().T
+    torch.testing.assert_close(out.float(), expected, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("block_k", [64, 128], ids=["two_groups_per_tile", "four_groups_per_tile"])
+def test_w4a16_tiles_spanning_groups(block_k) -> None:
+    qweight, scales, zeros = random_int4(40, 256, 32, torch.float16, seed=6)
+    x = torch.randn(3, 256, generator=_gen(7)).half()
+    out = w4a16_triton(x, qweight, scales, zeros, 32, config=W4A16Config(16, 32, block_k, 2))
+    expected = x.float() @ dequantize(qweight, scales, zeros, 32).half().float().T
+    torch.testing.assert_close(out.float(), expected, rtol=2e-3, atol=2e-3)
+
+
+def test_w4a16_act_order_gathers_inputs() -> None:
+    qweight, scales, zeros = random_int4(32, 128, 32, torch.float32, seed=3)
+    perm = torch.randperm(128, generator=_gen(4))
+    x = torch.randn(3, 128, generator=_gen(5))
+    with fused_ops_mode("1"):
+        out = w4a16_linear(x, qweight, scales, zeros, 32, perm=perm)
+    expected = x[:, perm] @ dequantize(qweight, scales, zeros, 32).T
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
+
+
+def test_w4a16_rejects_bad_shapes() -> None:
+    qweight, scales, zeros = random_int4(32, 128, 32, torch.float32, seed=3)
+    with pytest.raises(ValueError, match="qweight"):
+        w4a16_triton(torch.randn(2, 64), qweight, scales, zeros, 32)
+    with pytest.raises(ValueError, match="scales and zeros"):
+        w4a16_triton(torch.randn(2, 128), qweight, scales, zeros, 64)
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 128, 256), (5, 192, 384), (70, 256, 128), (130, 144, 256)])
+def test_block_fp8_matches_float32_reference(m, n, k) -> None:
+    g = _gen(m)
+    x = torch.randn(m, k, generator=g).half()
+    weight = torch.randn(n, k, generator=g).to(FP8)
+    scale_inv = 0.001 + 0.01 * torch.rand(-(-n // 128), k // 128, generator=g)
+    out = block_fp8_linear(x, weight, scale_inv, (128, 128))
+    xq, x_scale = quantize_fp8(x, 128)
+    x_deq = xq.float() * x_scale.repeat_interleave(128, dim=1)
+    expected = x_deq @ dequantize_block(weight, scale_inv, (128, 128)).T
+    torch.testing.assert_close(out.float(), expected, rtol=2e-3, atol=2e-3)
+
+
+def test_quantize_fp8_per_token() -> None:
+    x = torch.randn(4, 256, generator=_gen(9)) * torch.tensor([[0.1], [1.0], [10.0], [0.0]])
+    q, scale = quantize_fp8(x)
+    assert q.dtype == FP8 and scale.shape == (4, 1)
+    assert torch.equal(q.float().abs().amax(1)[:3], torch.full((3,), 448.0))
+    torch.testing.assert_close(q.float() * scale, x, rtol=0.07, atol=1e-6)  # e4m3: 3 mantissa bits
+
+
+@pytest.mark.parametrize("group", [None, 128])
+def test_quantize_fp8_kernel_matches_torch(group) -> None:
+    """Bit-exact: both divide in IEEE float32 and round to nearest even."""
+    x = torch.randn(5, 384, generator=_gen(11)) * 3
+    q_ref, s_ref = quantize_fp8(x, group)
+    with fused_ops_mode("1"):
+        q, s = quantize_fp8(x, group)
+    torch.testing.assert_close(s, s_ref, rtol=0, atol=0)
+    torch.testing.assert_close(q.float(), q_ref.float(), rtol=0, atol=0)
