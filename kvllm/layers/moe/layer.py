@@ -87,10 +87,18 @@ class FusedMoE(nn.Module):
         return mapping
 
     def weight_loader(
-        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str, expert_id: int
+        self,
+        param: nn.Parameter,
+        loaded_weight: torch.Tensor,
+        shard_id: str | None = None,
+        expert_id: int | None = None,
     ) -> None:
-        """Copy one expert's gate (w1), up (w3) or down (w2) matrix or bias into the stacked `param`."""
-        if shard_id not in _SHARDS:
+        """Copy one expert's gate (w1), up (w3) or down (w2) matrix or bias into the stacked `param`;
+        without a shard and an expert, a checkpoint tensor already stacked as `param` is (gpt-oss)."""
+        if shard_id is None and expert_id is None:
+            default_weight_loader(param, loaded_weight)
+            return
+        if shard_id not in _SHARDS or expert_id is None:
             raise ValueError(f"MoE shard id must be one of {_SHARDS}, got {shard_id!r}")
         if not 0 <= expert_id < self.num_experts:
             raise ValueError(
