@@ -90,6 +90,10 @@ class Scheduler:
                 i += 1  # its last token is already being sampled
                 continue
             n = min(request.num_tokens + pending - request.num_computed_tokens, budget)
+            drafts, request.spec_token_ids = request.spec_token_ids, []
+            if drafts:  # a decode verifies its drafts as extra query tokens, as the budget allows
+                drafts = drafts[: budget - 1] if n == 1 and not pending else []
+                n += len(drafts)
             blocks = self.kv.get_block_ids(request.request_id)
             end = request.num_computed_tokens + n
             # Decode fast path: the slot exists and no block becomes full (nothing to allocate or hash).
@@ -98,6 +102,8 @@ class Scheduler:
                 budget -= 1
                 i += 1
                 continue
+            if drafts and not self.kv.can_allocate(request, n):
+                n, drafts = n - len(drafts), []  # drafts are not worth preempting for
             while not self.kv.can_allocate(request, n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -106,7 +112,7 @@ class Scheduler:
                     break
             else:
                 self.kv.allocate(request, n)
-                item = ScheduledRequest(request, n, self.kv.get_block_ids(request.request_id))
+                item = ScheduledRequest(request, n, self.kv.get_block_ids(request.request_id), drafts)
                 (decodes if n == 1 else prefills).append(item)
                 budget -= n
                 i += 1
@@ -150,7 +156,8 @@ class Scheduler:
         for item in out.scheduled:
             request = item.request
             request.num_computed_tokens += item.num_new_tokens
-            if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
+            num_known = request.num_tokens + request.num_output_placeholders + len(item.spec_token_ids)
+            if request.num_computed_tokens == num_known:
                 request.num_output_placeholders += 1
         if not out.scheduled:
             # An empty step is not run, so the worker hears of these with the next one.
@@ -188,12 +195,20 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
+        request.spec_token_ids = []
         self.kv.free(request)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
+
+    def reject_drafts(self, request: Request, num_rejected: int) -> None:
+        """Roll back the KV positions of a request's rejected drafts: they count as not computed, so the
+        next step's tokens overwrite their slots (the blocks stay with the request, which needs them
+        for those tokens; all of them return to the pool when it finishes)."""
+        if not request.is_finished:
+            request.num_computed_tokens -= num_rejected
 
     def finish_requests(self, requests: Iterable[Request]) -> None:
         """Free the requests the output side finished (stop, EOS, length) after a step."""

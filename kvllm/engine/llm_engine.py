@@ -25,6 +25,7 @@ from kvllm.outputs import RequestOutput
 from kvllm.platforms import resolve_device
 from kvllm.pooling_params import PoolingParams
 from kvllm.sampling_params import SamplingParams
+from kvllm.spec_decode.coordinator import SpecDecodeCoordinator
 from kvllm.worker.sleep_mode import SLEEP_LEVELS, WAKE_UP_TAGS
 
 logger = logging.getLogger(__name__)
@@ -88,6 +89,16 @@ class LLMEngine:
         self.kv_cache_manager = KVCacheManager(num_blocks, self.block_size, prefix_caching)
         self.scheduler = Scheduler(self.kv_cache_manager, args.max_num_seqs, max_batched, chunked_prefill)
         self.async_scheduling = args.async_scheduling
+        self.spec_decode: SpecDecodeCoordinator | None = None
+        if args.speculative_config is not None:
+            self.spec_decode = SpecDecodeCoordinator(args.speculative_config, self.model_config.max_model_len)
+            if self.async_scheduling:
+                logger.info(
+                    "Overlapped (async) scheduling is off with speculative decoding: how many tokens a "
+                    "step emits is known only after its verification, and the next step's drafts and "
+                    "KV positions depend on it"
+                )
+                self.async_scheduling = False
         self._in_flight: tuple[SchedulerOutput, PendingStep] | None = None
         self.sleep_level = 0  # 0: awake; else the level of the last sleep() until wake_up() ends it
         self._log_cache_size(num_blocks)
@@ -258,8 +269,11 @@ class LLMEngine:
 
     def _update(self, plan: SchedulerOutput, pending: PendingStep) -> list[RequestOutput]:
         """Wait for a launched step's tokens, apply them, and free the requests they finished."""
-        outputs, finished = self.output_processor.process_step(plan, pending.result())
+        result = pending.result()
+        outputs, finished = self.output_processor.process_step(plan, result)
         self.scheduler.finish_requests(finished)
+        if self.spec_decode is not None:
+            self.spec_decode.after_step(plan, result, self.scheduler)
         return outputs
 
     def warm_up(self) -> WarmUpStats:

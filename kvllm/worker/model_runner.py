@@ -23,6 +23,7 @@ from kvllm.outputs import PositionLogprobs
 from kvllm.platforms.interface import DeviceInfo
 from kvllm.sample.logprobs import position_logprobs
 from kvllm.sample.sampler import HostCopy, Sampler
+from kvllm.spec_decode.verify import PendingVerification, verify_drafts
 from kvllm.utils.dtypes import dtype_name, kv_cache_torch_dtype
 from kvllm.worker.cuda_graph import CudaGraphRunner, default_capture_sizes
 from kvllm.worker.input_batch import InputBatch, ModelInputs
@@ -46,11 +47,15 @@ class PendingStepResult:
     copy: HostCopy | None
     prompt_logprobs: dict[int, tuple[int, list[PositionLogprobs]]]
     pooled: dict[int, torch.Tensor] | None = None  # pooling runner: scheduled index -> embedding
+    verification: PendingVerification | None = None
 
     def result(self) -> StepResult:
         output = self.copy.wait() if self.copy is not None else None
         pooled = {i: v.cpu() for i, v in self.pooled.items()} if self.pooled else {}
-        return StepResult(self.request_indices, output, self.prompt_logprobs, pooled)
+        spec = self.verification.wait() if self.verification is not None else {}
+        return StepResult(
+            self.request_indices, output, self.prompt_logprobs, pooled=pooled, spec_token_ids=spec
+        )
 
 
 class ModelRunner:
@@ -175,6 +180,8 @@ class ModelRunner:
             self.model_config.vocab_size,
             self.device,
         )
+        # Speculative decoding schedules without overlap: rows take their counts from the requests.
+        self.input_batch.counts_from_requests = self.args.speculative_config is not None
         if capture_sizes:
             self.graph_runner = CudaGraphRunner(
                 self.model,
@@ -305,7 +312,14 @@ class ModelRunner:
         logits = self.model.compute_logits(sampled_hidden, upcast=False)
         sampled = self.sampler.sample(logits, inputs.sampling_metadata)
         self.input_batch.record_sampled_on_device(sampled.token_ids)
-        return PendingStepResult(inputs.sampling_request_indices, sampled.copy_to_host(), prompt_logprobs)
+        verification = None
+        if inputs.spec is not None:
+            verification = verify_drafts(
+                self.model, hidden, inputs.spec, sampled.token_ids, self.input_batch.token_ids
+            )
+        return PendingStepResult(
+            inputs.sampling_request_indices, sampled.copy_to_host(), prompt_logprobs, verification=verification
+        )
 
     def _graph_size(self, step: SchedulerOutput) -> int | None:
         """The CUDA-graph size to pad this step to, or None to run it eagerly."""
