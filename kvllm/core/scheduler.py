@@ -33,8 +33,13 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         enable_chunked_prefill: bool = True,
+        num_lookahead_tokens: int = 0,
+        max_model_len: int | None = None,
     ) -> None:
         self.kv = kv_cache_manager
+        # Slots beyond a request's scheduled tokens where a draft model writes its drafts' K/V.
+        self.num_lookahead_tokens = num_lookahead_tokens
+        self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -97,7 +102,7 @@ class Scheduler:
             blocks = self.kv.get_block_ids(request.request_id)
             end = request.num_computed_tokens + n
             # Decode fast path: the slot exists and no block becomes full (nothing to allocate or hash).
-            if n == 1 and end <= len(blocks) * block_size and end % block_size:
+            if n == 1 and end + self.num_lookahead_tokens <= len(blocks) * block_size and end % block_size:
                 decodes.append(ScheduledRequest(request, 1, blocks))
                 budget -= 1
                 i += 1
@@ -111,7 +116,7 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                self.kv.allocate(request, n)
+                self.kv.allocate(request, n + self._lookahead(request, n))
                 item = ScheduledRequest(request, n, self.kv.get_block_ids(request.request_id), drafts)
                 (decodes if n == 1 else prefills).append(item)
                 budget -= n
@@ -142,7 +147,7 @@ class Scheduler:
             if request.num_preemptions == 0:
                 self.kv.record_prefix_lookup(request.num_tokens, num_cached_tokens)
                 request.num_cached_prompt_tokens = num_cached_tokens
-            self.kv.allocate(request, n, cached)
+            self.kv.allocate(request, n + self._lookahead(request, n, cached), cached)
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
@@ -174,6 +179,16 @@ class Scheduler:
             not r.num_output_placeholders or r.num_output_tokens + r.num_output_placeholders < r.max_tokens
             for r in self.running
         )
+
+    def _lookahead(self, request: Request, n: int, cached: list[int] = ()) -> int:
+        """Lookahead slots to allocate with the request's n tokens: all of them when the cache has room
+        (never preempting for them), within max_model_len's worth of blocks."""
+        extra = self.num_lookahead_tokens
+        if extra and self.max_model_len is not None:
+            extra = max(0, min(extra, self.max_model_len - request.num_computed_tokens - n))
+        if extra and self.kv.can_allocate(request, n + extra, cached):
+            return extra
+        return 0
 
     def _can_never_fit(self, request: Request) -> bool:
         """More tokens (counting those in flight) than the whole KV cache holds."""

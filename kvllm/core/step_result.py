@@ -23,6 +23,8 @@ class StepResult:
     # Speculative decoding: scheduled index -> the tokens a request emits (its accepted drafts, then
     # the recovered or bonus token), replacing its one sampled token.
     spec_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    # Drafts for the next step proposed by a draft model (scheduled index -> draft token ids).
+    draft_token_ids: dict[int, list[int]] = field(default_factory=dict)
 
 
 class PendingStep(Protocol):

@@ -87,7 +87,15 @@ class LLMEngine:
         self.executor.initialize_kv_cache(num_blocks, args.max_num_seqs)
         self.block_size = self.executor.block_size
         self.kv_cache_manager = KVCacheManager(num_blocks, self.block_size, prefix_caching)
-        self.scheduler = Scheduler(self.kv_cache_manager, args.max_num_seqs, max_batched, chunked_prefill)
+        spec = args.speculative_config
+        self.scheduler = Scheduler(
+            self.kv_cache_manager,
+            args.max_num_seqs,
+            max_batched,
+            chunked_prefill,
+            num_lookahead_tokens=spec.num_speculative_tokens if spec and spec.uses_draft_model else 0,
+            max_model_len=self.model_config.max_model_len,
+        )
         self.async_scheduling = args.async_scheduling
         self.spec_decode: SpecDecodeCoordinator | None = None
         if args.speculative_config is not None:

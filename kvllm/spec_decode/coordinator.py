@@ -89,12 +89,14 @@ class SpecDecodeCoordinator:
             num_accepted = len(run) - 1
             self.stats.observe(len(item.spec_token_ids), num_accepted)
             scheduler.reject_drafts(item.request, len(item.spec_token_ids) - num_accepted)
-        if self.proposer is None:
-            return
-        for item in plan.scheduled:
+        for index, item in enumerate(plan.scheduled):
             request = item.request
             if request.finish_reason is not None or request.num_computed_tokens != request.num_tokens - 1:
                 continue  # finished, or a prompt still being prefilled
             k = self.max_drafts(request)
-            if k > 0 and can_speculate(request):
+            if k <= 0 or not can_speculate(request):
+                continue
+            if self.proposer is not None:
                 request.spec_token_ids = self.proposer.propose(request.all_token_ids, k)
+            else:  # the draft model's, proposed by the worker at the end of the step
+                request.spec_token_ids = result.draft_token_ids.get(index, [])[:k]

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from kvllm.spec_decode.inputs import SpecInputs
-from kvllm.spec_decode.rejection_sampler import rejection_sample
+from kvllm.spec_decode.rejection_sampler import RejectionOutput, rejection_sample
 
 
 @dataclass
@@ -19,6 +19,7 @@ class PendingVerification:
     token_ids: torch.Tensor  # int64 [S, max_k + 1] (pinned host memory on CUDA)
     num_accepted: torch.Tensor  # int64 [S]
     event: torch.cuda.Event | None
+    device_output: RejectionOutput  # the same, on the device (the draft model continues from it)
 
     def wait(self) -> dict[int, list[int]]:
         """Scheduled index -> the tokens the request emits this step (its accepted drafts and one more)."""
@@ -53,4 +54,4 @@ def verify_drafts(
         num_accepted.copy_(out.num_accepted, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-    return PendingVerification(spec.scheduled_indices, spec.num_drafts, token_ids, num_accepted, event)
+    return PendingVerification(spec.scheduled_indices, spec.num_drafts, token_ids, num_accepted, event, out)
