@@ -105,7 +105,7 @@ class SpeculativeConfig:
                 raise ValueError(
                     f"{name} needs 'method' (allowed: {', '.join(SUPPORTED_METHODS)}) or a draft 'model'"
                 )
-            method = "ngram" if model in ("ngram", "[ngram]") else "draft_model"
+            method = "ngram" if model in ("ngram", "[ngram]") else _method_from_model_name(model)
         if method == "[ngram]":
             method = "ngram"
         if method in UNAVAILABLE_METHODS:
@@ -136,9 +136,7 @@ class SpeculativeConfig:
             lo = hi if lo is None else lo
             hi = lo if hi is None else hi
             if lo > hi:
-                raise ValueError(
-                    f"{name}: prompt_lookup_min={lo} must be <= prompt_lookup_max={hi}"
-                )
+                raise ValueError(f"{name}: prompt_lookup_min={lo} must be <= prompt_lookup_max={hi}")
         else:
             if model is None:
                 raise ValueError(
@@ -166,6 +164,21 @@ class SpeculativeConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+
+def _method_from_model_name(model: str) -> str:
+    """The method a model's name gives away (older vLLM's inference: EAGLE and Medusa heads are named
+    so); any other model is a draft model."""
+    name = model.lower()
+    for marker, method in (
+        ("eagle3", "eagle3"),
+        ("eagle-3", "eagle3"),
+        ("eagle", "eagle"),
+        ("medusa", "medusa"),
+    ):
+        if marker in name:
+            return method
+    return "draft_model"
 
 
 def resolve_speculative_config(

@@ -25,7 +25,7 @@ from kvllm.outputs import RequestOutput
 from kvllm.platforms import resolve_device
 from kvllm.pooling_params import PoolingParams
 from kvllm.sampling_params import SamplingParams
-from kvllm.spec_decode.coordinator import SpecDecodeCoordinator
+from kvllm.spec_decode.coordinator import SpecDecodeCoordinator, SpecDecodeCounts
 from kvllm.worker.sleep_mode import SLEEP_LEVELS, WAKE_UP_TAGS
 
 logger = logging.getLogger(__name__)
@@ -49,6 +49,7 @@ class EngineStats:
     num_preemptions: int
     num_blocks: int
     num_free_blocks: int
+    spec_decoding: SpecDecodeCounts | None = None  # with speculative decoding: acceptance counts
 
 
 class LLMEngine:
@@ -362,6 +363,7 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             num_blocks=kv.num_blocks,
             num_free_blocks=kv.num_free_blocks,
+            spec_decoding=self.spec_decode.stats.snapshot() if self.spec_decode is not None else None,
         )
 
     @property

@@ -18,6 +18,16 @@ from kvllm.core.step_result import StepResult
 from kvllm.spec_decode.ngram import NgramProposer
 
 
+@dataclass(frozen=True)
+class SpecDecodeCounts:
+    """A snapshot of SpecDecodingStats (in EngineStats)."""
+
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    num_accepted_tokens_per_pos: tuple[int, ...]
+
+
 @dataclass
 class SpecDecodingStats:
     """Cumulative acceptance counts: vllm:spec_decode_num_drafts, _num_draft_tokens,
@@ -38,6 +48,14 @@ class SpecDecodingStats:
         self.num_accepted_tokens += num_accepted
         for j in range(num_accepted):
             self.num_accepted_tokens_per_pos[j] += 1
+
+    def snapshot(self) -> SpecDecodeCounts:
+        return SpecDecodeCounts(
+            self.num_drafts,
+            self.num_draft_tokens,
+            self.num_accepted_tokens,
+            tuple(self.num_accepted_tokens_per_pos),
+        )
 
     @property
     def acceptance_rate(self) -> float:

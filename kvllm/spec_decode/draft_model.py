@@ -88,14 +88,23 @@ class DraftModelProposer:
 
     def initialize_kv_cache(self, num_blocks: int, max_num_reqs: int, max_num_tokens: int) -> None:
         spec = self.kv_cache_spec
-        shape = self.attn_backend.get_kv_cache_shape(num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
+        shape = self.attn_backend.get_kv_cache_shape(
+            num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size
+        )
         for layer in self.attention_layers:
             layer.kv_cache = torch.zeros(shape, dtype=spec.dtype, device=self.device)
         self.builder = self.attn_backend.get_builder_cls()(
-            self.attn_backend, spec, self.device, max_num_reqs, max_num_tokens, self.model_config.max_model_len
+            self.attn_backend,
+            spec,
+            self.device,
+            max_num_reqs,
+            max_num_tokens,
+            self.model_config.max_model_len,
         )
 
-    def run_step_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor, common: CommonAttentionMetadata) -> None:
+    def run_step_tokens(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, common: CommonAttentionMetadata
+    ) -> None:
         """The step's own tokens through the draft model: its KV cache follows the target's."""
         with set_forward_context(self.builder.build(common)):
             self.model(input_ids, positions)
@@ -142,7 +151,9 @@ class DraftModelProposer:
                 seq_lens_cpu=torch.from_numpy(seq_lens),
                 max_query_len=1,
                 max_seq_len=int(seq_lens.max()),
-                block_table=block_table_gpu[torch.from_numpy(act_rows).to(self.device), : int(pos.max()) // block_size + 1],
+                block_table=block_table_gpu[
+                    torch.from_numpy(act_rows).to(self.device), : int(pos.max()) // block_size + 1
+                ],
                 slot_mapping=torch.from_numpy(slots).to(self.device),
             )
             with set_forward_context(self.builder.build(common)):

@@ -62,7 +62,9 @@ def rejection_sample(
     device = draft_logits.device
     num_reqs, total = len(num_drafts), sum(num_drafts)
     if draft_logits.shape[0] != total or draft_token_ids.shape[0] != total:
-        raise ValueError(f"{total} drafts, but logits {tuple(draft_logits.shape)}, ids {tuple(draft_token_ids.shape)}")
+        raise ValueError(
+            f"{total} drafts, but logits {tuple(draft_logits.shape)}, ids {tuple(draft_token_ids.shape)}"
+        )
     max_k = max(num_drafts)
     drafts = draft_token_ids.long()
     if md.all_greedy:

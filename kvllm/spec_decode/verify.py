@@ -41,9 +41,7 @@ def verify_drafts(
     start their copy to the host."""
     draft_logits = model.compute_logits(hidden.index_select(0, spec.logits_indices), upcast=False)
     bonus = sampled_token_ids.index_select(0, spec.sample_positions)
-    out = rejection_sample(
-        draft_logits, spec.sampling_metadata, spec.draft_token_ids, spec.num_drafts, bonus
-    )
+    out = rejection_sample(draft_logits, spec.sampling_metadata, spec.draft_token_ids, spec.num_drafts, bonus)
     emitted = out.token_ids.view(-1).index_select(0, spec.output_index)
     token_table.view(-1).index_copy_(0, spec.table_slots, emitted.to(token_table.dtype))
     token_ids, num_accepted, event = out.token_ids, out.num_accepted, None

@@ -263,11 +263,7 @@ class InputBatch:
     def _sync_rows_to_device(self) -> None:
         """Upload what changed in the rows since the last step (prompts, blocks, parameters)."""
         if self._new_tokens:
-            index = np.concatenate(
-                [
-np.arange(start, start + len(t)) for start, t in self._new_tokens
-                ]
-            )
+            index = np.concatenate([np.arange(start, start + len(t)) for start, t in self._new_tokens])
             values = torch.tensor([x for _, t in self._new_tokens for x in t], dtype=torch.int32)
             self.token_ids.view(-1).index_copy_(
                 0,

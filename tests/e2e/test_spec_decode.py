@@ -122,14 +122,18 @@ def test_stops_are_exact_inside_accepted_runs(tiny_qwen3_path):
     reference, _ = _generate(path, prompts, [free] * len(prompts))
     params = []
     for ids, text, _ in reference:
-        params.append(SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, stop_token_ids=[ids[10]]))
+        params.append(
+            SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, stop_token_ids=[ids[10]])
+        )
         params.append(SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, stop=[text[8:11]]))
         params.append(SamplingParams(temperature=0.0, max_tokens=11, ignore_eos=True))
     tripled = [p for p in prompts for _ in range(3)]
     spec = {"method": "draft_model", "model": str(path), "num_speculative_tokens": 4}
     ours, llm = _generate(path, tripled, params, speculative_config=spec)
     assert llm.llm_engine.spec_decode.stats.num_accepted_tokens > 0
-    for (ids, text, reason), p, (ref_ids, ref_text, _) in zip(ours, params, [r for r in reference for _ in range(3)]):
+    for (ids, text, reason), p, (ref_ids, ref_text, _) in zip(
+        ours, params, [r for r in reference for _ in range(3)]
+    ):
         if p.stop_token_ids:
             assert reason == "stop" and ids == ref_ids[: ref_ids.index(p.stop_token_ids[0]) + 1]
         elif p.stop:
@@ -173,7 +177,9 @@ def test_other_backends_verify_drafts(tiny_qwen3_path, backend):
     spec = {"method": "draft_model", "model": str(tiny_qwen3_path), "num_speculative_tokens": 3}
     with platform:
         reference, _ = _generate(tiny_qwen3_path, prompts, params, attention_backend=backend)
-        ours, llm = _generate(tiny_qwen3_path, prompts, params, attention_backend=backend, speculative_config=spec)
+        ours, llm = _generate(
+            tiny_qwen3_path, prompts, params, attention_backend=backend, speculative_config=spec
+        )
     assert llm.llm_engine.attention_backend_name == backend
     assert ours == reference
     assert llm.llm_engine.spec_decode.stats.num_accepted_tokens > 0
@@ -187,9 +193,56 @@ def test_requests_that_cannot_speculate_decode_one_token_per_step(tiny_qwen3_pat
         SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, repetition_penalty=1.3),
     ]
     spec = {"method": "draft_model", "model": str(tiny_qwen3_path), "num_speculative_tokens": 3}
-    ours, llm = _generate(tiny_qwen3_path, prompts + prompts[:1], params + [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)], speculative_config=spec)
-    reference, _ = _generate(tiny_qwen3_path, prompts + prompts[:1], params + [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)])
+    ours, llm = _generate(
+        tiny_qwen3_path,
+        prompts + prompts[:1],
+        params + [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)],
+        speculative_config=spec,
+    )
+    reference, _ = _generate(
+        tiny_qwen3_path,
+        prompts + prompts[:1],
+        params + [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)],
+    )
     assert ours == reference
     stats = llm.llm_engine.spec_decode.stats
     assert stats.num_drafts > 0
     assert not llm.llm_engine.async_scheduling  # turned off, with a logged reason
+
+
+def test_acceptance_metrics_under_vllms_names(tiny_qwen3_path):
+    """LLM.get_metrics() and the server's Prometheus series carry vLLM's spec-decoding counters."""
+    from prometheus_client import CollectorRegistry
+
+    from kvllm.engine.metrics_reader import Counter, Vector
+    from kvllm.entrypoints.openai.metrics import IterationStats, PrometheusStatLogger
+
+    spec = {"method": "draft_model", "model": str(tiny_qwen3_path), "num_speculative_tokens": 3}
+    _, llm = _generate(
+        tiny_qwen3_path,
+        repetitive_prompts([5, 9], seed=11),
+        SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True),
+        speculative_config=spec,
+    )
+    stats = llm.llm_engine.spec_decode.stats
+    metrics = {m.name: m for m in llm.get_metrics() if m.name.startswith("vllm:spec_decode")}
+    assert isinstance(metrics["vllm:spec_decode_num_drafts"], Counter)
+    assert metrics["vllm:spec_decode_num_drafts"].value == stats.num_drafts > 0
+    assert metrics["vllm:spec_decode_num_draft_tokens"].value == stats.num_draft_tokens
+    assert metrics["vllm:spec_decode_num_accepted_tokens"].value == stats.num_accepted_tokens > 0
+    per_pos = metrics["vllm:spec_decode_num_accepted_tokens_per_pos"]
+    assert isinstance(per_pos, Vector) and per_pos.values == stats.num_accepted_tokens_per_pos
+
+    registry = CollectorRegistry()
+    logger = PrometheusStatLogger.for_engine(registry, "m", llm.llm_engine)
+    engine_stats = llm.llm_engine.stats()
+    logger.log(IterationStats(), engine_stats)
+    logger.log(IterationStats(), engine_stats)  # counters add increases only
+    value = registry.get_sample_value
+    labels = {"model_name": "m", "engine": "0"}
+    assert value("vllm:spec_decode_num_drafts_total", labels) == stats.num_drafts
+    assert value("vllm:spec_decode_num_accepted_tokens_total", labels) == stats.num_accepted_tokens
+    assert (
+        value("vllm:spec_decode_num_accepted_tokens_per_pos_total", {**labels, "position": "0"})
+        == (stats.num_accepted_tokens_per_pos[0])
+    )

@@ -24,7 +24,9 @@ PROMPT = [5, 17, 33, 5, 17, 33, 5, 17]
 
 @pytest.fixture(scope="module")
 def peaked_model(tmp_path_factory):
-    return model_factory.make_tiny_qwen3(tmp_path_factory.mktemp("peaked"), vocab_size=400, initializer_range=1.0)
+    return model_factory.make_tiny_qwen3(
+        tmp_path_factory.mktemp("peaked"), vocab_size=400, initializer_range=1.0
+    )
 
 
 def homogeneity_p_value(a: torch.Tensor, b: torch.Tensor) -> float:

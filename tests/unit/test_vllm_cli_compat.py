@@ -682,7 +682,7 @@ REFUSED_LINES: list[tuple[str, str]] = [
     ),
     (
         """vllm serve meta-llama/Meta-Llama-3-8B-Instruct --speculative-config '{"model": "yuhuili/EAGLE-LLaMA3-Instruct-8B", "num_speculative_tokens": 5}'""",
-        "speculative decoding (Medusa, EAGLE, n-gram, draft models) is not available",
+        "speculative_config.method='eagle': EAGLE heads are not available in this version of kvllm",
     ),
     ("vllm serve M --quantization fp8", "quantization='fp8'"),
     ("vllm serve M -q gptq", "quantization='gptq'"),
