@@ -13,9 +13,8 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 # Methods kvllm runs, and the ones vLLM has that kvllm does not (yet), with what to use instead.
-SUPPORTED_METHODS = ("ngram", "draft_model")
+SUPPORTED_METHODS = ("ngram", "draft_model", "medusa")
 UNAVAILABLE_METHODS = {
-    "medusa": "Medusa heads",
     "eagle": "EAGLE heads",
     "eagle3": "EAGLE-3 heads",
     "mlp_speculator": "MLP speculator heads",
@@ -112,7 +111,7 @@ class SpeculativeConfig:
             raise ValueError(
                 f"{name}.method={method!r}: {UNAVAILABLE_METHODS[method]} are not available in this version "
                 f"of kvllm; allowed methods: {', '.join(SUPPORTED_METHODS)} (n-gram prompt lookup needs no "
-                "weights; draft_model takes a small model with the target's tokenizer)"
+                "weights; draft_model takes a small model with the target's tokenizer; medusa takes Medusa heads)"
             )
         if method not in SUPPORTED_METHODS:
             raise ValueError(
@@ -139,10 +138,12 @@ class SpeculativeConfig:
                 raise ValueError(f"{name}: prompt_lookup_min={lo} must be <= prompt_lookup_max={hi}")
         else:
             if model is None:
-                raise ValueError(
-                    f"{name}.model is required with method 'draft_model': a model folder (or repo id) "
-                    "that kvllm loads, with the target model's tokenizer"
+                what = (
+                    "a folder of Medusa heads (FasterDecoding/Medusa's format)"
+                    if method == "medusa"
+                    else "a model folder (or repo id) that kvllm loads, with the target model's tokenizer"
                 )
+                raise ValueError(f"{name}.model is required with method {method!r}: {what}")
             if lo is not None or hi is not None:
                 raise ValueError(
                     f"{name}: prompt_lookup_min/prompt_lookup_max apply to method 'ngram' only, not {method!r}"

@@ -23,6 +23,7 @@ class SpecInputs:
     scheduled_indices: list[int]  # positions in `scheduled` of the S requests, in order
     num_drafts: list[int]  # k per request
     sample_positions: torch.Tensor  # int64 [S]: each request's row in the step's ordinary samples
+    query_starts: torch.Tensor  # int64 [S]: each request's first hidden row (its last known token)
     logits_indices: torch.Tensor  # int64 [D]: the hidden rows scoring the drafts, request-major
     draft_token_ids: torch.Tensor  # int64 [D]
     sampling_metadata: SamplingMetadata  # of the D draft rows (each request's row repeated)

@@ -424,6 +424,7 @@ class InputBatch:
             scheduled_indices=spec.tolist(),
             num_drafts=ks.tolist(),
             sample_positions=self._upload(sample_pos.astype(np.int64)),
+            query_starts=self._upload(cu[spec].astype(np.int64)),
             logits_indices=self._upload(hidden_rows.astype(np.int64)),
             draft_token_ids=self._upload(drafts),
             sampling_metadata=self._sampling_metadata(draft_rows, self._upload(draft_rows)),

@@ -25,6 +25,7 @@ from kvllm.platforms.interface import DeviceInfo
 from kvllm.sample.logprobs import position_logprobs
 from kvllm.sample.sampler import HostCopy, Sampler
 from kvllm.spec_decode.draft_model import DraftModelProposer
+from kvllm.spec_decode.medusa import MedusaProposer
 from kvllm.spec_decode.verify import PendingVerification, verify_drafts
 from kvllm.utils.dtypes import dtype_name, kv_cache_torch_dtype
 from kvllm.worker.cuda_graph import CudaGraphRunner, default_capture_sizes
@@ -131,9 +132,14 @@ class ModelRunner:
         self.max_num_reqs = 0
         self.sleep_state: SleepState | None = None
         self.drafter: DraftModelProposer | None = None
+        self.medusa: MedusaProposer | None = None
 
     def load_model(self) -> None:
         """Load the weights (seeded: dummy weights are drawn from torch's generator) and bind the backend."""
+        spec = self.args.speculative_config
+        if spec is not None and spec.method == "medusa" and self.medusa is None:  # its errors come first
+            mc = self.model_config
+            self.medusa = MedusaProposer(spec, mc.hidden_size, mc.vocab_size, mc.dtype, self.device)
         torch.manual_seed(self.args.seed)
         self.model = load_model(self.model_config, self.args.load_format, self.device)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention | MLAAttention)]
@@ -145,7 +151,6 @@ class ModelRunner:
                 layer.bind_backend(self.attn_backend, self.args.kv_cache_dtype, prefill_impl)
             else:
                 layer.bind_backend(self.attn_backend, self.args.kv_cache_dtype)
-        spec = self.args.speculative_config
         if spec is not None and spec.uses_draft_model and self.drafter is None:
             self.drafter = DraftModelProposer(
                 self.args, spec, self.model_config, self.device, self.attn_backend, self.block_size
@@ -341,6 +346,8 @@ class ModelRunner:
         drafts = None
         if self.drafter is not None:
             drafts = self._propose_drafts(step, inputs, sampled.token_ids, verification)
+        elif self.medusa is not None:
+            drafts = self._propose_medusa(inputs, hidden, verification)
         return PendingStepResult(
             inputs.sampling_request_indices,
             sampled.copy_to_host(),
@@ -348,6 +355,26 @@ class ModelRunner:
             verification=verification,
             draft_token_ids=drafts,
         )
+
+    def _propose_medusa(
+        self, inputs: ModelInputs, hidden: torch.Tensor, verification: PendingVerification | None
+    ) -> dict[int, list[int]]:
+        """The Medusa heads' drafts from the hidden state that gave each request's last emitted token:
+        its sampled row, or for a verified request the row after its accepted drafts."""
+        assert self.medusa is not None
+        num = len(inputs.sampling_request_indices)
+        if inputs.logits_indices is None:
+            rows = torch.arange(num, device=hidden.device)
+        else:
+            rows = inputs.logits_indices.clone()
+        if verification is not None:
+            spec = inputs.spec
+            assert spec is not None
+            rows.index_copy_(
+                0, spec.sample_positions, spec.query_starts + verification.device_output.num_accepted
+            )
+        drafts = self.medusa.propose(hidden.index_select(0, rows))
+        return dict(zip(inputs.sampling_request_indices, drafts))
 
     def _propose_drafts(
         self,

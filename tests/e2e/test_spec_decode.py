@@ -30,6 +30,8 @@ CASES = [
     ("ngram", "default"),
     ("draft_is_target", "default"),
     ("noisy_draft", "default"),
+    ("medusa", "default"),
+    ("medusa", "chunked_prefill"),
     ("ngram", "chunked_prefill"),
     ("noisy_draft", "chunked_prefill"),
     ("noisy_draft", "prefix_caching"),
@@ -56,8 +58,41 @@ def noisy_draft_path(tiny_qwen3_path, tmp_path_factory) -> Path:
     return path
 
 
-def _configs(target: Path, draft: Path) -> dict[str, dict]:
+def write_medusa_heads(path: Path, target: Path, num_heads: int = 4, prefix: str = "medusa_head.") -> Path:
+    """Random Medusa heads in FasterDecoding's format: one ResBlock each (small random weights) and a
+    vocabulary projection near the target's (tied) embedding, so the heads' drafts are sometimes right."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    embed = load_file(target / "model.safetensors")["model.embed_tokens.weight"]
+    vocab, hidden = embed.shape
+    generator = torch.Generator().manual_seed(2)
+    tensors = {}
+    for i in range(num_heads):
+        tensors[f"{prefix}{i}.0.linear.weight"] = 0.02 * torch.randn(hidden, hidden, generator=generator)
+        tensors[f"{prefix}{i}.0.linear.bias"] = 0.02 * torch.randn(hidden, generator=generator)
+        tensors[f"{prefix}{i}.1.weight"] = embed + 0.01 * torch.randn(vocab, hidden, generator=generator)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, path / "medusa_lm_head.safetensors")
+    config = {
+        "medusa_num_heads": num_heads,
+        "medusa_num_layers": 1,
+        "hidden_size": hidden,
+        "vocab_size": vocab,
+    }
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.fixture(scope="module")
+def medusa_heads_path(tiny_qwen3_path, tmp_path_factory) -> Path:
+    return write_medusa_heads(tmp_path_factory.mktemp("medusa"), tiny_qwen3_path)
+
+
+def _configs(target: Path, draft: Path, medusa: Path | None = None) -> dict[str, dict]:
     return {
+        "medusa": {"method": "medusa", "model": str(medusa), "num_speculative_tokens": 3},
         "ngram": NGRAM,
         "draft_is_target": {"method": "draft_model", "model": str(target), "num_speculative_tokens": 3},
         "noisy_draft": {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 4},
@@ -82,8 +117,10 @@ _REFERENCE: dict[str, list] = {}
 
 
 @pytest.mark.parametrize(("method", "mode"), CASES)
-def test_greedy_ids_equal_those_without_speculation(tiny_qwen3_path, noisy_draft_path, method, mode):
-    config = _configs(tiny_qwen3_path, noisy_draft_path)[method]
+def test_greedy_ids_equal_those_without_speculation(
+    tiny_qwen3_path, noisy_draft_path, medusa_heads_path, method, mode
+):
+    config = _configs(tiny_qwen3_path, noisy_draft_path, medusa_heads_path)[method]
     if mode == "preemption":  # 3 x 4 blocks of prompt fit the 14, their outputs do not
         prompts, max_tokens = repetitive_prompts([20, 20, 20], seed=3), [30, 28, 26]
     else:

@@ -312,22 +312,25 @@ def test_speculative_decoding_alias_names_the_fields_it_needs(qwen3_06b_shape, n
 
 
 @pytest.mark.parametrize(
-    "kwargs",
+    ("kwargs", "message"),
     [
-        {
-            "speculative_decoding": "medusa",
-            "speculative_config": {"num_speculative_tokens": 3, "model": "heads"},
-        },
-        {"speculative_config": {"method": "medusa", "num_speculative_tokens": 3}},
+        (
+            {
+                "speculative_decoding": "medusa",
+                "speculative_config": {"num_speculative_tokens": 3, "model": "heads"},
+            },
+            "speculative_config.model='heads': Medusa heads are read from a local folder with config.json",
+        ),
+        (
+            {"speculative_config": {"method": "medusa", "num_speculative_tokens": 3}},
+            "speculative_config.model is required with method 'medusa': a folder of Medusa heads",
+        ),
     ],
 )
-def test_medusa_is_not_available_yet(qwen3_06b_shape, kwargs, no_weights):
+def test_medusa_needs_its_heads(qwen3_06b_shape, kwargs, message, no_weights):
     with pytest.raises(ValueError) as exc:
         LLM(model=qwen3_06b_shape, enable_chunked_prefill=True, max_num_batched_tokens=4096, **kwargs)
-    assert (
-        "method='medusa': Medusa heads are not available in this version of kvllm; allowed methods: ngram, draft_model"
-        in str(exc.value)
-    )
+    assert message in str(exc.value)
 
 
 def test_speculative_decoding_alias_runs_ngram(qwen3_06b_shape):

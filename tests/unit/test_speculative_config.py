@@ -29,6 +29,17 @@ def test_ngram_defaults_follow_vllm():
     assert SpeculativeConfig.from_value({"model": "[ngram]", "num_speculative_tokens": 1}).method == "ngram"
 
 
+def test_a_medusa_or_eagle_name_gives_the_method_away():
+    config = SpeculativeConfig.from_value(
+        {"model": "FasterDecoding/medusa-vicuna-7b-v1.3", "num_speculative_tokens": 2}
+    )
+    assert config.method == "medusa"
+    with pytest.raises(ValueError, match="method='eagle': EAGLE heads are not available"):
+        SpeculativeConfig.from_value(
+            {"model": "yuhuili/EAGLE-LLaMA3-Instruct-8B", "num_speculative_tokens": 2}
+        )
+
+
 def test_a_model_without_a_method_is_a_draft_model():
     config = SpeculativeConfig.from_value('{"model": "/models/small", "num_speculative_tokens": 4}')
     assert (config.method, config.model, config.num_speculative_tokens) == ("draft_model", "/models/small", 4)
@@ -60,7 +71,7 @@ def test_the_cli_flag_parses_like_vllms(argv, expected):
         ({"method": "ngram", "num_speculative_tokens": True}, "num_speculative_tokens=True is not valid"),
         (
             {"method": "bogus", "num_speculative_tokens": 2},
-            "method='bogus' is not valid; allowed: ngram, draft_model",
+            "method='bogus' is not valid; allowed: ngram, draft_model, medusa",
         ),
         (
             {"method": "eagle3", "num_speculative_tokens": 2},
@@ -70,8 +81,10 @@ def test_the_cli_flag_parses_like_vllms(argv, expected):
             {"method": "mtp", "num_speculative_tokens": 2},
             "method='mtp': multi-token-prediction layers are not available",
         ),
-        ({"model": "FasterDecoding/medusa-vicuna-7b-v1.3", "num_speculative_tokens": 2}, "method='medusa'"),
-        ({"num_speculative_tokens": 2}, "needs 'method' (allowed: ngram, draft_model) or a draft 'model'"),
+        (
+            {"num_speculative_tokens": 2},
+            "needs 'method' (allowed: ngram, draft_model, medusa) or a draft 'model'",
+        ),
         ({"method": "draft_model", "num_speculative_tokens": 2}, "speculative_config.model is required"),
         (
             {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 2},
