@@ -287,7 +287,10 @@ class LLMEngine:
 
     def warm_up(self) -> WarmUpStats:
         """Run every eager-step kernel variant once (on a GPU this happens at start-up): see warm_up.py."""
-        return warm_up(self)
+        stats = warm_up(self)
+        if self.spec_decode is not None:  # the warm-up's drafts are not the user's
+            self.spec_decode.reset_stats()
+        return stats
 
     def reset_prefix_cache(self) -> bool:
         """Forget the cached prefixes; False (nothing done) while requests hold KV blocks."""

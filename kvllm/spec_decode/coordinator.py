@@ -91,6 +91,9 @@ class SpecDecodeCoordinator:
                 config.prompt_lookup_min, config.prompt_lookup_max, config.num_speculative_tokens
             )
 
+    def reset_stats(self) -> None:
+        self.stats = SpecDecodingStats(self.config.num_speculative_tokens)
+
     def max_drafts(self, request: Request) -> int:
         """Drafts worth verifying: each emits one token more than it accepts, so never past max_tokens,
         and their positions stay inside max_model_len."""
