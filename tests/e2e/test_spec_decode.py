@@ -283,3 +283,33 @@ def test_acceptance_metrics_under_vllms_names(tiny_qwen3_path):
         value("vllm:spec_decode_num_accepted_tokens_per_pos_total", {**labels, "position": "0"})
         == (stats.num_accepted_tokens_per_pos[0])
     )
+
+
+def test_speculation_beside_cuda_graph_decode_steps(tiny_qwen3_path, monkeypatch):
+    """N-gram steps without drafts run as (eagerly replayed) CUDA graphs, repeated ones through the
+    decode fast path; steps with drafts run eagerly between them. The ids are those without
+    speculation. (Medusa drafts on every decode, so it has no graph steps to mix.)"""
+    from kvllm.platforms import simulate_platform
+    from kvllm.worker import model_runner
+    from kvllm.worker.cuda_graph import CudaGraphRunner
+
+    monkeypatch.setattr(model_runner, "graphs_available", lambda device: True)
+    replays = []
+    real_replay = CudaGraphRunner.replay
+    monkeypatch.setattr(
+        CudaGraphRunner, "replay", lambda self, *a: replays.append(1) or real_replay(self, *a)
+    )
+    rng = random.Random(13)
+    # A prompt with nothing to look up at first, and one that repeats.
+    prompts = [[rng.randrange(3, 400) for _ in range(9)], repetitive_prompts([4], seed=13)[0]]
+    params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
+    kwargs = dict(attention_backend="TRITON_ATTN", cudagraph_capture_sizes=[1, 2, 4], max_model_len=64)
+    config = NGRAM
+    with simulate_platform("cuda", (9, 0)):
+        reference, _ = _generate(tiny_qwen3_path, prompts, params, **kwargs)
+        replays.clear()
+        ours, llm = _generate(tiny_qwen3_path, prompts, params, speculative_config=config, **kwargs)
+    assert replays, "no step of the speculative run was a graph replay"
+    assert llm.llm_engine.executor.worker.model_runner.input_batch.num_advanced_steps > 0
+    assert ours == reference
+    assert llm.llm_engine.spec_decode.stats.num_drafts > 0
