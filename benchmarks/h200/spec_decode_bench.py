@@ -89,6 +89,7 @@ def run_one(name: str, engine: str, model: str, output_len: int) -> dict[str, An
             generation_config="vllm",
             enable_prefix_caching=False,
             speculative_config=spec,
+            max_num_seqs=4,
         )
         version = vllm.__version__
     else:
@@ -111,6 +112,9 @@ def run_one(name: str, engine: str, model: str, output_len: int) -> dict[str, An
             max_model_len=4096 if torch.cuda.is_available() else 1024,
             enable_prefix_caching=False,
             speculative_config=spec,
+            # Batch 1 only: a small batch keeps start-up (graph capture, warm-up) short.
+            max_num_seqs=4,
+            cudagraph_capture_sizes=[1, 2, 4],
         )
         version = "kvllm"
     startup_s = time.perf_counter() - start
