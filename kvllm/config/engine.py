@@ -27,6 +27,7 @@ from kvllm.config.choices import (
 )
 from kvllm.config.pooler import CONVERTS, RUNNERS, PoolerConfig, check_runner
 from kvllm.config.sizes import AUTO
+from kvllm.config.speculative import SpeculativeConfig, resolve_speculative_config
 from kvllm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -154,16 +155,21 @@ class EngineArgs:
             aliases=("-q",),
         ),
     )
-    speculative_config: str | None = field(
+    speculative_config: SpeculativeConfig | dict[str, Any] | None = field(
         default=None,
         metadata=_help(
-            "Speculative decoding settings (vLLM's flag). Not available in this version.", aliases=("-sc",)
+            "Speculative decoding settings as JSON (vLLM's flag): "
+            '\'{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}\' or '
+            '\'{"method": "draft_model", "model": PATH, "num_speculative_tokens": 3}\'.',
+            aliases=("-sc",),
+            parse="json",
         ),
     )
     speculative_decoding: str | None = field(
         default=None,
         metadata=_help(
-            "Same as speculative_config (a name used by some guides). Not available in this version."
+            "A method name for speculative_config (a name used by some guides); the other settings "
+            "(num_speculative_tokens, model) come from speculative_config."
         ),
     )
     swap_space: float | None = field(
@@ -541,15 +547,9 @@ def _reject_unavailable_features(args: EngineArgs) -> None:
         from kvllm.config.quantization import canonical_method
 
         canonical_method(args.quantization)  # a ValueError naming what kvllm has
-    for name in ("speculative_config", "speculative_decoding"):
-        value = getattr(args, name)
-        if value is not None:
-            alias = " (vLLM's name for it is speculative_config)" if name == "speculative_decoding" else ""
-            raise ValueError(
-                f"{name}={value!r}: speculative decoding (Medusa, EAGLE, n-gram, draft models) is not "
-                f"available in this version of kvllm{alias}. Remove {name}; kvllm decodes one token per "
-                "sequence per step (tune throughput with max_num_seqs and max_num_batched_tokens)."
-            )
+    config = resolve_speculative_config(args.speculative_config, args.speculative_decoding)
+    object.__setattr__(args, "speculative_config", config)
+    object.__setattr__(args, "speculative_decoding", None)
 
 
 def _check_vllm_compat_fields(args: EngineArgs) -> None:

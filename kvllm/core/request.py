@@ -48,6 +48,8 @@ class Request:
     num_preemptions: int = 0
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks, see KVCacheManager
     generator: torch.Generator | None = None
+    # Draft tokens proposed for the next step (speculative decoding); the scheduler consumes them.
+    spec_token_ids: list[int] = field(default_factory=list)
     queued_time: float | None = None  # when the scheduler took it
     first_scheduled_time: float | None = None  # kept across preemptions, as in vLLM
     first_token_time: float | None = None  # when the step that sampled its first token finished

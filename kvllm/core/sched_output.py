@@ -17,11 +17,16 @@ from kvllm.core.request import Request
 
 @dataclass
 class ScheduledRequest:
-    """A request's part of the step: its next `num_new_tokens` tokens, over its blocks."""
+    """A request's part of the step: its next `num_new_tokens` tokens, over its blocks.
+
+    With speculative decoding a decode's tokens are its last token followed by `spec_token_ids`,
+    drafts to verify (num_new_tokens = 1 + len(spec_token_ids)); they are not the request's tokens
+    until accepted."""
 
     request: Request
     num_new_tokens: int
     block_ids: list[int]
+    spec_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -33,8 +33,13 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         enable_chunked_prefill: bool = True,
+        num_lookahead_tokens: int = 0,
+        max_model_len: int | None = None,
     ) -> None:
         self.kv = kv_cache_manager
+        # Slots beyond a request's scheduled tokens where a draft model writes its drafts' K/V.
+        self.num_lookahead_tokens = num_lookahead_tokens
+        self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -90,14 +95,20 @@ class Scheduler:
                 i += 1  # its last token is already being sampled
                 continue
             n = min(request.num_tokens + pending - request.num_computed_tokens, budget)
+            drafts, request.spec_token_ids = request.spec_token_ids, []
+            if drafts:  # a decode verifies its drafts as extra query tokens, as the budget allows
+                drafts = drafts[: budget - 1] if n == 1 and not pending else []
+                n += len(drafts)
             blocks = self.kv.get_block_ids(request.request_id)
             end = request.num_computed_tokens + n
             # Decode fast path: the slot exists and no block becomes full (nothing to allocate or hash).
-            if n == 1 and end <= len(blocks) * block_size and end % block_size:
+            if n == 1 and end + self.num_lookahead_tokens <= len(blocks) * block_size and end % block_size:
                 decodes.append(ScheduledRequest(request, 1, blocks))
                 budget -= 1
                 i += 1
                 continue
+            if drafts and not self.kv.can_allocate(request, n):
+                n, drafts = n - len(drafts), []  # drafts are not worth preempting for
             while not self.kv.can_allocate(request, n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -105,8 +116,8 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                self.kv.allocate(request, n)
-                item = ScheduledRequest(request, n, self.kv.get_block_ids(request.request_id))
+                self.kv.allocate(request, n + self._lookahead(request, n))
+                item = ScheduledRequest(request, n, self.kv.get_block_ids(request.request_id), drafts)
                 (decodes if n == 1 else prefills).append(item)
                 budget -= n
                 i += 1
@@ -136,7 +147,7 @@ class Scheduler:
             if request.num_preemptions == 0:
                 self.kv.record_prefix_lookup(request.num_tokens, num_cached_tokens)
                 request.num_cached_prompt_tokens = num_cached_tokens
-            self.kv.allocate(request, n, cached)
+            self.kv.allocate(request, n + self._lookahead(request, n, cached), cached)
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
@@ -150,7 +161,8 @@ class Scheduler:
         for item in out.scheduled:
             request = item.request
             request.num_computed_tokens += item.num_new_tokens
-            if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
+            num_known = request.num_tokens + request.num_output_placeholders + len(item.spec_token_ids)
+            if request.num_computed_tokens == num_known:
                 request.num_output_placeholders += 1
         if not out.scheduled:
             # An empty step is not run, so the worker hears of these with the next one.
@@ -167,6 +179,16 @@ class Scheduler:
             not r.num_output_placeholders or r.num_output_tokens + r.num_output_placeholders < r.max_tokens
             for r in self.running
         )
+
+    def _lookahead(self, request: Request, n: int, cached: list[int] = ()) -> int:
+        """Lookahead slots to allocate with the request's n tokens: all of them when the cache has room
+        (never preempting for them), within max_model_len's worth of blocks."""
+        extra = self.num_lookahead_tokens
+        if extra and self.max_model_len is not None:
+            extra = max(0, min(extra, self.max_model_len - request.num_computed_tokens - n))
+        if extra and self.kv.can_allocate(request, n + extra, cached):
+            return extra
+        return 0
 
     def _can_never_fit(self, request: Request) -> bool:
         """More tokens (counting those in flight) than the whole KV cache holds."""
@@ -188,12 +210,20 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
+        request.spec_token_ids = []
         self.kv.free(request)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
+
+    def reject_drafts(self, request: Request, num_rejected: int) -> None:
+        """Roll back the KV positions of a request's rejected drafts: they count as not computed, so the
+        next step's tokens overwrite their slots (the blocks stay with the request, which needs them
+        for those tokens; all of them return to the pool when it finishes)."""
+        if not request.is_finished:
+            request.num_computed_tokens -= num_rejected
 
     def finish_requests(self, requests: Iterable[Request]) -> None:
         """Free the requests the output side finished (stop, EOS, length) after a step."""

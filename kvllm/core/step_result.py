@@ -20,6 +20,11 @@ class StepResult:
     prompt_logprobs: dict[int, tuple[int, list[PositionLogprobs]]] = field(default_factory=dict)
     # Pooling runner: scheduled index -> the embedding (float32, CPU) of each prompt that ended this step.
     pooled: dict[int, Any] = field(default_factory=dict)
+    # Speculative decoding: scheduled index -> the tokens a request emits (its accepted drafts, then
+    # the recovered or bonus token), replacing its one sampled token.
+    spec_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    # Drafts for the next step proposed by a draft model (scheduled index -> draft token ids).
+    draft_token_ids: dict[int, list[int]] = field(default_factory=dict)
 
 
 class PendingStep(Protocol):

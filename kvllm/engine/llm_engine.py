@@ -25,6 +25,7 @@ from kvllm.outputs import RequestOutput
 from kvllm.platforms import resolve_device
 from kvllm.pooling_params import PoolingParams
 from kvllm.sampling_params import SamplingParams
+from kvllm.spec_decode.coordinator import SpecDecodeCoordinator, SpecDecodeCounts
 from kvllm.worker.sleep_mode import SLEEP_LEVELS, WAKE_UP_TAGS
 
 logger = logging.getLogger(__name__)
@@ -48,6 +49,7 @@ class EngineStats:
     num_preemptions: int
     num_blocks: int
     num_free_blocks: int
+    spec_decoding: SpecDecodeCounts | None = None  # with speculative decoding: acceptance counts
 
 
 class LLMEngine:
@@ -86,8 +88,26 @@ class LLMEngine:
         self.executor.initialize_kv_cache(num_blocks, args.max_num_seqs)
         self.block_size = self.executor.block_size
         self.kv_cache_manager = KVCacheManager(num_blocks, self.block_size, prefix_caching)
-        self.scheduler = Scheduler(self.kv_cache_manager, args.max_num_seqs, max_batched, chunked_prefill)
+        spec = args.speculative_config
+        self.scheduler = Scheduler(
+            self.kv_cache_manager,
+            args.max_num_seqs,
+            max_batched,
+            chunked_prefill,
+            num_lookahead_tokens=spec.num_speculative_tokens if spec and spec.uses_draft_model else 0,
+            max_model_len=self.model_config.max_model_len,
+        )
         self.async_scheduling = args.async_scheduling
+        self.spec_decode: SpecDecodeCoordinator | None = None
+        if args.speculative_config is not None:
+            self.spec_decode = SpecDecodeCoordinator(args.speculative_config, self.model_config.max_model_len)
+            if self.async_scheduling:
+                logger.info(
+                    "Overlapped (async) scheduling is off with speculative decoding: how many tokens a "
+                    "step emits is known only after its verification, and the next step's drafts and "
+                    "KV positions depend on it"
+                )
+                self.async_scheduling = False
         self._in_flight: tuple[SchedulerOutput, PendingStep] | None = None
         self.sleep_level = 0  # 0: awake; else the level of the last sleep() until wake_up() ends it
         self._log_cache_size(num_blocks)
@@ -258,13 +278,19 @@ class LLMEngine:
 
     def _update(self, plan: SchedulerOutput, pending: PendingStep) -> list[RequestOutput]:
         """Wait for a launched step's tokens, apply them, and free the requests they finished."""
-        outputs, finished = self.output_processor.process_step(plan, pending.result())
+        result = pending.result()
+        outputs, finished = self.output_processor.process_step(plan, result)
         self.scheduler.finish_requests(finished)
+        if self.spec_decode is not None:
+            self.spec_decode.after_step(plan, result, self.scheduler)
         return outputs
 
     def warm_up(self) -> WarmUpStats:
         """Run every eager-step kernel variant once (on a GPU this happens at start-up): see warm_up.py."""
-        return warm_up(self)
+        stats = warm_up(self)
+        if self.spec_decode is not None:  # the warm-up's drafts are not the user's
+            self.spec_decode.reset_stats()
+        return stats
 
     def reset_prefix_cache(self) -> bool:
         """Forget the cached prefixes; False (nothing done) while requests hold KV blocks."""
@@ -340,6 +366,7 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             num_blocks=kv.num_blocks,
             num_free_blocks=kv.num_free_blocks,
+            spec_decoding=self.spec_decode.stats.snapshot() if self.spec_decode is not None else None,
         )
 
     @property

@@ -42,7 +42,7 @@ class Counter(Metric):
 
 @dataclass
 class Vector(Metric):
-    """An ordered array of integer counters (vLLM's; kvllm reports none: it has no speculative decoding)."""
+    """An ordered array of integer counters (vllm:spec_decode_num_accepted_tokens_per_pos, by position)."""
 
     values: list[int]
 
@@ -149,6 +149,18 @@ def metrics_snapshot(
         metrics.append(
             Counter("vllm:request_success", {**labels, "finished_reason": reason}, counters.finished[reason])
         )
+    spec = stats.spec_decoding
+    if spec is not None:  # vLLM's series exist only with speculative decoding, as here
+        metrics += [
+            Counter("vllm:spec_decode_num_drafts", dict(labels), spec.num_drafts),
+            Counter("vllm:spec_decode_num_draft_tokens", dict(labels), spec.num_draft_tokens),
+            Counter("vllm:spec_decode_num_accepted_tokens", dict(labels), spec.num_accepted_tokens),
+            Vector(
+                "vllm:spec_decode_num_accepted_tokens_per_pos",
+                dict(labels),
+                list(spec.num_accepted_tokens_per_pos),
+            ),
+        ]
     metrics.append(counters.request_prompt_tokens.to_metric("vllm:request_prompt_tokens", labels))
     metrics.append(counters.request_generation_tokens.to_metric("vllm:request_generation_tokens", labels))
     return metrics

@@ -133,12 +133,19 @@ class OutputProcessor:
             if request.first_token_time is None:
                 request.first_token_time = now
             request.last_token_time = now
-            self._append_token(
-                seq,
-                sampled.token_ids[row],
-                None if logprobs is None else logprobs[row],
-                sampled.logprobs[row],
-            )
+            run = result.spec_token_ids.get(index)
+            if run is None:
+                self._append_token(
+                    seq,
+                    sampled.token_ids[row],
+                    None if logprobs is None else logprobs[row],
+                    sampled.logprobs[row],
+                )
+            else:  # verified drafts (no logprobs: requests asking for them do not speculate)
+                for token_id in run:
+                    self._append_token(seq, token_id, None, None)
+                    if request.finish_reason is not None:
+                        break  # a stop inside the run: nothing after it is emitted
             if request.finish_reason is not None:
                 finished.append(request)
             touched[parent.request_id] = parent

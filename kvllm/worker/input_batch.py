@@ -34,6 +34,7 @@ from kvllm.sample.metadata import (
 )
 from kvllm.sample.token_constraints import bad_word_table, logit_bias_arrays, logit_bias_inputs
 from kvllm.sampling_params import SamplingParams
+from kvllm.spec_decode.inputs import SpecInputs, output_slots, spec_layout
 from kvllm.worker.buffers import CpuGpuBuffer, Layout, StagingBuffer, upload_from_host
 from kvllm.worker.decode_advance import DecodeStepMemory, advance_decode
 
@@ -62,6 +63,7 @@ class ModelInputs:
     num_tokens: int  # real tokens (T); the padded count is attn_metadata.num_actual_tokens
     query_starts: np.ndarray  # per scheduled request: the position of its first token this step
     prompt_logprob_indices: list[int]  # scheduled requests that asked for prompt logprobs
+    spec: SpecInputs | None = None  # the drafts to verify (speculative decoding), if any
 
 
 class InputBatch:
@@ -128,12 +130,18 @@ class InputBatch:
         self.step_i32 = StagingBuffer(self._i32_layout.size, torch.int32, device)
         self.step_i64 = StagingBuffer(self._i64_layout.size, torch.int64, device)
         self.input_ids = torch.zeros(t, dtype=torch.int32, device=device)  # gathered each step, fixed address
-        # Block-table entries appended this step (flat index, block id) and prompts of new rows.
+        # Block-table entries appended this step (flat index, block id), and token ids to write into
+        # the token table (flat start, ids): prompts of new rows, drafts to verify.
         self._block_updates: list[tuple[np.ndarray, list[int]]] = []
         self._new_tokens: list[tuple[int, list[int]]] = []
         # The previous step, when it was a graph decode the next one may advance (decode_advance.py).
         self._last_decode: DecodeStepMemory | None = None
         self.num_advanced_steps = 0  # steps prepared by the fast path (tests and benchmarks read it)
+        # Speculative decoding (scheduled without overlap): how many tokens a step adds is known
+        # only after verification, so each step takes its rows' counts from the requests.
+        self.counts_from_requests = False
+        self._num_drafts: np.ndarray | None = None
+        self._drafts: list[int] = []  # this step's drafts, in step order
 
     # ---- row bookkeeping ------------------------------------------------------------------------
 
@@ -153,11 +161,23 @@ class InputBatch:
         rows = np.empty(num_reqs, dtype=np.int64)
         query_lens = np.empty(num_reqs, dtype=np.int64)
         states = self.states
+        self._num_drafts = None
+        self._drafts = []
         for i, item in enumerate(step.scheduled):
-            state = states.get(item.request.request_id)
+            request = item.request
+            state = states.get(request.request_id)
             if state is None:
-                state = self._add(item.request, item.num_new_tokens)
+                state = self._add(request, item.num_new_tokens)
+            elif self.counts_from_requests:
+                self.num_tokens[state.row] = request.num_tokens
+                self.num_computed[state.row] = request.num_computed_tokens - item.num_new_tokens
             row = state.row
+            if item.spec_token_ids:
+                if self._num_drafts is None:
+                    self._num_drafts = np.zeros(num_reqs, dtype=np.int64)
+                self._num_drafts[i] = len(item.spec_token_ids)
+                self._drafts += item.spec_token_ids
+                self._new_tokens.append((row * self.max_model_len + request.num_tokens, item.spec_token_ids))
             rows[i] = row
             query_lens[i] = item.num_new_tokens
             if len(item.block_ids) > self.num_blocks[row]:
@@ -169,7 +189,7 @@ class InputBatch:
             raise RuntimeError(f"input batch is full ({self.max_num_reqs} rows): max_num_seqs exceeded")
         row = self.free_rows.pop()
         tokens = request.all_token_ids
-        self._new_tokens.append((row, tokens))
+        self._new_tokens.append((row * self.max_model_len, tokens))
         self.num_tokens[row] = len(tokens)
         # The scheduler has already counted this step's chunk as computed.
         self.num_computed[row] = request.num_computed_tokens - num_new_tokens
@@ -243,12 +263,7 @@ class InputBatch:
     def _sync_rows_to_device(self) -> None:
         """Upload what changed in the rows since the last step (prompts, blocks, parameters)."""
         if self._new_tokens:
-            index = np.concatenate(
-                [
-                    np.arange(row * self.max_model_len, row * self.max_model_len + len(t))
-                    for row, t in self._new_tokens
-                ]
-            )
+            index = np.concatenate([np.arange(start, start + len(t)) for start, t in self._new_tokens])
             values = torch.tensor([x for _, t in self._new_tokens for x in t], dtype=torch.int32)
             self.token_ids.view(-1).index_copy_(
                 0,
@@ -325,7 +340,8 @@ class InputBatch:
             i32["positions"][num_tokens:padded] = 0
 
         # Only requests whose chunk reaches their last known token produce a next token.
-        samples_mask = seq_lens == self.num_tokens[rows]
+        num_drafts = self._num_drafts
+        samples_mask = (seq_lens if num_drafts is None else seq_lens - num_drafts) == self.num_tokens[rows]
         samples = np.flatnonzero(samples_mask)
         num_samples = len(samples)
         all_sample = num_samples == num_reqs and num_tokens == num_reqs
@@ -364,6 +380,9 @@ class InputBatch:
         if num_samples:
             index = dev64["rows"][:num_reqs] if all_sample else dev64["rows"][dev64["samples"][:num_samples]]
             sampling_metadata = self._sampling_metadata(sample_rows, index)
+        spec = None
+        if num_drafts is not None:
+            spec = self._spec_inputs(rows, num_drafts, cu[: num_reqs + 1].astype(np.int64), samples)
         # The step is launched: its tokens count as computed and its samples as known tokens (their
         # ids reach the device token table before the next step reads them; the host never needs them).
         self.num_computed[rows] += query_lens
@@ -388,6 +407,29 @@ class InputBatch:
             num_tokens=num_tokens,
             query_starts=starts,
             prompt_logprob_indices=np.flatnonzero(self.wants_prompt_logprobs[rows]).tolist(),
+            spec=spec,
+        )
+
+    def _spec_inputs(
+        self, rows: np.ndarray, num_drafts: np.ndarray, cu: np.ndarray, samples: np.ndarray
+    ) -> SpecInputs:
+        """The verification inputs of the requests with drafts (before their counts advance)."""
+        spec, sample_pos, hidden_rows = spec_layout(num_drafts, cu, samples)
+        ks = num_drafts[spec]
+        spec_rows = rows[spec]
+        draft_rows = np.repeat(spec_rows, ks)
+        drafts = np.asarray(self._drafts, dtype=np.int64)
+        slots, out_index = output_slots(spec_rows, self.num_tokens[spec_rows], ks, self.max_model_len)
+        return SpecInputs(
+            scheduled_indices=spec.tolist(),
+            num_drafts=ks.tolist(),
+            sample_positions=self._upload(sample_pos.astype(np.int64)),
+            query_starts=self._upload(cu[spec].astype(np.int64)),
+            logits_indices=self._upload(hidden_rows.astype(np.int64)),
+            draft_token_ids=self._upload(drafts),
+            sampling_metadata=self._sampling_metadata(draft_rows, self._upload(draft_rows)),
+            table_slots=self._upload(slots.astype(np.int64)),
+            output_index=self._upload(out_index.astype(np.int64)),
         )
 
     def _advance(self, rows: np.ndarray, query_lens: np.ndarray, pad_to: int | None) -> ModelInputs | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvllm.attention.backend import AttentionBackend
@@ -23,6 +24,9 @@ from kvllm.outputs import PositionLogprobs
 from kvllm.platforms.interface import DeviceInfo
 from kvllm.sample.logprobs import position_logprobs
 from kvllm.sample.sampler import HostCopy, Sampler
+from kvllm.spec_decode.draft_model import DraftModelProposer
+from kvllm.spec_decode.medusa import MedusaProposer
+from kvllm.spec_decode.verify import PendingVerification, verify_drafts
 from kvllm.utils.dtypes import dtype_name, kv_cache_torch_dtype
 from kvllm.worker.cuda_graph import CudaGraphRunner, default_capture_sizes
 from kvllm.worker.input_batch import InputBatch, ModelInputs
@@ -46,11 +50,21 @@ class PendingStepResult:
     copy: HostCopy | None
     prompt_logprobs: dict[int, tuple[int, list[PositionLogprobs]]]
     pooled: dict[int, torch.Tensor] | None = None  # pooling runner: scheduled index -> embedding
+    verification: PendingVerification | None = None
+    draft_token_ids: dict[int, list[int]] | None = None
 
     def result(self) -> StepResult:
         output = self.copy.wait() if self.copy is not None else None
         pooled = {i: v.cpu() for i, v in self.pooled.items()} if self.pooled else {}
-        return StepResult(self.request_indices, output, self.prompt_logprobs, pooled)
+        spec = self.verification.wait() if self.verification is not None else {}
+        return StepResult(
+            self.request_indices,
+            output,
+            self.prompt_logprobs,
+            pooled=pooled,
+            spec_token_ids=spec,
+            draft_token_ids=self.draft_token_ids or {},
+        )
 
 
 class ModelRunner:
@@ -117,9 +131,15 @@ class ModelRunner:
         self.num_blocks = 0
         self.max_num_reqs = 0
         self.sleep_state: SleepState | None = None
+        self.drafter: DraftModelProposer | None = None
+        self.medusa: MedusaProposer | None = None
 
     def load_model(self) -> None:
         """Load the weights (seeded: dummy weights are drawn from torch's generator) and bind the backend."""
+        spec = self.args.speculative_config
+        if spec is not None and spec.method == "medusa" and self.medusa is None:  # its errors come first
+            mc = self.model_config
+            self.medusa = MedusaProposer(spec, mc.hidden_size, mc.vocab_size, mc.dtype, self.device)
         torch.manual_seed(self.args.seed)
         self.model = load_model(self.model_config, self.args.load_format, self.device)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention | MLAAttention)]
@@ -131,6 +151,10 @@ class ModelRunner:
                 layer.bind_backend(self.attn_backend, self.args.kv_cache_dtype, prefill_impl)
             else:
                 layer.bind_backend(self.attn_backend, self.args.kv_cache_dtype)
+        if spec is not None and spec.uses_draft_model and self.drafter is None:
+            self.drafter = DraftModelProposer(
+                self.args, spec, self.model_config, self.device, self.attn_backend, self.block_size
+            )
 
     @torch.inference_mode()
     def profile_run(self, num_tokens: int, num_logits: int) -> None:
@@ -175,6 +199,10 @@ class ModelRunner:
             self.model_config.vocab_size,
             self.device,
         )
+        # Speculative decoding schedules without overlap: rows take their counts from the requests.
+        self.input_batch.counts_from_requests = self.args.speculative_config is not None
+        if self.drafter is not None:
+            self.drafter.initialize_kv_cache(num_blocks, max_num_reqs, max_num_tokens)
         if capture_sizes:
             self.graph_runner = CudaGraphRunner(
                 self.model,
@@ -256,6 +284,9 @@ class ModelRunner:
         if self.pooler is not None:
             logger.info("CUDA graphs off: the pooling runner runs prefill steps only, which run eagerly")
             return []
+        if self.drafter is not None:
+            logger.info("CUDA graphs off: the draft model runs on every step's tokens, eagerly")
+            return []
         support = self.attn_backend.cudagraph_support
         if support == "never":
             logger.info(
@@ -295,6 +326,8 @@ class ModelRunner:
             token_starts = inputs.attn_metadata.query_start_loc_cpu.tolist()
             pooled = self.pooler.pool(step, token_starts, inputs.query_starts.tolist(), hidden)
             return PendingStepResult([], None, {}, pooled)
+        if self.drafter is not None:
+            self.drafter.run_step_tokens(inputs.input_ids, inputs.positions, inputs.attn_metadata)
         prompt_logprobs = self._prompt_logprobs(step, inputs, hidden)
         if inputs.sampling_metadata is None:
             return PendingStepResult([], None, prompt_logprobs)
@@ -305,7 +338,74 @@ class ModelRunner:
         logits = self.model.compute_logits(sampled_hidden, upcast=False)
         sampled = self.sampler.sample(logits, inputs.sampling_metadata)
         self.input_batch.record_sampled_on_device(sampled.token_ids)
-        return PendingStepResult(inputs.sampling_request_indices, sampled.copy_to_host(), prompt_logprobs)
+        verification = None
+        if inputs.spec is not None:
+            verification = verify_drafts(
+                self.model, hidden, inputs.spec, sampled.token_ids, self.input_batch.token_ids
+            )
+        drafts = None
+        if self.drafter is not None:
+            drafts = self._propose_drafts(step, inputs, sampled.token_ids, verification)
+        elif self.medusa is not None:
+            drafts = self._propose_medusa(inputs, hidden, verification)
+        return PendingStepResult(
+            inputs.sampling_request_indices,
+            sampled.copy_to_host(),
+            prompt_logprobs,
+            verification=verification,
+            draft_token_ids=drafts,
+        )
+
+    def _propose_medusa(
+        self, inputs: ModelInputs, hidden: torch.Tensor, verification: PendingVerification | None
+    ) -> dict[int, list[int]]:
+        """The Medusa heads' drafts from the hidden state that gave each request's last emitted token:
+        its sampled row, or for a verified request the row after its accepted drafts."""
+        assert self.medusa is not None
+        num = len(inputs.sampling_request_indices)
+        if inputs.logits_indices is None:
+            rows = torch.arange(num, device=hidden.device)
+        else:
+            rows = inputs.logits_indices.clone()
+        if verification is not None:
+            spec = inputs.spec
+            assert spec is not None
+            rows.index_copy_(
+                0, spec.sample_positions, spec.query_starts + verification.device_output.num_accepted
+            )
+        drafts = self.medusa.propose(hidden.index_select(0, rows))
+        return dict(zip(inputs.sampling_request_indices, drafts))
+
+    def _propose_drafts(
+        self,
+        step: SchedulerOutput,
+        inputs: ModelInputs,
+        sampled_token_ids: torch.Tensor,
+        verification: PendingVerification | None,
+    ) -> dict[int, list[int]]:
+        """The draft model's next drafts for every request that sampled, from the token it emitted."""
+        assert self.drafter is not None and self.input_batch is not None
+        batch = self.input_batch
+        indices = inputs.sampling_request_indices
+        last = sampled_token_ids.clone()
+        accepted = np.zeros(len(indices), dtype=np.int64)
+        if verification is not None:
+            out = verification.device_output
+            spec = inputs.spec
+            assert spec is not None
+            emitted = out.token_ids.gather(1, out.num_accepted.unsqueeze(1)).squeeze(1)
+            last.index_copy_(0, spec.sample_positions, emitted)
+            sample_pos = spec.sample_positions.cpu().numpy()
+            accepted[sample_pos] = out.num_accepted.cpu().numpy()
+        requests = [step.scheduled[i].request for i in indices]
+        rows = np.array([batch.states[r.request_id].row for r in requests], dtype=np.int64)
+        # The emitted token's position: after the request's known tokens and its accepted drafts.
+        positions = np.array([r.num_tokens for r in requests], dtype=np.int64) + accepted
+        limits = np.minimum(batch.num_blocks[rows] * self.block_size, self.model_config.max_model_len)
+        drafts = self.drafter.propose(
+            last, positions, rows, limits, batch.block_table.np, batch.block_table.gpu, self.block_size
+        )
+        return dict(zip(indices, drafts))
 
     def _graph_size(self, step: SchedulerOutput) -> int | None:
         """The CUDA-graph size to pad this step to, or None to run it eagerly."""

@@ -299,15 +299,55 @@ def test_python_snippet_runs_with_cpu_attn(qwen3_06b_shape):
 # ---- seed 003, 3.2: LLM(enable_chunked_prefill=True, max_num_batched_tokens=4096, speculative_decoding="medusa")
 
 
-@pytest.mark.parametrize("name", ["speculative_decoding", "speculative_config"])
-def test_speculative_decoding_is_not_available(qwen3_06b_shape, name, no_weights):
-    value = "medusa" if name == "speculative_decoding" else {"method": "medusa", "num_speculative_tokens": 3}
+def test_speculative_decoding_alias_names_the_fields_it_needs(qwen3_06b_shape, no_weights):
     with pytest.raises(ValueError) as exc:
-        LLM(model=qwen3_06b_shape, enable_chunked_prefill=True, max_num_batched_tokens=4096, **{name: value})
+        LLM(
+            model=qwen3_06b_shape,
+            enable_chunked_prefill=True,
+            max_num_batched_tokens=4096,
+            speculative_decoding="medusa",
+        )
     assert (
-        f"{name}={value!r}: speculative decoding (Medusa, EAGLE, n-gram, draft models) is not available in "
-        "this version of kvllm" in str(exc.value)
+        "speculative_decoding='medusa' names a method only; it also needs num_speculative_tokens, model"
+        in str(exc.value)
     )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (
+            {
+                "speculative_decoding": "medusa",
+                "speculative_config": {"num_speculative_tokens": 3, "model": "heads"},
+            },
+            "speculative_config.model='heads': Medusa heads are read from a local folder with config.json",
+        ),
+        (
+            {"speculative_config": {"method": "medusa", "num_speculative_tokens": 3}},
+            "speculative_config.model is required with method 'medusa': a folder of Medusa heads",
+        ),
+    ],
+)
+def test_medusa_needs_its_heads(qwen3_06b_shape, kwargs, message, no_weights):
+    with pytest.raises(ValueError) as exc:
+        LLM(model=qwen3_06b_shape, enable_chunked_prefill=True, max_num_batched_tokens=4096, **kwargs)
+    assert message in str(exc.value)
+
+
+def test_speculative_decoding_alias_runs_ngram(qwen3_06b_shape):
+    llm = LLM(
+        model=qwen3_06b_shape,
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=4096,
+        max_model_len=256,
+        speculative_decoding="ngram",
+        speculative_config={"num_speculative_tokens": 2},
+        **SMALL,
+    )
+    config = llm.llm_engine.args.speculative_config
+    assert (config.method, config.num_speculative_tokens, config.prompt_lookup_max) == ("ngram", 2, 5)
+    generate_one(llm)
 
 
 def test_chunked_prefill_settings_without_speculation_run(qwen3_06b_shape):
@@ -322,9 +362,9 @@ def test_chunked_prefill_settings_without_speculation_run(qwen3_06b_shape):
     generate_one(llm)
 
 
-def test_cli_speculative_config_is_not_available(qwen3_06b_shape, capsys):
-    code, out = run_cli(capsys, "serve", qwen3_06b_shape, "--speculative-config", '{"method": "medusa"}')
-    assert code == 2 and "speculative decoding (Medusa, EAGLE, n-gram, draft models) is not available" in out
+def test_cli_speculative_config_names_what_is_missing(qwen3_06b_shape, capsys):
+    code, out = run_cli(capsys, "serve", qwen3_06b_shape, "--speculative-config", '{"method": "ngram"}')
+    assert code == 2 and "speculative_config.num_speculative_tokens is required" in out
 
 
 # ---- seed 003, 4.1: LLM(swap_space=16, gpu_memory_utilization=0.85)
@@ -576,7 +616,7 @@ DEFAULTS = EngineArgs()
         (["--quantization", "gguf"], "quantization='gguf' (a vLLM method kvllm does not have)"),
         (
             ["--speculative-decoding", "medusa"],
-            "speculative decoding (Medusa, EAGLE, n-gram, draft models) is not",
+            "speculative_decoding='medusa' names a method only; it also needs num_speculative_tokens, model",
         ),
         (["--num-heads", "32"], "--num-heads 32: the number of attention heads"),
         (["--head-dim", "128"], "--head-dim 128: the number of attention heads"),

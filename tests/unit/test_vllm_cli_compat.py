@@ -688,7 +688,7 @@ REFUSED_LINES: list[tuple[str, str]] = [
     ),
     (
         """vllm serve meta-llama/Meta-Llama-3-8B-Instruct --speculative-config '{"model": "yuhuili/EAGLE-LLaMA3-Instruct-8B", "num_speculative_tokens": 5}'""",
-        "speculative decoding (Medusa, EAGLE, n-gram, draft models) is not available",
+        "speculative_config.method='eagle': EAGLE heads are not available in this version of kvllm",
     ),
     ("vllm serve BAAI/bge-reranker-base --runner pooling --convert classify", "no classification"),
     ("vllm serve intfloat/e5-mistral-7b-instruct --task embed", "--task embed: vLLM 0.22 replaced --task"),

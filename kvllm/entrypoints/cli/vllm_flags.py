@@ -96,7 +96,10 @@ REASONING = (
     "kvllm does not split reasoning from the answer (no reasoning parsers): the whole output, "
     "thinking included, is in content"
 )
-SPECULATIVE = "speculative decoding is not available in kvllm; it decodes one token per sequence per step"
+SPECULATIVE = (
+    "kvllm takes speculative decoding settings as one JSON object: --speculative-config "
+    '\'{"method": "ngram", "num_speculative_tokens": 3}\''
+)
 QUANTIZATION = (
     "kvllm reads the quantization settings from the checkpoint's config.json (quantization_config); "
     "pick the method with --quantization"
@@ -412,7 +415,7 @@ ENGINE_FLAGS: dict[str, Verdict] = {
     "--enable-flashinfer-autotune": _off(KERNELS),
     "--moe-backend": _no(MOE),
     "--linear-backend": _no(KERNELS),
-    "--speculative-config": _field(SPECULATIVE),
+    "--speculative-config": SUPPORTED,
     "--spec-method": _no(SPECULATIVE),
     "--spec-model": _no(SPECULATIVE),
     "--spec-tokens": _no(SPECULATIVE),

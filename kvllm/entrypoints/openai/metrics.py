@@ -8,7 +8,8 @@ as vLLM labels them; `vllm:cache_config_info` carries vLLM's CacheConfig field n
 vLLM features kvllm lacks but whose true value is zero (KV-connector and multi-modal caches, deferred
 waiting requests) are exported, at zero, as vLLM exports them when those features are off. vLLM's
 spec-decoding (`vllm:spec_decode_*`) and KV-connector series are declared outside its v1/metrics and
-exist only with --speculative-config / --kv-transfer-config, features kvllm does not have.
+exist only with --speculative-config / --kv-transfer-config; kvllm exports the spec-decoding ones
+(drafts, draft tokens, accepted tokens, accepted tokens per position) when speculation is on.
 
 Counting follows vLLM's stats (vllm/v1/metrics/stats.py): a request's prompt tokens count when its
 first token arrives; the intervals come from RequestOutput.metrics' stamps: queue = queued -> first
@@ -37,6 +38,7 @@ from kvllm.engine.llm_engine import EngineStats, LLMEngine
 from kvllm.engine.metrics_reader import build_1_2_5_buckets
 from kvllm.logger import init_logger
 from kvllm.outputs import PoolingRequestOutput, RequestOutput
+from kvllm.spec_decode.coordinator import SpecDecodeCounts
 
 logger = init_logger(__name__)
 
@@ -364,6 +366,7 @@ class PrometheusStatLogger:
         )
         info.labels(*cache_config.values(), str(engine_index)).set(1)
         self._last_engine = EngineStats(0, 0, 0.0, 0, 0, 0, 0, 0)
+        self._spec: tuple[list[Counter], list[Counter]] | None = None
 
     @classmethod
     def for_engine(
@@ -387,6 +390,8 @@ class PrometheusStatLogger:
         self.prefix_queries.inc(max(0, stats.prefix_cache_queries - last.prefix_cache_queries))
         self.prefix_hits.inc(max(0, stats.prefix_cache_hits - last.prefix_cache_hits))
         self.preemptions.inc(max(0, stats.num_preemptions - last.num_preemptions))
+        if stats.spec_decoding is not None:
+            self._log_spec_decoding(stats.spec_decoding, last.spec_decoding)
         self._last_engine = stats
         self.prompt_tokens.inc(it.num_prompt_tokens)
         self.prompt_tokens_by_source["local_compute"].inc(it.num_prompt_tokens - it.num_cached_prompt_tokens)
@@ -404,6 +409,42 @@ class PrometheusStatLogger:
             self._success(reason).inc()  # a reason outside FINISH_REASONS gets its own series
         for finished in it.finished_requests:
             self._observe_finished(finished)
+
+    def _log_spec_decoding(self, now: SpecDecodeCounts, last: SpecDecodeCounts | None) -> None:
+        """vLLM's spec-decoding counters, created with the first step that has them."""
+        if self._spec is None:
+            labels = ["model_name", "engine"]
+            names = (
+                ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts."),
+                ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens."),
+                ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens."),
+            )
+            counters = [
+                Counter(n, d, labels, registry=self.registry).labels(*self._labelvalues) for n, d in names
+            ]
+            per_pos = Counter(
+                "vllm:spec_decode_num_accepted_tokens_per_pos",
+                "Accepted tokens per draft position.",
+                [*labels, "position"],
+                registry=self.registry,
+            )
+            positions = [
+                per_pos.labels(*self._labelvalues, str(j))
+                for j in range(len(now.num_accepted_tokens_per_pos))
+            ]
+            self._spec = (counters, positions)
+        counters, positions = self._spec
+        before = last or SpecDecodeCounts(0, 0, 0, (0,) * len(positions))
+        for counter, a, b in zip(
+            counters,
+            (now.num_drafts, now.num_draft_tokens, now.num_accepted_tokens),
+            (before.num_drafts, before.num_draft_tokens, before.num_accepted_tokens),
+        ):
+            counter.inc(max(0, a - b))
+        for counter, a, b in zip(
+            positions, now.num_accepted_tokens_per_pos, before.num_accepted_tokens_per_pos
+        ):
+            counter.inc(max(0, a - b))
 
     def _success(self, reason: str) -> Counter:
         return self._success_family.labels(*self._labelvalues, reason)

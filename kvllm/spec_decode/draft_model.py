@@ -1,0 +1,165 @@
+"""The draft-model proposer (vLLM's `draft_model` method): a smaller model with its own KV cache.
+
+The draft model shares the target's paged layout: the same block ids and block table, its own cache
+tensors (so a block holds the target's and the draft's K/V of the same tokens, and preemption,
+prefix caching and freeing apply to both at once). Each step it runs on the step's own tokens (so
+its cache follows the target's, drafts included; rejected positions are overwritten later, as the
+target's), then, for every request that sampled, k greedy decode steps from the token the step
+emitted give the next drafts. Greedy drafts are deterministic, so the rejection sampler verifies
+them with q one-hot: the output stays exactly the target's distribution. The scheduler allocates
+k lookahead slots per request for these steps when the cache has room; a request without them
+drafts fewer tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from kvllm.attention.backend import AttentionBackend
+from kvllm.attention.metadata import CommonAttentionMetadata, KVCacheSpec
+from kvllm.config.engine import EngineArgs
+from kvllm.config.speculative import SpeculativeConfig
+from kvllm.forward_context import set_forward_context
+from kvllm.layers.attention import Attention
+from kvllm.models.loader import load_model
+from kvllm.models.model_config import ModelConfig
+from kvllm.utils.dtypes import kv_cache_torch_dtype
+
+logger = logging.getLogger(__name__)
+
+
+class DraftModelProposer:
+    """Loads the draft model and proposes k tokens per request from it (worker side)."""
+
+    def __init__(
+        self,
+        args: EngineArgs,
+        config: SpeculativeConfig,
+        target: ModelConfig,
+        device: torch.device,
+        attn_backend: type[AttentionBackend],
+        block_size: int,
+    ) -> None:
+        self.k = config.num_speculative_tokens
+        self.device = device
+        self.attn_backend = attn_backend
+        draft_args = args.with_changes(
+            model=config.model,
+            tokenizer=None,
+            revision=config.revision,
+            max_model_len=target.max_model_len,
+            speculative_config=None,
+            hf_overrides=None,
+        )
+        try:
+            self.model_config = ModelConfig.from_engine_args(draft_args, device)
+        except ValueError as exc:
+            raise ValueError(f"speculative_config.model={config.model!r}: {exc}") from exc
+        if self.model_config.vocab_size != target.vocab_size:
+            raise ValueError(
+                f"speculative_config.model={config.model!r} has a vocabulary of {self.model_config.vocab_size} "
+                f"tokens, the target {target.vocab_size}; a draft model must share the target's tokenizer"
+            )
+        torch.manual_seed(args.seed)  # dummy weights: the target's own when the draft is the target
+        self.model = load_model(self.model_config, args.load_format, device)
+        self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        for layer in self.attention_layers:
+            layer.bind_backend(attn_backend, args.kv_cache_dtype)
+        self.kv_cache_spec = KVCacheSpec(
+            block_size=block_size,
+            num_kv_heads=self.model_config.num_kv_heads,
+            head_size=self.model_config.head_size,
+            dtype=kv_cache_torch_dtype(args.kv_cache_dtype, self.model_config.dtype),
+            kv_cache_dtype=args.kv_cache_dtype,
+        )
+        self.builder = None
+        logger.info(
+            "Draft model %s (%d layers) proposes %d tokens per step",
+            self.model_config.model,
+            self.model_config.num_hidden_layers,
+            self.k,
+        )
+
+    def bytes_per_block(self) -> int:
+        return self.kv_cache_spec.page_size_bytes * len(self.attention_layers)
+
+    def initialize_kv_cache(self, num_blocks: int, max_num_reqs: int, max_num_tokens: int) -> None:
+        spec = self.kv_cache_spec
+        shape = self.attn_backend.get_kv_cache_shape(
+            num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size
+        )
+        for layer in self.attention_layers:
+            layer.kv_cache = torch.zeros(shape, dtype=spec.dtype, device=self.device)
+        self.builder = self.attn_backend.get_builder_cls()(
+            self.attn_backend,
+            spec,
+            self.device,
+            max_num_reqs,
+            max_num_tokens,
+            self.model_config.max_model_len,
+        )
+
+    def run_step_tokens(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, common: CommonAttentionMetadata
+    ) -> None:
+        """The step's own tokens through the draft model: its KV cache follows the target's."""
+        with set_forward_context(self.builder.build(common)):
+            self.model(input_ids, positions)
+
+    def propose(
+        self,
+        last_token_ids: torch.Tensor,
+        positions: np.ndarray,
+        rows: np.ndarray,
+        limits: np.ndarray,
+        block_table: np.ndarray,
+        block_table_gpu: torch.Tensor,
+        block_size: int,
+    ) -> list[list[int]]:
+        """Up to k greedy drafts per request: request r's token `last_token_ids[r]` sits at position
+        `positions[r]` of its row; its slots end before position `limits[r]` (allocated blocks and
+        max_model_len), so it drafts at most limits[r] - positions[r] tokens."""
+        num = len(rows)
+        out = torch.full((num, self.k), -1, dtype=torch.int64, device=self.device)
+        counts = np.zeros(num, dtype=np.int64)
+        active = np.arange(num)
+        ids = last_token_ids.long()
+        for j in range(self.k):
+            keep = positions[active] + j < limits[active]
+            if not keep.all():
+                ids = ids[torch.from_numpy(np.flatnonzero(keep)).to(self.device)]
+                active = active[keep]
+            if not len(active):
+                break
+            n = len(active)
+            pos = positions[active] + j
+            act_rows = rows[active]
+            slots = block_table[act_rows, pos // block_size].astype(np.int64) * block_size + pos % block_size
+            seq_lens = (pos + 1).astype(np.int32)
+            qsl = torch.arange(n + 1, dtype=torch.int32)
+            common = CommonAttentionMetadata(
+                num_reqs=n,
+                num_actual_tokens=n,
+                num_decodes=n,
+                num_decode_tokens=n,
+                query_start_loc=qsl.to(self.device),
+                query_start_loc_cpu=qsl,
+                seq_lens=torch.from_numpy(seq_lens).to(self.device),
+                seq_lens_cpu=torch.from_numpy(seq_lens),
+                max_query_len=1,
+                max_seq_len=int(seq_lens.max()),
+                block_table=block_table_gpu[
+                    torch.from_numpy(act_rows).to(self.device), : int(pos.max()) // block_size + 1
+                ],
+                slot_mapping=torch.from_numpy(slots).to(self.device),
+            )
+            with set_forward_context(self.builder.build(common)):
+                hidden = self.model(ids, torch.from_numpy(pos.astype(np.int32)).to(self.device))
+            ids = self.model.compute_logits(hidden[:n]).argmax(dim=-1)
+            out[torch.from_numpy(active).to(self.device), j] = ids
+            counts[active] += 1
+        host = out.tolist()
+        return [row[:c] for row, c in zip(host, counts.tolist())]

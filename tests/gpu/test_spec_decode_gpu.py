@@ -1,0 +1,48 @@
+"""On a CUDA GPU: speculative decoding gives the greedy ids of plain decoding (CUDA graphs on for the
+steps without drafts), and sampling with drafts runs through the fused sampler and the rejection
+sampler on the device."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvllm import LLM, SamplingParams
+from tests.e2e.test_spec_decode import repetitive_prompts
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+def _run(path, params, **kwargs):
+    llm = LLM(str(path), dtype="float32", seed=0, **kwargs)
+    prompts = repetitive_prompts([3, 17, 40, 90], seed=12)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    stats = llm.llm_engine.stats()
+    assert stats.num_free_blocks == stats.num_blocks
+    return [o.outputs[0].token_ids for o in outs], llm
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_greedy_ids_equal_plain_decoding_on_the_gpu(tiny_qwen3_path, method):
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    config = {"method": method, "num_speculative_tokens": 3}
+    config.update(
+        {"prompt_lookup_min": 1, "prompt_lookup_max": 3}
+        if method == "ngram"
+        else {"model": str(tiny_qwen3_path)}
+    )
+    reference, plain = _run(tiny_qwen3_path, params)
+    ours, llm = _run(tiny_qwen3_path, params, speculative_config=config)
+    assert ours == reference
+    assert llm.llm_engine.spec_decode.stats.num_accepted_tokens > 0
+    assert plain.llm_engine.executor.worker.model_runner.graph_runner is not None
+
+
+def test_sampling_with_drafts_runs_on_the_device(tiny_qwen3_path):
+    params = SamplingParams(temperature=1.0, max_tokens=32, ignore_eos=True, seed=3)
+    config = {"method": "draft_model", "model": str(tiny_qwen3_path), "num_speculative_tokens": 3}
+    first, llm = _run(tiny_qwen3_path, params, speculative_config=config)
+    again, _ = _run(tiny_qwen3_path, params, speculative_config=config)
+    assert first == again  # per-request seeds make speculative sampling reproducible
+    stats = llm.llm_engine.spec_decode.stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
