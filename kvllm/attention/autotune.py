@@ -176,10 +176,14 @@ def autotune_attention_backend(
     timer: Timer | None = None,
     time_cap_s: float = DEFAULT_TIME_CAP_S,
     use_cache: bool = True,
+    refresh: bool = False,
     cache_dir: Path | None = None,
     versions: dict[str, str | None] | None = None,
 ) -> TuneResult:
-    """Time every valid backend on `model`'s shapes and pick the fastest (or read the cached table)."""
+    """Time every valid backend on `model`'s shapes and pick the fastest (or read the cached table).
+
+    `use_cache=False` neither reads nor writes the cache; `refresh=True` times again and overwrites it.
+    """
     import torch
 
     from kvllm.platforms import is_simulated
@@ -208,7 +212,7 @@ def autotune_attention_backend(
         "valid_backends": {n: registry.backend_path(n) for n in valid},
         "versions": versions if versions is not None else autotune_cache.library_versions(),
     }
-    if use_cache:
+    if use_cache and not refresh:
         entry = autotune_cache.load(key, cache_dir)
         if entry is not None and entry.get("chosen") in valid:
             result = TuneResult(

@@ -7,6 +7,7 @@ are checked against the float32 reference before they are "timed".
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -188,3 +189,9 @@ def test_backends_tune_prints_the_table(tmp_path: Path, tiny_qwen3_path: Path, m
     assert "Attention auto-tune (timed now)" in first and "<- chosen" in first and "TRITON_ATTN" in first
     assert main(cmd) == 0
     assert "Attention auto-tune (from the cache" in capsys.readouterr().out
+    table = tmp_path / "tune.json"
+    assert main([*cmd, "--retune", "--tune-json", str(table)]) == 0
+    assert "Attention auto-tune (timed now)" in capsys.readouterr().out
+    report = json.loads(table.read_text())
+    assert report["chosen"] in ("CPU_ATTN", "FLEX_ATTENTION") and not report["from_cache"]
+    assert {r["backend"]: r["status"] for r in report["rows"]}["TRITON_ATTN"] == "invalid"

@@ -9,6 +9,8 @@ another machine.
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 from typing import Any
 
 from kvllm.attention import registry
@@ -53,8 +55,9 @@ def register(subparsers: Any) -> None:
         help="Hard cap on the timing run (default: the engine's).",
     )
     tune.add_argument(
-        "--no-tune-cache", action="store_true", help="Time again even if a cached table exists."
+        "--retune", action="store_true", help="Time again even if a cached table exists (and overwrite it)."
     )
+    tune.add_argument("--tune-json", metavar="PATH", help="Also write the table as JSON to PATH.")
     parser.set_defaults(dispatch=run)
 
 
@@ -164,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
     if args.tune or is_auto_tune(engine_args.backend):
         if args.platform is not None or args.capability is not None:
             raise ValueError("--tune times backends on this machine; leave out --platform/--capability")
-        return run_tune(engine_args, args.tune_time_cap, not args.no_tune_cache)
+        return run_tune(engine_args, args.tune_time_cap, args.retune, args.tune_json)
     device = resolve_device(args.platform, args.capability)
     model = resolve_model(engine_args.model)
     hf_config = load_hf_config(model, engine_args.trust_remote_code, engine_args.revision)
@@ -189,11 +192,12 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_tune(engine_args: Any, time_cap_s: float | None, use_cache: bool) -> int:
+def run_tune(engine_args: Any, time_cap_s: float | None, retune: bool, json_path: str | None) -> int:
     """`kvllm backends --tune`: the auto-tune table for the model on this machine (exit 1: nothing valid)."""
     from kvllm.attention.autotune import (
         DEFAULT_TIME_CAP_S,
         autotune_attention_backend,
+        machine_name,
         model_shapes_from_engine,
     )
     from kvllm.engine.llm_engine import DEFAULT_MAX_NUM_BATCHED_TOKENS
@@ -224,11 +228,15 @@ def run_tune(engine_args: Any, time_cap_s: float | None, use_cache: bool) -> int
     try:
         result = autotune_attention_backend(
             config, device_info, shapes, device,
-            time_cap_s=DEFAULT_TIME_CAP_S if time_cap_s is None else time_cap_s, use_cache=use_cache,
+            time_cap_s=DEFAULT_TIME_CAP_S if time_cap_s is None else time_cap_s, refresh=retune,
         )  # fmt: skip
     except ValueError as exc:
         print(f"auto-tune: {exc}")
         return 1
     print(f"Model: {model_config.model}\nAttention needs: {config}\n")
     print(result.format_table())
+    if json_path:
+        report = {"model": model_config.model, "config": str(config), "device": machine_name(device),
+                  **result.to_json()}  # fmt: skip
+        Path(json_path).write_text(json.dumps(report, indent=1))
     return 0
