@@ -3,7 +3,8 @@
 #   1. FLASHINFER conformance walk (declared + implemented-but-undeclared cases, 5 processes by
 #      FlashInfer compile group, in the background) and FlashInfer 0.5.3's sink kernels on SM 9.0;
 #   2. FLEX_ATTENTION beside torch's own compiled FlexAttention and SDPA: decode 256 x 1k (TB/s,
-#      target >= 2.5) and prefill 8 x 2048 causal (TFLOP/s, target >= 250);
+#      target >= 2.5) and prefill 8 x 2048 causal (TFLOP/s, target >= 250),
+#      and FLEX_ATTENTION's GPU tests (its new decode path included);
 #   3. auto-tune on Qwen3-0.6B's shapes (16 q / 8 kv heads of 128, bf16), twice: timed, then the cache hit;
 #   4. FLASH_ATTN conformance walk (every declared case) and probes (FA4 fp8 KV on SM 9.0; which
 #      FlashAttention builds load beside this torch), beside the bf16 greedy test judged against HF
@@ -50,7 +51,7 @@ else
 fi
 
 # 2. FLEX_ATTENTION vs torch's compiled FlexAttention (and SDPA), the issue's two shapes.
-PYTHONPATH=. timeout 80 python3 -m kvllm.benchmarks.attention --backends FLEX_ATTENTION --peers flex,sdpa \
+PYTHONPATH=. timeout 75 python3 -m kvllm.benchmarks.attention --backends FLEX_ATTENTION --peers flex,sdpa \
   --only-shapes --shape "decode b256 x ctx1k:256x1@1023" --shape "prefill 8x2048 causal:8x2048@0" --rep-ms 100 \
   --output-json "$out/flex-bench.json" > "$out/flex-bench.log" 2>&1
 since "FLEX bench (exit $?)"
@@ -68,8 +69,8 @@ J
 export KVLLM_CACHE_DIR=/tmp/kvllm-autotune-cache
 for run in 1 2; do
   extra=(); [ $run = 1 ] && extra=(--retune)
-  PYTHONPATH=$TUNE_PATH timeout $(( run == 1 ? 50 : 25 )) python3 -m kvllm.entrypoints.cli.main backends $q06 --tune "${extra[@]}" \
-    --dtype bfloat16 --max-model-len 8192 --tune-time-cap 30 --tune-json "$out/autotune-$run.json" \
+  PYTHONPATH=$TUNE_PATH timeout $(( run == 1 ? 45 : 25 )) python3 -m kvllm.entrypoints.cli.main backends $q06 --tune "${extra[@]}" \
+    --dtype bfloat16 --max-model-len 8192 --tune-time-cap 25 --tune-json "$out/autotune-$run.json" \
     > "$out/autotune-$run.log" 2>&1
   since "auto-tune run $run (exit $?): $(grep -m1 '^Chosen' "$out/autotune-$run.log")"
 done
@@ -79,6 +80,9 @@ done
 KVLLM_GPU_REPORT_DIR=$out PYTHONPATH=$TUNE_PATH timeout 65 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
   tests/gpu/test_engine_cuda.py -k "not FLASHINFER" > "$out/greedy-bf16-vs-fp32.log" 2>&1 &
 greedy_pid=$!
+PYTHONPATH=. timeout 100 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/gpu/test_flex_attention_gpu.py \
+  -k "decode_only" > "$out/pytest-flex-decode.log" 2>&1 &
+flex_pid=$!
 if [ $fa_ok = 1 ]; then
   PYTHONPATH=$FA_PATH timeout 65 python3 $WALK flash_attn --out "$out" --deadline-s 50 > "$out/walk-flash_attn.log" 2>&1
   since "FLASH_ATTN walk (exit $?): $(grep -c '"pass"' "$out/walk-flash_attn.jsonl" 2>/dev/null) passed"
@@ -86,6 +90,7 @@ else
   skip flash_attn "flash_attn.cute not importable (stage .stage1 then .stage2): $(tail -n 1 "$out/fa-import.log")"
 fi
 wait $greedy_pid; since "greedy bf16 vs fp32: $(tail -n 1 "$out/greedy-bf16-vs-fp32.log")"
+wait $flex_pid; since "FLEX_ATTENTION decode-path GPU tests: $(tail -n 1 "$out/pytest-flex-decode.log")"
 
 # 5. Wait for the FlashInfer walk, then the summaries.
 for pid in "${fi_pids[@]}"; do wait "$pid"; done

@@ -16,6 +16,9 @@ class FlexAttentionBackend(AttentionBackend):
     The KV "sequence" the kernel sees is the whole physical cache (num_blocks * block_size
     slots); a BlockMask built from the block tables tells it which pages each group of 16 query
     tokens touches, and a mask_mod maps every physical slot back to (request, position).
+    Decode-only steps on CUDA take FlexAttention's decoding kernel instead: a batch of one-token
+    queries over a decode-shaped BlockMask kept in the builder and updated on the device in place
+    (flex_attention_decode), shared by every layer and step.
     Capabilities below are what tests/kernels/test_flex_attention.py (CPU) and
     tests/gpu/test_flex_attention_gpu.py (CUDA) check against the float32 reference.
     """
