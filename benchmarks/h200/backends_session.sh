@@ -4,7 +4,7 @@
 #      FlashInfer compile group, in the background) and FlashInfer 0.5.3's sink kernels on SM 9.0;
 #   2. FLEX_ATTENTION beside torch's own compiled FlexAttention and SDPA: decode 256 x 1k (TB/s,
 #      target >= 2.5) and prefill 8 x 2048 causal (TFLOP/s, target >= 250),
-#      and FLEX_ATTENTION's GPU tests (its new decode path included);
+#      and FLEX_ATTENTION's GPU tests of its decode and fresh-prefill paths;
 #   3. auto-tune on Qwen3-0.6B's shapes (16 q / 8 kv heads of 128, bf16), twice: timed, then the cache hit;
 #   4. FLASH_ATTN conformance walk (every declared case) and probes (FA4 fp8 KV on SM 9.0; which
 #      FlashAttention builds load beside this torch), beside the bf16 greedy test judged against HF
@@ -81,7 +81,7 @@ KVLLM_GPU_REPORT_DIR=$out PYTHONPATH=$TUNE_PATH timeout 65 python3 -m pytest -q 
   tests/gpu/test_engine_cuda.py -k "not FLASHINFER" > "$out/greedy-bf16-vs-fp32.log" 2>&1 &
 greedy_pid=$!
 PYTHONPATH=. timeout 100 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/gpu/test_flex_attention_gpu.py \
-  -k "decode_only" > "$out/pytest-flex-decode.log" 2>&1 &
+  -k "decode_only or fresh or compile_count" > "$out/pytest-flex-decode.log" 2>&1 &
 flex_pid=$!
 if [ $fa_ok = 1 ]; then
   PYTHONPATH=$FA_PATH timeout 65 python3 $WALK flash_attn --out "$out" --deadline-s 50 > "$out/walk-flash_attn.log" 2>&1
@@ -90,7 +90,7 @@ else
   skip flash_attn "flash_attn.cute not importable (stage .stage1 then .stage2): $(tail -n 1 "$out/fa-import.log")"
 fi
 wait $greedy_pid; since "greedy bf16 vs fp32: $(tail -n 1 "$out/greedy-bf16-vs-fp32.log")"
-wait $flex_pid; since "FLEX_ATTENTION decode-path GPU tests: $(tail -n 1 "$out/pytest-flex-decode.log")"
+wait $flex_pid; since "FLEX_ATTENTION split-path GPU tests: $(tail -n 1 "$out/pytest-flex-decode.log")"
 
 # 5. Wait for the FlashInfer walk, then the summaries.
 for pid in "${fi_pids[@]}"; do wait "$pid"; done

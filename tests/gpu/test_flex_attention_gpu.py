@@ -22,6 +22,7 @@ from kvllm.attention.backend import AttentionSelectorConfig
 from kvllm.attention.backends import flex_attention_impl as flex
 from kvllm.attention.backends.flex_attention import FlexAttentionBackend as Backend
 from kvllm.attention.backends.flex_attention_decode import decode_bucket
+from kvllm.attention.backends.flex_attention_prefill import padded_length
 from kvllm.attention.metadata import KVCacheSpec
 from kvllm.attention.reference import PagedBatch, make_paged_batch
 from kvllm.attention.testing import make_builder, make_impl
@@ -152,6 +153,22 @@ def test_decode_only_steps_take_the_decoding_kernel(block_size: int, feature: st
     check(out, batch.reference(128**-0.5, sliding_window=window, logits_soft_cap=soft_cap), torch.bfloat16)
 
 
+@pytest.mark.parametrize(
+    ("block_size", "feature", "num_kv_heads"),
+    [(16, "plain", 8), (16, "window", 2), (16, "soft_cap", 8), (64, "plain", 2)],
+)
+def test_fresh_prefills_beside_decodes(block_size: int, feature: str, num_kv_heads: int) -> None:
+    """Decodes first, then prompts with nothing cached: the decoding kernel and the packed
+    fresh-prefill kernel over the step's own K/V (tiles crossing prompt boundaries included)."""
+    window = 100 if feature == "window" else None
+    soft_cap = SOFT_CAP if feature == "soft_cap" else None
+    query_lens, context_lens = [1] * 5 + [37, 300, 129], [0, 15, 80, 130, 255, 0, 0, 0]
+    batch = make_paged_batch(query_lens, context_lens, 16, num_kv_heads, 128, block_size, torch.bfloat16, DEVICE,
+                             seed=8)  # fmt: skip
+    out = run(batch, 16, num_kv_heads, 128, torch.bfloat16, window=window, soft_cap=soft_cap)
+    check(out, batch.reference(128**-0.5, sliding_window=window, logits_soft_cap=soft_cap), torch.bfloat16)
+
+
 @pytest.mark.parametrize("window", [None, 8])
 def test_encoder_only(window: int | None) -> None:
     validate(64, torch.bfloat16, None, attn_type="encoder_only", use_non_causal=True)
@@ -196,11 +213,14 @@ def test_compile_count_over_decode_steps() -> None:
         out = impl.forward(
             None, batch.query, batch.new_keys, batch.new_values, kv_cache, builder.build(batch.metadata)
         )
-        # Decode-only steps take the decoding kernel, compiled once per padded batch size.
-        decode_only = len(query_lens) == num_decodes
-        buckets.add(
-            ("decode", decode_bucket(num_decodes)) if decode_only else flex.query_bucket(sum(query_lens))
-        )
+        # Split steps (decodes, then fresh prefills only) compile once per padded decode batch and
+        # per padded prefill length; the others once per padded query length.
+        if all(c == 0 for c in context_lens[num_decodes:]):
+            buckets.add(("decode", decode_bucket(num_decodes)))
+            if len(query_lens) > num_decodes:
+                buckets.add(("fresh", padded_length(sum(query_lens[num_decodes:]))))
+        else:
+            buckets.add(flex.query_bucket(sum(query_lens)))
         if step % 5 == 0:
             check(out, batch.reference(head_size**-0.5, sliding_window=WINDOW), torch.bfloat16)
     assert not flex.compile_failures(), flex.compile_failures()

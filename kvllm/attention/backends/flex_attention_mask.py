@@ -51,8 +51,12 @@ class FlexAttentionMetadata:
     seq_lens: torch.Tensor  # int32 [pad_req + 1]; 0 past num_reqs
     write_tokens: torch.Tensor  # int64: query tokens whose K/V go into the cache (slot >= 0)
     write_slots: torch.Tensor  # int64: their slots
-    # Set on decode-only steps: the builder's persistent decode masks (flex_attention_decode).
+    # Split steps (decodes first, then only fresh prefills, or decodes only): the decodes run on the
+    # builder's persistent decode masks (flex_attention_decode), the fresh prefills over the step's
+    # own K/V (flex_attention_prefill). None = the general path for the whole step.
     decode_masks: Any = field(default=None, repr=False)
+    num_decodes: int = 0
+    fresh_prefill_from: int | None = None  # first fresh-prefill request, when the step has some
     masks: dict[tuple[Any, ...], StepMask] = field(default_factory=dict, repr=False)
 
 

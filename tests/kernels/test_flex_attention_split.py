@@ -1,7 +1,8 @@
-"""FLEX_ATTENTION's decode path on the CPU: decode-only steps as a batch of one-token queries over a
-decode-shaped BlockMask (flex_attention_decode), run eagerly against the float32 reference, with
-the block structure the compiled decoding kernel walks (full pages, partial last / window-first
-pages) checked page by page against the dense mask, and the masks reused across steps."""
+"""FLEX_ATTENTION's split path on the CPU: decodes as a batch of one-token queries over a decode-shaped
+BlockMask (flex_attention_decode) and fresh prefills over the step's own K/V with large tiles
+(flex_attention_prefill), run eagerly against the float32 reference; the block structures the
+compiled kernels walk (full and partial blocks) checked block by block against the dense masks;
+the decode masks reused across steps."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from torch.nn.attention.flex_attention import create_mask
 from kvllm.attention.backends import flex_attention_impl as flex
 from kvllm.attention.backends.flex_attention import FlexAttentionBackend
 from kvllm.attention.backends.flex_attention_decode import FlexDecodeMasks, decode_bucket
+from kvllm.attention.backends.flex_attention_prefill import TILE, fresh_prefill
 from kvllm.attention.reference import make_paged_batch
 from kvllm.attention.testing import prepare_backend_case, run_backend_case
 
@@ -37,10 +39,47 @@ def test_decode_path_matches_reference(block_size, heads, window, soft_cap) -> N
     assert case.rel_max_error() < 1e-5
 
 
-def test_mixed_steps_do_not_take_the_decode_path() -> None:
+@pytest.mark.parametrize(
+    ("query_lens", "context_lens", "window"),
+    [([1, 1, 37, 5, 300], [31, 130, 0, 0, 0], None), ([1, 1, 37, 5, 300], [31, 130, 0, 0, 0], 130),
+     ([200, 7, 129], [0, 0, 0], 24), ([1], [0], None)],
+)  # fmt: skip
+def test_decodes_and_fresh_prefills_match_reference(query_lens, context_lens, window) -> None:
+    case = run_backend_case(
+        FlexAttentionBackend, query_lens, context_lens, 8, 2, 32, 16, torch.float32, "cpu", seed=4,
+        sliding_window=window, pad_tokens=3, impl_attrs={"decode_path_eager": True},
+    )  # fmt: skip
+    meta = case.metadata
+    num_decodes = sum(q == 1 for q in query_lens)  # decodes come first
+    assert meta.num_decodes == num_decodes
+    assert meta.fresh_prefill_from == (num_decodes if num_decodes < len(query_lens) else None)
+    assert case.rel_max_error() < 1e-5
+
+
+def test_prefills_with_cached_context_take_the_general_path() -> None:
     batch = make_paged_batch([1, 1, 7], [5, 40, 3], 4, 2, 32, 16, seed=0)
     case = prepare_backend_case(FlexAttentionBackend, batch, impl_attrs={"decode_path_eager": True})
-    assert case.metadata.decode_masks is None
+    assert case.metadata.decode_masks is None and case.metadata.fresh_prefill_from is None
+
+
+@pytest.mark.parametrize("window", [None, 1, 100, 128, 300])
+@pytest.mark.parametrize("query_lens", [[300, 7, 129, 1, 256], [128, 128], [5]])
+def test_fresh_prefill_block_structure_is_exact(window: int | None, query_lens: list[int]) -> None:
+    qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()])
+    fresh = fresh_prefill(qsl, 0, window, torch.device("cpu"))
+    bm, length = fresh.block_mask, fresh.block_mask.seq_lengths[0]
+    dense = create_mask(bm.mask_mod, 1, 1, length, length, device="cpu")[0, 0]
+    tiles = dense.view(length // TILE, TILE, length // TILE, TILE).any(3).any(1)
+    whole = dense.view(length // TILE, TILE, length // TILE, TILE).all(3).all(1)
+    for i in range(length // TILE):
+        partial = bm.kv_indices[0, 0, i, : bm.kv_num_blocks[0, 0, i]].tolist()
+        full = bm.full_kv_indices[0, 0, i, : bm.full_kv_num_blocks[0, 0, i]].tolist()
+        assert len(set(partial)) == len(partial) and not set(partial) & set(full)
+        assert set(partial) | set(full) == set(tiles[i].nonzero().flatten().tolist()), i
+        assert all(whole[i, j] for j in full), i
+    assert int(dense.sum()) == sum(
+        sum(min(p + 1, window or p + 1) for p in range(n)) for n in query_lens
+    )  # each token sees itself and its predecessors (in the window)
 
 
 @pytest.mark.parametrize("window", [None, 1, 16, 23, 200])
