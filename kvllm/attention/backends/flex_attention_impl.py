@@ -352,13 +352,13 @@ class FlexAttentionImpl(AttentionImpl):
     ) -> torch.Tensor:
         """One query per decode: q [batch, heads, 1, head_size] over the whole cache (KV batch 1)."""
         num_decodes = meta.num_decodes
-        block_mask = meta.decode_masks.block_mask(
-            meta.block_table,
-            meta.seq_lens,
-            num_decodes,
-            key_src.shape[0] // meta.block_size,
-            self.sliding_window,
-        )
+        num_blocks = key_src.shape[0] // meta.block_size
+        mask_key = ("decode", self.sliding_window, num_blocks)
+        if mask_key not in meta.masks:  # the step's first layer updates the builder's buffers
+            meta.masks[mask_key] = meta.decode_masks.block_mask(
+                meta.block_table, meta.seq_lens, num_decodes, num_blocks, self.sliding_window
+            )
+        block_mask = meta.masks[mask_key]
         batch = block_mask.kv_num_blocks.shape[0]
         q = _pad_rows(query[:num_decodes].to(dtype), batch).unsqueeze(2)
         k = key_src.to(dtype).transpose(0, 1).unsqueeze(0)
