@@ -165,9 +165,10 @@ def _declaration_lines(backend: str, axes: dict) -> list[str]:
         return []
     passed = {a: [v for v, c in values.items() if c["all_passed"]] for a, values in axes.items()}
     feature = passed["feature"]
+    sizes = lambda axis: repr(tuple(sorted(int(v) for v in passed[axis])))  # noqa: E731
     return [
-        f"VERIFIED_HEAD_SIZES = ({', '.join(sorted(passed['head_size'], key=int))},)",
-        f"VERIFIED_BLOCK_SIZES = ({', '.join(sorted(passed['block_size'], key=int))},)",
+        f"VERIFIED_HEAD_SIZES = {sizes('head_size')}",
+        f"VERIFIED_BLOCK_SIZES = {sizes('block_size')}",
         f"VERIFIED_SLIDING_WINDOW = {'window' in feature}",
         f"VERIFIED_LOGITS_SOFT_CAP = {'softcap' in feature}",
     ]

@@ -69,8 +69,8 @@ J
 export KVLLM_CACHE_DIR=/tmp/kvllm-autotune-cache
 for run in 1 2; do
   extra=(); [ $run = 1 ] && extra=(--retune)
-  PYTHONPATH=$TUNE_PATH timeout $(( run == 1 ? 45 : 25 )) python3 -m kvllm.entrypoints.cli.main backends $q06 --tune "${extra[@]}" \
-    --dtype bfloat16 --max-model-len 8192 --tune-time-cap 25 --tune-json "$out/autotune-$run.json" \
+  PYTHONPATH=$TUNE_PATH timeout $(( run == 1 ? 50 : 25 )) python3 -m kvllm.entrypoints.cli.main backends $q06 --tune "${extra[@]}" \
+    --dtype bfloat16 --max-model-len 8192 --tune-time-cap 35 --tune-json "$out/autotune-$run.json" \
     > "$out/autotune-$run.log" 2>&1
   since "auto-tune run $run (exit $?): $(grep -m1 '^Chosen' "$out/autotune-$run.log")"
 done

@@ -81,7 +81,7 @@ def test_summary_declares_only_what_passed_completely(walk, tmp_path: Path) -> N
     assert summary["axes"]["head_size"]["256"] == {"pass": 3, "fail": 1, "error": 0, "not_run": 0, "cases": 4,
                                                    "all_passed": False, "declared": False}  # fmt: skip
     assert summary["declare"] == [
-        "VERIFIED_HEAD_SIZES = (64, 128,)",
+        "VERIFIED_HEAD_SIZES = (64, 128)",
         "VERIFIED_BLOCK_SIZES = (16,)",
         "VERIFIED_SLIDING_WINDOW = False",
         "VERIFIED_LOGITS_SOFT_CAP = False",

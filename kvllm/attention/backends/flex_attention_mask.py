@@ -57,7 +57,8 @@ class FlexAttentionMetadata:
     decode_masks: Any = field(default=None, repr=False)
     num_decodes: int = 0
     fresh_prefill_from: int | None = None  # first fresh-prefill request, when the step has some
-    masks: dict[tuple[Any, ...], Any] = field(default_factory=dict, repr=False)  # StepMask, BlockMask, FreshPrefill
+    # Per layer configuration: StepMask (general path), BlockMask (decodes), FreshPrefill.
+    masks: dict[tuple[Any, ...], Any] = field(default_factory=dict, repr=False)
 
 
 @dataclass
