@@ -126,7 +126,8 @@ def run_flash_attn(args: argparse.Namespace) -> None:
     deadline = time.monotonic() + args.deadline_s
     for row in flash_attn_probes():
         _record(out, row)
-    declared = t.declared_cases()
+    # bf16, model-dtype caches and 16-token pages first: every head size and feature early in the walk.
+    declared = sorted(t.declared_cases(), key=lambda c: (c[0] != "bfloat16", c[1] != "auto", c[3] != 16, c))
     run_case = lambda dtype, _kv, head, block, feature: t.run_case(dtype, head, block, feature)  # noqa: E731
     walk_cases("FLASH_ATTN", declared, set(declared), run_case, t.TOLERANCE, out, deadline)
 
