@@ -69,14 +69,14 @@ kvllm generate <model> --attention-backend FLASH_ATTN
 # 2. --attention-config / -ac (structured: dotted keys or JSON)
 kvllm generate <model> --attention-config.backend FLASH_ATTN
 kvllm generate <model> -ac.backend FLASH_ATTN
-kvllm generate <model> -ac.backend=FLASH_ATTN -ac.flash_attn_version=3
+kvllm generate <model> -ac.backend=FLASH_ATTN -ac.flash_attn_version=4
 kvllm generate <model> --attention-config '{{"backend": "FLASH_ATTN"}}'
-kvllm generate <model> -ac '{{"backend": "FLASH_ATTN", "flash_attn_version": 3}}'
+kvllm generate <model> -ac '{{"backend": "FLASH_ATTN", "flash_attn_version": 4}}'
 ```
 
 Giving both `--attention-backend` and `--attention-config.backend` fails with
 `attention_backend and attention_config.backend are mutually exclusive`. The same flags work
-for every command that starts an engine (`generate`, `serve`, `bench`, `backends`).
+for `generate`, `serve` and `bench`, and for `backends`, which checks them without starting an engine.
 
 ### Python API
 
@@ -132,16 +132,59 @@ When no backend is set (the default):
 Unless `--block-size` is set, the KV-cache block size is the chosen backend's preferred one. A
 pinned block size that rules out a higher-priority backend is reported with a warning naming the
 backend used instead.
+
+### Auto-tune (beyond vLLM)
+
+`--attention-backend auto-tune` (also `-ac.backend auto-tune`, `LLM(attention_backend="auto-tune")`,
+`AttentionConfig(backend="auto-tune")`) times the backends instead of trusting the priority list:
+
+1. every registered backend valid for the model's configuration on this machine runs a few steps
+   shaped like the model's (its head counts, head size, dtype, KV-cache dtype, sliding window and
+   soft-cap; a full decode batch at a 1k context, one long decode and one prefill chunk, within the
+   engine's limits) through the same metadata builder and implementation the engine uses;
+2. each result is checked against a float32 reference first: a backend that errs, or computes a
+   wrong result, is excluded with its reason, as is every invalid backend;
+3. the rest are timed (CUDA events on a GPU, wall time on the CPU) under a hard time cap, and the
+   fastest total is used; the table and the reason are logged at INFO;
+4. the table is cached in the user cache directory (`$KVLLM_CACHE_DIR`, else
+   `$XDG_CACHE_HOME/kvllm`, else `~/.cache/kvllm`, in `attention-autotune/`), keyed by GPU name
+   and compute capability, the timed shapes, the dtypes, the valid backends and the versions of
+   torch, triton, FlashInfer, FlashAttention and kvllm's attention code; a second start reads it and
+   logs `Attention auto-tune: cache hit`.
+
+`kvllm backends <model> --tune` prints the same table (`--retune` times again and overwrites it).
 """
 
-FOOTNOTES = """
-\\* FlashAttention version: `-ac.flash_attn_version=2|3|4`. This build has FlashAttention-4 only
-(the one verified on our GPU): left unset it uses FA4 wherever FA4 runs (SM 9.0 and newer); 2 or 3,
-or FA4 on an older GPU, is a rejection reason naming the version.
+FLASH_ATTN_FOOTNOTE = """\\* FlashAttention version: `-ac.flash_attn_version=2|3|4`. This build implements
+{available}: left unset it uses FA4 wherever FA4 runs (SM 9.0 and newer); another version, or FA4
+on an older GPU, is a rejection reason naming the version. FA4 (flash-attn-4 4.0.0b36) reads fp8
+K/V only on SM 10.x (its interface refuses fp8 elsewhere), so FLASH_ATTN declares no fp8 KV cache."""
 
-† FlashInfer on Blackwell (SM 10.x) uses TRT-LLM attention kernels, which support sinks; turn
-that off with `-ac.use_trtllm_attention=0`.
-"""
+FLASHINFER_FOOTNOTE_NO_SINK = """† FLASHINFER uses FlashInfer's own decode and prefill wrappers on every GPU it supports, Blackwell
+included. vLLM's FlashInfer backend switches to TRT-LLM attention kernels on SM 10.x (the ones with
+sinks, `-ac.use_trtllm_attention`); they are not part of this build, so `use_trtllm_attention=1` is a
+rejection reason and FLASHINFER declares no sinks. FlashInfer 0.5.3 does have sink-capable kernels
+on SM 9.0 (`BatchAttentionWithAttentionSinkWrapper`, a variant of its FA2/FA3 prefill kernel, and
+the XQA decode kernel `xqa_batch_decode_with_kv_cache(sinks=...)`); FLASHINFER does not use them."""
+
+FLASHINFER_FOOTNOTE_SINK = """† FLASHINFER runs FlashInfer's own wrappers on every GPU it supports, Blackwell included; vLLM's
+TRT-LLM attention kernels (`-ac.use_trtllm_attention`) are not part of this build, so
+`use_trtllm_attention=1` is a rejection reason. Sinks go through FlashInfer's
+`BatchAttentionWithAttentionSinkWrapper`."""
+
+
+def footnotes() -> str:
+    """The footnotes of the standard table, from the declarations they explain."""
+    from kvllm.attention.backends.flash_attn import AVAILABLE_FLASH_ATTN_VERSIONS
+
+    available = " and ".join(f"FlashAttention-{v}" for v in AVAILABLE_FLASH_ATTN_VERSIONS)
+    if len(AVAILABLE_FLASH_ATTN_VERSIONS) == 1:
+        available += " only"
+    notes = [FLASH_ATTN_FOOTNOTE.format(available=available)]
+    if registry.is_registered("FLASHINFER"):
+        sink = registry.get_backend_class("FLASHINFER").supports_sink
+        notes.append(FLASHINFER_FOOTNOTE_SINK if sink else FLASHINFER_FOOTNOTE_NO_SINK)
+    return "\n" + "\n\n".join(notes) + "\n"
 
 
 _CUDAGRAPH_TEXT = {"never": "eager", "decode_only": "decode steps", "always": "all steps"}
@@ -219,24 +262,38 @@ def _priority_section() -> list[str]:
     lines = [
         "## Backend priority",
         "",
-        "Automatic selection takes the first valid backend of these lists (1 = highest priority,",
-        "tried first). Only backends this build implements are listed.",
+        "When no backend is set, kvllm takes the first valid backend of these priority-ordered lists.",
+        "",
+        "Priority 1 = highest (tried first). Only backends this build implements are listed.",
+        "",
+        "### Standard attention (MHA, MQA, GQA)",
         "",
     ]
-    for use_mla, title in (
-        (False, "Standard attention (MHA, MQA, GQA)"),
-        (True, "MLA attention (DeepSeek-style)"),
-    ):
-        lines += [f"### {title}", ""]
-        rows = []
-        for platform in PLATFORMS.values():
-            for label, device in platform.priority_tables():
-                names = backend_priority(device, use_mla)
-                text = ", ".join(f"{i}. `{n.name}`" for i, n in enumerate(names, 1))
-                rows.append([label, text or "_none implemented yet_"])
-        lines += _table(["Platform", "Priority"], rows)
-        lines.append("")
-    lines += ["On CPU, `FLEX_ATTENTION` also runs when selected by name; it is not chosen automatically.", ""]
+    for platform in PLATFORMS.values():
+        for label, device in platform.priority_tables():
+            names = backend_priority(device, use_mla=False)
+            lines += [f"**{label}:**", ""]
+            rows = [[str(i), f"`{n.name}`"] for i, n in enumerate(names, 1)]
+            lines += _table(["Priority", "Backend"], rows) if rows else ["_none implemented yet_"]
+            lines.append("")
+    lines += [
+        "On CPU, `FLEX_ATTENTION` also runs when selected by name; it is not chosen automatically.",
+        "",
+        *_mla_priority_lines(),
+    ]
+    return lines
+
+
+def _mla_priority_lines() -> list[str]:
+    lines = ["### MLA attention (DeepSeek-style)", ""]
+    rows = []
+    for platform in PLATFORMS.values():
+        for label, device in platform.priority_tables():
+            names = backend_priority(device, True)
+            text = ", ".join(f"{i}. `{n.name}`" for i, n in enumerate(names, 1))
+            rows.append([label, text or "_none implemented yet_"])
+    lines += _table(["Platform", "Priority"], rows)
+    lines.append("")
     return lines
 
 
@@ -255,7 +312,7 @@ def render() -> str:
     ]
     lines += ["## Standard attention (MHA, MQA, GQA) backends", ""]
     lines += _table(COLUMNS, [backend_row(b) for b in standard]) if standard else ["_None registered._"]
-    lines += [FOOTNOTES.rstrip("\n"), ""]
+    lines += [footnotes().rstrip("\n"), ""]
     lines += [
         "## MLA (Multi-head Latent Attention) backends",
         "",

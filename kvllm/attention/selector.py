@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 
 from kvllm.attention import registry
 from kvllm.attention.backend import AttentionBackend, AttentionSelectorConfig
-from kvllm.config.backend_names import AttentionBackendEnum, BackendName
+from kvllm.config.backend_names import AttentionBackendEnum, BackendName, is_auto_tune
 from kvllm.logger import init_logger
 from kvllm.platforms import backend_priority, get_platform
 from kvllm.platforms.interface import DeviceInfo
@@ -60,6 +60,11 @@ def choose_attention_backend(
     """
     if requested is not None:
         requested = AttentionBackendEnum.from_name(requested)
+        if is_auto_tune(requested):
+            raise ValueError(
+                "auto-tune is not a backend: it needs the model's shapes to time the valid backends; "
+                "use kvllm.attention.autotune.autotune_attention_backend (the engine does)"
+            )
     key = (config, device, requested, registry.generation())
     if key not in _cache:
         if requested is not None:

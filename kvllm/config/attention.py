@@ -20,7 +20,8 @@ class AttentionConfig:
     backend: BackendName | None = field(
         default=None,
         metadata={
-            "help": "Attention backend to use (e.g. FLASH_ATTN, TRITON_ATTN). Default: automatic choice."
+            "help": "Attention backend to use (e.g. FLASH_ATTN, TRITON_ATTN, or auto-tune: the fastest one "
+            "here, timed at start-up). Default: automatic choice."
         },
     )
     flash_attn_version: int | None = field(

@@ -97,8 +97,10 @@ class AttentionBackendEnum(enum.Enum):
 
         An out-of-tree name gets a CustomBackendName (one object per name), not an enum member.
         """
-        if isinstance(name, cls):
+        if isinstance(name, cls | AutoTune):
             return name
+        if is_auto_tune(name):
+            return AUTO_TUNE
         key = str(name).strip().upper()
         if not is_registered(key):
             raise unknown_backend_error(name)
@@ -129,4 +131,33 @@ class CustomBackendName:
 
 _custom_names: dict[str, CustomBackendName] = {}
 
-BackendName = AttentionBackendEnum | CustomBackendName
+
+@dataclass(frozen=True)
+class AutoTune:
+    """`--attention-backend auto-tune` (beyond vLLM): at start-up, time every backend valid for the
+    model on this machine on the model's own shapes and use the fastest (kvllm.attention.autotune).
+
+    Not a backend: the engine resolves it to one before binding the model.
+    """
+
+    name: str = "auto-tune"
+
+    @property
+    def value(self) -> str:
+        return self.name
+
+    def __str__(self) -> str:
+        return self.name
+
+
+AUTO_TUNE = AutoTune()
+
+
+def is_auto_tune(name: object) -> bool:
+    """Whether `name` asks for auto-tuning: "auto-tune" (also written AUTO_TUNE or auto_tune)."""
+    if isinstance(name, AutoTune):
+        return True
+    return isinstance(name, str) and name.strip().lower().replace("_", "-") == AUTO_TUNE.name
+
+
+BackendName = AttentionBackendEnum | CustomBackendName | AutoTune

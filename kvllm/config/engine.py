@@ -139,7 +139,11 @@ class EngineArgs:
     )
     trust_remote_code: bool = field(default=False, metadata=_help("Allow custom model code from the hub."))
     attention_backend: BackendName | None = field(
-        default=None, metadata=_help("Attention backend (mutually exclusive with attention_config.backend).")
+        default=None,
+        metadata=_help(
+            "Attention backend (mutually exclusive with attention_config.backend); auto-tune (beyond vLLM): "
+            "time every valid backend on the model's shapes at start-up and use the fastest (cached)."
+        ),
     )
     attention_config: AttentionConfig = field(
         default_factory=AttentionConfig,

@@ -8,9 +8,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvllm.attention.autotune import autotune_attention_backend, model_shapes_from_engine
 from kvllm.attention.backend import AttentionBackend
 from kvllm.attention.metadata import KVCacheSpec
 from kvllm.attention.selector import choose_attention_backend, explain_kv_cache_dtype
+from kvllm.config.backend_names import is_auto_tune
 from kvllm.config.engine import EngineArgs
 from kvllm.core.sched_output import SchedulerOutput
 from kvllm.core.step_result import StepResult
@@ -90,7 +92,11 @@ class ModelRunner:
             block_size=args.block_size,
             attention_config=args.attention_config,
         )
-        choice = choose_attention_backend(selector_config, device_info, args.backend)
+        if is_auto_tune(args.backend):
+            model_shapes = model_shapes_from_engine(model_config, args, max_num_batched_tokens)
+            choice = autotune_attention_backend(selector_config, device_info, model_shapes, device).choice()
+        else:
+            choice = choose_attention_backend(selector_config, device_info, args.backend)
         explain_kv_cache_dtype(selector_config.dtype, args.kv_cache_dtype, device_info)
         self.attn_backend: type[AttentionBackend] = choice.backend
         self.block_size = choice.block_size

@@ -21,6 +21,8 @@ import torch
 from kvllm.attention.backend import AttentionSelectorConfig
 from kvllm.attention.backends import flex_attention_impl as flex
 from kvllm.attention.backends.flex_attention import FlexAttentionBackend as Backend
+from kvllm.attention.backends.flex_attention_decode import decode_bucket
+from kvllm.attention.backends.flex_attention_prefill import padded_length
 from kvllm.attention.metadata import KVCacheSpec
 from kvllm.attention.reference import PagedBatch, make_paged_batch
 from kvllm.attention.testing import make_builder, make_impl
@@ -45,6 +47,7 @@ def compiled(monkeypatch: pytest.MonkeyPatch) -> None:
     """Compile requested, and no compile failure (nor one-time log) left over from earlier tests."""
     monkeypatch.setenv(flex.COMPILE_ENV, "1")
     monkeypatch.setattr(flex, "_compile_failures", {})
+    monkeypatch.setattr(flex, "_decode_failures", {})
     monkeypatch.setattr(flex, "_announced", set())
 
 
@@ -134,6 +137,38 @@ def test_block_sizes_and_features(block_size: int, feature: str) -> None:
     check(out, ref, torch.bfloat16)
 
 
+@pytest.mark.parametrize(
+    ("block_size", "feature", "num_kv_heads"),
+    [(16, "plain", 8), (16, "plain", 2), (16, "window", 8), (16, "soft_cap", 8), (32, "window", 2),
+     (64, "plain", 8), (64, "window", 8)],
+)  # fmt: skip
+def test_decode_only_steps_take_the_decoding_kernel(block_size: int, feature: str, num_kv_heads: int) -> None:
+    """Decode-only batches (full pages, partial last pages, window edges, a context-0 decode)."""
+    window = WINDOW if feature == "window" else None
+    soft_cap = SOFT_CAP if feature == "soft_cap" else None
+    contexts = [0, 15, 31, 80, 130, 255, 7, 64, 300]
+    batch = make_paged_batch([1] * len(contexts), contexts, 16, num_kv_heads, 128, block_size, torch.bfloat16,
+                             DEVICE, seed=7)  # fmt: skip
+    out = run(batch, 16, num_kv_heads, 128, torch.bfloat16, window=window, soft_cap=soft_cap)
+    check(out, batch.reference(128**-0.5, sliding_window=window, logits_soft_cap=soft_cap), torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    ("block_size", "feature", "num_kv_heads"),
+    [(16, "plain", 8), (16, "window", 2), (16, "soft_cap", 8), (64, "plain", 2)],
+)
+def test_fresh_prefills_beside_decodes(block_size: int, feature: str, num_kv_heads: int) -> None:
+    """Decodes first, then prompts with nothing cached: the decoding kernel and the packed
+    fresh-prefill kernel over the step's own K/V (tiles crossing prompt boundaries included)."""
+    window = 100 if feature == "window" else None
+    soft_cap = SOFT_CAP if feature == "soft_cap" else None
+    query_lens, context_lens = [1] * 5 + [37, 300, 129], [0, 15, 80, 130, 255, 0, 0, 0]
+    batch = make_paged_batch(query_lens, context_lens, 16, num_kv_heads, 128, block_size, torch.bfloat16, DEVICE,
+                             seed=8)  # fmt: skip
+    out = run(batch, 16, num_kv_heads, 128, torch.bfloat16, window=window, soft_cap=soft_cap)
+    check(out, batch.reference(128**-0.5, sliding_window=window, logits_soft_cap=soft_cap), torch.bfloat16)
+
+
 @pytest.mark.parametrize("window", [None, 8])
 def test_encoder_only(window: int | None) -> None:
     validate(64, torch.bfloat16, None, attn_type="encoder_only", use_non_causal=True)
@@ -152,7 +187,8 @@ def test_float16_cache_under_bfloat16_model() -> None:
 
 def test_compile_count_over_decode_steps() -> None:
     """40 steps, 1..24 decodes and a prefill every 10 steps, over one fixed-size cache: only the
-    padded query length varies, so at most one graph per power-of-two bucket is compiled.
+    padded query length (mixed steps) or padded batch (decode-only steps) varies, so at most one graph
+    per power-of-two bucket is compiled.
     """
     num_blocks, block_size, head_size = 512, 16, 64
     spec = KVCacheSpec(block_size, 4, head_size, torch.bfloat16, "auto")
@@ -177,8 +213,15 @@ def test_compile_count_over_decode_steps() -> None:
         out = impl.forward(
             None, batch.query, batch.new_keys, batch.new_values, kv_cache, builder.build(batch.metadata)
         )
-        buckets.add(flex.query_bucket(sum(query_lens)))
-        if step % 10 == 0:
+        # Split steps (decodes, then fresh prefills only) compile once per padded decode batch and
+        # per padded prefill length; the others once per padded query length.
+        if all(c == 0 for c in context_lens[num_decodes:]):
+            buckets.add(("decode", decode_bucket(num_decodes)))
+            if len(query_lens) > num_decodes:
+                buckets.add(("fresh", padded_length(sum(query_lens[num_decodes:]))))
+        else:
+            buckets.add(flex.query_bucket(sum(query_lens)))
+        if step % 5 == 0:
             check(out, batch.reference(head_size**-0.5, sliding_window=WINDOW), torch.bfloat16)
     assert not flex.compile_failures(), flex.compile_failures()
     assert flex.flex_compile_count() - before <= len(buckets), buckets

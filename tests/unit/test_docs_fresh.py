@@ -40,7 +40,7 @@ def test_page_content() -> None:
     text = gen.render()
     assert "Do not edit it by hand" in text
     assert "--attention-backend FLASH_ATTN" in text and "-ac.backend FLASH_ATTN" in text
-    assert '-ac \'{"backend": "FLASH_ATTN", "flash_attn_version": 3}\'' in text
+    assert '-ac \'{"backend": "FLASH_ATTN", "flash_attn_version": 4}\'' in text
     assert (
         "AttentionConfig(backend=AttentionBackendEnum.FLASH_ATTN)" in text
         and 'attention_backend="FLASH_ATTN"' in text
@@ -51,4 +51,44 @@ def test_page_content() -> None:
         in text
     )
     assert "| `CPU_ATTN` |" in text
-    assert "| CPU | 1. `CPU_ATTN` |" in text
+    assert "**CPU:**\n\n| Priority | Backend |\n|---|---|\n| 1 | `CPU_ATTN` |" in text
+    assert "**CUDA Ampere/Hopper (SM 8.x-9.x) and other CUDA:**\n\n| Priority | Backend |" in text
+
+
+def _render() -> str:
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import generate_attention_backend_docs as gen
+    finally:
+        sys.path.pop(0)
+    return gen.render()
+
+
+def test_every_example_command_on_the_page_parses() -> None:
+    """The page's `kvllm generate <model> ...` lines are real command lines (flags and values valid)."""
+    import shlex
+
+    from kvllm.entrypoints.cli.engine_args import engine_args_from_cli, preprocess_argv
+    from kvllm.entrypoints.cli.main import build_parser
+
+    lines = [line for line in _render().splitlines() if line.startswith("kvllm generate <model> ")]
+    assert len(lines) >= 6
+    for line in lines:
+        argv = ["generate", "some-model", *shlex.split(line.removeprefix("kvllm generate <model> "))]
+        engine_args = engine_args_from_cli(build_parser().parse_args(preprocess_argv(argv)))
+        assert engine_args.backend.name == "FLASH_ATTN", line
+
+
+def test_footnotes_follow_the_declarations(monkeypatch) -> None:
+    from kvllm.attention.backends.flashinfer import FlashInferBackend
+
+    text = _render()
+    assert "FlashAttention-4 only" in text and "TRT-LLM" in text
+    assert "declares no sinks" in text and not FlashInferBackend.supports_sink
+    monkeypatch.setattr(FlashInferBackend, "supports_sink", True)
+    assert "declares no sinks" not in _render()
+
+
+def test_auto_tune_is_documented() -> None:
+    text = _render()
+    assert "`--attention-backend auto-tune`" in text and "kvllm backends <model> --tune" in text

@@ -165,7 +165,7 @@ def test_flashinfer_declares_only_the_h200_verified_part_of_what_it_implements(
         "head_size 64 not supported (supported: 128)",
         "sliding window not supported (the model needs it; this backend has none)",
         "head_size 64, sliding window: implemented for FLASHINFER but not yet verified on an H200, so not "
-        "declared (tests/gpu/test_flashinfer_gpu.py, part widen)",
+        "declared (benchmarks/h200/backend_walk.py flashinfer)",
     ]
 
 

@@ -40,23 +40,33 @@ def kv_dtype_mismatch_reasons(config: AttentionSelectorConfig) -> list[str]:
     return []
 
 
+def _implemented_and_verified(implemented: tuple[int, ...], verified: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(v for v in implemented if v in verified)
+
+
 class FlashInferBackend(AttentionBackend):
     """FlashInfer: BatchDecodeWithPagedKVCacheWrapper for the decode part of a step and
     BatchPrefillWithPagedKVCacheWrapper for its prefill part, planned once per step.
 
     Cache layout NHD, K and V interleaved per page: (num_blocks, 2, block_size, num_kv_heads,
     head_size). The declarations are the part of what the kernel side implements (IMPLEMENTED_*)
-    that has passed tests/gpu/test_flashinfer_gpu.py on an H200 with FlashInfer 0.5.3; the rest
-    is walked by its `widen` part and gets declared once that passes there.
+    that has passed the conformance walk on an H200 with FlashInfer 0.5.3 (VERIFIED_*): the walk
+    (`benchmarks/h200/backend_walk.py`, or tests/gpu/test_flashinfer_gpu.py's `widen` part) runs
+    everything implemented, and its summary prints the VERIFIED_* lines that what passed allows.
+    Widening is one line per feature below; the declarations follow from them.
     """
 
-    # Implemented by flashinfer_impl and covered by the GPU test's `widen` walk; each (dtype, head
-    # size, feature) costs FlashInfer one to two minutes of first-use compiling on the H200, which is
-    # why the first verification session covered only part of it.
+    # Implemented by flashinfer_impl; each (dtype, KV dtype, head size, feature) costs FlashInfer one
+    # to two minutes of first-use compiling on the H200, which is why verification comes in parts.
     IMPLEMENTED_HEAD_SIZES: ClassVar[tuple[int, ...]] = (64, 128, 256)
     IMPLEMENTED_BLOCK_SIZES: ClassVar[tuple[int, ...]] = (16, 32, 64)
     IMPLEMENTS_SLIDING_WINDOW: ClassVar[bool] = True
     IMPLEMENTS_LOGITS_SOFT_CAP: ClassVar[bool] = True
+    # Passed on the H200 (FlashInfer 0.5.3): one line per feature, from the walk's summary.
+    VERIFIED_HEAD_SIZES: ClassVar[tuple[int, ...]] = (128,)
+    VERIFIED_BLOCK_SIZES: ClassVar[tuple[int, ...]] = (16, 32)
+    VERIFIED_SLIDING_WINDOW: ClassVar[bool] = False
+    VERIFIED_LOGITS_SOFT_CAP: ClassVar[bool] = False
     # fp8 KV caches (stored K / k_scale, read back with k_scale/v_scale): the GPU test's fp8 walk
     # (both model dtypes, fp8_e4m3 and fp8_e5m2, block sizes 16/32/64, head size 128) passed on the H200.
     FP8_KV_CACHE_VERIFIED: ClassVar[bool] = True
@@ -68,14 +78,16 @@ class FlashInferBackend(AttentionBackend):
     supported_kv_cache_dtypes = ("auto", "float16", "bfloat16") + (
         ("fp8", "fp8_e4m3", "fp8_e5m2") if FP8_KV_CACHE_VERIFIED else ()
     )
-    block_sizes = OneOf((16, 32))
-    head_sizes = OneOf((128,))
+    block_sizes = OneOf(_implemented_and_verified(IMPLEMENTED_BLOCK_SIZES, VERIFIED_BLOCK_SIZES))
+    head_sizes = OneOf(_implemented_and_verified(IMPLEMENTED_HEAD_SIZES, VERIFIED_HEAD_SIZES))
     platforms = ("cuda",)
     min_capability = (8, 0)
     max_capability = (10, 9)
-    supports_sink = False  # FlashInfer takes sinks only on its TRT-LLM path (SM 10.x), not built here
-    supports_sliding_window = False  # implemented, not yet verified on the H200 (IMPLEMENTS_SLIDING_WINDOW)
-    supports_logits_soft_cap = False  # implemented, not yet verified on the H200 (IMPLEMENTS_LOGITS_SOFT_CAP)
+    # FlashInfer 0.5.3 has sink kernels on SM 9.0 (BatchAttentionWithAttentionSinkWrapper, XQA decode)
+    # that flashinfer_impl does not call yet; vLLM's TRT-LLM path for SM 10.x is not built here.
+    supports_sink = False
+    supports_sliding_window = IMPLEMENTS_SLIDING_WINDOW and VERIFIED_SLIDING_WINDOW
+    supports_logits_soft_cap = IMPLEMENTS_LOGITS_SOFT_CAP and VERIFIED_LOGITS_SOFT_CAP
     attn_types = ("decoder",)
     # Decode graphs through the builder's hooks (a graph decode wrapper per batch size, planned
     # before each replay): tests/gpu/test_cuda_graphs_gpu.py gave ids equal to eager on the H200
@@ -84,7 +96,7 @@ class FlashInferBackend(AttentionBackend):
     required_package = "flashinfer"
     pip_extra = "flashinfer"
     preferred_block_size = 16
-    verified_on = "H200 (SM 9.0), flashinfer 0.5.3; head sizes 64/256, window, soft-cap pending"
+    verified_on = "H200 (SM 9.0), flashinfer 0.5.3"
     kv_cache_layout = "NHD"
 
     @classmethod
@@ -113,7 +125,7 @@ class FlashInferBackend(AttentionBackend):
             return []
         return [
             f"{', '.join(pending)}: implemented for FLASHINFER but not yet verified on an H200, so not declared "
-            "(tests/gpu/test_flashinfer_gpu.py, part widen)"
+            "(benchmarks/h200/backend_walk.py flashinfer)"
         ]
 
     impl_path = "kvllm.attention.backends.flashinfer_impl:FlashInferImpl"

@@ -16,6 +16,11 @@ class FlexAttentionBackend(AttentionBackend):
     The KV "sequence" the kernel sees is the whole physical cache (num_blocks * block_size
     slots); a BlockMask built from the block tables tells it which pages each group of 16 query
     tokens touches, and a mask_mod maps every physical slot back to (request, position).
+    On CUDA, steps whose prefills have nothing cached split in two: the decodes take
+    FlexAttention's decoding kernel (a batch of one-token queries over a decode-shaped BlockMask
+    kept in the builder and updated on the device in place, shared by every layer and step:
+    flex_attention_decode), the fresh prefills one packed call over the step's own K/V with large
+    tiles (flex_attention_prefill).
     Capabilities below are what tests/kernels/test_flex_attention.py (CPU) and
     tests/gpu/test_flex_attention_gpu.py (CUDA) check against the float32 reference.
     """
@@ -37,7 +42,8 @@ class FlexAttentionBackend(AttentionBackend):
     supports_logits_soft_cap = True
     supports_non_causal = True
     attn_types = ("decoder", "encoder_only")
-    # The block mask is rebuilt with fresh tensors every step: nothing a captured graph could replay.
+    # The general path rebuilds its block mask with fresh tensors every step (the decode path's are
+    # persistent, but graph capture of it is not verified): nothing captured.
     cudagraph_support = "never"
     required_package = None  # torch itself
     preferred_block_size = 16

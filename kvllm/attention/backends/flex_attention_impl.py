@@ -26,12 +26,14 @@ from typing import Any, NamedTuple
 import torch
 from torch.nn.attention.flex_attention import flex_attention
 
+from kvllm.attention.backends.flex_attention_decode import FlexDecodeMasks
 from kvllm.attention.backends.flex_attention_mask import (
     Q_TILE,
     FlexAttentionMetadata,
     StepMask,
     build_step_mask,
 )
+from kvllm.attention.backends.flex_attention_prefill import fresh_prefill
 from kvllm.attention.impl import AttentionImpl, AttentionLayer, AttentionMetadataBuilder
 from kvllm.attention.metadata import CommonAttentionMetadata
 
@@ -80,6 +82,7 @@ class CompileKey(NamedTuple):
 _num_compilations = 0
 _compiled_flex: Callable[..., torch.Tensor] | None = None
 _compile_failures: dict[CompileKey, str] = {}
+_decode_failures: dict[CompileKey, str] = {}  # decode path only: the general compiled path still runs
 _announced: set[object] = set()
 
 
@@ -89,8 +92,9 @@ def flex_compile_count() -> int:
 
 
 def compile_failures() -> dict[CompileKey, str]:
-    """The kernel configurations whose compile failed in this process (now eager), and why."""
-    return dict(_compile_failures)
+    """The kernel configurations whose compile failed in this process (now eager), and why;
+    decode-path failures (those configurations' decode steps take the general kernel) included."""
+    return {**{k: f"decode path: {v}" for k, v in _decode_failures.items()}, **_compile_failures}
 
 
 def _counting_inductor(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
@@ -169,6 +173,10 @@ class FlexAttentionMetadataBuilder(AttentionMetadataBuilder):
 
         slot_mapping = common.slot_mapping[:num_tokens].to(device)
         write_tokens = torch.nonzero(slot_mapping >= 0).flatten()
+        # Split into a decode part and a fresh-prefill part when every prefill has nothing cached.
+        num_decodes = common.num_decodes if common.num_decode_tokens == common.num_decodes else 0
+        fresh = bool((context_lens[num_decodes:] == 0).all()) and num_reqs > num_decodes
+        split = common.causal and num_reqs > 0 and (fresh or num_decodes == num_reqs)
         return FlexAttentionMetadata(
             num_actual_tokens=num_tokens,
             num_reqs=num_reqs,
@@ -185,7 +193,18 @@ class FlexAttentionMetadataBuilder(AttentionMetadataBuilder):
             seq_lens=seq_lens,
             write_tokens=write_tokens,
             write_slots=slot_mapping[write_tokens],
+            decode_masks=self.decode_masks if split and num_decodes else None,
+            num_decodes=num_decodes if split else 0,
+            fresh_prefill_from=num_decodes if split and fresh else None,
         )
+
+    @property
+    def decode_masks(self) -> FlexDecodeMasks:
+        """The persistent decode BlockMasks (built on first use, reused by every later step)."""
+        if getattr(self, "_decode_masks", None) is None:
+            max_blocks = -(-self.max_model_len // self.kv_cache_spec.block_size)
+            self._decode_masks = FlexDecodeMasks(self.kv_cache_spec.block_size, max_blocks, self.device)
+        return self._decode_masks
 
 
 # ---- implementation ------------------------------------------------------------------------------
@@ -253,11 +272,109 @@ class FlexAttentionImpl(AttentionImpl):
 
         compile_key = self._compile_key(query.device, dtype, meta.causal)
         if self.use_compile and compile_key not in _compile_failures:
+            if self._use_split_path(meta, query.device) and compile_key not in _decode_failures:
+                try:
+                    return self._attend_split(
+                        query, key, value, key_src, value_src, meta, dtype, _get_compiled_flex()
+                    )
+                except torch._dynamo.exc.TorchDynamoException as exc:  # the general path still serves it
+                    _decode_failures[compile_key] = f"{type(exc).__name__}: {exc}"
+                    _announce_once(("decode-failed", compile_key), logging.WARNING,
+                                   "FLEX_ATTENTION: the decode / fresh-prefill kernels failed to compile (%s); "
+                                   "those steps take the general kernel for %s", _decode_failures[compile_key], compile_key.describe())  # fmt: skip
             try:
                 return self._attend(query, key_src, value_src, meta, dtype, compiled=True)[:num_tokens]
             except torch._dynamo.exc.TorchDynamoException as exc:  # tracing or backend compile failed
                 _disable_compile(compile_key, exc)
+        if self.decode_path_eager and self._use_split_path(meta, query.device):
+            return self._attend_split(query, key, value, key_src, value_src, meta, dtype, flex_attention)
         return self._attend(query, key_src, value_src, meta, dtype, compiled=False)[:num_tokens]
+
+    # Split steps take the decoding and fresh-prefill kernels on CUDA; tests set this to run them eagerly.
+    decode_path_eager: bool = False
+
+    def _use_split_path(self, meta: FlexAttentionMetadata, device: torch.device) -> bool:
+        return (
+            (meta.decode_masks is not None or meta.fresh_prefill_from is not None)
+            and self.attn_type == "decoder"
+            and (device.type == "cuda" or self.decode_path_eager)
+        )
+
+    def _attend_split(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_src: torch.Tensor,
+        value_src: torch.Tensor,
+        meta: FlexAttentionMetadata,
+        dtype: torch.dtype,
+        kernel: Callable[..., torch.Tensor],
+    ) -> torch.Tensor:
+        """Decodes through the decoding kernel, then fresh prefills over the step's own K/V."""
+        out = query.new_zeros(query.shape)  # rows past the step's tokens (padding) stay zero
+        num_decodes = meta.num_decodes
+        if num_decodes:
+            out[:num_decodes] = self._attend_decode(query, key_src, value_src, meta, dtype, kernel)
+        if meta.fresh_prefill_from is not None:
+            mask_key = ("fresh", self.sliding_window)
+            if mask_key not in meta.masks:
+                meta.masks[mask_key] = fresh_prefill(
+                    meta.query_start_loc_cpu, meta.fresh_prefill_from, self.sliding_window, query.device
+                )
+            fresh = meta.masks[mask_key]
+            rows = slice(fresh.start, fresh.start + fresh.num_tokens)
+            length = fresh.block_mask.seq_lengths[0]
+            # The cache dtype's rounding of the new K/V, as the cache holds them.
+            q, k, v = (
+                _pad_rows(t[rows].to(dtype), length).transpose(0, 1).unsqueeze(0) for t in (query, key, value)
+            )
+            result = kernel(
+                q,
+                k,
+                v,
+                score_mod=self.score_mod,
+                block_mask=fresh.block_mask,
+                scale=self.scale,
+                enable_gqa=self.num_heads != self.num_kv_heads,
+            )
+            out[rows] = result[0].transpose(0, 1)[: fresh.num_tokens].to(query.dtype)
+        return out
+
+    def _attend_decode(
+        self,
+        query: torch.Tensor,
+        key_src: torch.Tensor,
+        value_src: torch.Tensor,
+        meta: FlexAttentionMetadata,
+        dtype: torch.dtype,
+        kernel: Callable[..., torch.Tensor],
+    ) -> torch.Tensor:
+        """One query per decode: q [batch, heads, 1, head_size] over the whole cache (KV batch 1)."""
+        num_decodes = meta.num_decodes
+        num_blocks = key_src.shape[0] // meta.block_size
+        mask_key = ("decode", self.sliding_window, num_blocks)
+        if mask_key not in meta.masks:  # the step's first layer updates the builder's buffers
+            meta.masks[mask_key] = meta.decode_masks.block_mask(
+                meta.block_table, meta.seq_lens, num_decodes, num_blocks, self.sliding_window
+            )
+        block_mask = meta.masks[mask_key]
+        batch = block_mask.kv_num_blocks.shape[0]
+        q = _pad_rows(query[:num_decodes].to(dtype), batch).unsqueeze(2)
+        k = key_src.to(dtype).transpose(0, 1).unsqueeze(0)
+        v = value_src.to(dtype).transpose(0, 1).unsqueeze(0)
+        options = None if q.device.type == "cpu" else {"BLOCK_N": math.gcd(meta.block_size, 64)}
+        out = kernel(
+            q,
+            k,
+            v,
+            score_mod=self.score_mod,
+            block_mask=block_mask,
+            scale=self.scale,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+            kernel_options=options,
+        )
+        return out[:num_decodes, :, 0].to(query.dtype)
 
     def _compile_key(self, device: torch.device, dtype: torch.dtype, causal: bool) -> CompileKey:
         return CompileKey(

@@ -51,7 +51,14 @@ class FlexAttentionMetadata:
     seq_lens: torch.Tensor  # int32 [pad_req + 1]; 0 past num_reqs
     write_tokens: torch.Tensor  # int64: query tokens whose K/V go into the cache (slot >= 0)
     write_slots: torch.Tensor  # int64: their slots
-    masks: dict[tuple[Any, ...], StepMask] = field(default_factory=dict, repr=False)
+    # Split steps (decodes first, then only fresh prefills, or decodes only): the decodes run on the
+    # builder's persistent decode masks (flex_attention_decode), the fresh prefills over the step's
+    # own K/V (flex_attention_prefill). None = the general path for the whole step.
+    decode_masks: Any = field(default=None, repr=False)
+    num_decodes: int = 0
+    fresh_prefill_from: int | None = None  # first fresh-prefill request, when the step has some
+    # Per layer configuration: StepMask (general path), BlockMask (decodes), FreshPrefill.
+    masks: dict[tuple[Any, ...], Any] = field(default_factory=dict, repr=False)
 
 
 @dataclass
@@ -122,14 +129,23 @@ def paged_kv_blocks(
 
 
 def physical_to_logical(meta: FlexAttentionMetadata, num_blocks: int) -> torch.Tensor:
-    """int32 [num_blocks]: the logical page index of each physical page in this step, or -1.
+    """int32 [num_blocks]: the logical page index of each physical page in this step, or -1."""
+    return logical_pages(
+        meta.block_table[: meta.num_reqs], meta.seq_lens[: meta.num_reqs], meta.block_size, num_blocks
+    )
+
+
+def logical_pages(
+    block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int, num_blocks: int
+) -> torch.Tensor:
+    """int32 [num_blocks]: the logical page index of each physical page the rows use, or -1.
 
     Invariant relied on: a page shared by several requests sits at the same logical index in
     each (prefix caching shares whole prefixes). A page repeated within one table keeps its
-    latest logical index, the one whose contents it holds.
+    latest logical index, the one whose contents it holds. Device ops only (no host sync).
     """
-    bt = meta.block_table[: meta.num_reqs].long()
-    num_valid = (meta.seq_lens[: meta.num_reqs].long() + meta.block_size - 1) // meta.block_size
+    bt = block_table.long()
+    num_valid = (seq_lens.long() + block_size - 1) // block_size
     cols = torch.arange(bt.shape[1], device=bt.device).expand_as(bt)
     target = torch.where(cols < num_valid[:, None], bt, num_blocks)  # invalid entries -> a spare bucket
     inverse = torch.full((num_blocks + 1,), -1, dtype=torch.long, device=bt.device)

@@ -9,6 +9,8 @@ another machine.
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 from typing import Any
 
 from kvllm.attention import registry
@@ -38,6 +40,24 @@ def register(subparsers: Any) -> None:
         metavar="MAJOR.MINOR",
         help="CUDA compute capability to simulate, e.g. 9.0 (implies --platform cuda).",
     )
+    tune = parser.add_argument_group("auto-tune")
+    tune.add_argument(
+        "--tune",
+        action="store_true",
+        help="Time every valid backend on this machine on the model's shapes (what --attention-backend "
+        "auto-tune does at start-up) and print the table; reads and fills the same cache.",
+    )
+    tune.add_argument(
+        "--tune-time-cap",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="Hard cap on the timing run (default: the engine's).",
+    )
+    tune.add_argument(
+        "--retune", action="store_true", help="Time again even if a cached table exists (and overwrite it)."
+    )
+    tune.add_argument("--tune-json", metavar="PATH", help="Also write the table as JSON to PATH.")
     parser.set_defaults(dispatch=run)
 
 
@@ -148,10 +168,15 @@ def mla_prefill_lines(
 def run(args: argparse.Namespace) -> int:
     """Run the subcommand; exit code 1 when neither automatic nor requested selection would work."""
     from kvllm.attention.selector import choose_attention_backend
+    from kvllm.config.backend_names import is_auto_tune
     from kvllm.models.hf_config import load_hf_config, selector_config_from_hf_config
     from kvllm.models.registry import unsupported_model_reason
 
     engine_args = engine_args_from_cli(args)
+    if args.tune or is_auto_tune(engine_args.backend):
+        if args.platform is not None or args.capability is not None:
+            raise ValueError("--tune times backends on this machine; leave out --platform/--capability")
+        return run_tune(engine_args, args.tune_time_cap, args.retune, args.tune_json)
     device = resolve_device(args.platform, args.capability)
     model = resolve_model(engine_args.model)
     hf_config = load_hf_config(model, engine_args.trust_remote_code, engine_args.revision)
@@ -180,4 +205,54 @@ def run(args: argparse.Namespace) -> int:
         choose_attention_backend(config, device, engine_args.backend)
     except ValueError:
         return 1
+    return 0
+
+
+def run_tune(engine_args: Any, time_cap_s: float | None, retune: bool, json_path: str | None) -> int:
+    """`kvllm backends --tune`: the auto-tune table for the model on this machine (exit 1: nothing valid)."""
+    from kvllm.attention.autotune import (
+        DEFAULT_TIME_CAP_S,
+        autotune_attention_backend,
+        machine_name,
+        model_shapes_from_engine,
+    )
+    from kvllm.engine.llm_engine import DEFAULT_MAX_NUM_BATCHED_TOKENS
+    from kvllm.models.hf_config import selector_config_from_hf_config
+    from kvllm.models.model_config import ModelConfig
+    from kvllm.platforms import current_device_info, resolve_device
+    from kvllm.utils.dtypes import dtype_name
+
+    device = resolve_device(engine_args.device)
+    engine_args = engine_args.with_changes(model=resolve_model(engine_args.model))
+    model_config = ModelConfig.from_engine_args(engine_args, device)
+    device_info = current_device_info()
+    config = selector_config_from_hf_config(
+        model_config.hf_config,
+        device_info,
+        dtype=dtype_name(model_config.dtype),
+        kv_cache_dtype=engine_args.kv_cache_dtype,
+        block_size=engine_args.block_size,
+        attention_config=engine_args.attention_config,
+    )
+    # The engine's token budget (LLMEngine): the same shapes, so the same cache entry.
+    tokens = engine_args.max_num_batched_tokens or (
+        DEFAULT_MAX_NUM_BATCHED_TOKENS
+        if engine_args.enable_chunked_prefill
+        else max(DEFAULT_MAX_NUM_BATCHED_TOKENS, model_config.max_model_len)
+    )
+    shapes = model_shapes_from_engine(model_config, engine_args, tokens)
+    try:
+        result = autotune_attention_backend(
+            config, device_info, shapes, device,
+            time_cap_s=DEFAULT_TIME_CAP_S if time_cap_s is None else time_cap_s, refresh=retune,
+        )  # fmt: skip
+    except ValueError as exc:
+        print(f"auto-tune: {exc}")
+        return 1
+    print(f"Model: {model_config.model}\nAttention needs: {config}\n")
+    print(result.format_table())
+    if json_path:
+        report = {"model": model_config.model, "config": str(config), "device": machine_name(device),
+                  **result.to_json()}  # fmt: skip
+        Path(json_path).write_text(json.dumps(report, indent=1))
     return 0

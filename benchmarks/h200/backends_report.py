@@ -1,0 +1,81 @@
+"""The summary of backends_session.sh: issue 23's targets met or not, from the raw files of one run.
+
+python benchmarks/h200/backends_report.py OUT_DIR    # prints the table, writes OUT_DIR/report.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+# (shape, metric, target, what it measures) for FLEX_ATTENTION, from issue 23.
+FLEX_TARGETS = [
+    ("decode b256 x ctx1k", "tbps", 2.5, "decode TB/s"),
+    ("prefill 8x2048 causal", "tflops", 250.0, "prefill TFLOP/s"),
+]
+
+
+def _load(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def flex_rows(bench: dict | None) -> list[dict]:
+    """FLEX_ATTENTION's value per target shape beside torch's compiled FlexAttention and SDPA."""
+    rows = []
+    for shape, metric, target, what in FLEX_TARGETS:
+        found = [r for r in (bench or {}).get("rows", []) if r["shape"] == shape]
+        ours = next((r for r in found if r["kernel"] == "FLEX_ATTENTION"), None)
+        value = ours.get(metric) if ours else None
+        peers = {r["kernel"]: r.get(metric) for r in found if r["kernel"] != "FLEX_ATTENTION"}
+        rows.append({
+            "shape": shape, "metric": what, "target": target, "FLEX_ATTENTION": value,
+            "status": ours["status"] if ours else "missing", "peers": peers,
+            "met": value is not None and value >= target,
+        })  # fmt: skip
+    return rows
+
+
+def autotune_rows(directory: Path) -> list[dict]:
+    rows = []
+    for run in (1, 2):
+        data = _load(directory / f"autotune-{run}.json")
+        if data is None:
+            rows.append({"run": run, "status": "missing"})
+            continue
+        totals = {r["backend"]: (r["ms"] and sum(r["ms"].values())) or r["status"] for r in data["rows"]}
+        rows.append({"run": run, "chosen": data["chosen"], "from_cache": data["from_cache"], "why": data["why"],
+                     "totals_ms_or_status": totals})  # fmt: skip
+    return rows
+
+
+def main(argv: list[str]) -> int:
+    directory = Path(argv[0] if argv else ".")
+    report = {
+        "flex_targets": flex_rows(_load(directory / "flex-bench.json")),
+        "autotune": autotune_rows(directory),
+        "walks": {
+            name: {"declare": data.get("declare", [])}
+            for name, data in ((_load(directory / "walk-summary.json") or {}).get("backends", {})).items()
+        },
+    }
+    (directory / "report.json").write_text(json.dumps(report, indent=1))
+    print("FLEX_ATTENTION targets (issue 23):")
+    for row in report["flex_targets"]:
+        value = "-" if row["FLEX_ATTENTION"] is None else f"{row['FLEX_ATTENTION']:.3f}"
+        peers = ", ".join(f"{k} {v:.3f}" for k, v in row["peers"].items() if v is not None)
+        verdict = "MET" if row["met"] else "NOT MET"
+        print(
+            f"  {row['shape']}: {row['metric']} {value} (target >= {row['target']}) {verdict}; peers: {peers}"
+        )
+    print("auto-tune on Qwen3-0.6B shapes:")
+    for row in report["autotune"]:
+        print(f"  run {row['run']}: " + json.dumps({k: v for k, v in row.items() if k != "run"}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,130 @@
+"""FLEX_ATTENTION's split path on the CPU: decodes as a batch of one-token queries over a decode-shaped
+BlockMask (flex_attention_decode) and fresh prefills over the step's own K/V with large tiles
+(flex_attention_prefill), run eagerly against the float32 reference; the block structures the
+compiled kernels walk (full and partial blocks) checked block by block against the dense masks;
+the decode masks reused across steps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn.attention.flex_attention import create_mask
+
+from kvllm.attention.backends import flex_attention_impl as flex
+from kvllm.attention.backends.flex_attention import FlexAttentionBackend
+from kvllm.attention.backends.flex_attention_decode import FlexDecodeMasks, decode_bucket
+from kvllm.attention.backends.flex_attention_prefill import TILE, fresh_prefill
+from kvllm.attention.reference import make_paged_batch
+from kvllm.attention.testing import prepare_backend_case, run_backend_case
+
+CONTEXTS = [0, 15, 31, 80, 130]
+
+
+@pytest.fixture(autouse=True)
+def eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(flex.COMPILE_ENV, "0")
+
+
+@pytest.mark.parametrize(
+    ("block_size", "heads", "window", "soft_cap"),
+    [(16, (4, 4), None, None), (32, (8, 2), 24, None), (16, (8, 1), None, 2.0), (16, (4, 2), 5, None),
+     (64, (4, 2), 40, 3.0)],
+)  # fmt: skip
+def test_decode_path_matches_reference(block_size, heads, window, soft_cap) -> None:
+    case = run_backend_case(
+        FlexAttentionBackend, [1] * len(CONTEXTS), CONTEXTS, *heads, 32, block_size, torch.float32, "cpu",
+        seed=3, sliding_window=window, logits_soft_cap=soft_cap, impl_attrs={"decode_path_eager": True},
+    )  # fmt: skip
+    assert case.metadata.decode_masks is not None, "a decode-only step must take the decode path"
+    assert case.rel_max_error() < 1e-5
+
+
+@pytest.mark.parametrize(
+    ("query_lens", "context_lens", "window"),
+    [([1, 1, 37, 5, 300], [31, 130, 0, 0, 0], None), ([1, 1, 37, 5, 300], [31, 130, 0, 0, 0], 130),
+     ([200, 7, 129], [0, 0, 0], 24), ([1], [0], None)],
+)  # fmt: skip
+def test_decodes_and_fresh_prefills_match_reference(query_lens, context_lens, window) -> None:
+    case = run_backend_case(
+        FlexAttentionBackend, query_lens, context_lens, 8, 2, 32, 16, torch.float32, "cpu", seed=4,
+        sliding_window=window, pad_tokens=3, impl_attrs={"decode_path_eager": True},
+    )  # fmt: skip
+    meta = case.metadata
+    num_decodes = sum(q == 1 for q in query_lens)  # decodes come first
+    assert meta.num_decodes == num_decodes
+    assert meta.fresh_prefill_from == (num_decodes if num_decodes < len(query_lens) else None)
+    assert case.rel_max_error() < 1e-5
+
+
+def test_prefills_with_cached_context_take_the_general_path() -> None:
+    batch = make_paged_batch([1, 1, 7], [5, 40, 3], 4, 2, 32, 16, seed=0)
+    case = prepare_backend_case(FlexAttentionBackend, batch, impl_attrs={"decode_path_eager": True})
+    assert case.metadata.decode_masks is None and case.metadata.fresh_prefill_from is None
+
+
+@pytest.mark.parametrize("window", [None, 1, 100, 128, 300])
+@pytest.mark.parametrize("query_lens", [[300, 7, 129, 1, 256], [128, 128], [5]])
+def test_fresh_prefill_block_structure_is_exact(window: int | None, query_lens: list[int]) -> None:
+    qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()])
+    fresh = fresh_prefill(qsl, 0, window, torch.device("cpu"))
+    bm, length = fresh.block_mask, fresh.block_mask.seq_lengths[0]
+    dense = create_mask(bm.mask_mod, 1, 1, length, length, device="cpu")[0, 0]
+    tiles = dense.view(length // TILE, TILE, length // TILE, TILE).any(3).any(1)
+    whole = dense.view(length // TILE, TILE, length // TILE, TILE).all(3).all(1)
+    for i in range(length // TILE):
+        partial = bm.kv_indices[0, 0, i, : bm.kv_num_blocks[0, 0, i]].tolist()
+        full = bm.full_kv_indices[0, 0, i, : bm.full_kv_num_blocks[0, 0, i]].tolist()
+        assert len(set(partial)) == len(partial) and not set(partial) & set(full)
+        assert set(partial) | set(full) == set(tiles[i].nonzero().flatten().tolist()), i
+        assert all(whole[i, j] for j in full), i
+    assert int(dense.sum()) == sum(
+        sum(min(p + 1, window or p + 1) for p in range(n)) for n in query_lens
+    )  # each token sees itself and its predecessors (in the window)
+
+
+@pytest.mark.parametrize("window", [None, 1, 16, 23, 200])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_block_structure_is_exact(window: int | None, block_size: int) -> None:
+    """Listed pages (full and partial) are exactly the pages with a visible slot; full pages are
+    visible in every slot; the two lists never share a page; padding rows list nothing."""
+    contexts = [0, 15, 31, 63, 64, 130, 7]
+    batch = make_paged_batch([1] * len(contexts), contexts, 2, 2, 16, block_size, seed=1)
+    num_blocks, num_reqs = batch.num_blocks, len(contexts)
+    masks = FlexDecodeMasks(block_size, batch.block_table.shape[1], torch.device("cpu"))
+    seq_lens = batch.metadata.seq_lens.to(torch.int32)
+    bm = masks.block_mask(batch.block_table, seq_lens, num_reqs, num_blocks, window)
+    rows = decode_bucket(num_reqs)
+    dense = create_mask(bm.mask_mod, rows, 1, 1, num_blocks * block_size, device="cpu")[:, 0, 0]
+    visible_pages = dense.view(rows, num_blocks, block_size)
+    for b in range(rows):
+        partial = set(bm.kv_indices[b, 0, 0, : bm.kv_num_blocks[b, 0, 0]].tolist())
+        full = set(bm.full_kv_indices[b, 0, 0, : bm.full_kv_num_blocks[b, 0, 0]].tolist())
+        seen = {p for p in range(num_blocks) if visible_pages[b, p].any()}
+        assert not partial & full and partial | full == seen, (b, partial, full, seen)
+        assert all(visible_pages[b, p].all() for p in full)
+        assert len(partial) == int(bm.kv_num_blocks[b, 0, 0])  # no page listed twice
+        if b >= num_reqs:
+            assert not seen
+        else:
+            expected = min(batch.seq_lens[b], window or batch.seq_lens[b])
+            assert int(dense[b].sum()) == expected
+
+
+def test_masks_are_reused_across_steps_and_follow_the_new_batch() -> None:
+    builder_case = run_backend_case(
+        FlexAttentionBackend, [1, 1, 1], [9, 40, 77], 4, 2, 32, 16, torch.float32, "cpu", seed=0,
+        impl_attrs={"decode_path_eager": True}, builder_limits=(8, 64, 256),
+    )  # fmt: skip
+    masks = builder_case.metadata.decode_masks
+    first = masks.block_mask(builder_case.metadata.block_table, builder_case.metadata.seq_lens, 3, 11, None)
+    assert (
+        masks.block_mask(builder_case.metadata.block_table, builder_case.metadata.seq_lens, 4, 11, None)
+        is first
+    )
+    second = make_paged_batch([1] * 4, [3, 100, 17, 60], 4, 2, 32, 16, seed=5)
+    meta = builder_case.builder.build(second.metadata)
+    assert meta.decode_masks is masks  # the builder's one set of decode masks
+    seq = second.metadata.seq_lens.to(torch.int32)
+    bm = masks.block_mask(meta.block_table, seq, 4, second.num_blocks, None)
+    counts = (bm.kv_num_blocks[:4, 0, 0] + bm.full_kv_num_blocks[:4, 0, 0]).tolist()
+    assert counts == [-(-s // 16) for s in second.seq_lens]
