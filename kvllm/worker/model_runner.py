@@ -12,7 +12,7 @@ from kvllm.attention.metadata import KVCacheSpec
 from kvllm.attention.selector import choose_attention_backend, explain_kv_cache_dtype
 from kvllm.config.engine import EngineArgs
 from kvllm.core.sched_output import SchedulerOutput
-from kvllm.core.step_result import StepResult
+from kvllm.core.step_result import GrammarBitmaskFn, StepResult
 from kvllm.forward_context import set_forward_context
 from kvllm.layers.attention import Attention
 from kvllm.layers.mla_attention import MLAAttention
@@ -23,6 +23,7 @@ from kvllm.outputs import PositionLogprobs
 from kvllm.platforms.interface import DeviceInfo
 from kvllm.sample.logprobs import position_logprobs
 from kvllm.sample.sampler import HostCopy, Sampler
+from kvllm.sample.structured import GrammarBitmaskInputs
 from kvllm.utils.dtypes import dtype_name, kv_cache_torch_dtype
 from kvllm.worker.cuda_graph import CudaGraphRunner, default_capture_sizes
 from kvllm.worker.input_batch import InputBatch, ModelInputs
@@ -275,10 +276,15 @@ class ModelRunner:
         return self.execute_model_async(step).result()
 
     @torch.inference_mode()
-    def execute_model_async(self, step: SchedulerOutput) -> PendingStepResult:
+    def execute_model_async(
+        self, step: SchedulerOutput, grammar_bitmask: GrammarBitmaskFn | None = None
+    ) -> PendingStepResult:
         """Launch one step: inputs, forward (a CUDA graph for uniform decode), sampling; the sampled
         ids are written to the device token table for the next step and copied to the host without
-        waiting. Only prompt logprobs, when asked for, read results back before this returns."""
+        waiting. Only prompt logprobs, when asked for, read results back before this returns.
+
+        `grammar_bitmask` is called once the forward pass and logits are queued, so the host fills the
+        grammar masks (and may first take the previous step's tokens) while the device computes."""
         assert self.input_batch is not None and self.metadata_builder is not None
         pad_to = self._graph_size(step)
         inputs = self.input_batch.prepare(step, pad_to)
@@ -303,6 +309,12 @@ class ModelRunner:
         else:
             sampled_hidden = hidden[inputs.logits_indices]
         logits = self.model.compute_logits(sampled_hidden, upcast=False)
+        if grammar_bitmask is not None:
+            masks = grammar_bitmask(inputs.sampling_request_indices)
+            if masks is not None:
+                inputs.sampling_metadata.grammar = GrammarBitmaskInputs(
+                    masks.to(self.device, non_blocking=True)
+                )
         sampled = self.sampler.sample(logits, inputs.sampling_metadata)
         self.input_batch.record_sampled_on_device(sampled.token_ids)
         return PendingStepResult(inputs.sampling_request_indices, sampled.copy_to_host(), prompt_logprobs)

@@ -115,7 +115,10 @@ REQUEST_LOGS = (
 )
 SAFETENSORS = "kvllm's safetensors loader has no such setting"
 METRICS = "kvllm has no such metric or trace; its metrics are served at /metrics"
-STRUCTURED = "kvllm has no structured (guided) decoding yet"
+STRUCTURED = (
+    "kvllm's structured outputs always use xgrammar (vLLM's default backend) with vLLM's defaults; the "
+    "per-request options (structured_outputs.disable_any_whitespace, ...) are the way to change them"
+)
 
 # Flags of vLLM's frontend (cli_args.py: make_arg_parser, FrontendArgs): kvllm serve only.
 FRONTEND_FLAGS: dict[str, Verdict] = {
@@ -424,7 +427,13 @@ ENGINE_FLAGS: dict[str, Verdict] = {
     "--reasoning-config": _no(REASONING),
     "--kernel-config": _no(KERNELS),
     "--additional-config": _no("kvllm has no platform plugins to read additional settings"),
-    "--structured-outputs-config": _no(STRUCTURED),
+    "--structured-outputs-config": _no(
+        STRUCTURED,
+        '{"backend": "xgrammar"}',
+        '{"backend":"xgrammar"}',
+        '{"backend": "auto"}',
+        '{"backend":"auto"}',
+    ),
     "--profiler-config": _no("kvllm profiles with `kvllm bench latency --profile-steps`"),
     "--optimization-level": SUPPORTED,
     "--performance-mode": _no("kvllm has one performance mode", "balanced"),

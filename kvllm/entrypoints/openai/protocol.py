@@ -60,7 +60,6 @@ UNSUPPORTED_VLLM_FIELDS: dict[str, Any] = {
     "use_beam_search": False,
     "length_penalty": 1.0,
     "prompt_embeds": None,
-    "structured_outputs": None,
     "priority": 0,
     "return_tokens_as_token_ids": None,
     "cache_salt": None,
@@ -112,6 +111,7 @@ class SamplingExtras(OpenAIBaseModel):
     truncation_side: Literal["left", "right"] | None = None  # vLLM's: "right" keeps the first k instead
     prompt_logprobs: int | None = None
     vllm_xargs: dict[str, Any] | None = None  # vLLM's: SamplingParams.extra_args, for custom processors
+    structured_outputs: dict[str, Any] | None = None  # vLLM's StructuredOutputsParams as an object
 
 
 # ---- completions -------------------------------------------------------------------------------
@@ -126,6 +126,7 @@ class CompletionRequest(SamplingExtras):
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+    response_format: dict[str, Any] | None = None  # vLLM's: text, json_object or json_schema
 
 
 class CompletionLogProbs(OpenAIBaseModel):

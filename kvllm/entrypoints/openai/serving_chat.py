@@ -50,11 +50,6 @@ class OpenAIServingChat(OpenAIServing):
         self.check_limits(request)
         if request.tools and request.tool_choice != "none":
             raise OpenAIError("tools are not supported by this server; omit them", param="tools")
-        if request.response_format and request.response_format.get("type", "text") != "text":
-            raise OpenAIError(
-                f"response_format type {request.response_format.get('type')!r} is not supported; allowed: text",
-                param="response_format",
-            )
         if request.top_logprobs is not None and not request.logprobs:
             raise OpenAIError("top_logprobs needs logprobs=true", param="top_logprobs")
         self.check_logprobs(request.top_logprobs, "top_logprobs")

@@ -32,6 +32,7 @@ from kvllm.entrypoints.openai.protocol import (
     StreamOptions,
     UsageInfo,
 )
+from kvllm.entrypoints.openai.structured_outputs import structured_outputs_params
 from kvllm.logger import init_logger
 from kvllm.outputs import PositionLogprobs, RequestOutput
 from kvllm.sampling_params import SamplingParams
@@ -220,6 +221,9 @@ class OpenAIServing:
             "bad_words": request.bad_words,
             "prompt_logprobs": request.prompt_logprobs,
             "extra_args": request.vllm_xargs,
+            "structured_outputs": structured_outputs_params(
+                request.structured_outputs, getattr(request, "response_format", None)
+            ),
         }
         kwargs.update(self.sampling_knobs(request))
         try:
