@@ -106,7 +106,7 @@ def test_overlapped_scheduling_gives_the_same_tokens(tiny_qwen3_real_tokenizer_p
             SamplingParams(
                 temperature=1.0,
                 seed=i,
-                max_tokens=40,
+                max_tokens=100,
                 structured_outputs=StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True),
             )
             if i % 2
@@ -169,4 +169,4 @@ def test_invalid_constraints_are_refused_with_the_reason(llm, constraint, messag
         llm.generate(
             ["x"], SamplingParams(structured_outputs=StructuredOutputsParams(**constraint)), use_tqdm=False
         )
-    assert not llm.engine.has_unfinished_requests()
+    assert not llm.llm_engine.has_unfinished_requests()

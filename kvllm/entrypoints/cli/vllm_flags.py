@@ -89,12 +89,12 @@ OFFLOAD = (
 KV_TRANSFER = "kvllm has no disaggregated prefill or KV-cache transfer between instances"
 TRACING = "kvllm has no OpenTelemetry tracing; use the Prometheus metrics at /metrics and the logs"
 TOOLS = (
-    "kvllm does not parse tool calls out of model output (no tool-call parsers): tools sent in a "
-    "request reach the chat template, and a call comes back as text in content"
+    "kvllm's tool-call parsers are built in (--tool-call-parser hermes, llama3_json, mistral); it loads "
+    "no parser plugins and runs no tool servers"
 )
 REASONING = (
-    "kvllm does not split reasoning from the answer (no reasoning parsers): the whole output, "
-    "thinking included, is in content"
+    "kvllm's reasoning parsers are built in (--reasoning-parser qwen3, deepseek_r1): no plugins, and no "
+    "reasoning settings beyond vLLM's request fields (chat_template_kwargs, reasoning_effort)"
 )
 SPECULATIVE = "speculative decoding is not available in kvllm; it decodes one token per sequence per step"
 QUANTIZATION = (
@@ -128,14 +128,14 @@ FRONTEND_FLAGS: dict[str, Verdict] = {
     "--grpc": _off("kvllm serves the OpenAI-compatible HTTP API only; there is no gRPC server"),
     "--lora-modules": _no(LORA),
     "--chat-template": SUPPORTED,
-    "--chat-template-content-format": _no("kvllm has no content-format setting", "auto"),
+    "--chat-template-content-format": SUPPORTED,
     "--trust-request-chat-template": SUPPORTED,
     "--default-chat-template-kwargs": SUPPORTED,
     "--response-role": _no("kvllm answers with the role 'assistant'", "assistant"),
     "--return-tokens-as-token-ids": _off("kvllm returns logprob tokens as text"),
-    "--enable-auto-tool-choice": _off(TOOLS),
-    "--exclude-tools-when-tool-choice-none": _off(TOOLS),
-    "--tool-call-parser": _no(TOOLS),
+    "--enable-auto-tool-choice": SUPPORTED,
+    "--exclude-tools-when-tool-choice-none": SUPPORTED,
+    "--tool-call-parser": SUPPORTED,
     "--tool-parser-plugin": _no(TOOLS, ""),
     "--tool-server": _no(TOOLS),
     "--log-config-file": _no(
@@ -283,7 +283,7 @@ ENGINE_FLAGS: dict[str, Verdict] = {
     "--mamba-backend": _no(MAMBA),
     "--enable-mamba-cache-stochastic-rounding": _off(MAMBA),
     "--mamba-cache-philox-rounds": _no(MAMBA),
-    "--reasoning-parser": _no(REASONING),
+    "--reasoning-parser": SUPPORTED,
     "--reasoning-parser-plugin": _no(REASONING, ""),
     "--distributed-executor-backend": _no(
         "kvllm runs the model in the server's own process, on one device", "uni", "mp"

@@ -66,7 +66,6 @@ UNSUPPORTED_VLLM_FIELDS: dict[str, Any] = {
     "kv_transfer_params": None,
     "repetition_detection": None,
     "thinking_token_budget": None,
-    "continue_final_message": False,
     "documents": None,
     "media_io_kwargs": None,
     "mm_processor_kwargs": None,
@@ -180,6 +179,8 @@ class ChatMessage(OpenAIBaseModel):
     role: str
     content: str | list[ChatContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls, rendered by the template
+    tool_call_id: str | None = None  # a tool message's answer to that call
 
 
 class ChatCompletionRequest(SamplingExtras):
@@ -194,9 +195,12 @@ class ChatCompletionRequest(SamplingExtras):
     tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM's: the reply continues the last message (a prefill)
     echo: bool = False  # vLLM's: the reply starts with the last message when it has the reply's role
     chat_template: str | None = None  # vLLM's: refused unless --trust-request-chat-template
     chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    include_reasoning: bool = True  # vLLM's: false leaves the reasoning out of the response
 
 
 class ChatLogProb(OpenAIBaseModel):
@@ -216,6 +220,9 @@ class ChatChoiceLogProbs(OpenAIBaseModel):
 class ChatResponseMessage(OpenAIBaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[dict[str, Any]] = Field(default_factory=list)  # OpenAI's shape, [] as vLLM sends
+    reasoning: str | None = None  # vLLM's (--reasoning-parser)
+    reasoning_content: str | None = None  # the same, under the name older vLLM and clients read
 
 
 class ChatCompletionChoice(OpenAIBaseModel):
@@ -241,6 +248,9 @@ class ChatCompletionResponse(OpenAIBaseModel):
 class DeltaMessage(OpenAIBaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # each with its index in the message's calls
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatCompletionStreamChoice(OpenAIBaseModel):
@@ -287,6 +297,9 @@ class TokenizeRequest(OpenAIBaseModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # as on /v1/chat/completions (enable_thinking...)
+    continue_final_message: bool = False
+    tools: list[dict[str, Any]] | None = None  # rendered by the chat template, as vLLM's /tokenize
 
 
 class TokenizeResponse(OpenAIBaseModel):
