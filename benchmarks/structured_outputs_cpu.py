@@ -12,7 +12,9 @@ the medians are printed and written as JSON.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
+import os
 import platform
 import statistics
 import time
@@ -44,7 +46,6 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
-    import xgrammar as xgr
     from transformers import AutoTokenizer
 
     from kvllm.sample.metadata import SamplingMetadata
@@ -106,7 +107,8 @@ def main() -> None:
         "sample_without_mask_ms": ms(plain),
         "host": platform.processor() or platform.machine(),
         "torch": torch.__version__,
-        "xgrammar": xgr.__version__ if hasattr(xgr, "__version__") else "?",
+        "xgrammar": importlib.metadata.version("xgrammar"),
+        "load_average_1min": round(os.getloadavg()[0], 2),
     }
     text = json.dumps(result, indent=2)
     if args.out:

@@ -14,7 +14,7 @@ import openai
 import pydantic
 import pytest
 
-from tests.e2e.test_server_openai import API_KEY, MODEL_NAME, RemoteServer
+from tests.e2e.test_server_openai import API_KEY, MODEL_NAME
 
 
 class Person(pydantic.BaseModel):
@@ -28,11 +28,9 @@ class Person(pydantic.BaseModel):
 COMPACT = {"structured_outputs": {"disable_any_whitespace": True}}
 
 
-@pytest.fixture(scope="module")
-def server(tiny_qwen3_real_tokenizer_path):
-    srv = RemoteServer(tiny_qwen3_real_tokenizer_path)
-    yield srv
-    srv.stop()
+@pytest.fixture
+def server(qwen3_server):
+    return qwen3_server
 
 
 def test_openai_parse_with_a_pydantic_model(server):

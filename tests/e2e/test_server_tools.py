@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from tests.e2e.test_server_openai import API_KEY, MODEL_NAME, RemoteServer
+from tests.e2e.test_server_openai import API_KEY, MODEL_NAME
 
 WEATHER = {
     "type": "function",
@@ -58,20 +58,9 @@ HISTORY = [
 ]
 
 
-@pytest.fixture(scope="module")
-def server(tiny_qwen3_real_tokenizer_path):
-    srv = RemoteServer(
-        tiny_qwen3_real_tokenizer_path,
-        "--enable-auto-tool-choice",
-        "--tool-call-parser",
-        "hermes",
-        "--max-model-len",
-        "1024",
-        "--reasoning-parser",
-        "qwen3",
-    )
-    yield srv
-    srv.stop()
+@pytest.fixture
+def server(qwen3_server):
+    return qwen3_server
 
 
 def _hf_prompt_ids(path, messages, tools) -> list[int]:

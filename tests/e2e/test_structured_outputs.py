@@ -61,25 +61,31 @@ def _valid_json(text: str) -> bool:
     return True
 
 
-def test_json_schema_validates_every_time(llm):
-    outs = _generate(llm, StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True), 120)
-    assert all(o.finish_reason == "stop" for o in outs), [o.text for o in outs if o.finish_reason != "stop"]
-    assert [o.text for o in outs if not _valid_json(o.text)] == []
-    assert len({o.text for o in outs}) > NUM // 2  # sampled, not one forced answer
-    unconstrained = _generate(llm, None, 40, num=20)
-    assert not any(_valid_json(o.text) for o in unconstrained)
-
-
-def test_regex_choice_and_grammar_hold_every_time(llm):
-    for constraint, check, max_tokens in (
+def test_every_constraint_holds_every_time_and_nothing_holds_without(llm):
+    """100 sequences per constraint (JSON schema, regex, choice, grammar), all in one batch."""
+    cases = [
+        (StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True), lambda t: _valid_json(t), 120),
         (StructuredOutputsParams(regex=REGEX), lambda t: re.fullmatch(REGEX, t) is not None, 40),
         (StructuredOutputsParams(choice=CHOICES), lambda t: t in CHOICES, 20),
         (StructuredOutputsParams(grammar=GRAMMAR), lambda t: EXPRESSION.fullmatch(t) is not None, 40),
-    ):
-        outs = _generate(llm, constraint, max_tokens)
-        assert [o.text for o in outs if not (o.finish_reason == "stop" and check(o.text))] == []
-        assert len({o.text for o in outs}) > 2
-        assert not any(check(o.text) for o in _generate(llm, None, max_tokens, num=20))
+    ]
+    params = [
+        SamplingParams(n=NUM, temperature=1.0, max_tokens=max_tokens, structured_outputs=constraint)
+        for constraint, _, max_tokens in cases
+    ]
+    outs = llm.generate(["Tell me about"] * len(cases), params, use_tqdm=False)
+    for (constraint, check, _), out in zip(cases, outs):
+        texts = [c.text for c in out.outputs]
+        assert len(texts) == NUM
+        assert [c.text for c in out.outputs if not (c.finish_reason == "stop" and check(c.text))] == [], (
+            constraint
+        )
+        assert len(set(texts)) > (NUM // 2 if constraint.kind == "json" else 2)  # sampled, not forced
+    (plain,) = llm.generate(
+        ["Tell me about"], SamplingParams(n=20, temperature=1.0, max_tokens=40), use_tqdm=False
+    )
+    for _, check, _ in cases:
+        assert not any(check(c.text) for c in plain.outputs)
 
 
 def test_json_object_parses(llm):

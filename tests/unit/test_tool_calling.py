@@ -184,3 +184,9 @@ def test_streamed_reasoning_adds_up_to_the_whole(name):
                 assert so_far.startswith(content)  # content only grows
                 reasoning, content = reasoning + delta, so_far
             assert (reasoning, content) == parser.split(text, True)
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call():
+    plan = plan_tools([WEATHER, TIME], "auto", AUTO, None, False, parallel_tool_calls=False)
+    got = extract(plan, OUTPUTS["hermes"][0])
+    assert [c.name for c in got.tool_calls] == ["get_weather"]

@@ -201,6 +201,7 @@ class ChatCompletionRequest(SamplingExtras):
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     include_reasoning: bool = True  # vLLM's: false leaves the reasoning out of the response
+    parallel_tool_calls: bool | None = True  # false: at most one call per choice
 
 
 class ChatLogProb(OpenAIBaseModel):

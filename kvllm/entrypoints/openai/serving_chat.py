@@ -57,6 +57,7 @@ class OpenAIServingChat(OpenAIServing):
             self.tokenizer,
             has_other_constraint=request.structured_outputs is not None
             or (request.response_format or {}).get("type", "text") != "text",
+            parallel_tool_calls=request.parallel_tool_calls is not False,
         )
         if request.top_logprobs is not None and not request.logprobs:
             raise OpenAIError("top_logprobs needs logprobs=true", param="top_logprobs")

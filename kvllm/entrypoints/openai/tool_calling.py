@@ -34,6 +34,7 @@ class ToolPlan:
     named: str | None = None
     required: bool = False
     tool_names: list[str] = field(default_factory=list)
+    parallel_tool_calls: bool = True  # false: only the first call is returned
 
     @property
     def parses_output(self) -> bool:
@@ -71,8 +72,21 @@ def plan_tools(
     defaults: ChatTemplateDefaults,
     tokenizer: Any,
     has_other_constraint: bool,
+    parallel_tool_calls: bool = True,
 ) -> ToolPlan:
     """The request's ToolPlan; a 400 naming the field for what vLLM refuses."""
+    plan = _plan_tools(tools, tool_choice, defaults, tokenizer, has_other_constraint)
+    plan.parallel_tool_calls = parallel_tool_calls
+    return plan
+
+
+def _plan_tools(
+    tools: list[Any] | None,
+    tool_choice: Any,
+    defaults: ChatTemplateDefaults,
+    tokenizer: Any,
+    has_other_constraint: bool,
+) -> ToolPlan:
     if tools is not None and len(tools) == 0:
         raise OpenAIError(
             "`tools` must not be an empty array. Either provide at least one tool or omit the field entirely.",
@@ -174,6 +188,13 @@ def template_message(
 
 def extract(plan: ToolPlan, text: str) -> ExtractedToolCalls:
     """The calls in a finished output (none when the plan does not parse outputs)."""
+    result = _extract(plan, text)
+    if not plan.parallel_tool_calls:
+        result.tool_calls = result.tool_calls[:1]
+    return result
+
+
+def _extract(plan: ToolPlan, text: str) -> ExtractedToolCalls:
     if plan.named is not None:
         return ExtractedToolCalls(True, [ToolCall(plan.named, text)], None)
     if plan.required:
