@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -309,13 +310,14 @@ class ModelRunner:
         else:
             sampled_hidden = hidden[inputs.logits_indices]
         logits = self.model.compute_logits(sampled_hidden, upcast=False)
+        metadata = inputs.sampling_metadata
         if grammar_bitmask is not None:
             masks = grammar_bitmask(inputs.sampling_request_indices)
             if masks is not None:
-                inputs.sampling_metadata.grammar = GrammarBitmaskInputs(
-                    masks.to(self.device, non_blocking=True)
-                )
-        sampled = self.sampler.sample(logits, inputs.sampling_metadata)
+                # A copy: the decode fast path may reuse this step's metadata for the next step.
+                grammar = GrammarBitmaskInputs(masks.to(self.device, non_blocking=True))
+                metadata = dataclasses.replace(metadata, grammar=grammar)
+        sampled = self.sampler.sample(logits, metadata)
         self.input_batch.record_sampled_on_device(sampled.token_ids)
         return PendingStepResult(inputs.sampling_request_indices, sampled.copy_to_host(), prompt_logprobs)
 
