@@ -8,7 +8,7 @@ mkdir -p .so-bench/wheels .so-bench/qwen3-tokenizer
 .venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     -d .so-bench/wheels xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 pydantic==2.14.4 pydantic-core==2.50.5 \
-    annotated-types typing-inspection
+    annotated-types typing-inspection typing-extensions
 tok="${XDG_CACHE_HOME:-$HOME/.cache}/kvllm-tests/qwen3-tokenizer-3.7.2"
 if [ ! -f "$tok/tokenizer.json" ]; then
     .venv/bin/python -c "from pathlib import Path; from tests.model_factory import fetch_qwen3_tokenizer as f; f(Path('$tok').parent)"

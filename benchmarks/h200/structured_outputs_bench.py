@@ -4,6 +4,8 @@ tokenizer (the grammar needs real token strings), on the GPU.
     PYTHONPATH=.:/tmp/so-site python benchmarks/h200/structured_outputs_bench.py \
         --tokenizer .so-bench/qwen3-tokenizer --out $OUT/structured_outputs.json
 
+(/tmp/so-site: the staged wheels unzipped, `python -m zipfile -e WHEEL /tmp/so-site` each.)
+
 Both runs decode the same number of steps: every row generates exactly --max-tokens tokens (the
 schema asks for an array of at least that many digits, so no document ends early, and the
 unconstrained run ignores EOS), so the difference is the cost of the masks: xgrammar's fill on the

@@ -52,7 +52,8 @@ def test_apply_grammar_bitmask_bans_exactly_the_cleared_bits(dtype):
     assert torch.equal(logits, before)  # the model's logits are not written
 
 
-def test_sampler_only_draws_allowed_tokens_and_reports_constrained_logprobs():
+@pytest.mark.parametrize("fused", [False, True])  # True: the GPU's one-pass Triton sampler, interpreted
+def test_sampler_only_draws_allowed_tokens_and_reports_constrained_logprobs(fused):
     g = torch.Generator().manual_seed(1)
     rows, vocab = 64, 96
     logits = torch.randn(rows, vocab, generator=g) * 3
@@ -66,7 +67,7 @@ def test_sampler_only_draws_allowed_tokens_and_reports_constrained_logprobs():
     md = SamplingMetadata.from_params(params, logits.device, vocab)
     md.grammar = GrammarBitmaskInputs(bitmask)
     for _ in range(5):
-        sampled = Sampler(fused=False).sample(logits, md).to_host()
+        sampled = Sampler(fused=fused).sample(logits, md).to_host()
         assert all(allowed[r, t] for r, t in enumerate(sampled.token_ids))
     expected = logits.masked_fill(~allowed, float("-inf")).log_softmax(-1)
     got = torch.tensor(sampled.sampled_logprobs)
