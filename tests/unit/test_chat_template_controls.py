@@ -78,3 +78,27 @@ def test_string_format_and_detection():
     assert content_format(STRING_TEMPLATE, "auto") == "string"
     assert content_format(PARTS_TEMPLATE, "auto") == "openai"
     assert content_format(PARTS_TEMPLATE, "string") == "string"
+
+
+def test_llm_chat_takes_tools_and_continue_final_message(tiny_qwen3_real_tokenizer_path):
+    """LLM.apply_chat_template (so LLM.chat) against transformers on the real Qwen3 template."""
+    from transformers import AutoTokenizer
+
+    from kvllm import LLM
+
+    llm = LLM(
+        str(tiny_qwen3_real_tokenizer_path), dtype="float32", max_model_len=512, kv_cache_memory_bytes=1 << 22
+    )
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3_real_tokenizer_path)
+    tools = [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+    ]
+    conversation = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello th"}]
+    got = llm.apply_chat_template(conversation, False, continue_final_message=True, tools=tools)
+    text = tokenizer.apply_chat_template(
+        conversation, tools=tools, continue_final_message=True, tokenize=False
+    )
+    assert got == tokenizer(text, add_special_tokens=False).input_ids
+    assert tokenizer.decode(got).endswith("Hello th")
+    with pytest.raises(ValueError, match="continue_final_message"):
+        llm.apply_chat_template(conversation, True, continue_final_message=True)
