@@ -194,11 +194,25 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        *,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        """Apply the model's chat template to one conversation or a list of them, then generate.
+
+        `tools` (OpenAI's function definitions) and `continue_final_message` (continue the last
+        message instead of starting a new one) reach the template as transformers passes them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [
-            {"prompt_token_ids": self.apply_chat_template(c, add_generation_prompt, chat_template_kwargs)}
+            {
+                "prompt_token_ids": self.apply_chat_template(
+                    c,
+                    add_generation_prompt,
+                    chat_template_kwargs,
+                    continue_final_message=continue_final_message,
+                    tools=tools,
+                )
+            }
             for c in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm)
@@ -208,10 +222,17 @@ class LLM:
         conversation: list[ChatMessage],
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        *,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """Token ids of one conversation under the model's chat template."""
         return self.llm_engine.input_processor.render_chat(
-            conversation, add_generation_prompt, chat_template_kwargs
+            conversation,
+            add_generation_prompt,
+            chat_template_kwargs,
+            continue_final_message=continue_final_message,
+            tools=tools,
         )
 
     def _run(self, prompts: list[PromptType], params: list[Any], use_tqdm: bool) -> list[Any]:

@@ -29,6 +29,68 @@ class RequestOutputKind(enum.IntEnum):
     FINAL_ONLY = 2
 
 
+CONSTRAINT_FIELDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on the output's form (vLLM's class and fields): exactly one of `json` (a JSON
+    schema, as a dict or a JSON string), `regex`, `choice` (the output is one of these strings),
+    `grammar` (EBNF, xgrammar's GBNF dialect), `json_object` (any JSON object) or `structural_tag`.
+
+    `disable_any_whitespace` makes JSON compact; `disable_additional_properties` treats a schema's
+    objects as closed unless they say otherwise; `whitespace_pattern` is refused (xgrammar has none).
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in CONSTRAINT_FIELDS if getattr(self, name) is not None]
+        if len(given) > 1:
+            raise ValueError(
+                f"structured_outputs sets {', '.join(given)}: only one kind of constraint may be used; "
+                f"allowed: one of {', '.join(CONSTRAINT_FIELDS)}"
+            )
+        if not given:
+            raise ValueError(
+                f"structured_outputs sets no constraint; allowed: one of {', '.join(CONSTRAINT_FIELDS)}"
+            )
+        if self.choice is not None and (
+            not isinstance(self.choice, list | tuple)
+            or not self.choice
+            or not all(isinstance(c, str) for c in self.choice)
+        ):
+            _fail("structured_outputs.choice", self.choice, "a non-empty list of strings")
+        if self.choice is not None:
+            self.choice = list(self.choice)
+        for name in ("regex", "grammar", "structural_tag"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                _fail(f"structured_outputs.{name}", value, "a string")
+        if self.json is not None and not isinstance(self.json, str | dict):
+            _fail("structured_outputs.json", self.json, "a JSON schema (a dict or a JSON string)")
+        if self.json_object is not None and self.json_object is not True:
+            _fail("structured_outputs.json_object", self.json_object, "true (or leave it unset)")
+        if self.whitespace_pattern is not None:
+            raise ValueError(
+                "structured_outputs.whitespace_pattern is not supported by the xgrammar backend (vLLM "
+                "refuses it there too); use disable_any_whitespace=True for compact JSON, or omit it"
+            )
+
+    @property
+    def kind(self) -> str:
+        """Which constraint is set: json, regex, choice, grammar, json_object or structural_tag."""
+        return next(name for name in CONSTRAINT_FIELDS if getattr(self, name) is not None)
+
+
 class SamplingType(enum.IntEnum):
     """How the sampler picks a token for a request."""
 
@@ -53,7 +115,8 @@ class SamplingParams:
     [-100, 100] added to its logit). Token ids are checked against the model's vocabulary when the
     engine takes the request. `truncate_prompt_tokens` keeps the last k prompt tokens (-1: the last
     max_model_len), as vLLM's field of that name. `extra_args` is stored for custom processors and
-    not read by kvllm.
+    not read by kvllm. `structured_outputs` constrains the output to a JSON schema, regex, choice or
+    grammar (`StructuredOutputsParams`).
     """
 
     n: int = 1
@@ -82,6 +145,7 @@ class SamplingParams:
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
     extra_args: dict[str, Any] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     # The bad words' token sequences, set by the engine's input processor (it owns the tokenizer).
     _bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False, compare=False)
 
@@ -159,6 +223,10 @@ class SamplingParams:
             )
         if self.extra_args is not None and not isinstance(self.extra_args, dict):
             _fail("extra_args", self.extra_args, "None or a dict (passed through to custom processors)")
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            _fail("structured_outputs", self.structured_outputs, "None or a StructuredOutputsParams")
         if self.stop and not self.detokenize:
             raise ValueError(
                 f"stop={self.stop!r} needs detokenize=True: stop strings are matched on the output text"

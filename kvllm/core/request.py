@@ -5,11 +5,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvllm.structured_output.request import StructuredOutputRequest
 
 
 class RequestStatus(enum.Enum):
@@ -63,6 +66,8 @@ class Request:
     # Pooling runner: the request's PoolingParams, and its embedding once the prompt has run.
     pooling_params: Any = None
     pooled_data: Any = None
+    # The grammar of params.structured_outputs (one per sequence: each has its own matcher).
+    structured_output_request: StructuredOutputRequest | None = None
     all_token_ids: list[int] = field(init=False)  # prompt + output, kept in step with output_token_ids
 
     def __post_init__(self) -> None:

@@ -124,10 +124,18 @@ class Scheduler:
                 continue
             break  # the request itself was preempted: nothing older is left to shrink for
 
+        compiling: list[Request] = []  # waiting on their grammar (vLLM's WAITING_FOR_FSM): skipped
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             request = self.waiting[0]
             if request.num_output_placeholders:
                 break  # preempted while its last token was in flight: admitted once the token is known
+            grammar = request.structured_output_request
+            if grammar is not None and not grammar.is_ready():
+                compiling.append(self.waiting.popleft())
+                continue
+            if grammar is not None and grammar.error is not None:
+                self._fail(request, out, f"The request's structured output cannot be used: {grammar.error}")
+                continue
             if self._can_never_fit(request):
                 self._fail(request, out)
                 continue
@@ -155,6 +163,8 @@ class Scheduler:
             item = ScheduledRequest(request, n, self.kv.get_block_ids(request.request_id))
             (decodes if n == 1 else prefills).append(item)
             budget -= n
+
+        self.waiting.extendleft(reversed(compiling))
 
         # Decodes first, as the attention backends expect; order is otherwise kept.
         out.scheduled = decodes + prefills
@@ -196,11 +206,11 @@ class Scheduler:
             self.kv.blocks_needed(request.num_tokens + request.num_output_placeholders) > self.kv.num_blocks
         )
 
-    def _fail(self, request: Request, out: SchedulerOutput) -> None:
+    def _fail(self, request: Request, out: SchedulerOutput, reason: str | None = None) -> None:
         num_tokens = request.num_tokens
         needed = self.kv.blocks_needed(num_tokens)
         request.finish_reason = "error"
-        request.stop_reason = (
+        request.stop_reason = reason or (
             f"The request has {num_tokens} tokens, which need {needed} KV blocks, but the whole KV "
             f"cache has {self.kv.num_blocks} blocks ({self.kv.num_blocks * self.kv.block_size} tokens); it "
             "can never run. Raise kv_cache_memory_bytes / gpu_memory_utilization or lower max_model_len"

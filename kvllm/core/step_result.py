@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    import torch
+
     from kvllm.outputs import PositionLogprobs
     from kvllm.sample.sampler import SamplerOutput
+
+# Structured outputs: called by the worker between a step's forward pass and its sampling, with the
+# positions in `scheduled` of the rows that sample; returns the packed allowed-token bits of those
+# rows (int32 [rows, ceil(vocab / 32)] on the host, all bits set on unconstrained rows) or None.
+GrammarBitmaskFn = Callable[[list[int]], "torch.Tensor | None"]
 
 
 @dataclass

@@ -164,8 +164,13 @@ class InputProcessor:
         conversation: list[ChatMessage],
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        *,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """Token ids of a conversation under the tokenizer's chat template."""
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(
                 "This model's tokenizer has no chat template; use generate() with a plain prompt"
@@ -173,6 +178,8 @@ class InputProcessor:
         text = self.tokenizer.apply_chat_template(
             conversation,
             add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            tools=tools,
             tokenize=False,
             **(chat_template_kwargs or {}),
         )

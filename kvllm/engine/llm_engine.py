@@ -13,7 +13,7 @@ from kvllm.core.kv_cache_manager import KVCacheManager
 from kvllm.core.request import Request
 from kvllm.core.sched_output import SchedulerOutput
 from kvllm.core.scheduler import Scheduler
-from kvllm.core.step_result import PendingStep
+from kvllm.core.step_result import GrammarBitmaskFn, PendingStep
 from kvllm.engine.input_processor import InputProcessor, PromptType, truncate_prompt
 from kvllm.engine.output_processor import OutputProcessor
 from kvllm.engine.pooling import check_pooling_params, pooling_request, pooling_scheduler_settings
@@ -26,6 +26,7 @@ from kvllm.platforms import resolve_device
 from kvllm.pooling_params import PoolingParams
 from kvllm.sampling_params import SamplingParams
 from kvllm.spec_decode.coordinator import SpecDecodeCoordinator, SpecDecodeCounts
+from kvllm.structured_output import StructuredOutputManager
 from kvllm.worker.sleep_mode import SLEEP_LEVELS, WAKE_UP_TAGS
 
 logger = logging.getLogger(__name__)
@@ -77,6 +78,9 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(self.model_config.tokenizer_path)
         self.input_processor = InputProcessor(self.tokenizer, self.model_config)
         self.output_processor = OutputProcessor(self.tokenizer, self.model_config.max_model_len)
+        self.structured_output_manager = StructuredOutputManager(
+            self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids
+        )
         self.executor = UniProcExecutor(args, self.model_config, self.device, max_batched)
         num_blocks = self.executor.determine_num_blocks()
         _check_kv_cache_holds_one_request(
@@ -109,6 +113,8 @@ class LLMEngine:
                 )
                 self.async_scheduling = False
         self._in_flight: tuple[SchedulerOutput, PendingStep] | None = None
+        # During step(): the step launched by the previous call, until its tokens are taken.
+        self._previous: tuple[SchedulerOutput, PendingStep] | None = None
         self.sleep_level = 0  # 0: awake; else the level of the last sleep() until wake_up() ends it
         self._log_cache_size(num_blocks)
         if self.device.type == "cuda" and not self.model_config.is_pooling:
@@ -162,6 +168,8 @@ class LLMEngine:
         token_ids = self.input_processor.truncate_prompt(token_ids, params)
         self.input_processor.validate_prompt(token_ids)
         params = self.input_processor.process_params(params)
+        if params.structured_outputs is not None:
+            self.structured_output_manager.validate(params.structured_outputs)
         self._check_fits_cache(token_ids)
         max_tokens = self.input_processor.max_tokens(params, len(token_ids))
         requests = []
@@ -184,6 +192,10 @@ class LLMEngine:
                 eos_token_ids=self.model_config.eos_token_ids,
                 generator=generator,
             )
+            if params.structured_outputs is not None:
+                request.structured_output_request = self.structured_output_manager.make_request(
+                    params.structured_outputs
+                )
             if arrival_time is not None:
                 request.arrival_time = arrival_time
             requests.append(request)
@@ -263,18 +275,54 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         # Requests the scheduler failed (finish_reason "error") report that at once, like a finish.
         outputs = self.output_processor.process_failed(plan)
-        pending = None if plan.is_empty else self.executor.execute_model_async(plan)
+        self._previous, self._in_flight = self._in_flight, None
+        pending = None
+        if plan.is_empty and self._previous is None:
+            self._wait_for_grammar()
+        if not plan.is_empty:
+            if any(item.request.structured_output_request is not None for item in plan.scheduled):
+                pending = self.executor.execute_model_async(plan, self._grammar_bitmask_fn(plan, outputs))
+            else:
+                pending = self.executor.execute_model_async(plan)
         if not self.async_scheduling:
             return outputs + (self._update(plan, pending) if pending is not None else [])
-        previous, self._in_flight = self._in_flight, (plan, pending) if pending is not None else None
-        if previous is not None:
-            outputs += self._update(*previous)
+        if self._previous is not None:  # not yet taken by the grammar masks
+            outputs += self._update(*self._previous)
+            self._previous = None
+        self._in_flight = (plan, pending) if pending is not None else None
         if self._in_flight is not None and not self.scheduler.has_work_beyond_in_flight():
             # Nothing more could be scheduled until this step's tokens arrive: wait for them now
             # rather than on the next call, so the last tokens come without an extra step.
             done, self._in_flight = self._in_flight, None
             outputs += self._update(*done)
         return outputs
+
+    def _wait_for_grammar(self, timeout: float = 0.01) -> None:
+        """Nothing to run: block briefly on a waiting request's grammar instead of spinning."""
+        for request in self.scheduler.waiting:
+            grammar = request.structured_output_request
+            if grammar is not None and not grammar.is_ready():
+                grammar.wait(timeout)
+                return
+
+    def _grammar_bitmask_fn(self, plan: SchedulerOutput, outputs: list[RequestOutput]) -> GrammarBitmaskFn:
+        """The masks of `plan`'s constrained rows, called by the worker once the forward pass is queued.
+
+        A mask depends on every token before it, so the previous step's tokens (still in flight with
+        overlapped scheduling) are taken first, into `outputs`: exact, and the host's work overlaps the
+        device's forward pass instead of the device's idle time."""
+
+        def fill(rows: list[int]) -> torch.Tensor | None:
+            if self._previous is not None:
+                outputs.extend(self._update(*self._previous))
+                self._previous = None
+            grammars = []
+            for i in rows:
+                request = plan.scheduled[i].request
+                grammars.append(None if request.is_finished else request.structured_output_request)
+            return self.structured_output_manager.grammar_bitmask(grammars)
+
+        return fill
 
     def _update(self, plan: SchedulerOutput, pending: PendingStep) -> list[RequestOutput]:
         """Wait for a launched step's tokens, apply them, and free the requests they finished."""

@@ -196,6 +196,8 @@ class OutputProcessor:
         request = seq.request
         params = request.sampling_params
         request.append_output_token(token_id)
+        if request.structured_output_request is not None:
+            request.structured_output_request.accept_token(token_id)
         if logprob is not None:  # computed only for requests that report logprobs
             request.cumulative_logprob += logprob
         if top_logprobs is not None:

@@ -61,6 +61,7 @@ class ChatTemplateRenderer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool,
         variables: Mapping[str, Any],
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
         """The conversation as text. `variables` are the template's other inputs (special tokens,
         chat_template_kwargs). Raises ChatTemplateError."""
@@ -75,7 +76,7 @@ class ChatTemplateRenderer:
             for chunk in compiled.generate(
                 **variables,
                 messages=messages,
-                tools=None,
+                tools=tools,
                 documents=None,
                 add_generation_prompt=add_generation_prompt,
             ):

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from kvllm.attention.metadata import KVCacheSpec
     from kvllm.core.sched_output import SchedulerOutput
-    from kvllm.core.step_result import PendingStep, StepResult
+    from kvllm.core.step_result import GrammarBitmaskFn, PendingStep, StepResult
     from kvllm.worker.sleep_mode import SleepState
 
 
@@ -65,5 +65,11 @@ class Executor(ABC):
         """Run one step; the sampled tokens of the requests that reached their last token."""
 
     @abstractmethod
-    def execute_model_async(self, plan: SchedulerOutput) -> PendingStep:
-        """Launch one step and return at once; its `result()` waits for the sampled tokens."""
+    def execute_model_async(
+        self, plan: SchedulerOutput, grammar_bitmask: GrammarBitmaskFn | None = None
+    ) -> PendingStep:
+        """Launch one step and return at once; its `result()` waits for the sampled tokens.
+
+        `grammar_bitmask` (structured outputs) is called with the positions in `plan.scheduled` of
+        the rows that sample, after the forward pass is launched and before sampling: what it
+        returns constrains those rows (see `kvllm.structured_output`)."""

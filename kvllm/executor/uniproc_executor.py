@@ -7,7 +7,7 @@ import torch
 from kvllm.attention.metadata import KVCacheSpec
 from kvllm.config.engine import EngineArgs
 from kvllm.core.sched_output import SchedulerOutput
-from kvllm.core.step_result import PendingStep, StepResult
+from kvllm.core.step_result import GrammarBitmaskFn, PendingStep, StepResult
 from kvllm.executor.executor import Executor
 from kvllm.models.model_config import ModelConfig
 from kvllm.worker.sleep_mode import SleepState
@@ -56,5 +56,7 @@ class UniProcExecutor(Executor):
     def execute_model(self, plan: SchedulerOutput) -> StepResult:
         return self.worker.execute_model(plan)
 
-    def execute_model_async(self, plan: SchedulerOutput) -> PendingStep:
-        return self.worker.execute_model_async(plan)
+    def execute_model_async(
+        self, plan: SchedulerOutput, grammar_bitmask: GrammarBitmaskFn | None = None
+    ) -> PendingStep:
+        return self.worker.execute_model_async(plan, grammar_bitmask)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvllm.sample.structured import GrammarBitmaskInputs
 from kvllm.sampling_params import SamplingParams
 
 
@@ -88,6 +89,7 @@ class SamplingMetadata:
     logit_bias: LogitBiasInputs | None = None
     num_logprobs: list[int | None] | None = None  # per row, None when no row asks for logprobs
     need_sampled_logprobs: bool = False  # the chosen tokens' raw logprobs (for cumulative_logprob)
+    grammar: GrammarBitmaskInputs | None = None  # structured outputs: set by the runner before sampling
 
     @classmethod
     def from_params(

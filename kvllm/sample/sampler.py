@@ -22,6 +22,7 @@ from kvllm.outputs import PositionLogprobs
 from kvllm.sample.logprobs import logprob_tensors, position_entry
 from kvllm.sample.metadata import AllowedTokenInputs, SamplingMetadata, penalty_inputs
 from kvllm.sample.penalties import apply_penalties, suppress_tokens, token_counts
+from kvllm.sample.structured import apply_grammar_bitmask
 from kvllm.sample.token_constraints import (
     allowed_token_mask,
     apply_allowed_token_ids,
@@ -143,6 +144,8 @@ class Sampler:
         """Sample one token per row; enqueues device work only (no host reads)."""
         if logits.dim() != 2 or logits.shape[0] != md.num_rows:
             raise ValueError(f"logits must be [num_rows={md.num_rows}, vocab], got {tuple(logits.shape)}")
+        if md.grammar is not None:  # structured outputs: first, so logprobs are the constrained ones
+            logits = apply_grammar_bitmask(logits, md.grammar)
         # Penalties and the torch path work in float32; the fused pass reads the model's dtype.
         needs_float = has_sequence_processors(md) or not self._can_fuse(logits, md)
         raw = logits.float() if needs_float else logits

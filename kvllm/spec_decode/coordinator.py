@@ -65,11 +65,12 @@ class SpecDecodingStats:
 def can_speculate(request: Request) -> bool:
     """Whether the request's next tokens may be drafted. Verification samples each draft position
     from the target's temperature / top-k / top-p / min-p distribution; the features whose logits
-    depend on the tokens before each position (penalties, bad words, min_tokens suppression) or that
-    report per-token logprobs are served one token per step instead."""
+    depend on the tokens before each position (penalties, bad words, min_tokens suppression, a
+    grammar's token mask) or that report per-token logprobs are served one token per step instead."""
     p = request.sampling_params
     return (
         p.logprobs is None
+        and p.structured_outputs is None
         and not p.has_penalties
         and not p.bad_words
         and not p.logit_bias

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -15,7 +16,7 @@ from kvllm.attention.selector import choose_attention_backend, explain_kv_cache_
 from kvllm.config.backend_names import is_auto_tune
 from kvllm.config.engine import EngineArgs
 from kvllm.core.sched_output import SchedulerOutput
-from kvllm.core.step_result import StepResult
+from kvllm.core.step_result import GrammarBitmaskFn, StepResult
 from kvllm.forward_context import set_forward_context
 from kvllm.layers.attention import Attention
 from kvllm.layers.mla_attention import MLAAttention
@@ -26,6 +27,7 @@ from kvllm.outputs import PositionLogprobs
 from kvllm.platforms.interface import DeviceInfo
 from kvllm.sample.logprobs import position_logprobs
 from kvllm.sample.sampler import HostCopy, Sampler
+from kvllm.sample.structured import GrammarBitmaskInputs
 from kvllm.spec_decode.draft_model import DraftModelProposer
 from kvllm.spec_decode.medusa import MedusaProposer
 from kvllm.spec_decode.verify import PendingVerification, verify_drafts
@@ -312,10 +314,15 @@ class ModelRunner:
         return self.execute_model_async(step).result()
 
     @torch.inference_mode()
-    def execute_model_async(self, step: SchedulerOutput) -> PendingStepResult:
+    def execute_model_async(
+        self, step: SchedulerOutput, grammar_bitmask: GrammarBitmaskFn | None = None
+    ) -> PendingStepResult:
         """Launch one step: inputs, forward (a CUDA graph for uniform decode), sampling; the sampled
         ids are written to the device token table for the next step and copied to the host without
-        waiting. Only prompt logprobs, when asked for, read results back before this returns."""
+        waiting. Only prompt logprobs, when asked for, read results back before this returns.
+
+        `grammar_bitmask` is called once the forward pass and logits are queued, so the host fills the
+        grammar masks (and may first take the previous step's tokens) while the device computes."""
         assert self.input_batch is not None and self.metadata_builder is not None
         pad_to = self._graph_size(step)
         inputs = self.input_batch.prepare(step, pad_to)
@@ -342,7 +349,14 @@ class ModelRunner:
         else:
             sampled_hidden = hidden[inputs.logits_indices]
         logits = self.model.compute_logits(sampled_hidden, upcast=False)
-        sampled = self.sampler.sample(logits, inputs.sampling_metadata)
+        metadata = inputs.sampling_metadata
+        if grammar_bitmask is not None:
+            masks = grammar_bitmask(inputs.sampling_request_indices)
+            if masks is not None:
+                # A copy: the decode fast path may reuse this step's metadata for the next step.
+                grammar = GrammarBitmaskInputs(masks.to(self.device, non_blocking=True))
+                metadata = dataclasses.replace(metadata, grammar=grammar)
+        sampled = self.sampler.sample(logits, metadata)
         self.input_batch.record_sampled_on_device(sampled.token_ids)
         verification = None
         if inputs.spec is not None:

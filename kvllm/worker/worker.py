@@ -8,7 +8,7 @@ import torch
 
 from kvllm.config.engine import EngineArgs
 from kvllm.core.sched_output import SchedulerOutput
-from kvllm.core.step_result import PendingStep, StepResult
+from kvllm.core.step_result import GrammarBitmaskFn, PendingStep, StepResult
 from kvllm.models.model_config import ModelConfig
 from kvllm.platforms import current_device_info
 from kvllm.worker.model_runner import ModelRunner
@@ -148,5 +148,7 @@ class Worker:
     def execute_model(self, plan: SchedulerOutput) -> StepResult:
         return self.model_runner.execute_model(plan)
 
-    def execute_model_async(self, plan: SchedulerOutput) -> PendingStep:
-        return self.model_runner.execute_model_async(plan)
+    def execute_model_async(
+        self, plan: SchedulerOutput, grammar_bitmask: GrammarBitmaskFn | None = None
+    ) -> PendingStep:
+        return self.model_runner.execute_model_async(plan, grammar_bitmask)

@@ -25,7 +25,8 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("attention",),
     ("layers",),
     ("models",),
-    ("core", "sample"),  # scheduling bookkeeping and the message to the worker; sampling
+    # scheduling bookkeeping and the message to the worker; sampling; grammars (structured outputs)
+    ("core", "sample", "structured_output"),
     ("worker",),
     ("executor",),
     ("engine",),

@@ -217,7 +217,6 @@ def test_vllm_xargs_reach_extra_args(client, engine, monkeypatch):
         ("use_beam_search", True),
         ("length_penalty", 0.5),
         ("priority", 3),
-        ("structured_outputs", {"json": {}}),
     ],
 )
 @pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
@@ -225,8 +224,6 @@ def test_unsupported_vllm_fields_are_refused_unless_default(client, engine, endp
     body = {"model": "tiny", "max_tokens": 2}
     body.update({"prompt": "hello"} if endpoint == "/v1/completions" else {"messages": USER})
     assert_openai_error(post(client, endpoint, {**body, name: value}), 400, name, "not supported")
-    default = {"use_beam_search": False, "length_penalty": 1.0, "priority": 0, "structured_outputs": None}[
-        name
-    ]
+    default = {"use_beam_search": False, "length_penalty": 1.0, "priority": 0}[name]
     assert post(client, endpoint, {**body, name: default, "some_client_field": 1}).status_code == 200
     assert_engine_idle(engine)

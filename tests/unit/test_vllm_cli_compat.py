@@ -21,7 +21,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from kvllm.config.engine import PARALLEL_NOT_YET, EngineArgs
-from kvllm.config.serving import HttpOptions
+from kvllm.config.serving import ChatTemplateDefaults, HttpOptions
 from kvllm.config.sizes import parse_human_int, parse_human_int_or_auto
 from kvllm.entrypoints.cli import vllm_flags
 from kvllm.entrypoints.cli.main import build_parser, main
@@ -163,12 +163,12 @@ def test_values_that_ask_for_what_kvllm_does_are_accepted_and_logged(flag, value
 
 
 def test_all_unsupported_flags_are_named_in_one_error(served, capsys) -> None:
-    argv = ["serve", "m", "--enable-lora", "--lora-modules", "a=/x", "b=/y", "--reasoning-parser", "qwen3"]
+    argv = ["serve", "m", "--enable-lora", "--lora-modules", "a=/x", "b=/y", "--tool-server", "x"]
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "these vLLM flags are not supported by kvllm" in err
     assert "--enable-lora: kvllm has no LoRA support yet" in err and "(--no-enable-lora is accepted)" in err
-    assert "--lora-modules a=/x b=/y:" in err and "--reasoning-parser qwen3:" in err
+    assert "--lora-modules a=/x b=/y:" in err and "--tool-server x:" in err
 
 
 def test_underscore_spellings_and_short_aliases_are_the_same_flags(served, capsys) -> None:
@@ -656,6 +656,29 @@ ACCEPTED_LINES: list[tuple[str, dict[str, Any]]] = [
         """vllm serve Qwen/Qwen3-Embedding-0.6B --runner pooling --convert embed --pooler-config '{"pooling_type": "LAST"}'""",
         {"convert": "embed"},
     ),
+    (
+        "vllm serve meta-llama/Llama-3.1-8B-Instruct --enable-auto-tool-choice --tool-call-parser llama3_json",
+        {"chat_defaults": ChatTemplateDefaults(enable_auto_tool_choice=True, tool_call_parser="llama3_json")},
+    ),
+    (
+        "vllm serve Qwen/Qwen3-0.6B --enable-auto-tool-choice --tool-call-parser hermes "
+        "--exclude-tools-when-tool-choice-none",
+        {
+            "chat_defaults": ChatTemplateDefaults(
+                enable_auto_tool_choice=True,
+                tool_call_parser="hermes",
+                exclude_tools_when_tool_choice_none=True,
+            )
+        },
+    ),
+    (
+        "vllm serve deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B --reasoning-parser deepseek_r1",
+        {"chat_defaults": ChatTemplateDefaults(reasoning_parser="deepseek_r1")},
+    ),
+    (
+        """vllm serve Qwen/Qwen3-0.6B --structured-outputs-config '{"backend": "xgrammar"}'""",
+        {"model": "Qwen/Qwen3-0.6B"},
+    ),
 ]
 
 REFUSED_LINES: list[tuple[str, str]] = [
@@ -666,15 +689,6 @@ REFUSED_LINES: list[tuple[str, str]] = [
     (
         "vllm serve meta-llama/Llama-2-7b-hf --enable-lora --lora-modules sql-lora=/root/sql-lora",
         "--enable-lora: kvllm has no LoRA support yet",
-    ),
-    (
-        "vllm serve meta-llama/Llama-3.1-8B-Instruct --enable-auto-tool-choice --tool-call-parser llama3_json "
-        "--chat-template examples/tool_chat_template_llama3.1_json.jinja",
-        "kvllm does not parse tool calls",
-    ),
-    (
-        "vllm serve deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B --reasoning-parser deepseek_r1",
-        "no reasoning parsers",
     ),
     ("vllm serve meta-llama/Llama-3.1-70B-Instruct --tensor-parallel-size 4", "the tensor-parallel issue"),
     (

@@ -11,6 +11,8 @@ from typing import Any
 from kvllm.config.serving import ChatTemplateDefaults, HttpOptions, ServingLimits, parse_json_list
 from kvllm.entrypoints.cli.engine_args import engine_arg_parser, engine_args_from_cli
 from kvllm.entrypoints.cli.vllm_flags import FRONTEND_FLAGS, add_unsupported_flags
+from kvllm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
+from kvllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from kvllm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -111,6 +113,52 @@ def register(subparsers: Any) -> None:
         metavar="JSON",
         help='Template variables for every chat request, as a JSON object (e.g. \'{"enable_thinking": '
         "false}'); a request's chat_template_kwargs override them.",
+    )
+    server.add_argument(
+        "--enable-auto-tool-choice",
+        "--enable_auto_tool_choice",
+        dest="enable_auto_tool_choice",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help='Let requests use tool_choice "auto": the calls are parsed out of the output by '
+        "--tool-call-parser (as vLLM's flag).",
+    )
+    server.add_argument(
+        "--tool-call-parser",
+        "--tool_call_parser",
+        dest="tool_call_parser",
+        default=None,
+        choices=sorted(TOOL_PARSERS),
+        help="The model family's tool-call format: hermes (Qwen2.5, Qwen3, Hermes), llama3_json "
+        "(Llama 3.x), mistral.",
+    )
+    server.add_argument(
+        "--exclude-tools-when-tool-choice-none",
+        "--exclude_tools_when_tool_choice_none",
+        dest="exclude_tools_when_tool_choice_none",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help='Leave the tools out of the prompt when tool_choice is "none" (by default they are rendered '
+        "and the output is not parsed, as in vLLM).",
+    )
+    server.add_argument(
+        "--chat-template-content-format",
+        "--chat_template_content_format",
+        dest="chat_template_content_format",
+        default="auto",
+        choices=("auto", "string", "openai"),
+        help="How message content reaches the chat template: a string, or OpenAI's list of "
+        '{"type": "text", "text": ...} parts; auto looks at whether the template loops over content '
+        "(as vLLM's flag).",
+    )
+    server.add_argument(
+        "--reasoning-parser",
+        "--reasoning_parser",
+        dest="reasoning_parser",
+        default=None,
+        choices=sorted(REASONING_PARSERS),
+        help="Split the model's thinking into the response's reasoning (reasoning_content) field: qwen3, "
+        "deepseek_r1 (as vLLM's flag).",
     )
     server.add_argument(
         "--config",
@@ -283,7 +331,17 @@ def run(args: argparse.Namespace) -> int:
             f"--log-stats-interval {args.log_stats_interval} is not valid; allowed: >= 0 (0 = off)"
         )
     limits = ServingLimits.from_kwargs(vars(args))
-    chat_defaults = ChatTemplateDefaults.from_cli(args.chat_template, args.default_chat_template_kwargs)
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (e.g. hermes for Qwen3)")
+    chat_defaults = ChatTemplateDefaults.from_cli(
+        args.chat_template,
+        args.default_chat_template_kwargs,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
+        exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
+        reasoning_parser=args.reasoning_parser,
+        content_format=args.chat_template_content_format,
+    )
     http = http_options_from_cli(args)
     log_stats_interval = 0.0 if engine_args.disable_log_stats else args.log_stats_interval
     from kvllm.entrypoints.openai.server import run_server

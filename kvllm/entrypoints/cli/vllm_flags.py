@@ -89,12 +89,12 @@ OFFLOAD = (
 KV_TRANSFER = "kvllm has no disaggregated prefill or KV-cache transfer between instances"
 TRACING = "kvllm has no OpenTelemetry tracing; use the Prometheus metrics at /metrics and the logs"
 TOOLS = (
-    "kvllm does not parse tool calls out of model output (no tool-call parsers): tools sent in a "
-    "request reach the chat template, and a call comes back as text in content"
+    "kvllm's tool-call parsers are built in (--tool-call-parser hermes, llama3_json, mistral); it loads "
+    "no parser plugins and runs no tool servers"
 )
 REASONING = (
-    "kvllm does not split reasoning from the answer (no reasoning parsers): the whole output, "
-    "thinking included, is in content"
+    "kvllm's reasoning parsers are built in (--reasoning-parser qwen3, deepseek_r1): no plugins, and no "
+    "reasoning settings beyond vLLM's request fields (chat_template_kwargs, reasoning_effort)"
 )
 SPECULATIVE = (
     "kvllm takes speculative decoding settings as one JSON object: --speculative-config "
@@ -118,7 +118,10 @@ REQUEST_LOGS = (
 )
 SAFETENSORS = "kvllm's safetensors loader has no such setting"
 METRICS = "kvllm has no such metric or trace; its metrics are served at /metrics"
-STRUCTURED = "kvllm has no structured (guided) decoding yet"
+STRUCTURED = (
+    "kvllm's structured outputs always use xgrammar (vLLM's default backend) with vLLM's defaults; the "
+    "per-request options (structured_outputs.disable_any_whitespace, ...) are the way to change them"
+)
 
 # Flags of vLLM's frontend (cli_args.py: make_arg_parser, FrontendArgs): kvllm serve only.
 FRONTEND_FLAGS: dict[str, Verdict] = {
@@ -128,14 +131,14 @@ FRONTEND_FLAGS: dict[str, Verdict] = {
     "--grpc": _off("kvllm serves the OpenAI-compatible HTTP API only; there is no gRPC server"),
     "--lora-modules": _no(LORA),
     "--chat-template": SUPPORTED,
-    "--chat-template-content-format": _no("kvllm has no content-format setting", "auto"),
+    "--chat-template-content-format": SUPPORTED,
     "--trust-request-chat-template": SUPPORTED,
     "--default-chat-template-kwargs": SUPPORTED,
     "--response-role": _no("kvllm answers with the role 'assistant'", "assistant"),
     "--return-tokens-as-token-ids": _off("kvllm returns logprob tokens as text"),
-    "--enable-auto-tool-choice": _off(TOOLS),
-    "--exclude-tools-when-tool-choice-none": _off(TOOLS),
-    "--tool-call-parser": _no(TOOLS),
+    "--enable-auto-tool-choice": SUPPORTED,
+    "--exclude-tools-when-tool-choice-none": SUPPORTED,
+    "--tool-call-parser": SUPPORTED,
     "--tool-parser-plugin": _no(TOOLS, ""),
     "--tool-server": _no(TOOLS),
     "--log-config-file": _no(
@@ -283,7 +286,7 @@ ENGINE_FLAGS: dict[str, Verdict] = {
     "--mamba-backend": _no(MAMBA),
     "--enable-mamba-cache-stochastic-rounding": _off(MAMBA),
     "--mamba-cache-philox-rounds": _no(MAMBA),
-    "--reasoning-parser": _no(REASONING),
+    "--reasoning-parser": SUPPORTED,
     "--reasoning-parser-plugin": _no(REASONING, ""),
     "--distributed-executor-backend": _no(
         "kvllm runs the model in the server's own process, on one device", "uni", "mp"
@@ -427,7 +430,13 @@ ENGINE_FLAGS: dict[str, Verdict] = {
     "--reasoning-config": _no(REASONING),
     "--kernel-config": _no(KERNELS),
     "--additional-config": _no("kvllm has no platform plugins to read additional settings"),
-    "--structured-outputs-config": _no(STRUCTURED),
+    "--structured-outputs-config": _no(
+        STRUCTURED,
+        '{"backend": "xgrammar"}',
+        '{"backend":"xgrammar"}',
+        '{"backend": "auto"}',
+        '{"backend":"auto"}',
+    ),
     "--profiler-config": _no("kvllm profiles with `kvllm bench latency --profile-steps`"),
     "--optimization-level": SUPPORTED,
     "--performance-mode": _no("kvllm has one performance mode", "balanced"),

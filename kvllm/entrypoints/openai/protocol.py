@@ -60,14 +60,12 @@ UNSUPPORTED_VLLM_FIELDS: dict[str, Any] = {
     "use_beam_search": False,
     "length_penalty": 1.0,
     "prompt_embeds": None,
-    "structured_outputs": None,
     "priority": 0,
     "return_tokens_as_token_ids": None,
     "cache_salt": None,
     "kv_transfer_params": None,
     "repetition_detection": None,
     "thinking_token_budget": None,
-    "continue_final_message": False,
     "documents": None,
     "media_io_kwargs": None,
     "mm_processor_kwargs": None,
@@ -112,6 +110,7 @@ class SamplingExtras(OpenAIBaseModel):
     truncation_side: Literal["left", "right"] | None = None  # vLLM's: "right" keeps the first k instead
     prompt_logprobs: int | None = None
     vllm_xargs: dict[str, Any] | None = None  # vLLM's: SamplingParams.extra_args, for custom processors
+    structured_outputs: dict[str, Any] | None = None  # vLLM's StructuredOutputsParams as an object
 
 
 # ---- completions -------------------------------------------------------------------------------
@@ -126,6 +125,7 @@ class CompletionRequest(SamplingExtras):
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+    response_format: dict[str, Any] | None = None  # vLLM's: text, json_object or json_schema
 
 
 class CompletionLogProbs(OpenAIBaseModel):
@@ -179,6 +179,8 @@ class ChatMessage(OpenAIBaseModel):
     role: str
     content: str | list[ChatContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls, rendered by the template
+    tool_call_id: str | None = None  # a tool message's answer to that call
 
 
 class ChatCompletionRequest(SamplingExtras):
@@ -193,9 +195,13 @@ class ChatCompletionRequest(SamplingExtras):
     tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM's: the reply continues the last message (a prefill)
     echo: bool = False  # vLLM's: the reply starts with the last message when it has the reply's role
     chat_template: str | None = None  # vLLM's: refused unless --trust-request-chat-template
     chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    include_reasoning: bool = True  # vLLM's: false leaves the reasoning out of the response
+    parallel_tool_calls: bool | None = True  # false: at most one call per choice
 
 
 class ChatLogProb(OpenAIBaseModel):
@@ -215,6 +221,9 @@ class ChatChoiceLogProbs(OpenAIBaseModel):
 class ChatResponseMessage(OpenAIBaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[dict[str, Any]] = Field(default_factory=list)  # OpenAI's shape, [] as vLLM sends
+    reasoning: str | None = None  # vLLM's (--reasoning-parser)
+    reasoning_content: str | None = None  # the same, under the name older vLLM and clients read
 
 
 class ChatCompletionChoice(OpenAIBaseModel):
@@ -240,6 +249,9 @@ class ChatCompletionResponse(OpenAIBaseModel):
 class DeltaMessage(OpenAIBaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # each with its index in the message's calls
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatCompletionStreamChoice(OpenAIBaseModel):
@@ -286,6 +298,9 @@ class TokenizeRequest(OpenAIBaseModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # as on /v1/chat/completions (enable_thinking...)
+    continue_final_message: bool = False
+    tools: list[dict[str, Any]] | None = None  # rendered by the chat template, as vLLM's /tokenize
 
 
 class TokenizeResponse(OpenAIBaseModel):

@@ -21,6 +21,7 @@ from kvllm.entrypoints.openai.protocol import (
     UsageInfo,
     random_id,
 )
+from kvllm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS, ReasoningParser, ReasoningStream
 from kvllm.entrypoints.openai.serving_engine import (
     OpenAIServing,
     check_valid_unicode,
@@ -34,6 +35,7 @@ from kvllm.entrypoints.openai.serving_engine import (
     stream_usage,
     usage_info,
 )
+from kvllm.entrypoints.openai.tool_calling import ToolCallStream, ToolPlan, extract, plan_tools
 from kvllm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 
 
@@ -48,23 +50,31 @@ class OpenAIServingChat(OpenAIServing):
         self.check_model(request.model)
         self.check_unsupported(request)
         self.check_limits(request)
-        if request.tools and request.tool_choice != "none":
-            raise OpenAIError("tools are not supported by this server; omit them", param="tools")
-        if request.response_format and request.response_format.get("type", "text") != "text":
-            raise OpenAIError(
-                f"response_format type {request.response_format.get('type')!r} is not supported; allowed: text",
-                param="response_format",
-            )
+        tools = plan_tools(
+            request.tools,
+            request.tool_choice,
+            self.chat_defaults,
+            self.tokenizer,
+            has_other_constraint=request.structured_outputs is not None
+            or (request.response_format or {}).get("type", "text") != "text",
+            parallel_tool_calls=request.parallel_tool_calls is not False,
+        )
         if request.top_logprobs is not None and not request.logprobs:
             raise OpenAIError("top_logprobs needs logprobs=true", param="top_logprobs")
         self.check_logprobs(request.top_logprobs, "top_logprobs")
         template = self.chat_template(request.chat_template, request.chat_template_kwargs)
+        template_kwargs = dict(request.chat_template_kwargs or {})
+        if request.reasoning_effort is not None:  # vLLM's mapping onto the template's variables
+            template_kwargs.setdefault("reasoning_effort", request.reasoning_effort)
+            template_kwargs.setdefault("enable_thinking", request.reasoning_effort != "none")
         prompt_ids = await self.in_tokenizer_thread(
             self.render_chat,
             request.messages,
             request.add_generation_prompt,
-            request.chat_template_kwargs,
+            template_kwargs,
             template,
+            tools.template_tools,
+            request.continue_final_message,
         )
         prompt_ids = self.truncate(prompt_ids, request)
         self.check_prompt_ids(prompt_ids, "messages")
@@ -74,6 +84,10 @@ class OpenAIServingChat(OpenAIServing):
         max_tokens = self.resolve_max_tokens(len(prompt_ids), requested, None, "messages")
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         params = self.sampling_params(request, max_tokens, logprobs)
+        if tools.constraint is not None:
+            params = params.replace(structured_outputs=tools.constraint)
+        if tools.parser is not None and not tools.parser.skip_special_tokens:
+            params = params.replace(skip_special_tokens=False)  # the parser's markers are special tokens
         if request.echo and request.prompt_logprobs is None and request.top_logprobs is not None:
             if not request.stream:  # vLLM's rule: an echoed prompt gets top_logprobs prompt logprobs
                 params = params.replace(prompt_logprobs=request.top_logprobs)
@@ -82,19 +96,30 @@ class OpenAIServingChat(OpenAIServing):
         streams = await self.add_requests(request_id, [({"prompt_token_ids": prompt_ids}, params)])
         echoed = _echoed(request)
         if request.stream:
-            return self._stream(request, request_id, streams[0], echoed, len(prompt_ids))
+            return self._stream(request, request_id, streams[0], echoed, len(prompt_ids), tools)
         final = await final_output(streams[0])
-        choices = [
-            ChatCompletionChoice(
-                index=c.index,
-                message=ChatResponseMessage(content=echoed + c.text),
-                logprobs=self._logprobs(request, c, 0, len(c.token_ids)),
-                finish_reason=c.finish_reason,
-                stop_reason=c.stop_reason,
-                token_ids=c.token_ids if request.return_token_ids else None,
+        choices = []
+        parser = self._reasoning_parser()
+        for c in final.outputs:
+            reasoning, text = parser.split(c.text, True) if parser is not None else ("", c.text)
+            called = extract(tools, text)
+            content = echoed + text if not called.tools_called else called.content
+            shown = reasoning if reasoning and request.include_reasoning else None
+            choices.append(
+                ChatCompletionChoice(
+                    index=c.index,
+                    message=ChatResponseMessage(
+                        content=content if content or not reasoning else None,
+                        tool_calls=[t.to_openai() for t in called.tool_calls],
+                        reasoning=shown,
+                        reasoning_content=shown,
+                    ),
+                    logprobs=self._logprobs(request, c, 0, len(c.token_ids)),
+                    finish_reason="tool_calls" if called.tools_called else c.finish_reason,
+                    stop_reason=c.stop_reason,
+                    token_ids=c.token_ids if request.return_token_ids else None,
+                )
             )
-            for c in final.outputs
-        ]
         return ChatCompletionResponse(
             id=request_id,
             model=self.model_name,
@@ -103,6 +128,10 @@ class OpenAIServingChat(OpenAIServing):
             prompt_logprobs=prompt_logprobs_body(final.prompt_logprobs),
             prompt_token_ids=final.prompt_token_ids if request.return_token_ids else None,
         )
+
+    def _reasoning_parser(self) -> ReasoningParser | None:
+        name = self.chat_defaults.reasoning_parser
+        return REASONING_PARSERS[name]() if name else None
 
     def _logprobs(
         self, request: ChatCompletionRequest, c: CompletionOutput, start: int, end: int
@@ -118,6 +147,7 @@ class OpenAIServingChat(OpenAIServing):
         stream: RequestStream,
         echoed: str,
         num_prompt_tokens: int,
+        tools: ToolPlan,
     ) -> AsyncIterator[str]:
         include_usage, continuous_usage = stream_usage(request.stream_options)
 
@@ -136,6 +166,10 @@ class OpenAIServingChat(OpenAIServing):
 
         n = request.n
         sent_text, sent_tokens, finished = [0] * n, [0] * n, [False] * n
+        tool_streams = [ToolCallStream(tools) for _ in range(n)] if tools.parses_output else None
+        parser = self._reasoning_parser()
+        reasoning_streams = [ReasoningStream(parser) for _ in range(n)] if parser is not None else None
+        sent_content = [0] * n
         last: RequestOutput | None = None
         try:
             for i in range(n):
@@ -150,16 +184,33 @@ class OpenAIServingChat(OpenAIServing):
                     i = c.index
                     if finished[i]:
                         continue
-                    text = c.text[sent_text[i] :]
+                    done = c.finish_reason is not None
+                    reasoning, full = "", c.text
+                    if reasoning_streams is not None:
+                        reasoning, full = reasoning_streams[i].feed(c.text, done)
+                        reasoning = reasoning if request.include_reasoning else ""
+                    text = full[sent_content[i] :]
+                    sent_content[i] = max(sent_content[i], len(full))
+                    finish_reason = c.finish_reason
+                    tool_deltas = None
+                    if tool_streams is not None:
+                        text, tool_deltas = tool_streams[i].delta(full, done)
+                        if tool_deltas:
+                            finish_reason = "tool_calls"
                     new_tokens = len(c.token_ids) > sent_tokens[i]
                     wants_tokens = request.logprobs or request.return_token_ids
-                    if not text and c.finish_reason is None and not (wants_tokens and new_tokens):
+                    if not text and not reasoning and not done and not (wants_tokens and new_tokens):
                         continue
                     choice = ChatCompletionStreamChoice(
                         index=i,
-                        delta=DeltaMessage(content=text) if text else DeltaMessage(),
+                        delta=DeltaMessage(
+                            content=text or None,
+                            tool_calls=tool_deltas,
+                            reasoning=reasoning or None,
+                            reasoning_content=reasoning or None,
+                        ),
                         logprobs=self._logprobs(request, c, sent_tokens[i], len(c.token_ids)),
-                        finish_reason=c.finish_reason,
+                        finish_reason=finish_reason,
                         stop_reason=c.stop_reason,
                         token_ids=c.token_ids[sent_tokens[i] :] if request.return_token_ids else None,
                     )

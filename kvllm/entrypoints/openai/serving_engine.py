@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import re
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
@@ -32,6 +33,8 @@ from kvllm.entrypoints.openai.protocol import (
     StreamOptions,
     UsageInfo,
 )
+from kvllm.entrypoints.openai.structured_outputs import structured_outputs_params
+from kvllm.entrypoints.openai.tool_calling import template_message
 from kvllm.logger import init_logger
 from kvllm.outputs import PositionLogprobs, RequestOutput
 from kvllm.sampling_params import SamplingParams
@@ -220,6 +223,9 @@ class OpenAIServing:
             "bad_words": request.bad_words,
             "prompt_logprobs": request.prompt_logprobs,
             "extra_args": request.vllm_xargs,
+            "structured_outputs": structured_outputs_params(
+                request.structured_outputs, getattr(request, "response_format", None)
+            ),
         }
         kwargs.update(self.sampling_knobs(request))
         try:
@@ -277,6 +283,8 @@ class OpenAIServing:
         add_generation_prompt: bool,
         kwargs: dict[str, Any] | None,
         template: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
     ) -> list[int]:
         """Token ids of the conversation under the chat template (the text `LLM.chat` renders).
 
@@ -294,16 +302,34 @@ class OpenAIServing:
                     param="chat_template_kwargs",
                 )
         variables = {**self.chat_defaults.kwargs, **variables}  # the request's values win
-        conversation = [{"role": m.role, "content": message_text(m)} for m in messages]
+        if continue_final_message and add_generation_prompt:
+            raise OpenAIError(
+                "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                param="continue_final_message",
+            )
+        as_parts = content_format(template, self.chat_defaults.content_format) == "openai"
+        conversation = [
+            template_message(
+                m.role,
+                message_parts(m) if as_parts else message_text(m),
+                m.tool_calls,
+                m.tool_call_id,
+                m.name,
+            )
+            for m in messages
+        ]
         try:
             text = self.renderer.render(
                 template,
                 conversation,
                 add_generation_prompt,
                 {**self.tokenizer.special_tokens_map, **variables},
+                tools,
             )
         except ChatTemplateError as exc:
             raise OpenAIError(str(exc), param="messages") from None
+        if continue_final_message:
+            text = cut_after_final_message(text, message_text(messages[-1]))
         return self.tokenizer(text, add_special_tokens=False).input_ids
 
     async def add_requests(
@@ -370,6 +396,40 @@ def prompt_logprobs_body(positions: list[PositionLogprobs | None] | None) -> Pro
         }
         for entry in positions
     ]
+
+
+_LOOPS_OVER_CONTENT = re.compile(r"\{%-?\s*for\s+\w+\s+in\s+\w+(\[['\"]content['\"]\]|\.content)")
+
+
+def content_format(template: str, option: str) -> str:
+    """ "string" or "openai" (a list of {"type": "text", "text": ...} parts) for --chat-template-content-format
+    OPTION; "auto" chooses "openai" when the template loops over a message's content, as vLLM detects."""
+    if option != "auto":
+        return option
+    return "openai" if _LOOPS_OVER_CONTENT.search(template) else "string"
+
+
+def message_parts(message: ChatMessage) -> list[dict[str, Any]]:
+    """A message's content as OpenAI's list of text parts (a string content is one part)."""
+    if message.content is None:
+        return []
+    if isinstance(message.content, str):
+        return [{"type": "text", "text": message.content}]
+    message_text(message)  # refuses parts other than text
+    return [{"type": "text", "text": part.text} for part in message.content]
+
+
+def cut_after_final_message(text: str, final: str) -> str:
+    """The rendered chat up to the end of the last message's content (continue_final_message: what
+    comes after it, the end-of-turn tokens, is cut), as transformers does."""
+    for needle in (final, final.strip()):
+        if needle and needle in text:
+            return text[: text.rindex(needle) + len(needle)]
+    raise OpenAIError(
+        "continue_final_message is set but the final message does not appear in the chat after applying "
+        "the chat template; send a final message with text content",
+        param="continue_final_message",
+    )
 
 
 def message_text(message: ChatMessage) -> str:

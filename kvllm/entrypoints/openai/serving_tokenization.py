@@ -22,7 +22,13 @@ class OpenAIServingTokenization(OpenAIServing):
             raise OpenAIError("Send exactly one of prompt or messages", param="prompt")
         if request.messages is not None:
             tokens = await self.in_tokenizer_thread(
-                self.render_chat, request.messages, request.add_generation_prompt, None
+                self.render_chat,
+                request.messages,
+                request.add_generation_prompt,
+                request.chat_template_kwargs,
+                None,
+                request.tools,
+                request.continue_final_message,
             )
         else:
             tokens = await self.in_tokenizer_thread(

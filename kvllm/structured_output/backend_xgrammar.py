@@ -1,0 +1,119 @@
+"""The xgrammar backend (vLLM's default): a request's constraint -> an xgrammar grammar.
+
+`validate` parses the constraint without the tokenizer (cheap, done when a request arrives, so a bad
+schema is refused at once); `compile` builds the tokenizer-dependent grammar (cached by xgrammar's
+compiler, run in the manager's thread pool).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from kvllm.sampling_params import StructuredOutputsParams
+
+# xgrammar prefixes its C++ errors with "[hh:mm:ss] /path/file.cc:123: ".
+_XGRAMMAR_LOCATION = re.compile(r"^\[[0-9:]+\] [^:]+:\d+: ")
+
+
+class StructuredOutputError(ValueError):
+    """A constraint xgrammar cannot use (a bad schema, regex or grammar); the message says why."""
+
+
+def _clean(exc: Exception) -> str:
+    return _XGRAMMAR_LOCATION.sub("", str(exc).strip())
+
+
+def schema_text(params: StructuredOutputsParams) -> str:
+    """The JSON schema of a `json` constraint, as a JSON string."""
+    if isinstance(params.json, str):
+        try:
+            json.loads(params.json)
+        except json.JSONDecodeError as exc:
+            raise StructuredOutputError(f"structured_outputs.json is not valid JSON: {exc}") from None
+        return params.json
+    return json.dumps(params.json)
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """EBNF whose language is exactly `choices` (each a JSON-escaped string literal, as GBNF reads them)."""
+    return "root ::= " + " | ".join(json.dumps(c) for c in choices)
+
+
+def _grammar_args(params: StructuredOutputsParams) -> tuple[str, Any]:
+    """(kind, argument) of the xgrammar call that builds this constraint."""
+    kind = params.kind
+    if kind == "json":
+        return "json", schema_text(params)
+    if kind == "json_object":
+        # Any JSON object. (vLLM compiles xgrammar's built-in JSON grammar, which also lets a bare array
+        # through; an object is what json_object and OpenAI's JSON mode promise.)
+        return "json", '{"type": "object"}'
+    if kind == "regex":
+        return "regex", params.regex
+    if kind == "choice":
+        assert params.choice is not None
+        return "grammar", choice_grammar(params.choice)
+    if kind == "grammar":
+        return "grammar", params.grammar
+    raise StructuredOutputError(
+        "structured_outputs.structural_tag (response_format type structural_tag) is not supported in this "
+        "version; use json, regex, choice, grammar or json_object"
+    )
+
+
+def _json_kwargs(params: StructuredOutputsParams) -> dict[str, Any]:
+    # xgrammar's strict mode (its default, which vLLM keeps) already closes objects that do not
+    # declare additionalProperties, which is what disable_additional_properties asks for.
+    return {"any_whitespace": not params.disable_any_whitespace, "strict_mode": True}
+
+
+def validate(params: StructuredOutputsParams) -> None:
+    """Raise StructuredOutputError naming what is wrong with the constraint (tokenizer-free parse)."""
+    import xgrammar as xgr
+
+    kind, arg = _grammar_args(params)
+    try:
+        if kind == "json":
+            xgr.Grammar.from_json_schema(arg, **_json_kwargs(params))
+        elif kind == "regex":
+            xgr.Grammar.from_regex(arg)
+        elif kind == "grammar":
+            xgr.Grammar.from_ebnf(arg)
+    except StructuredOutputError:
+        raise
+    except Exception as exc:
+        raise StructuredOutputError(f"structured_outputs.{params.kind} is not valid: {_clean(exc)}") from None
+
+
+class XgrammarBackend:
+    """Owns the tokenizer's xgrammar view and a compiler with its grammar cache (thread-safe)."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: tuple[int, ...]) -> None:
+        import xgrammar as xgr
+
+        self.vocab_size = vocab_size
+        self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids)
+        )
+        self.compiler = xgr.GrammarCompiler(self.tokenizer_info, cache_enabled=True)
+
+    def compile(self, params: StructuredOutputsParams) -> Any:
+        """The compiled grammar (xgrammar.CompiledGrammar); raises StructuredOutputError."""
+        kind, arg = _grammar_args(params)
+        try:
+            if kind == "json":
+                return self.compiler.compile_json_schema(arg, **_json_kwargs(params))
+            if kind == "regex":
+                return self.compiler.compile_regex(arg)
+            return self.compiler.compile_grammar(arg)
+        except Exception as exc:
+            raise StructuredOutputError(
+                f"structured_outputs.{params.kind} is not valid: {_clean(exc)}"
+            ) from None
+
+    def matcher(self, compiled: Any) -> Any:
+        import xgrammar as xgr
+
+        return xgr.GrammarMatcher(compiled)

@@ -1,0 +1,178 @@
+"""Structured outputs on a random-weight Qwen3 with the real Qwen3 tokenizer, sampled at temperature 1.
+
+Random weights cannot produce a JSON document, an address or an expression by chance, so every output
+that parses and validates proves the constraint; the unconstrained runs show it does not happen anyway.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+
+import jsonschema
+import pytest
+
+from kvllm import LLM, SamplingParams
+from kvllm.sampling_params import StructuredOutputsParams
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        # A pattern, not just a length: xgrammar's JSON strings (so vLLM's) let a raw tab through,
+        # which strict JSON parsers refuse.
+        "name": {"type": "string", "pattern": "^[A-Za-z][a-z ]{0,7}$"},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "member": {"type": "boolean"},
+        "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3},
+    },
+    "required": ["name", "age", "member", "tags"],
+}
+REGEX = r"[a-z]{2,6}@[a-z]{2,5}\.(com|org)"
+CHOICES = ["Paris", "Rome", "Madrid", "a longer answer with spaces"]
+# Sums of one to four numbers of up to three digits; the same language as EXPRESSION below.
+GRAMMAR = r"""
+root ::= number (("+" | "-") number){0,3}
+number ::= [1-9] [0-9]{0,2}
+"""
+EXPRESSION = re.compile(r"[1-9][0-9]{0,2}([+-][1-9][0-9]{0,2}){0,3}")
+NUM = 100
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_qwen3_real_tokenizer_path) -> LLM:
+    return LLM(
+        str(tiny_qwen3_real_tokenizer_path), dtype="float32", max_model_len=256, kv_cache_memory_bytes=1 << 25
+    )
+
+
+def _generate(llm: LLM, constraint: StructuredOutputsParams | None, max_tokens: int, num: int = NUM) -> list:
+    """`num` sequences of one prompt in one batch (n=num: the prompt is computed once)."""
+    params = SamplingParams(n=num, temperature=1.0, max_tokens=max_tokens, structured_outputs=constraint)
+    (out,) = llm.generate(["Tell me about"], params, use_tqdm=False)
+    return out.outputs
+
+
+def _valid_json(text: str) -> bool:
+    try:
+        jsonschema.validate(json.loads(text), SCHEMA)
+    except (json.JSONDecodeError, jsonschema.ValidationError):
+        return False
+    return True
+
+
+def test_every_constraint_holds_every_time_and_nothing_holds_without(llm):
+    """100 sequences per constraint (JSON schema, regex, choice, grammar), all in one batch."""
+    cases = [
+        (StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True), lambda t: _valid_json(t), 120),
+        (StructuredOutputsParams(regex=REGEX), lambda t: re.fullmatch(REGEX, t) is not None, 40),
+        (StructuredOutputsParams(choice=CHOICES), lambda t: t in CHOICES, 20),
+        (StructuredOutputsParams(grammar=GRAMMAR), lambda t: EXPRESSION.fullmatch(t) is not None, 40),
+    ]
+    params = [
+        SamplingParams(n=NUM, temperature=1.0, max_tokens=max_tokens, structured_outputs=constraint)
+        for constraint, _, max_tokens in cases
+    ]
+    outs = llm.generate(["Tell me about"] * len(cases), params, use_tqdm=False)
+    for (constraint, check, _), out in zip(cases, outs):
+        texts = [c.text for c in out.outputs]
+        assert len(texts) == NUM
+        assert [c.text for c in out.outputs if not (c.finish_reason == "stop" and check(c.text))] == [], (
+            constraint
+        )
+        assert len(set(texts)) > (NUM // 2 if constraint.kind == "json" else 2)  # sampled, not forced
+    (plain,) = llm.generate(
+        ["Tell me about"], SamplingParams(n=20, temperature=1.0, max_tokens=40), use_tqdm=False
+    )
+    for _, check, _ in cases:
+        assert not any(check(c.text) for c in plain.outputs)
+
+
+def test_json_object_parses(llm):
+    outs = _generate(llm, StructuredOutputsParams(json_object=True, disable_any_whitespace=True), 40, num=20)
+    finished = [o.text for o in outs if o.finish_reason == "stop"]
+    assert finished
+    # strict=False: xgrammar's JSON strings let raw tabs through (see SCHEMA)
+    assert all(isinstance(json.loads(t, strict=False), dict) for t in finished)
+    assert all(o.text.startswith("{") for o in outs)  # those cut by max_tokens too
+
+
+def test_overlapped_scheduling_gives_the_same_tokens(tiny_qwen3_real_tokenizer_path):
+    """Seeded requests: the mask of step N+1 must see step N's token, with or without overlap."""
+    texts = {}
+    for async_scheduling in (False, True):
+        llm = LLM(
+            str(tiny_qwen3_real_tokenizer_path),
+            dtype="float32",
+            max_model_len=256,
+            kv_cache_memory_bytes=1 << 24,
+            async_scheduling=async_scheduling,
+        )
+        params = [
+            SamplingParams(
+                temperature=1.0,
+                seed=i,
+                max_tokens=100,
+                structured_outputs=StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True),
+            )
+            if i % 2
+            else SamplingParams(temperature=1.0, seed=i, max_tokens=int(5 + i))
+            for i in range(8)
+        ]
+        outs = llm.generate(["Tell me about"] * len(params), params, use_tqdm=False)
+        texts[async_scheduling] = [o.outputs[0].text for o in outs]
+    assert texts[True] == texts[False]
+    assert all(_valid_json(t) for t in texts[True][1::2])
+
+
+def test_n_sequences_each_follow_the_grammar(llm):
+    params = SamplingParams(
+        n=6, temperature=1.0, max_tokens=40, structured_outputs=StructuredOutputsParams(regex=REGEX)
+    )
+    (out,) = llm.generate(["Tell me about"], params, use_tqdm=False)
+    assert len(out.outputs) == 6
+    assert all(re.fullmatch(REGEX, c.text) for c in out.outputs)
+
+
+def test_requests_run_while_a_grammar_compiles(llm, monkeypatch):
+    """A request whose grammar is compiling waits alone: the others are scheduled and finish."""
+    engine = llm.llm_engine
+    manager = engine.structured_output_manager
+    release = threading.Event()
+    compile_ = manager._compile
+    monkeypatch.setattr(manager, "_compile", lambda p: release.wait(30) and compile_(p))
+    engine.add_request(
+        "slow",
+        "Tell me about",
+        SamplingParams(max_tokens=10, structured_outputs=StructuredOutputsParams(choice=["yes"])),
+    )
+    engine.add_request("plain", "Tell me about", SamplingParams(max_tokens=3, ignore_eos=True))
+    finished = {}
+    while "plain" not in finished:
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    assert "slow" not in finished and engine.has_unfinished_requests()
+    release.set()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    assert finished["slow"].outputs[0].text == "yes"
+
+
+@pytest.mark.parametrize(
+    ("constraint", "message"),
+    [
+        ({"json": {"type": "nonsense"}}, "Unsupported type"),
+        ({"json": "{not json"}, "not valid JSON"),
+        ({"regex": "[a-"}, "Unclosed"),
+        ({"grammar": "root ::= undefined_rule"}, "undefined_rule"),
+    ],
+)
+def test_invalid_constraints_are_refused_with_the_reason(llm, constraint, message):
+    with pytest.raises(ValueError, match=message):
+        llm.generate(
+            ["x"], SamplingParams(structured_outputs=StructuredOutputsParams(**constraint)), use_tqdm=False
+        )
+    assert not llm.llm_engine.has_unfinished_requests()

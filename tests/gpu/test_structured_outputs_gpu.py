@@ -1,0 +1,84 @@
+"""On a CUDA GPU: structured outputs with CUDA graphs and overlapped scheduling (the GPU defaults).
+
+The mask is applied in the sampler, after the model's graph; with overlap, the masks of step N+1 are
+filled after step N's tokens arrive and before N+1 samples. Seeded rows give the same tokens with and
+without overlap, and every output validates (random weights + the real Qwen3 tokenizer, temperature 1).
+Needs xgrammar and the Qwen3 tokenizer (KVLLM_QWEN3_TOKENIZER on a machine without npm).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+xgrammar = pytest.importorskip("xgrammar")
+
+from kvllm import LLM, SamplingParams  # noqa: E402
+from kvllm.sampling_params import StructuredOutputsParams  # noqa: E402
+
+# The GPU machine has no jsonschema: the schema is small enough to check by hand.
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "pattern": "^[A-Za-z][a-z ]{0,7}$"},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "member": {"type": "boolean"},
+    },
+    "required": ["name", "age", "member"],
+}
+REGEX = r"[a-z]{2,6}@[a-z]{2,5}\.(com|org)"
+
+
+def _valid_json(text: str) -> bool:
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return (
+        isinstance(doc, dict)
+        and set(doc) == {"name", "age", "member"}
+        and isinstance(doc["name"], str)
+        and re.fullmatch(r"[A-Za-z][a-z ]{0,7}", doc["name"]) is not None
+        and type(doc["age"]) is int
+        and 0 <= doc["age"] <= 120
+        and type(doc["member"]) is bool
+    )
+
+
+def test_json_schema_on_the_gpu_with_graphs_and_overlap(tiny_qwen3_real_tokenizer_path):
+    texts = {}
+    for async_scheduling in (True, False):
+        llm = LLM(
+            str(tiny_qwen3_real_tokenizer_path),
+            dtype="bfloat16",
+            max_model_len=256,
+            gpu_memory_utilization=0.3,
+            async_scheduling=async_scheduling,
+        )
+        assert llm.llm_engine.executor.worker.model_runner.graph_runner is not None  # graphs are on
+        params = [
+            SamplingParams(
+                temperature=1.0,
+                seed=i,
+                max_tokens=120,
+                structured_outputs=StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
+                if i % 3 == 0
+                else StructuredOutputsParams(regex=REGEX)
+                if i % 3 == 1
+                else None,
+            )
+            for i in range(64)
+        ]
+        outs = llm.generate(["Tell me about"] * len(params), params, use_tqdm=False)
+        texts[async_scheduling] = [o.outputs[0].text for o in outs]
+        del llm
+        torch.cuda.empty_cache()
+    assert texts[True] == texts[False]
+    assert all(_valid_json(t) for t in texts[True][0::3])
+    assert all(re.fullmatch(REGEX, t) for t in texts[True][1::3])
+    assert not any(_valid_json(t) for t in texts[True][2::3])
+    json.dumps(texts)  # text, not bytes

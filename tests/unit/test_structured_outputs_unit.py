@@ -1,0 +1,142 @@
+"""Structured outputs, piece by piece: the bitmask against a per-bit reference, the sampler hook, the
+parameter checks and the mapping of OpenAI's response_format."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvllm.entrypoints.openai.errors import OpenAIError
+from kvllm.entrypoints.openai.structured_outputs import structured_outputs_params
+from kvllm.sample.metadata import SamplingMetadata
+from kvllm.sample.sampler import Sampler
+from kvllm.sample.structured import GrammarBitmaskInputs, apply_grammar_bitmask, unpack_bitmask
+from kvllm.sampling_params import SamplingParams, StructuredOutputsParams
+from kvllm.structured_output.backend_xgrammar import StructuredOutputError, choice_grammar, validate
+
+
+def _reference_allowed(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    words = bitmask.tolist()
+    out = torch.zeros(len(words), vocab, dtype=torch.bool)
+    for r, row in enumerate(words):
+        for t in range(vocab):
+            w = t // 32
+            out[r, t] = w < len(row) and (row[w] >> (t % 32)) & 1 == 1
+    return out
+
+
+@pytest.mark.parametrize("vocab", [1, 31, 32, 33, 200, 230])
+def test_unpack_bitmask_matches_bit_by_bit_reference(vocab):
+    g = torch.Generator().manual_seed(vocab)
+    bitmask = torch.randint(
+        -(2**31), 2**31 - 1, (5, (min(vocab, 200) + 31) // 32), dtype=torch.int32, generator=g
+    )
+    # vocab 230 > 7 words * 32 = 224: the tokens past the mask are banned.
+    assert torch.equal(unpack_bitmask(bitmask, vocab), _reference_allowed(bitmask, vocab))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_apply_grammar_bitmask_bans_exactly_the_cleared_bits(dtype):
+    g = torch.Generator().manual_seed(0)
+    vocab = 100
+    logits = torch.randn(4, vocab, generator=g).to(dtype)
+    before = logits.clone()
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (4, 4), dtype=torch.int32, generator=g)
+    bitmask[2] = -1  # an unconstrained row keeps every bit
+    out = apply_grammar_bitmask(logits, GrammarBitmaskInputs(bitmask))
+    allowed = _reference_allowed(bitmask, vocab)
+    assert out.dtype == torch.float32
+    assert torch.equal(out[allowed], logits.float()[allowed])
+    assert bool((out[~allowed] == float("-inf")).all())
+    assert torch.equal(out[2], logits[2].float())
+    assert torch.equal(logits, before)  # the model's logits are not written
+
+
+@pytest.mark.parametrize("fused", [False, True])  # True: the GPU's one-pass Triton sampler, interpreted
+def test_sampler_only_draws_allowed_tokens_and_reports_constrained_logprobs(fused):
+    g = torch.Generator().manual_seed(1)
+    rows, vocab = 64, 96
+    logits = torch.randn(rows, vocab, generator=g) * 3
+    allowed = torch.rand(rows, vocab, generator=g) < 0.05
+    allowed[:, 7] = True  # at least one token per row
+    bits = torch.zeros(rows, vocab // 32, dtype=torch.int64)
+    for t in range(vocab):
+        bits[:, t // 32] |= allowed[:, t].long() << (t % 32)
+    bitmask = torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32)
+    params = [SamplingParams(temperature=1.0, logprobs=0)] * rows
+    md = SamplingMetadata.from_params(params, logits.device, vocab)
+    md.grammar = GrammarBitmaskInputs(bitmask)
+    for _ in range(5):
+        sampled = Sampler(fused=fused).sample(logits, md).to_host()
+        assert all(allowed[r, t] for r, t in enumerate(sampled.token_ids))
+    expected = logits.masked_fill(~allowed, float("-inf")).log_softmax(-1)
+    got = torch.tensor(sampled.sampled_logprobs)
+    want = expected[torch.arange(rows), torch.tensor(sampled.token_ids)]
+    torch.testing.assert_close(got, want)
+
+
+def test_structured_outputs_params_take_exactly_one_constraint():
+    with pytest.raises(ValueError, match="no constraint"):
+        StructuredOutputsParams()
+    with pytest.raises(ValueError, match="json, regex"):
+        StructuredOutputsParams(json={}, regex="a")
+    with pytest.raises(ValueError, match="non-empty list of strings"):
+        StructuredOutputsParams(choice=[])
+    with pytest.raises(ValueError, match="whitespace_pattern"):
+        StructuredOutputsParams(json={}, whitespace_pattern=r"\s*")
+    with pytest.raises(ValueError, match="StructuredOutputsParams"):
+        SamplingParams(structured_outputs={"json": {}})
+    assert StructuredOutputsParams(choice=("a", "b")).kind == "choice"
+
+
+def test_choice_grammar_escapes_quotes_and_backslashes():
+    validate(StructuredOutputsParams(grammar=choice_grammar(['say "hi"', "back\\slash", "new\nline"])))
+
+
+def test_validation_errors_name_the_problem_without_xgrammar_locations():
+    with pytest.raises(StructuredOutputError) as info:
+        validate(StructuredOutputsParams(regex="(unclosed"))
+    assert str(info.value).startswith("structured_outputs.regex is not valid: ")
+    assert ".cc:" not in str(info.value)
+    with pytest.raises(StructuredOutputError, match="structural_tag"):
+        validate(StructuredOutputsParams(structural_tag="{}"))
+
+
+def test_response_format_maps_as_vllm_does():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    assert structured_outputs_params(None, None) is None
+    assert structured_outputs_params(None, {"type": "text"}) is None
+    got = structured_outputs_params(
+        None, {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    )
+    assert got == StructuredOutputsParams(json=schema)
+    assert structured_outputs_params(None, {"type": "json_object"}) == StructuredOutputsParams(
+        json_object=True
+    )
+    assert structured_outputs_params({"regex": "[a-z]+"}, None) == StructuredOutputsParams(regex="[a-z]+")
+    # response_format replaces the body's constraint and keeps its options
+    both = structured_outputs_params({"regex": "a", "disable_any_whitespace": True}, {"type": "json_object"})
+    assert both == StructuredOutputsParams(json_object=True, disable_any_whitespace=True)
+
+
+@pytest.mark.parametrize(
+    ("body", "response_format", "param", "message"),
+    [
+        (None, {"type": "xml"}, "response_format", "not valid; allowed: text, json_object, json_schema"),
+        (None, {"type": "json_schema"}, "response_format", "'json_schema' field must be provided"),
+        (
+            None,
+            {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}},
+            "response_format",
+            "bogus",
+        ),
+        ({"regex": "[", "choice": ["a"]}, None, "structured_outputs", "only one kind"),
+        ({"jsn": {}}, None, "structured_outputs", "unknown field"),
+        ({"grammar": "root ::= x"}, None, "structured_outputs", "x"),
+    ],
+)
+def test_bad_constraints_are_400s_naming_the_field(body, response_format, param, message):
+    with pytest.raises(OpenAIError) as info:
+        structured_outputs_params(body, response_format)
+    assert info.value.status == 400 and info.value.param == param
+    assert message in info.value.message
