@@ -51,7 +51,9 @@ def tiny_models(tmp_path_factory):
     def get(name: str) -> str:
         if name not in cache:
             cache[name] = str(
-                getattr(model_factory, f"make_tiny_{name}")(Path(tmp_path_factory.mktemp(name)))
+                getattr(model_factory, f"make_tiny_{name}")(
+                    Path(tmp_path_factory.mktemp(name)), head_dim=HEAD_DIM
+                )
             )
         return cache[name]
 
