@@ -27,6 +27,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("models",),
     # scheduling bookkeeping and the message to the worker; sampling; grammars (structured outputs)
     ("core", "sample", "structured_output"),
+    ("spec_decode",),  # drafting and verification over the scheduler's steps (the worker runs them)
     ("worker",),
     ("executor",),
     ("engine",),
