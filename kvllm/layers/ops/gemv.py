@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from kvllm.layers.ops.common import cast_to, exp_f32, interpreting, round_to
+from kvllm.layers.ops.linear import check_operands
 
 MAX_ROWS = 4
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -140,33 +141,7 @@ def block_m_for(m: int) -> int:
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
-        raise ValueError(
-            f"gemv needs x [M, K] and weight [N, K], got x {tuple(x.shape)} and weight {tuple(weight.shape)}"
-        )
-    if x.shape[1] == 0:
-        raise ValueError("gemv needs K >= 1 (x and weight have no columns)")
-    if x.shape[0] > MAX_ROWS:
-        raise ValueError(f"x has {x.shape[0]} rows; the GEMV kernel takes at most {MAX_ROWS}")
-    if x.dtype not in SUPPORTED_DTYPES or weight.dtype != x.dtype:
-        raise ValueError(
-            f"x and weight must share one of {SUPPORTED_DTYPES}, got {x.dtype} and {weight.dtype}"
-        )
-    if x.stride(1) != 1 or not weight.is_contiguous():
-        raise ValueError(
-            f"gemv needs x with a contiguous last dimension and a contiguous weight, got strides "
-            f"{tuple(x.stride())} and {tuple(weight.stride())}"
-        )
-    if bias is not None and (
-        bias.shape != (weight.shape[0],) or bias.stride(0) != 1 or bias.dtype != x.dtype
-    ):
-        raise ValueError(
-            f"bias must be a contiguous [{weight.shape[0]}] {x.dtype} tensor, got {tuple(bias.shape)} "
-            f"{bias.dtype} with strides {tuple(bias.stride())}"
-        )
-    devices = {x.device, weight.device} | ({bias.device} if bias is not None else set())
-    if len(devices) != 1:
-        raise ValueError(f"x, weight and bias must be on one device, got {sorted(map(str, devices))}")
+    check_operands(x, weight, bias, MAX_ROWS, "the GEMV kernel")
 
 
 def gemv(

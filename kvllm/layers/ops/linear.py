@@ -172,15 +172,24 @@ def use_small_m_kernel(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+def check_operands(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    max_rows: int = MAX_ROWS,
+    kernel: str = "the small-M kernel",
+) -> None:
+    """The layout a decode linear kernel needs (this one, and the GEMV's): x [M <= max_rows, K >= 1]
+    with a contiguous last dimension, a contiguous weight [N, K] and bias [N], one 16-bit or float32
+    dtype, one device; a ValueError saying what differs otherwise."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(
             f"linear needs x [M, K] and weight [N, K], got x {tuple(x.shape)} and weight {tuple(weight.shape)}"
         )
     if x.shape[1] == 0:
         raise ValueError("linear needs K >= 1 (x and weight have no columns)")
-    if x.shape[0] > MAX_ROWS:
-        raise ValueError(f"x has {x.shape[0]} rows; the small-M kernel takes at most {MAX_ROWS}")
+    if x.shape[0] > max_rows:
+        raise ValueError(f"x has {x.shape[0]} rows; {kernel} takes at most {max_rows}")
     if x.dtype not in SUPPORTED_DTYPES or weight.dtype != x.dtype:
         raise ValueError(
             f"x and weight must share one of {SUPPORTED_DTYPES}, got {x.dtype} and {weight.dtype}"
@@ -216,7 +225,7 @@ def linear(
     Accumulates in float32 and rounds once, as F.linear does. `config` overrides `default_config`
     (benchmarks sweep it).
     """
-    _check(x, weight, bias)
+    check_operands(x, weight, bias)
     m, k = x.shape
     n = weight.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
