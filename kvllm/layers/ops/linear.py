@@ -256,13 +256,22 @@ def linear(
         num_stages=config.num_stages,
     )  # fmt: skip
     if split > 1:
-        _split_k_reduce_kernel[(m, triton.cdiv(n, REDUCE_BLOCK))](
-            partial, bias_arg, out, n, out.stride(0),
-            BLOCK_M=MAX_ROWS,
-            SPLIT_K=split,
-            BLOCK=REDUCE_BLOCK,
-            HAS_BIAS=bias is not None,
-            INTERPRET=interpret,
-            num_warps=4,
-        )  # fmt: skip
+        reduce_split_k(partial, bias, out, split, MAX_ROWS)
     return out
+
+
+def reduce_split_k(
+    partial: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, split: int, partial_rows: int
+) -> None:
+    """out [M, N] = the sum of float32 partials [split, partial_rows, N] in a fixed order (+ bias),
+    cast to out's dtype: the second launch of a split-K linear kernel (this one, W4A16's)."""
+    m, n = out.shape
+    _split_k_reduce_kernel[(m, triton.cdiv(n, REDUCE_BLOCK))](
+        partial, bias if bias is not None else out, out, n, out.stride(0),
+        BLOCK_M=partial_rows,
+        SPLIT_K=split,
+        BLOCK=REDUCE_BLOCK,
+        HAS_BIAS=bias is not None,
+        INTERPRET=interpreting(),
+        num_warps=4,
+    )  # fmt: skip

@@ -230,7 +230,7 @@ def w4a16_triton(
     config: W4A16Config | None = None,
 ) -> torch.Tensor:
     """The Triton W4A16 kernel on a contiguous x [M, K] (no checks beyond shapes; see w4a16_linear)."""
-    from kvllm.layers.ops.linear import REDUCE_BLOCK, _split_k_reduce_kernel
+    from kvllm.layers.ops.linear import reduce_split_k
 
     _check(x, qweight, scales, zeros, group_size)
     m, k = x.shape
@@ -275,13 +275,5 @@ def w4a16_triton(
         num_stages=config.num_stages,
     )  # fmt: skip
     if split > 1:
-        _split_k_reduce_kernel[(m, triton.cdiv(n, REDUCE_BLOCK))](
-            partial, bias_arg, out, n, out.stride(0),
-            BLOCK_M=SMALL_M,
-            SPLIT_K=split,
-            BLOCK=REDUCE_BLOCK,
-            HAS_BIAS=bias is not None,
-            INTERPRET=interpret,
-            num_warps=4,
-        )  # fmt: skip
+        reduce_split_k(partial, bias, out, split, SMALL_M)
     return out
