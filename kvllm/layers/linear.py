@@ -172,7 +172,7 @@ class MergedLinear(Linear):
             from kvllm.layers.ops.linear import is_narrow
 
             if use_gemv(x, self.weight, narrow=is_narrow(self.weight)):
-                return gemv_silu_and_mul(x, self.weight, self.bias)
+                return gemv_silu_and_mul(x, self.weight, self.bias, constant_weight=True)
         return act(self(x))
 
 

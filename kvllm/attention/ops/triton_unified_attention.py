@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from kvllm.utils.dtypes import FP8_DTYPES
+from kvllm.utils.pdl import pdl_enabled, pdl_launch_options, wait_for_previous_kernel
 
 LOG2E = 1.4426950408889634
 # The most KV segments a decode launch may split into. The reduce kernel is compiled for this many
@@ -199,7 +200,9 @@ def _unified_attention_kernel(
     USE_WINDOW: tl.constexpr,
     IS_FP8: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(USE_PDL)
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     segment = tl.program_id(2)
@@ -411,7 +414,9 @@ def _reduce_segments_kernel(
     HEAD_SIZE: tl.constexpr,
     HEAD_SIZE_PAD: tl.constexpr,
     SEGMENTS_PAD: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(USE_PDL)
     token = tl.program_id(0)
     head = tl.program_id(1)
     # Padded requests (query length 0) own no token; their rows were never computed.
@@ -485,6 +490,7 @@ def unified_attention(
     g = num_heads // num_kv_heads
     head_pad = triton.next_power_of_2(head_size)
     dummy = seq_lens  # any device tensor for pointer arguments a specialization never reads
+    use_pdl = pdl_enabled(query)
     common = dict(
         HEAD_SIZE=head_size,
         HEAD_SIZE_PAD=head_pad,
@@ -495,6 +501,7 @@ def unified_attention(
         USE_WINDOW=sliding_window is not None,
         IS_FP8=is_fp8,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        USE_PDL=use_pdl,
     )
 
     def launch(grid, cfg, seq_lo, seq_hi, block_q, decode_only, split, part_out, part_ml, segments):
@@ -514,7 +521,7 @@ def unified_attention(
             BLOCK_M=cfg.block_m, BLOCK_Q=block_q, TILE_N=cfg.tile_n,
             DECODE_ONLY=decode_only, SPLIT=split,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-            **common,
+            **common, **pdl_launch_options(use_pdl),
         )  # fmt: skip
 
     if num_decode_reqs > 0:
@@ -542,7 +549,8 @@ def unified_attention(
             _reduce_segments_kernel[(num_decode_reqs, num_heads)](
                 out, part_out, part_ml[0], part_ml[1], query_start_loc, num_decode_reqs, num_heads, num_splits,
                 out.stride(0), out.stride(1),
-                HEAD_SIZE=head_size, HEAD_SIZE_PAD=head_pad, SEGMENTS_PAD=MAX_SEGMENTS, num_warps=4,
+                HEAD_SIZE=head_size, HEAD_SIZE_PAD=head_pad, SEGMENTS_PAD=MAX_SEGMENTS, USE_PDL=use_pdl,
+                num_warps=4, **pdl_launch_options(use_pdl),
             )  # fmt: skip
         else:
             launch((num_decode_reqs, num_kv_heads, 1), cfg, 0, num_decode_reqs, 1, True, False,

@@ -28,6 +28,7 @@ import triton.language as tl
 
 from kvllm.layers.ops.common import cast_to, exp_f32, interpreting, round_to
 from kvllm.layers.ops.linear import check_operands
+from kvllm.utils.pdl import pdl_enabled, pdl_launch_options, wait_for_previous_kernel
 
 MAX_ROWS = 4
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -49,8 +50,11 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
+    SINGLE_TILE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     GATED: tl.constexpr,
+    PREFETCH_W: tl.constexpr,
+    USE_PDL: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     # GATED: N is the output width d; W holds 2d rows (gate, then up) and out gets silu(gate) * up.
@@ -65,21 +69,44 @@ def _gemv_kernel(
     up_offset = N * stride_wn  # GATED only: the up half's rows follow the gate half's
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
-        if EVEN_K:
-            w_mask = n_mask[:, None]
-            x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0).to(tl.float32)
+    if SINGLE_TILE:
+        # K <= BLOCK_K, one tile: the weights may load before the wait (PDL: they overlap the previous kernel).
+        if EVEN_K:  # K == BLOCK_K: no K mask, so the loads vectorize
+            k_mask = offs_k < BLOCK_K
         else:
-            k_mask = (k + offs_k) < K
-            w_mask = n_mask[:, None] & k_mask[None, :]
-            x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-        w = tl.load(w_ptrs, mask=w_mask, other=0.0).to(tl.float32)
-        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+            k_mask = offs_k < K
+        w_mask = n_mask[:, None] & k_mask[None, :]
+        if PREFETCH_W:
+            w = tl.load(w_ptrs, mask=w_mask, other=0.0)
+            if GATED:
+                w_up = tl.load(w_ptrs + up_offset, mask=w_mask, other=0.0)
+            wait_for_previous_kernel(USE_PDL)
+        else:
+            wait_for_previous_kernel(USE_PDL)
+            w = tl.load(w_ptrs, mask=w_mask, other=0.0)
+            if GATED:
+                w_up = tl.load(w_ptrs + up_offset, mask=w_mask, other=0.0)
+        x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
         if GATED:
-            w_up = tl.load(w_ptrs + up_offset, mask=w_mask, other=0.0).to(tl.float32)
-            acc_up += tl.sum(x[:, None, :] * w_up[None, :, :], axis=2)
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+            acc_up += tl.sum(x[:, None, :] * w_up.to(tl.float32)[None, :, :], axis=2)
+    else:
+        wait_for_previous_kernel(USE_PDL)
+        for k in range(0, K, BLOCK_K):
+            if EVEN_K:
+                w_mask = n_mask[:, None]
+                x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0).to(tl.float32)
+            else:
+                k_mask = (k + offs_k) < K
+                w_mask = n_mask[:, None] & k_mask[None, :]
+                x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+            w = tl.load(w_ptrs, mask=w_mask, other=0.0).to(tl.float32)
+            acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+            if GATED:
+                w_up = tl.load(w_ptrs + up_offset, mask=w_mask, other=0.0).to(tl.float32)
+                acc_up += tl.sum(x[:, None, :] * w_up[None, :, :], axis=2)
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         if GATED:
@@ -149,13 +176,17 @@ def gemv(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     config: GemvConfig | None = None,
+    constant_weight: bool = False,
 ) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T (+ bias [N]) -> [M, N] in x's dtype, for 0 <= M <= MAX_ROWS.
 
     Accumulates in float32 and rounds once, as F.linear does. `config` overrides `default_config`.
+    `constant_weight`: no kernel of the step writes `weight` (a layer's parameter), so under PDL it
+    loads while the previous kernel finishes (`kvllm/layers/ops/pdl.py`).
     """
     _check(x, weight, bias)
-    return _launch(x, weight, bias, weight.shape[0], config or default_config(*weight.shape, x.dtype), False)
+    config = config or default_config(*weight.shape, x.dtype)
+    return _launch(x, weight, bias, weight.shape[0], config, False, constant_weight)
 
 
 def gemv_silu_and_mul(
@@ -163,9 +194,10 @@ def gemv_silu_and_mul(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     config: GemvConfig | None = None,
+    constant_weight: bool = False,
 ) -> torch.Tensor:
     """silu(gate) * up of the fused projection x @ weight^T (+ bias), weight [2d, K] holding the gate
-    rows then the up rows -> [M, d], for 0 <= M <= MAX_ROWS (see the module docstring)."""
+    rows then the up rows -> [M, d], for 0 <= M <= MAX_ROWS (see the module docstring and `gemv`)."""
     _check(x, weight, bias)
     if weight.shape[0] % 2:
         raise ValueError(
@@ -174,11 +206,17 @@ def gemv_silu_and_mul(
     if config is None:  # the same programs as the plain projection of 2d rows: half the columns each
         plain = default_config(*weight.shape, x.dtype)
         config = GemvConfig(max(1, plain.block_n // 2), plain.block_k, plain.num_warps, plain.num_stages)
-    return _launch(x, weight, bias, weight.shape[0] // 2, config, True)
+    return _launch(x, weight, bias, weight.shape[0] // 2, config, True, constant_weight)
 
 
 def _launch(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n: int, config: GemvConfig, gated: bool
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    n: int,
+    config: GemvConfig,
+    gated: bool,
+    constant_weight: bool,
 ) -> torch.Tensor:
     m, k = x.shape
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -188,6 +226,7 @@ def _launch(
         value = getattr(config, name)
         if value < 1 or value & (value - 1):
             raise ValueError(f"{name} must be a power of two, got {config}")
+    use_pdl = pdl_enabled(x)
     _gemv_kernel[(triton.cdiv(n, config.block_n),)](
         x, weight, bias if bias is not None else weight, out,
         m, n, k,
@@ -197,10 +236,14 @@ def _launch(
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         EVEN_K=k % config.block_k == 0,
+        SINGLE_TILE=k <= config.block_k,
         HAS_BIAS=bias is not None,
         GATED=gated,
+        PREFETCH_W=constant_weight,
+        USE_PDL=use_pdl,
         INTERPRET=interpreting(),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        **pdl_launch_options(use_pdl),
     )  # fmt: skip
     return out

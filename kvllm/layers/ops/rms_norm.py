@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from kvllm.layers.ops.common import as_rows, cast_to, interpreting, round_to
+from kvllm.utils.pdl import pdl_enabled, pdl_launch_options, wait_for_previous_kernel
 
 MAX_HIDDEN_SIZE = 65536  # one row lives in registers of one program
 
@@ -32,12 +33,15 @@ def _rms_norm_kernel(
     HIDDEN_SIZE: tl.constexpr,
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    USE_PDL: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < HIDDEN_SIZE
     act_dtype = x_ptr.dtype.element_ty
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # a parameter: before the wait
+    wait_for_previous_kernel(USE_PDL)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         r = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
@@ -46,7 +50,6 @@ def _rms_norm_kernel(
         tl.store(residual_out_ptr + row * stride_ro + cols, x.to(act_dtype), mask=mask)
     mean_square = tl.math.div_rn(tl.sum(x * x, axis=0), HIDDEN_SIZE * 1.0)
     normed = round_to(x * tl.math.rsqrt(mean_square + eps), act_dtype, INTERPRET)
-    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     # For 16-bit operands the float32 product is exact, so rounding it once is torch's 16-bit multiply.
     y = cast_to(normed * w, out_ptr.dtype.element_ty, INTERPRET)
     tl.store(out_ptr + row * stride_o + cols, y, mask=mask)
@@ -76,6 +79,7 @@ def _launch(
     if residual is not None and residual_out is not None:
         r2, ro2 = as_rows(residual, "residual"), as_rows(residual_out, "residual_out")
     block = triton.next_power_of_2(hidden_size)
+    use_pdl = pdl_enabled(x)
     _rms_norm_kernel[(num_rows,)](
         x2, r2, weight, out2, ro2,
         x2.stride(0), r2.stride(0), out2.stride(0), ro2.stride(0),
@@ -83,9 +87,11 @@ def _launch(
         HIDDEN_SIZE=hidden_size,
         BLOCK=block,
         HAS_RESIDUAL=residual is not None,
+        USE_PDL=use_pdl,
         INTERPRET=interpreting(),
         num_warps=min(16, max(4, block // 512)),
         enable_fp_fusion=False,
+        **pdl_launch_options(use_pdl),
     )  # fmt: skip
 
 
@@ -93,6 +99,7 @@ def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """RMSNorm over the last dimension of x ([..., hidden]) into `out` (new unless given; may be x).
+    `weight` is a layer's parameter: under PDL it loads before the previous kernel has finished.
 
     The result's dtype is torch's promotion of x's and weight's dtypes, as in the eager layer.
     """

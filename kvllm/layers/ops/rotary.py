@@ -24,6 +24,7 @@ import triton.language as tl
 from kvllm.attention.ops.triton_reshape_and_cache import fp8_constexprs, fp8_quantize
 from kvllm.layers.ops.common import cast_to, interpreting, round_to
 from kvllm.utils.dtypes import FP8_DTYPES
+from kvllm.utils.pdl import pdl_enabled, pdl_launch_options, wait_for_previous_kernel
 
 TILE_ELEMENTS = 2048  # padded head elements per program; heads are grouped up to this
 
@@ -88,8 +89,10 @@ def _qk_norm_rope_kernel(
     FP8_MANTISSA_BITS: tl.constexpr,
     FP8_MIN_EXPONENT: tl.constexpr,
     FP8_ROUND_BY_HAND: tl.constexpr,
+    USE_PDL: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
+    wait_for_previous_kernel(USE_PDL)
     # Program (token, group of heads). Heads 0..H-1 are q, H..H+Hkv-1 are k; with WRITE_KV the
     # value heads H+Hkv..H+2Hkv-1 are programs' rows too, loaded only to be written to the cache.
     token = tl.program_id(0).to(tl.int64)
@@ -225,6 +228,7 @@ def _launch(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Ten
     else:
         cache_strides = (*key_cache.stride()[:3], *value_cache.stride()[:3])
     cache_dtype = key_cache.dtype
+    use_pdl = pdl_enabled(qkv)
     _qk_norm_rope_kernel[(num_tokens, triton.cdiv(num_rows, heads_per_program))](
         qkv, positions, cos_sin_cache,
         qkv if q_weight is None else q_weight, qkv if k_weight is None else k_weight,
@@ -245,9 +249,11 @@ def _launch(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Ten
         BLOCK_SIZE=key_cache.shape[1] if write_kv else 1,
         IS_FP8=write_kv and cache_dtype in FP8_DTYPES,
         **fp8_constexprs(cache_dtype),
+        USE_PDL=use_pdl,
         INTERPRET=interpreting(),
         num_warps=4,
         enable_fp_fusion=False,
+        **pdl_launch_options(use_pdl),
     )  # fmt: skip
 
 

@@ -91,7 +91,7 @@ class UnquantizedLinearMethod(LinearMethodBase):
             from kvllm.layers.ops.linear import is_narrow, linear, use_small_m_kernel
 
             if use_gemv(x, layer.weight, narrow=is_narrow(layer.weight)):
-                return gemv(x, layer.weight, bias)
+                return gemv(x, layer.weight, bias, constant_weight=True)
             if use_small_m_kernel(x, layer.weight):
                 return linear(x, layer.weight, bias)
         return F.linear(x, layer.weight, bias)
