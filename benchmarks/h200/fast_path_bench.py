@@ -57,7 +57,9 @@ def generate(llm: Any, sampling_params: type, requests: list[BenchRequest], temp
 
 
 class KvllmEngine:
-    def __init__(self, model: str, backend: str | None, eager: bool, async_scheduling: bool) -> None:
+    def __init__(
+        self, model: str, backend: str | None, eager: bool, async_scheduling: bool, kv_cache_dtype: str
+    ) -> None:
         from kvllm import LLM
 
         start = time.perf_counter()
@@ -68,6 +70,7 @@ class KvllmEngine:
             enforce_eager=eager,
             async_scheduling=async_scheduling,
             enable_prefix_caching=False,
+            kv_cache_dtype=kv_cache_dtype,
         )
         if backend:
             kwargs["attention_backend"] = backend
@@ -82,7 +85,9 @@ class KvllmEngine:
 
 
 class VllmEngine:
-    def __init__(self, model: str, backend: str | None, eager: bool, async_scheduling: bool) -> None:
+    def __init__(
+        self, model: str, backend: str | None, eager: bool, async_scheduling: bool, kv_cache_dtype: str
+    ) -> None:
         from kvllm.benchmarks.vllm_backend import VLLM_ENV
 
         for key, value in {
@@ -106,6 +111,7 @@ class VllmEngine:
             seed=0,
             generation_config="vllm",
             enable_prefix_caching=False,
+            kv_cache_dtype=kv_cache_dtype,
         )
         if backend:
             kwargs["attention_config"] = {"backend": backend}
@@ -148,6 +154,9 @@ def main() -> int:
     parser.add_argument("--backend", default=None, help="attention backend (default: the engine's choice)")
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--no-async-scheduling", action="store_true", help="kvllm only")
+    parser.add_argument(
+        "--kv-cache-dtype", default="auto", help="auto (the model dtype) or fp8, both engines"
+    )
     parser.add_argument("--out", required=True)
     parser.add_argument("--only", default="latency,latency-long,ttft,nano,bs256")
     parser.add_argument("--iters", type=int, default=3)
@@ -185,8 +194,11 @@ def main() -> int:
         if backend_class.cudagraph_support == "never":
             backend_class.cudagraph_support = "decode_only"
             assumed = "-graphs-assumed"
-    engine = cls(model, args.backend, args.enforce_eager, not args.no_async_scheduling)
+    engine = cls(model, args.backend, args.enforce_eager, not args.no_async_scheduling, args.kv_cache_dtype)
     label = engine.name + assumed + ("-sync" if args.no_async_scheduling else "")
+    label += "" if args.kv_cache_dtype == "auto" else f"-kv-{args.kv_cache_dtype}"
+    if args.engine == "kvllm" and os.environ.get("KVLLM_PDL", "1") == "0":
+        label += "-no-pdl"  # programmatic dependent launch off (kvllm/utils/pdl.py)
     sink = open(out / f"{label}.jsonl", "w")
 
     def emit(record: dict[str, Any]) -> None:

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The sixth session's H200 calls, one phase per call (raw results under $OUT/<phase>/, written as they
+# come so a call cut short still returns what it did, plus a short table on stdout):
+#   early   PDL (kvllm/utils/pdl.py): GPU tests, batch-1..256 latency and nano-vllm with it on, latency
+#           with it off (KVLLM_PDL=0); speculative decoding's batch-1 bench; the model-family GPU tests.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+out=${OUT:-gpu-out}; mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONPATH=.
+started=$(date +%s)
+since() { echo "[$(( $(date +%s) - started )) s] $*"; }
+
+bench() {  # $1 label, $2 timeout, rest: fast_path_bench arguments
+  local label=$1 limit=$2; shift 2
+  timeout "$limit" python3 benchmarks/h200/fast_path_bench.py --out "$d" "$@" > "$d/bench-$label.log" 2>&1
+  since "bench $label (exit $?)"
+  grep -h '^{' "$d/bench-$label.log" > "$d/bench-$label.jsonl"; python3 benchmarks/h200/summarize.py "$d/bench-$label.jsonl"
+}
+
+gpu_info() {
+  nvidia-smi --query-gpu=name,compute_cap,driver_version,memory.total --format=csv,noheader | tee "$d/gpu.txt"
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$d/gpu.txt"
+}
+
+case "${1:?usage: session6.sh early}" in
+early)
+  d=$out/early; mkdir -p "$d"; gpu_info
+  timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/gpu/test_pdl_gpu.py \
+    tests/gpu/test_cuda_graphs_gpu.py -k "not FLASH" > "$d/pytest-pdl.log" 2>&1
+  since "PDL + graph tests: $(tail -n 1 "$d/pytest-pdl.log")"
+  bench pdl 180 --engine kvllm --backend TRITON_ATTN --only latency,nano --iters 2 --warmups 1 --profile-batches 1,256
+  KVLLM_PDL=0 bench no-pdl 90 --engine kvllm --backend TRITON_ATTN --only latency --iters 2 --warmups 1
+  timeout 120 python3 benchmarks/h200/spec_decode_bench.py --out "$d" > "$d/spec-decode.log" 2>&1
+  since "spec decode bench (exit $?)"; tail -n 8 "$d/spec-decode.log"
+  timeout 90 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/gpu/test_models_gpu.py \
+    tests/gpu/test_spec_decode_gpu.py > "$d/pytest-models.log" 2>&1
+  since "model + spec GPU tests: $(tail -n 1 "$d/pytest-models.log")"
+  since "done"
+  ;;
+esac
