@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -11,18 +11,23 @@ from typing import Any
 @dataclass
 class ForwardContext:
     attn_metadata: Any  # None during profiling / dummy runs: layers then attend within the batch only
+    # Set by the piecewise CUDA-graph runner: attention layers hand (layer, q, k, v) to it instead of
+    # calling their backend, and take its [T, H, D] result (kvllm/worker/piecewise_graph.py).
+    attention_hook: Callable[..., Any] | None = None
 
 
 _current: ForwardContext | None = None
 
 
 @contextmanager
-def set_forward_context(attn_metadata: Any) -> Iterator[ForwardContext]:
+def set_forward_context(
+    attn_metadata: Any, attention_hook: Callable[..., Any] | None = None
+) -> Iterator[ForwardContext]:
     """Enter the context for one forward pass; nesting is a bug and is refused."""
     global _current
     if _current is not None:
         raise RuntimeError("forward context is already set: nested forward passes are not supported")
-    _current = ForwardContext(attn_metadata=attn_metadata)
+    _current = ForwardContext(attn_metadata=attn_metadata, attention_hook=attention_hook)
     try:
         yield _current
     finally:

@@ -231,6 +231,30 @@ def main() -> int:
                     "ms_per_output_token": mean / 128 * 1e3,
                 }
             )
+    if "latency" in which and args.step_log and args.engine == "kvllm":
+        # Where one batch-1 latency run's wall time goes: inside engine steps (prefill, decodes) or
+        # around them (adding the request, collecting outputs).
+        log = StepLog(engine.llm)
+        with log:
+            started = time.perf_counter()
+            engine.generate(random_requests(1, 32, 128, vocab, seed=next(seed)), 1.0)
+            ended = time.perf_counter()
+        steps = log.steps
+        emit(
+            {
+                "bench": "latency_steps",
+                "batch_size": 1,
+                "wall_ms": (ended - started) * 1e3,
+                "steps": len(steps),
+                "steps_ms": sum(st["ms"] for st in steps),
+                "before_first_step_ms": (steps[0]["start"] - started) * 1e3 if steps else None,
+                "first_steps_ms": [round(st["ms"], 3) for st in steps[:6]],
+                "first_steps_tokens": [st["tokens"] for st in steps[:6]],
+                "last_steps_ms": [round(st["ms"], 3) for st in steps[-4:]],
+                "median_step_ms": sorted(st["ms"] for st in steps)[len(steps) // 2] if steps else None,
+                "compiles": len(log.compiles),
+            }
+        )
     if "latency-long" in which:
         for bs in LONG_CONTEXT_BATCHES:
             engine.generate(random_requests(bs, 1024, 16, vocab, seed=next(seed)), 1.0)

@@ -1,12 +1,13 @@
 """Where a decode step's host time goes: cProfile of kvllm's engine loop on Qwen3-0.6B shapes.
 
-    PYTHONPATH=. python3 benchmarks/h200/host_profile.py --out DIR [--batches 1,256] [--pyspy-wait]
+    PYTHONPATH=. python3 benchmarks/h200/host_profile.py --out DIR [--batches 1,256] [--pyspy-wait] [--prefill]
 
 For each batch size: one warm-up `LLM.generate`, then one under cProfile (32-token prompts, OUTPUT
 decode steps, dummy bf16 weights, TRITON_ATTN, graphs and overlap on). Writes DIR/host-bs<B>.txt (the
 top functions by own time and by cumulative time) and prints ms per step with and without the
 profiler. With --pyspy-wait the script prints its pid and sleeps 1 s before 4 s of unprofiled runs so
-that `py-spy record` can attach to it from outside.
+that `py-spy record` can attach to it from outside. With --prefill, the same for a request of one
+32-token prompt and max_tokens=1 (one eager prefill step and its sampling), into DIR/host-prefill.txt.
 """
 
 from __future__ import annotations
@@ -41,11 +42,40 @@ def run(llm, batch: int) -> float:
     return (time.perf_counter() - start) / OUTPUT * 1e3
 
 
+def run_prefill(llm, calls: int = 20) -> float:
+    """ms per `generate` of one 32-token prompt with max_tokens=1: an eager prefill step, end to end."""
+    import torch
+
+    from kvllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=1, detokenize=False)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for i in range(calls):
+        llm.generate([{"prompt_token_ids": [200 + i] * 32}], params, use_tqdm=False)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls * 1e3
+
+
+def profile(fn, path: Path) -> float:
+    profiler = cProfile.Profile()
+    profiler.enable()
+    result = fn()
+    profiler.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("tottime").print_stats(60)
+    stats.sort_stats("cumulative").print_stats(80)
+    path.write_text(text.getvalue())
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--batches", default="1,256")
     parser.add_argument("--pyspy-wait", action="store_true")
+    parser.add_argument("--prefill", action="store_true", help="also profile one-token-output requests")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -60,17 +90,14 @@ def main() -> None:
         attention_backend="TRITON_ATTN",
         enable_prefix_caching=False,
     )
-    for batch in (int(b) for b in args.batches.split(",")):
+    if args.prefill:
+        run_prefill(llm, 3)
+        plain = run_prefill(llm)
+        profiled = profile(lambda: run_prefill(llm), out / "host-prefill.txt")
+        print(f"prefill 1 x 32: {plain:.3f} ms/request plain, {profiled:.3f} under cProfile", flush=True)
+    for batch in (int(b) for b in args.batches.split(",") if b):
         plain = run(llm, batch)
-        profiler = cProfile.Profile()
-        profiler.enable()
-        profiled = run(llm, batch)
-        profiler.disable()
-        text = io.StringIO()
-        stats = pstats.Stats(profiler, stream=text)
-        stats.sort_stats("tottime").print_stats(60)
-        stats.sort_stats("cumulative").print_stats(80)
-        (out / f"host-bs{batch}.txt").write_text(text.getvalue())
+        profiled = profile(lambda b=batch: run(llm, b), out / f"host-bs{batch}.txt")
         print(f"batch {batch}: {plain:.3f} ms/step plain, {profiled:.3f} ms/step under cProfile", flush=True)
         if args.pyspy_wait:
             print(f"PYSPY pid {os.getpid()} batch {batch}", flush=True)

@@ -3,6 +3,9 @@
 # come so a call cut short still returns what it did, plus a short table on stdout):
 #   early   PDL (kvllm/utils/pdl.py): GPU tests, batch-1..256 latency and nano-vllm with it on, latency
 #           with it off (KVLLM_PDL=0); speculative decoding's batch-1 bench; the model-family GPU tests.
+#   where   where a batch-1 latency run's time goes (per-step log; cProfile of an eager prefill request
+#           and of graph decodes), then the model-family GPU tests in full (logs tarred: the device
+#           tool returns at most about eight files).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-gpu-out}; mkdir -p "$out"
@@ -22,7 +25,7 @@ gpu_info() {
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$d/gpu.txt"
 }
 
-case "${1:?usage: session6.sh early}" in
+case "${1:?usage: session6.sh early|where}" in
 early)
   d=$out/early; mkdir -p "$d"; gpu_info
   timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/gpu/test_pdl_gpu.py \
@@ -35,6 +38,18 @@ early)
   timeout 90 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/gpu/test_models_gpu.py \
     tests/gpu/test_spec_decode_gpu.py > "$d/pytest-models.log" 2>&1
   since "model + spec GPU tests: $(tail -n 1 "$d/pytest-models.log")"
+  since "done"
+  ;;
+where)
+  d=/tmp/where; mkdir -p "$d"; gpu_info
+  bench steps 150 --engine kvllm --backend TRITON_ATTN --only latency --iters 2 --warmups 1 --step-log
+  grep latency_steps "$d/bench-steps.log"
+  timeout 150 python3 benchmarks/h200/host_profile.py --out "$d" --batches 1 --prefill > "$d/host.log" 2>&1
+  since "host profile (exit $?)"; grep "ms/" "$d/host.log"; head -n 45 "$d/host-prefill.txt" | tail -n 36
+  KVLLM_GPU_REPORT_DIR=$d timeout 170 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
+    tests/gpu/test_models_gpu.py > "$d/pytest-models.log" 2>&1
+  since "model GPU tests: $(tail -n 1 "$d/pytest-models.log")"; grep -E "^(FAILED|ERROR)" "$d/pytest-models.log" | head -20
+  tar czf "$out/where.tgz" -C /tmp where
   since "done"
   ;;
 esac

@@ -38,6 +38,7 @@ GENERATION_CONFIG_SAMPLING = {
 GENERATION_CONFIG_SAMPLING_KEYS = tuple(GENERATION_CONFIG_SAMPLING)
 # The keys of vLLM's --compilation-config that mean something to kvllm (it compiles nothing).
 COMPILATION_CONFIG_KEYS = ("cudagraph_capture_sizes", "max_cudagraph_capture_size", "cudagraph_mode")
-# cudagraph_mode values kvllm runs: no graphs, or full graphs of decode steps (what it captures).
-CUDAGRAPH_MODES = ("NONE", "FULL_DECODE_ONLY")
+# cudagraph_mode values kvllm runs: no graphs; full graphs of decode steps only; or those plus
+# piecewise graphs (the model between attention calls) for every other step, vLLM's default.
+CUDAGRAPH_MODES = ("NONE", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
 OPTIMIZATION_LEVELS = (0, 1, 2, 3)

@@ -122,6 +122,14 @@ class EngineArgs:
             "Largest decode batch run in a CUDA graph; larger ones run eagerly. Default: min(max_num_seqs, 512)."
         ),
     )
+    cudagraph_mode: str = field(
+        default="FULL_AND_PIECEWISE",
+        metadata=_help(
+            "vLLM's compilation_config.cudagraph_mode: FULL_AND_PIECEWISE (decode steps in full graphs, other "
+            "steps of up to 2048 tokens in piecewise graphs with attention between them), FULL_DECODE_ONLY "
+            "or NONE (--enforce-eager). Set it through -cc.cudagraph_mode=..."
+        ),
+    )
     async_scheduling: bool = field(
         default=True,
         metadata=_help(
@@ -340,6 +348,13 @@ class EngineArgs:
                 raise ValueError(f"{name}={value!r} is not valid; allowed: a positive integer")
         if self.max_num_seqs <= 0:
             raise ValueError(f"max_num_seqs={self.max_num_seqs} is not valid; allowed: a positive integer")
+        if str(self.cudagraph_mode).upper() not in CUDAGRAPH_MODES:
+            raise ValueError(
+                f"cudagraph_mode={self.cudagraph_mode!r} is not valid; allowed: {', '.join(CUDAGRAPH_MODES)}"
+            )
+        set_("cudagraph_mode", str(self.cudagraph_mode).upper())
+        if self.cudagraph_mode == "NONE":
+            set_("enforce_eager", True)
         if self.max_cudagraph_capture_size is not None and (
             not isinstance(self.max_cudagraph_capture_size, int) or self.max_cudagraph_capture_size <= 0
         ):
@@ -397,11 +412,12 @@ class EngineArgs:
         if mode is not None:
             if str(mode).upper() not in CUDAGRAPH_MODES:
                 raise ValueError(
-                    f"compilation_config.cudagraph_mode={mode!r}: kvllm captures whole decode steps only; "
-                    f"allowed: {', '.join(CUDAGRAPH_MODES)} (NONE = --enforce-eager)"
+                    f"compilation_config.cudagraph_mode={mode!r}: kvllm captures decode steps whole and "
+                    f"the others piecewise; allowed: {', '.join(CUDAGRAPH_MODES)} (NONE = --enforce-eager)"
                 )
             if str(mode).upper() == "NONE":
                 object.__setattr__(self, "enforce_eager", True)
+            object.__setattr__(self, "cudagraph_mode", str(mode).upper())
         for name in ("cudagraph_capture_sizes", "max_cudagraph_capture_size"):
             if name not in config:
                 continue

@@ -544,6 +544,37 @@ class InputBatch:
             slot_mapping=dev64["slots"][:num_reqs],
         )
 
+    def prefill_capture_metadata(self, num_tokens: int) -> CommonAttentionMetadata:
+        """One dummy request of `num_tokens` prompt tokens (positions 0..n-1) that reads block 0 and
+        writes nothing (slot -1): the warm-up batch of a piecewise CUDA-graph capture."""
+        if num_tokens > self.max_num_tokens:
+            raise ValueError(f"cannot capture {num_tokens} tokens: the batch holds {self.max_num_tokens}")
+        i32 = self._i32_layout.views(self.step_i32.next_host_numpy())
+        i64 = self._i64_layout.views(self.step_i64.next_host_numpy())
+        self.input_ids[:num_tokens] = 0
+        i32["positions"][:num_tokens] = np.arange(num_tokens)
+        i32["query_start_loc"][:2] = (0, num_tokens)
+        i32["seq_lens"][:1] = num_tokens
+        i64["slots"][:num_tokens] = -1
+        dev32 = self._i32_layout.views(self.step_i32.upload())
+        dev64 = self._i64_layout.views(self.step_i64.upload())
+        cpu32 = self._i32_layout.views(self.step_i32.host)
+        num_cols = -(-num_tokens // self.block_size)
+        return CommonAttentionMetadata(
+            num_reqs=1,
+            num_actual_tokens=num_tokens,
+            num_decodes=1 if num_tokens == 1 else 0,
+            num_decode_tokens=1 if num_tokens == 1 else 0,
+            query_start_loc=dev32["query_start_loc"][:2],
+            query_start_loc_cpu=cpu32["query_start_loc"][:2],
+            seq_lens=dev32["seq_lens"][:1],
+            seq_lens_cpu=cpu32["seq_lens"][:1],
+            max_query_len=num_tokens,
+            max_seq_len=num_tokens,
+            block_table=torch.zeros((1, num_cols), dtype=torch.int32, device=self.device),
+            slot_mapping=dev64["slots"][:num_tokens],
+        )
+
     @property
     def positions(self) -> torch.Tensor:
         """The device buffer every step's positions are uploaded to (fixed address, as input_ids)."""

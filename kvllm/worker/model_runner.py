@@ -34,6 +34,7 @@ from kvllm.spec_decode.verify import PendingVerification, verify_drafts
 from kvllm.utils.dtypes import dtype_name, kv_cache_torch_dtype
 from kvllm.worker.cuda_graph import CudaGraphRunner, default_capture_sizes
 from kvllm.worker.input_batch import InputBatch, ModelInputs
+from kvllm.worker.piecewise_graph import PiecewiseGraphRunner, default_token_buckets
 from kvllm.worker.pooler import Pooler
 from kvllm.worker.sleep_mode import SleepState, empty_device_cache, offload_weights, restore_weights
 
@@ -136,6 +137,7 @@ class ModelRunner:
         self.metadata_builder = None
         self.input_batch: InputBatch | None = None
         self.graph_runner: CudaGraphRunner | None = None
+        self.piecewise: PiecewiseGraphRunner | None = None
         self.num_blocks = 0
         self.max_num_reqs = 0
         self.sleep_state: SleepState | None = None
@@ -237,6 +239,52 @@ class ModelRunner:
                 stats.seconds,
                 stats.memory_bytes / GiB,
             )
+        self._capture_piecewise()
+
+    def _capture_piecewise(self) -> None:
+        """Piecewise graphs for the steps the decode graphs do not take (piecewise_graph.py)."""
+        assert self.input_batch is not None
+        self.piecewise = None
+        args = self.args
+        if (
+            not graphs_available(self.device)
+            or args.enforce_eager
+            or args.cudagraph_mode != "FULL_AND_PIECEWISE"
+        ):
+            return
+        if self.pooler is not None or any(isinstance(m, MLAAttention) for m in self.attention_layers):
+            logger.info("Piecewise CUDA graphs off: pooling and MLA models run their other steps eagerly")
+            return
+        buckets = default_token_buckets(self.input_batch.max_num_tokens)
+        if not buckets:
+            return
+        self.piecewise = PiecewiseGraphRunner(
+            self.model,
+            self.metadata_builder,
+            self.input_batch.input_ids,
+            self.input_batch.positions,
+            buckets,
+            self.input_batch.prefill_capture_metadata,
+        )
+        free_before = torch.cuda.mem_get_info()[0] if self.device.type == "cuda" else 0
+        try:
+            with torch.inference_mode():
+                seconds = self.piecewise.capture()
+        except Exception as exc:
+            raise RuntimeError(
+                f"Capturing piecewise CUDA graphs with the {self.attn_backend.name} attention backend failed "
+                f"({type(exc).__name__}: {exc}). Run with -cc.cudagraph_mode=FULL_DECODE_ONLY to capture "
+                "decode steps only, or --enforce-eager."
+            ) from exc
+        used = free_before - torch.cuda.mem_get_info()[0] if self.device.type == "cuda" else 0
+        logger.info(
+            "Captured piecewise CUDA graphs for %d token counts (%d..%d) in %.1f s, using %.2f GiB",
+            len(buckets),
+            buckets[0],
+            buckets[-1],
+            seconds,
+            max(0, used) / GiB,
+        )
 
     # ---- sleep mode (see sleep_mode.py) ------------------------------------------------------
 
@@ -248,6 +296,7 @@ class ModelRunner:
         for layer in self.attention_layers:
             layer.kv_cache = torch.empty(0)
         self.graph_runner = None
+        self.piecewise = None
         self.metadata_builder = None
         self.input_batch = None
         if level == 1:
@@ -331,6 +380,8 @@ class ModelRunner:
         if pad_to is not None:
             assert self.graph_runner is not None
             hidden = self.graph_runner.replay(inputs.attn_metadata, inputs.num_tokens)
+        elif self.piecewise is not None and self.piecewise.can_replay(inputs.num_tokens):
+            hidden = self.piecewise.replay(inputs.attn_metadata, inputs.num_tokens)
         else:
             attn_metadata = self.metadata_builder.build(inputs.attn_metadata)
             with set_forward_context(attn_metadata):

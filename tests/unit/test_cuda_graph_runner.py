@@ -115,8 +115,10 @@ def test_replay_refuses_what_was_not_captured():
 
 @pytest.mark.parametrize("backend", ["TRITON_ATTN", "FLEX_ATTENTION"])
 def test_engine_with_graphs_replayed_eagerly_matches_hf(tiny_qwen3_path, monkeypatch, backend):
-    """Decode steps go through the graph runner (padded to 4 or 8), prefill steps run eagerly, and
-    greedy ids equal HF's. FLEX_ATTENTION declares no graph support, so it never replays."""
+    """Decode steps go through the graph runner (padded to 4 or 8), prefill and mixed steps through
+    the piecewise runner (padded to 16, 32 or 64 tokens; attention between the pieces on the step's
+    own metadata), and greedy ids equal HF's. FLEX_ATTENTION declares no graph support, so it never
+    replays a decode graph; its other steps still run piecewise (attention stays outside the pieces)."""
     from kvllm.platforms import simulate_platform
 
     monkeypatch.setattr(model_runner, "graphs_available", lambda device: True)
@@ -132,6 +134,8 @@ def test_engine_with_graphs_replayed_eagerly_matches_hf(tiny_qwen3_path, monkeyp
             max_num_batched_tokens=64,  # chunked prefill: some steps mix decodes and prefill chunks
         )
     runner = llm.llm_engine.executor.worker.model_runner.graph_runner
+    piecewise = llm.llm_engine.executor.worker.model_runner.piecewise
+    assert piecewise is not None and sorted(piecewise.captured) == [16, 32, 64]
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in max_tokens]
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for prompt, output, n in zip(prompts, outputs, max_tokens):
@@ -141,5 +145,6 @@ def test_engine_with_graphs_replayed_eagerly_matches_hf(tiny_qwen3_path, monkeyp
         assert runner.num_replays >= 4
     else:
         assert runner is None
+    assert piecewise.num_replays >= 3  # the prompts' chunks: 3 + 17 + 30 + 9 tokens, then 64, then 5
     stats = llm.llm_engine.stats()
     assert stats.num_free_blocks == stats.num_blocks

@@ -337,7 +337,11 @@ def test_compilation_config_maps_to_cuda_graph_settings(served, capsys) -> None:
     assert main(["serve", "m", "-cc", '{"mode": 3, "pass_config": {}}']) == 2
     assert "compilation_config keys mode, pass_config: kvllm compiles nothing" in capsys.readouterr().err
     assert main(["serve", "m", "-cc.cudagraph_mode", "PIECEWISE"]) == 2
-    assert "allowed: NONE, FULL_DECODE_ONLY" in capsys.readouterr().err
+    assert "allowed: NONE, FULL_DECODE_ONLY, FULL_AND_PIECEWISE" in capsys.readouterr().err
+    assert main(["serve", "m", "-cc.cudagraph_mode", "full_decode_only"]) == 0
+    assert served["engine_args"].cudagraph_mode == "FULL_DECODE_ONLY"
+    assert main(["serve", "m"]) == 0
+    assert served["engine_args"].cudagraph_mode == "FULL_AND_PIECEWISE"  # vLLM's default
 
 
 def test_hf_overrides_json_and_dotted_keys_merge(served) -> None:

@@ -1,0 +1,115 @@
+"""The piecewise CUDA-graph runner's bookkeeping on the CPU (kvllm/worker/piecewise_graph.py): the
+padded bucket, attention on the real tokens only through the shared buffers, and refusals.
+The capture itself needs a GPU (tests/gpu/test_cuda_graphs_gpu.py); engine equality with HF over
+the equality suite runs in tests/unit/test_cuda_graph_runner.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from kvllm.forward_context import get_forward_context
+from kvllm.worker.piecewise_graph import PiecewiseGraphRunner, default_token_buckets
+
+HEADS, HEAD_SIZE, HIDDEN = 2, 4, 8
+
+
+class CausalMeanImpl:
+    """Attention stand-in whose output row t depends on the rows 0..t it is given: a running mean."""
+
+    def __init__(self) -> None:
+        self.seen_tokens: list[int] = []
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output=None):
+        self.seen_tokens.append(query.shape[0])
+        steps = torch.arange(1, query.shape[0] + 1, dtype=query.dtype).view(-1, 1, 1)
+        result = (query + key * value).cumsum(0) / steps
+        if output is None:
+            return result
+        output.copy_(result)
+        return output
+
+
+class Layer(nn.Module):
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(seed)
+        self.proj = nn.Parameter(torch.randn(HIDDEN, HIDDEN, generator=gen) / 3)
+        self.impl = CausalMeanImpl()
+        self.kv_cache = torch.empty(0)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        x = (h @ self.proj).view(-1, HEADS, HEAD_SIZE)
+        hook = get_forward_context().attention_hook
+        if hook is not None:
+            out = hook(self, x, x.sin(), x.cos())
+        else:
+            out = self.impl.forward(self, x, x.sin(), x.cos(), None, None)
+        return h + out.reshape(-1, HIDDEN)
+
+
+class Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.embed = nn.Parameter(torch.randn(50, HIDDEN, generator=gen))
+        self.layers = nn.ModuleList([Layer(1), Layer(2)])
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        h = self.embed[ids] + positions.unsqueeze(1)
+        for layer in self.layers:
+            h = layer(h)
+        return h
+
+
+class Builder:
+    def build(self, common):
+        return common
+
+
+def _runner(
+    model: Model, ids: torch.Tensor, positions: torch.Tensor, buckets: list[int]
+) -> PiecewiseGraphRunner:
+    return PiecewiseGraphRunner(model, Builder(), ids, positions, buckets, lambda n: f"capture {n}")
+
+
+def test_a_padded_step_equals_the_eager_forward_of_its_real_tokens() -> None:
+    model = Model()
+    ids = torch.randint(0, 50, (32,), generator=torch.Generator().manual_seed(5))
+    positions = torch.arange(32, dtype=torch.float32)
+    runner = _runner(model, ids, positions, [8, 16, 32])
+    runner.capture()
+    assert sorted(runner.captured) == [8, 16, 32]
+    for n, bucket in ((5, 8), (8, 8), (9, 16), (17, 32)):
+        for layer in model.layers:
+            layer.impl.seen_tokens.clear()
+        with torch.no_grad():
+            ids.random_(0, 50)  # the padding rows n..bucket-1 hold other tokens each time
+            got = runner.replay("step", n).clone()
+            for layer in model.layers:
+                assert layer.impl.seen_tokens[-1] == n  # attention ran on the real tokens only
+            from kvllm.forward_context import set_forward_context
+
+            with set_forward_context(None):
+                want = model(ids[:n], positions[:n])
+        assert runner.bucket_for(n) == bucket
+        torch.testing.assert_close(got, want)
+    assert runner.num_replays == 4
+
+
+def test_buckets_and_refusals() -> None:
+    assert default_token_buckets(8192) == [16, 32, 64, 128, 256, 512, 1024, 2048]
+    assert default_token_buckets(100) == [16, 32, 64]
+    assert default_token_buckets(8) == []
+    model = Model()
+    ids, positions = torch.zeros(16, dtype=torch.long), torch.zeros(16)
+    with pytest.raises(ValueError, match="exceeds the input buffers"):
+        _runner(model, ids, positions, [32])
+    with pytest.raises(ValueError, match="distinct positive"):
+        _runner(model, ids, positions, [8, 8])
+    runner = _runner(model, ids, positions, [8])
+    runner.capture()
+    assert not runner.can_replay(9) and not runner.can_replay(0) and runner.can_replay(8)
+    with pytest.raises(ValueError, match="no piecewise graphs for 9 tokens"):
+        runner.replay("step", 9)
