@@ -6,6 +6,8 @@
 #   where   where a batch-1 latency run's time goes (per-step log; cProfile of an eager prefill request
 #           and of graph decodes), then the model-family GPU tests in full (logs tarred: the device
 #           tool returns at most about eight files).
+#   pw      piecewise graphs (kvllm/worker/piecewise_graph.py): graphs-vs-eager test, batch-1..256
+#           latency with the step log, TTFT of a 1k prompt.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-gpu-out}; mkdir -p "$out"
@@ -25,7 +27,7 @@ gpu_info() {
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$d/gpu.txt"
 }
 
-case "${1:?usage: session6.sh early|where}" in
+case "${1:?usage: session6.sh early|where|pw}" in
 early)
   d=$out/early; mkdir -p "$d"; gpu_info
   timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/gpu/test_pdl_gpu.py \
@@ -50,6 +52,16 @@ where)
     tests/gpu/test_models_gpu.py > "$d/pytest-models.log" 2>&1
   since "model GPU tests: $(tail -n 1 "$d/pytest-models.log")"; grep -E "^(FAILED|ERROR)" "$d/pytest-models.log" | head -20
   tar czf "$out/where.tgz" -C /tmp where
+  since "done"
+  ;;
+pw)
+  d=/tmp/pw; mkdir -p "$d"; gpu_info
+  KVLLM_GPU_REPORT_DIR=$d timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
+    tests/gpu/test_cuda_graphs_gpu.py -k TRITON > "$d/pytest-graphs.log" 2>&1
+  since "graphs vs eager: $(tail -n 1 "$d/pytest-graphs.log")"; grep -E "^(E |FAILED)" "$d/pytest-graphs.log" | head -8
+  bench pw 150 --engine kvllm --backend TRITON_ATTN --only latency,ttft --iters 2 --warmups 1 --step-log
+  grep -h latency_steps "$d/bench-pw.log"; grep -i "piecewise" "$d/bench-pw.log" | head -3
+  tar czf "$out/pw.tgz" -C /tmp pw
   since "done"
   ;;
 esac
