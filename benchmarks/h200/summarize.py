@@ -34,6 +34,13 @@ def describe(r: dict) -> str:
             f"{r['run']}: {kinds}; decode ms/step by batch {by_batch}; "
             f"{r['triton_compiles']} Triton compiles ({r['triton_compile_ms'] / 1e3:.2f} s)"
         )
+    if kind == "latency_steps":
+        return (
+            f"bs1 run {r['wall_ms']:.1f} ms = {r['steps']} steps {r['steps_ms']:.1f} ms; first steps "
+            f"{r['first_steps_ms']} ms ({r['first_steps_tokens']} tokens), median {r['median_step_ms']:.3f}"
+        )
+    if "out_tok_per_s" not in r:
+        return json.dumps({k: v for k, v in r.items() if k not in ("engine", "bench")})[:200]
     busy = r.get("gpu_busy")
     return f"{r['out_tok_per_s']:.0f} output tok/s ({r['seconds']:.2f} s), GPU busy {busy if busy is None else round(busy, 3)}"
 
