@@ -8,6 +8,8 @@
 #           tool returns at most about eight files).
 #   pw      piecewise graphs (kvllm/worker/piecewise_graph.py): graphs-vs-eager test, batch-1..256
 #           latency with the step log, TTFT of a 1k prompt.
+#   helpers carry [".gpu-branches"] (git-archive snapshots of the helpers' branches, one folder each):
+#           each helper's GPU command from its own folder, under a time cap, results as $OUT/<name>.tgz.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-gpu-out}; mkdir -p "$out"
@@ -27,7 +29,7 @@ gpu_info() {
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$d/gpu.txt"
 }
 
-case "${1:?usage: session6.sh early|where|pw}" in
+case "${1:?usage: session6.sh early|where|pw|helpers}" in
 early)
   d=$out/early; mkdir -p "$d"; gpu_info
   timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/gpu/test_pdl_gpu.py \
@@ -62,6 +64,21 @@ pw)
   bench pw 150 --engine kvllm --backend TRITON_ATTN --only latency,ttft --iters 2 --warmups 1 --step-log
   grep -h latency_steps "$d/bench-pw.log"; grep -i "piecewise" "$d/bench-pw.log" | head -3
   tar czf "$out/pw.tgz" -C /tmp pw
+  since "done"
+  ;;
+helpers)
+  run_helper() {  # name cap command: run the command in .gpu-branches/<name> with OUT=/tmp/helpers/<name>
+    local name=$1 cap=$2; shift 2
+    [ -d ".gpu-branches/$name" ] || { echo "no snapshot of $name"; return; }
+    mkdir -p "/tmp/helpers/$name"
+    (cd ".gpu-branches/$name" && OUT=/tmp/helpers/$name PYTHONPATH=. timeout "$cap" bash -c "$*" \
+      > "/tmp/helpers/$name/stdout.log" 2>&1)
+    since "$name (exit $?)"; tail -n 30 "/tmp/helpers/$name/stdout.log"
+    tar czf "$out/$name.tgz" -C /tmp/helpers "$name"
+  }
+  run_helper w4a16 185 "$(cat .gpu-branches/w4a16.cmd)"
+  run_helper prefill 105 "$(cat .gpu-branches/prefill.cmd)"
+  run_helper mla 150 "bash benchmarks/h200/mla_session.sh"
   since "done"
   ;;
 esac

@@ -62,11 +62,9 @@ class Attention(nn.Module):
     def kv_write_target(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """(key_cache, value_cache, slot_mapping) for a caller that stores this step's K/V itself
         before `forward(..., kv_written=True)`; None when the backend must write them (or there is
-        no cache yet: the memory-profiling run; or a piecewise graph is being captured, whose pieces
-        must not depend on the step's slots)."""
-        context = get_forward_context()
-        attn_metadata = context.attn_metadata
-        if attn_metadata is None or self.impl is None or context.attention_hook is not None:
+        no cache yet: the memory-profiling run)."""
+        attn_metadata = get_forward_context().attn_metadata
+        if attn_metadata is None or self.impl is None:
             return None
         views = self.impl.kv_cache_views(self.kv_cache)
         slot_mapping = getattr(attn_metadata, "slot_mapping", None)
@@ -85,9 +83,7 @@ class Attention(nn.Module):
         context = get_forward_context()
         attn_metadata = context.attn_metadata
         if context.attention_hook is not None:
-            if kv_written:
-                raise RuntimeError("a piecewise graph's attention call must store K/V itself")
-            out = context.attention_hook(self, q, k, v)
+            out = context.attention_hook(self, q, k, v, kv_written)
         elif attn_metadata is None:
             out = self._profile_forward(q, k, v)
         else:

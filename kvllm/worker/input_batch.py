@@ -576,6 +576,11 @@ class InputBatch:
         )
 
     @property
+    def slot_mapping(self) -> torch.Tensor:
+        """The device buffer every step's slot mapping is uploaded to (fixed address)."""
+        return self._i64_layout.views(self.step_i64.gpu)["slots"]
+
+    @property
     def positions(self) -> torch.Tensor:
         """The device buffer every step's positions are uploaded to (fixed address, as input_ids)."""
         return self._i32_layout.views(self.step_i32.gpu)["positions"]

@@ -263,6 +263,7 @@ class ModelRunner:
             self.metadata_builder,
             self.input_batch.input_ids,
             self.input_batch.positions,
+            self.input_batch.slot_mapping,
             buckets,
             self.input_batch.prefill_capture_metadata,
         )

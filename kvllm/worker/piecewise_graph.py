@@ -13,10 +13,10 @@ What crosses a cut sits at a fixed address. Inside each piece (so as part of the
 key and value are copied into buffers shared by every layer and bucket; attention writes into a
 shared output buffer that the next piece reads. Tokens t..T-1 are padding: their ids and positions
 are whatever the input buffers hold (always in range), their rows are computed and ignored, and
-attention, which runs on the t real tokens, never reads or writes them. The K/V cache write stays
-out of the pieces (`Attention.kv_write_target` is None while a hook is set), since it follows the
-step's slot mapping: the eager attention call stores K/V. The pieces of all buckets share one memory
-pool, and each bucket's pieces replay in the order they were captured, so what one piece leaves for
+attention, which runs on the t real tokens, never reads or writes them. Where the model stores K/V
+itself (the fused RoPE kernel, `Attention.kv_write_target`), the store is part of a piece: it reads
+the slot mapping from the input batch's fixed buffer, whose padding rows the runner sets to -1 (write
+nothing) before replaying. The pieces of all buckets share one memory pool, and each bucket's pieces replay in the order they were captured, so what one piece leaves for
 the next is never overwritten in between.
 
 `graph_factory` makes `torch.cuda.CUDAGraph`s on a GPU. Without one (tests on the CPU) the runner
@@ -59,6 +59,7 @@ class _Call:
     key: torch.Tensor
     value: torch.Tensor
     output: torch.Tensor  # [T, H, D] view of the shared output buffer
+    kv_written: bool  # the piece before stored K/V (the eager call must not store them again)
 
 
 @dataclass
@@ -93,7 +94,8 @@ class PiecewiseGraphRunner:
 
     `make_capture_metadata(T)` returns a CommonAttentionMetadata of T tokens that writes no KV (slot
     -1), for the warm-up run before each capture; `builder` turns it (and each replayed step's
-    metadata) into the backend's metadata.
+    metadata) into the backend's metadata. `slot_mapping` is the fixed buffer every step's slots are
+    uploaded to (the capture metadata's and the steps' slot mappings are views of it).
     """
 
     def __init__(
@@ -102,13 +104,14 @@ class PiecewiseGraphRunner:
         builder: Any,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
         buckets: list[int],
         make_capture_metadata: Callable[[int], CommonAttentionMetadata],
         graph_factory: Callable[[], Any] | None = None,
     ) -> None:
         if not buckets or sorted(set(buckets)) != sorted(buckets) or min(buckets) < 1:
             raise ValueError(f"buckets must be distinct positive token counts, got {buckets}")
-        if max(buckets) > min(input_ids.shape[0], positions.shape[0]):
+        if max(buckets) > min(input_ids.shape[0], positions.shape[0], slot_mapping.shape[0]):
             raise ValueError(
                 f"the largest bucket {max(buckets)} exceeds the input buffers ({input_ids.shape[0]})"
             )
@@ -116,6 +119,7 @@ class PiecewiseGraphRunner:
         self.builder = builder
         self.input_ids = input_ids
         self.positions = positions
+        self.slot_mapping = slot_mapping
         self.buckets = sorted(buckets)
         self.make_capture_metadata = make_capture_metadata
         self.device = input_ids.device
@@ -165,9 +169,11 @@ class PiecewiseGraphRunner:
         with torch.cuda.stream(self.stream):
             graph = self._begin()
 
-            def cut(layer: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            def cut(
+                layer: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_written: bool
+            ) -> torch.Tensor:
                 nonlocal graph
-                call = self._stage(layer, q, k, v)
+                call = self._stage(layer, q, k, v, kv_written)
                 graph.capture_end()
                 bucket.pieces.append(graph)
                 bucket.calls.append(call)
@@ -185,7 +191,9 @@ class PiecewiseGraphRunner:
         graph.capture_begin(pool=self.pool)
         return graph
 
-    def _stage(self, layer: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> _Call:
+    def _stage(
+        self, layer: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_written: bool
+    ) -> _Call:
         """Copy the attention inputs into the shared buffers (inside the piece being captured)."""
         call = _Call(
             layer,
@@ -193,6 +201,7 @@ class PiecewiseGraphRunner:
             self.shared.get("key", k),
             self.shared.get("value", v),
             self.shared.get("output", q),
+            kv_written,
         )
         call.query.copy_(q)
         call.key.copy_(k)
@@ -202,8 +211,10 @@ class PiecewiseGraphRunner:
     def _record_calls(
         self, bucket: _Bucket, ids: torch.Tensor, pos: torch.Tensor, attn_metadata: Any
     ) -> None:
-        def record(layer: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            call = self._stage(layer, q, k, v)
+        def record(
+            layer: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_written: bool
+        ) -> torch.Tensor:
+            call = self._stage(layer, q, k, v, kv_written)
             bucket.calls.append(call)
             return call.output
 
@@ -224,6 +235,7 @@ class PiecewiseGraphRunner:
                 f"no piecewise graphs for {num_tokens} tokens; captured: {sorted(self.captured)}"
             )
         bucket = self.captured[size]
+        self.slot_mapping[num_tokens:size].fill_(-1)  # the padding rows' K/V stores write nothing
         attn_metadata = self.builder.build(common)
         if self.graph_factory is None:
             self._run_without_graphs(bucket, size, attn_metadata, num_tokens)
@@ -239,13 +251,15 @@ class PiecewiseGraphRunner:
     def _run_without_graphs(self, bucket: _Bucket, size: int, attn_metadata: Any, num_tokens: int) -> None:
         calls = iter(bucket.calls)
 
-        def attend(layer: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        def attend(
+            layer: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_written: bool
+        ) -> torch.Tensor:
             call = next(calls)
-            if call.layer is not layer:
+            if call.layer is not layer or call.kv_written != kv_written:
                 raise RuntimeError(
                     "the forward pass called attention layers in another order than at capture"
                 )
-            call = self._stage(layer, q, k, v)
+            call = self._stage(layer, q, k, v, kv_written)
             self._attend(call, attn_metadata, num_tokens)
             return call.output
 
@@ -257,12 +271,13 @@ class PiecewiseGraphRunner:
         impl = layer.impl
         out = call.output[:n]
         args = (layer, call.query[:n], call.key[:n], call.value[:n], layer.kv_cache, attn_metadata)
+        kwargs = {"kv_written": True} if call.kv_written else {}
         if self._takes_output(impl):
-            result = impl.forward(*args, output=out)
+            result = impl.forward(*args, output=out, **kwargs)
             if result.data_ptr() != out.data_ptr():
                 out.copy_(result)
         else:
-            out.copy_(impl.forward(*args))
+            out.copy_(impl.forward(*args, **kwargs))
 
     def _takes_output(self, impl: Any) -> bool:
         kind = type(impl)

@@ -43,7 +43,7 @@ class Layer(nn.Module):
         x = (h @ self.proj).view(-1, HEADS, HEAD_SIZE)
         hook = get_forward_context().attention_hook
         if hook is not None:
-            out = hook(self, x, x.sin(), x.cos())
+            out = hook(self, x, x.sin(), x.cos(), False)
         else:
             out = self.impl.forward(self, x, x.sin(), x.cos(), None, None)
         return h + out.reshape(-1, HIDDEN)
@@ -71,7 +71,8 @@ class Builder:
 def _runner(
     model: Model, ids: torch.Tensor, positions: torch.Tensor, buckets: list[int]
 ) -> PiecewiseGraphRunner:
-    return PiecewiseGraphRunner(model, Builder(), ids, positions, buckets, lambda n: f"capture {n}")
+    slots = torch.arange(ids.shape[0])
+    return PiecewiseGraphRunner(model, Builder(), ids, positions, slots, buckets, lambda n: f"capture {n}")
 
 
 def test_a_padded_step_equals_the_eager_forward_of_its_real_tokens() -> None:
@@ -95,6 +96,7 @@ def test_a_padded_step_equals_the_eager_forward_of_its_real_tokens() -> None:
                 want = model(ids[:n], positions[:n])
         assert runner.bucket_for(n) == bucket
         torch.testing.assert_close(got, want)
+        assert (runner.slot_mapping[n:bucket] == -1).all()  # padding rows store no K/V
     assert runner.num_replays == 4
 
 
