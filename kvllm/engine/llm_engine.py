@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -119,6 +120,11 @@ class LLMEngine:
         self._log_cache_size(num_blocks)
         if self.device.type == "cuda" and not self.model_config.is_pooling:
             self.warm_up()  # generate steps; a pooling engine's prefill-only steps need no warm-up
+        # The start-up objects (modules, graphs, buffers) live as long as the engine: moved out of the
+        # collector's generations, a collection while serving scans only the requests' objects (vLLM
+        # freezes them after start-up too).
+        gc.collect()
+        gc.freeze()
         if self.model_config.default_sampling:
             logger.info(
                 "Sampling defaults from the model's generation_config.json: %s (used where a request does "
