@@ -120,11 +120,13 @@ class LLMEngine:
         self._log_cache_size(num_blocks)
         if self.device.type == "cuda" and not self.model_config.is_pooling:
             self.warm_up()  # generate steps; a pooling engine's prefill-only steps need no warm-up
-        # The start-up objects (modules, graphs, buffers) live as long as the engine: moved out of the
-        # collector's generations, a collection while serving scans only the requests' objects (vLLM
-        # freezes them after start-up too).
-        gc.collect()
-        gc.freeze()
+        if self.device.type == "cuda":
+            # The start-up objects (modules, graphs, buffers) live as long as the engine: moved out of
+            # the collector's generations, a collection while serving scans only the requests' objects
+            # (vLLM freezes them after start-up too). Not on the CPU, where test processes build and
+            # drop many engines whose reference cycles must stay collectable.
+            gc.collect()
+            gc.freeze()
         if self.model_config.default_sampling:
             logger.info(
                 "Sampling defaults from the model's generation_config.json: %s (used where a request does "
