@@ -10,6 +10,9 @@
 #           latency with the step log, TTFT of a 1k prompt.
 #   helpers carry [".gpu-branches"] (git-archive snapshots of the helpers' branches, one folder each):
 #           each helper's GPU command from its own folder, under a time cap, results as $OUT/<name>.tgz.
+#   final   carry [".vllm/part1"]: vLLM's part 1 onto the machine, then kvllm's fast path (latency,
+#           TTFT, nano-vllm, 256 x 128/128; nano-vllm with an fp8 KV cache) and speculative decoding.
+#   final-vllm  carry [".vllm/part2"], sent within 30 s of `final`: vLLM 0.22 through the same bench.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-gpu-out}; mkdir -p "$out"
@@ -29,7 +32,7 @@ gpu_info() {
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$d/gpu.txt"
 }
 
-case "${1:?usage: session6.sh early|where|pw|helpers}" in
+case "${1:?usage: session6.sh early|where|pw|helpers|final|final-vllm}" in
 early)
   d=$out/early; mkdir -p "$d"; gpu_info
   timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/gpu/test_pdl_gpu.py \
@@ -79,6 +82,25 @@ helpers)
   run_helper w4a16 185 "$(cat .gpu-branches/w4a16.cmd)"
   run_helper prefill 105 "$(cat .gpu-branches/prefill.cmd)"
   run_helper mla 150 "bash benchmarks/h200/mla_session.sh"
+  since "done"
+  ;;
+final)
+  d=/tmp/final; mkdir -p "$d"
+  bash .vllm/part1/remote-stage.sh 1 > "$d/vllm-stage1.log" 2>&1; since "vLLM part 1 staged (exit $?)"
+  gpu_info
+  bench kvllm 170 --engine kvllm --backend TRITON_ATTN --only latency,ttft,nano,bs256 --iters 3 --warmups 2
+  bench kvllm-fp8 70 --engine kvllm --backend TRITON_ATTN --only nano --kv-cache-dtype fp8
+  timeout 100 python3 benchmarks/h200/spec_decode_bench.py --out "$d" > "$d/spec-decode.log" 2>&1
+  since "spec decode bench (exit $?)"; tail -n 8 "$d/spec-decode.log"
+  tar czf "$out/final.tgz" -C /tmp final
+  since "done"
+  ;;
+final-vllm)
+  d=/tmp/final-vllm; mkdir -p "$d"
+  bash .vllm/part2/remote-stage.sh 2 > "$d/vllm-stage2.log" 2>&1 || { tail -n 5 "$d/vllm-stage2.log"; exit 3; }
+  tail -n 4 "$d/vllm-stage2.log"
+  (export PYTHONPATH=.:/tmp/site-vllm; bench vllm 250 --engine vllm --only latency,nano,bs256 --iters 3 --warmups 2)
+  tar czf "$out/final-vllm.tgz" -C /tmp final-vllm
   since "done"
   ;;
 esac
