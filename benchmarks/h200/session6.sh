@@ -79,9 +79,9 @@ helpers)
     since "$name (exit $?)"; tail -n 30 "/tmp/helpers/$name/stdout.log"
     tar czf "$out/$name.tgz" -C /tmp/helpers "$name"
   }
-  run_helper w4a16 185 "$(cat .gpu-branches/w4a16.cmd)"
+  run_helper w4a16 205 "$(cat .gpu-branches/w4a16.cmd)"
   run_helper prefill 105 "$(cat .gpu-branches/prefill.cmd)"
-  run_helper mla 150 "bash benchmarks/h200/mla_session.sh"
+  run_helper mla 175 "$(cat .gpu-branches/mla.cmd)"
   since "done"
   ;;
 final)
