@@ -180,8 +180,16 @@ class PiecewiseGraphRunner:
                 graph = self._begin()
                 return call.output
 
-            with set_forward_context(attn_metadata, attention_hook=cut):
-                bucket.hidden = self.forward(ids, pos)
+            try:
+                with set_forward_context(attn_metadata, attention_hook=cut):
+                    bucket.hidden = self.forward(ids, pos)
+            except BaseException:
+                # End the open capture so the stream can run again, then report the first error.
+                try:
+                    graph.capture_end()
+                except RuntimeError:
+                    pass
+                raise
             graph.capture_end()
             bucket.pieces.append(graph)
         return bucket
