@@ -148,3 +148,25 @@ def test_engine_with_graphs_replayed_eagerly_matches_hf(tiny_qwen3_path, monkeyp
     assert piecewise.num_replays >= 3  # the prompts' chunks: 3 + 17 + 30 + 9 tokens, then 64, then 5
     stats = llm.llm_engine.stats()
     assert stats.num_free_blocks == stats.num_blocks
+
+
+def test_a_failed_piecewise_capture_leaves_those_steps_eager(tiny_qwen3_path, monkeypatch, caplog):
+    """Piecewise graphs are a speed feature: when a model's forward cannot be captured in pieces, the
+    engine warns and runs prefill and mixed steps eagerly instead of refusing to start."""
+    from kvllm.platforms import simulate_platform
+    from kvllm.worker.piecewise_graph import PiecewiseGraphRunner
+
+    def fail(self):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(model_runner, "graphs_available", lambda device: True)
+    monkeypatch.setattr(PiecewiseGraphRunner, "capture", fail)
+    path = str(tiny_qwen3_path)
+    prompt = random_prompts(400, [20], seed=4)[0]
+    with simulate_platform("cuda", (9, 0)), caplog.at_level("WARNING"):
+        llm = LLM(path, dtype="float32", attention_backend="TRITON_ATTN", cudagraph_capture_sizes=[1, 2])
+    runner = llm.llm_engine.executor.worker.model_runner
+    assert runner.piecewise is None and runner.graph_runner is not None
+    assert "prefill and mixed steps run eagerly" in caplog.text and "stream is capturing" in caplog.text
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=4))
+    assert out[0].outputs[0].token_ids == hf_greedy(path, prompt, 4)[0]
