@@ -88,11 +88,13 @@ final)
   d=/tmp/final; mkdir -p "$d"
   bash .vllm/part1/remote-stage.sh 1 > "$d/vllm-stage1.log" 2>&1; since "vLLM part 1 staged (exit $?)"
   gpu_info
-  bench kvllm 170 --engine kvllm --backend TRITON_ATTN --only latency,ttft,nano,bs256 --iters 3 --warmups 2 \
-    --step-log --profile-batches 1,256
+  bench kvllm 150 --engine kvllm --backend TRITON_ATTN --only latency,ttft,nano,bs256 --iters 3 --warmups 1 --step-log
   bench kvllm-fp8 70 --engine kvllm --backend TRITON_ATTN --only nano --kv-cache-dtype fp8
-  timeout 100 python3 benchmarks/h200/spec_decode_bench.py --out "$d" > "$d/spec-decode.log" 2>&1
-  since "spec decode bench (exit $?)"; tail -n 8 "$d/spec-decode.log"
+  timeout 95 python3 benchmarks/h200/spec_decode_bench.py --out "$d" > "$d/spec-decode.log" 2>&1
+  since "spec decode bench (exit $?)"; tail -n 9 "$d/spec-decode.log"
+  timeout 58 python3 benchmarks/h200/prefill_sweep.py --quick --out-dir "$d" --budget-s 50 --compile-timeout-s 40 \
+    --rep-ms 25 > "$d/prefill-sweep.log" 2>&1
+  since "prefill sweep (exit $?)"; tail -n 20 "$d/prefill-sweep.log"
   tar czf "$out/final.tgz" -C /tmp final
   since "done"
   ;;
