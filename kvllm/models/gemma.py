@@ -117,6 +117,7 @@ class GemmaModel(nn.Module):
 class Gemma2ForCausalLM(LlamaForCausalLM):
     """Gemma 2: soft-capped attention logits (through the backend) and final logits."""
 
+    supports_tensor_parallel = False  # its own embedding and MLP are not split yet
     supports_quantization = False  # its MLPs (experts) take no quantization method yet
 
     qk_norm = False

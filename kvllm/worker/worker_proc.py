@@ -1,0 +1,134 @@
+"""The body of one tensor-parallel worker process: joins the group, owns a Worker, serves the driver.
+
+The driver (kvllm/executor/multiproc_executor.py) sends `(method, payload)` over a pipe; every rank
+runs the same calls in the same order, so their collectives meet. Rank 0 answers every call; the
+other ranks answer only the calls whose answer the driver combines (KV-cache sizing) and any error,
+so a step costs the driver one message out per rank and one back. The loop ends on "shutdown" or when
+the driver's end of the pipe closes (the driver exited or died): no worker outlives its engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+
+from kvllm.attention.metadata import KVCacheSpec
+from kvllm.config.engine import EngineArgs
+from kvllm.core.sched_wire import SchedulerOutputDecoder, WireSchedulerOutput
+from kvllm.distributed.parallel_state import destroy_distributed_environment, init_distributed_environment
+from kvllm.models.model_config import ModelConfig
+from kvllm.worker.sleep_mode import SleepState
+from kvllm.worker.worker import Worker
+
+logger = logging.getLogger(__name__)
+
+# The calls every rank answers (the driver combines them); the others only rank 0 answers.
+ALL_RANKS_ANSWER = frozenset({"ready", "determine_num_blocks", "initialize_kv_cache", "sleep", "wake_up"})
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What the driver learns from rank 0 once the model is loaded."""
+
+    block_size: int
+    kv_cache_spec: KVCacheSpec
+    attention_backend_name: str
+    bytes_per_block: int
+
+
+@dataclass(frozen=True)
+class WorkerStartup:
+    rank: int
+    world_size: int
+    init_method: str
+    backend: str  # "gloo" or "nccl"
+    device_type: str  # "cpu" or "cuda" (rank r takes cuda:r)
+    args: EngineArgs
+    model_config: ModelConfig
+    max_num_batched_tokens: int
+
+
+class GrammarRows:
+    """The structured-output callback of a step on a worker: rank 0 sends the rows that sample to the
+    driver, and every rank receives the driver's masks (all ranks sample alike)."""
+
+    def __init__(self, conn: Connection, rank: int) -> None:
+        self.conn, self.rank = conn, rank
+
+    def __call__(self, rows: list[int]) -> torch.Tensor | None:
+        if self.rank == 0:
+            self.conn.send(("grammar_rows", rows))
+        kind, masks = self.conn.recv()
+        assert kind == "grammar_masks", kind
+        return masks
+
+
+def worker_main(conn: Connection, startup: WorkerStartup) -> None:
+    """Entry point of a worker process (multiprocessing target, or a Ray actor's loop)."""
+    rank = startup.rank
+    try:
+        if startup.device_type == "cuda":
+            torch.cuda.set_device(rank)
+            device = torch.device("cuda", rank)
+        else:
+            device = torch.device("cpu")
+        init_distributed_environment(startup.world_size, rank, startup.init_method, startup.backend)
+        worker = Worker(startup.args, startup.model_config, device, startup.max_num_batched_tokens)
+        runner = worker.model_runner
+        info = WorkerInfo(runner.block_size, runner.kv_cache_spec, runner.attn_backend.name, worker.bytes_per_block())
+        conn.send(("ok", info))
+    except BaseException:  # noqa: BLE001 - every start-up failure goes back to the driver
+        conn.send(("error", f"rank {rank} (pid {os.getpid()}) failed to start:\n{traceback.format_exc()}"))
+        conn.close()
+        return
+    decoder = SchedulerOutputDecoder(device)
+    try:
+        _serve(conn, rank, worker, decoder)
+    finally:
+        destroy_distributed_environment()
+        conn.close()
+
+
+def _serve(conn: Connection, rank: int, worker: Worker, decoder: SchedulerOutputDecoder) -> None:
+    while True:
+        try:
+            method, payload = conn.recv()
+        except (EOFError, OSError):  # the driver is gone
+            return
+        if method == "shutdown":
+            return
+        try:
+            result = _call(conn, rank, worker, decoder, method, payload)
+        except BaseException:  # noqa: BLE001 - reported to the driver, which raises it
+            conn.send(("error", f"rank {rank}: {method} failed:\n{traceback.format_exc()}"))
+            continue
+        if rank == 0 or method in ALL_RANKS_ANSWER:
+            conn.send(("ok", result))
+
+
+def _call(
+    conn: Connection, rank: int, worker: Worker, decoder: SchedulerOutputDecoder, method: str, payload: Any
+) -> Any:
+    if method == "execute_model":
+        wire, has_grammar = payload
+        assert isinstance(wire, WireSchedulerOutput)
+        plan = decoder.decode(wire)
+        grammar = GrammarRows(conn, rank) if has_grammar else None
+        return worker.execute_model_async(plan, grammar).result()
+    if method == "determine_num_blocks":
+        return worker.determine_num_blocks()
+    if method == "initialize_kv_cache":
+        return worker.initialize_kv_cache(*payload)
+    if method == "sleep":
+        return worker.sleep(payload)
+    if method == "wake_up":
+        worker.wake_up(payload)
+        state = worker.model_runner.sleep_state  # its host weights stay in this process
+        return None if state is None else SleepState(state.level, {}, state.weights_asleep, state.kv_cache_asleep)
+    raise ValueError(f"unknown worker method {method!r}")
