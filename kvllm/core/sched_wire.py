@@ -120,6 +120,10 @@ class SchedulerOutputDecoder:
                 request = self._requests[item.request_id]
                 self._blocks[item.request_id] += item.new_block_ids
             scheduled.append(
-                ScheduledRequest(request, item.num_new_tokens, self._blocks[item.request_id], item.spec_token_ids)
+                ScheduledRequest(
+                    request, item.num_new_tokens, self._blocks[item.request_id], item.spec_token_ids
+                )
             )
-        return SchedulerOutput(scheduled=scheduled, preempted=preempted, finished_req_ids=wire.finished_req_ids)
+        return SchedulerOutput(
+            scheduled=scheduled, preempted=preempted, finished_req_ids=wire.finished_req_ids
+        )

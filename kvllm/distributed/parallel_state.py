@@ -69,7 +69,11 @@ def init_distributed_environment(
     from datetime import timedelta
 
     dist.init_process_group(
-        backend, init_method=init_method, world_size=world_size, rank=rank, timeout=timedelta(seconds=timeout_s)
+        backend,
+        init_method=init_method,
+        world_size=world_size,
+        rank=rank,
+        timeout=timedelta(seconds=timeout_s),
     )
     _TP = TensorParallelState(rank=rank, world_size=world_size, group=dist.group.WORLD)
 

@@ -100,7 +100,14 @@ class MultiprocExecutor(Executor):
         for rank in range(world_size):
             parent, child = context.Pipe()
             startup = WorkerStartup(
-                rank, world_size, init_method, backend, device.type, args, model_config, max_num_batched_tokens
+                rank,
+                world_size,
+                init_method,
+                backend,
+                device.type,
+                args,
+                model_config,
+                max_num_batched_tokens,
             )
             proc = context.Process(
                 target=worker_main, args=(child, startup), name=f"kvllm-tp{rank}", daemon=True

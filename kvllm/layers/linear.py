@@ -199,7 +199,11 @@ class Linear(nn.Module):
                     f"kvllm does not split for tensor_parallel_size={self.tp_size}; use tensor_parallel_size=1"
                 )
             shard = index or 0
-            size, divisor, piece = self.output_sizes[shard], getattr(param, "output_divisor", 1), self.shard_slices[shard]
+            size, divisor, piece = (
+                self.output_sizes[shard],
+                getattr(param, "output_divisor", 1),
+                self.shard_slices[shard],
+            )
         if dim is None:  # the same for every rank (input-independent biases and scales, shared tensors)
             return loaded_weight
         if size % divisor:

@@ -81,7 +81,9 @@ def worker_main(conn: Connection, startup: WorkerStartup) -> None:
         init_distributed_environment(startup.world_size, rank, startup.init_method, startup.backend)
         worker = Worker(startup.args, startup.model_config, device, startup.max_num_batched_tokens)
         runner = worker.model_runner
-        info = WorkerInfo(runner.block_size, runner.kv_cache_spec, runner.attn_backend.name, worker.bytes_per_block())
+        info = WorkerInfo(
+            runner.block_size, runner.kv_cache_spec, runner.attn_backend.name, worker.bytes_per_block()
+        )
         conn.send(("ok", info))
     except BaseException:  # noqa: BLE001 - every start-up failure goes back to the driver
         conn.send(("error", f"rank {rank} (pid {os.getpid()}) failed to start:\n{traceback.format_exc()}"))
@@ -130,5 +132,9 @@ def _call(
     if method == "wake_up":
         worker.wake_up(payload)
         state = worker.model_runner.sleep_state  # its host weights stay in this process
-        return None if state is None else SleepState(state.level, {}, state.weights_asleep, state.kv_cache_asleep)
+        return (
+            None
+            if state is None
+            else SleepState(state.level, {}, state.weights_asleep, state.kv_cache_asleep)
+        )
     raise ValueError(f"unknown worker method {method!r}")

@@ -79,7 +79,14 @@ class AWQLinearMethod(Int4LinearMethod):
         group_dim = None if self.group_size == -1 else 0
         group = {"input_dim": group_dim, "input_divisor": max(self.group_size, 1)}
         new_parameter(
-            layer, "qweight", (input_size, n // PACK), torch.int32, 1, PACK, dummy_init=random_int32, input_dim=0
+            layer,
+            "qweight",
+            (input_size, n // PACK),
+            torch.int32,
+            1,
+            PACK,
+            dummy_init=random_int32,
+            input_dim=0,
         )
         new_parameter(
             layer, "qzeros", (groups, n // PACK), torch.int32, 1, PACK, dummy_init=random_int32, **group
