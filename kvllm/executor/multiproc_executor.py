@@ -43,9 +43,10 @@ class WorkerError(RuntimeError):
     """A worker process failed (its traceback in the message) or died."""
 
 
-def free_loopback_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on at `host` now (rank 0 binds the process group's store to it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((host, 0))
         return sock.getsockname()[1]
 
 
@@ -93,7 +94,7 @@ class MultiprocExecutor(Executor):
             )
         disable_nvlink_multicast()  # inherited by the spawned workers
         context = multiprocessing.get_context("spawn")
-        init_method = f"tcp://127.0.0.1:{free_loopback_port()}"
+        init_method = f"tcp://127.0.0.1:{free_port()}"
         backend = "nccl" if device.type == "cuda" else "gloo"
         self._conns: list[Connection] = []
         self._procs: list[BaseProcess] = []
@@ -105,6 +106,7 @@ class MultiprocExecutor(Executor):
                 init_method,
                 backend,
                 device.type,
+                rank,
                 args,
                 model_config,
                 max_num_batched_tokens,

@@ -1,37 +1,37 @@
 """Tensor parallel on the CPU: TP=2 over gloo (two worker processes) gives TP=1's greedy ids, and the
-workers never outlive their engine (shut down, or killed)."""
+workers never outlive their engine (shut down, or their driver gone); the Ray executor likewise."""
 
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
+import re
 import time
 from pathlib import Path
 
 import pytest
 
 from kvllm import LLM, SamplingParams
+from kvllm.sampling_params import StructuredOutputsParams
 from tests import model_factory
 
-ROOT = Path(__file__).resolve().parents[2]
-PROMPTS = [[1, 5, 9, 33, 17], [4, 8, 15, 16, 23, 42, 7, 99, 3], [250, 11]]
+PROMPTS = [[1, 5, 9, 33, 17], [4, 8, 15, 16, 23, 42, 7, 99, 3], [250, 11], [7, 7, 30]]
+REGEX = r"[a-e]{3,8}"
 ENGINE = dict(dtype="float32", kv_cache_memory_bytes=1 << 22, max_num_seqs=4)
 
 
-def _generate(llm: LLM, params: list[SamplingParams]) -> list[list[int]]:
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
-
-
-def _params() -> list[SamplingParams]:
-    # Two greedy requests and one seeded sampled one: every rank samples alike, rank 0 answers.
-    return [
+def _generate(llm: LLM) -> list[tuple[str, list[int]]]:
+    # Two greedy requests, a seeded sampled one (every rank samples alike; rank 0 answers) and one
+    # constrained by a grammar (the driver fills the masks of the rows the ranks sample).
+    params = [
         SamplingParams(max_tokens=12, temperature=0),
         SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
         SamplingParams(max_tokens=12, temperature=0.8, seed=7),
+        SamplingParams(max_tokens=10, temperature=0, structured_outputs=StructuredOutputsParams(regex=REGEX)),
     ]
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    got = [(o.outputs[0].text, list(o.outputs[0].token_ids)) for o in outs]
+    assert re.fullmatch(REGEX, got[-1][0]), got[-1]
+    return got
 
 
 def _alive(pid: int) -> bool:
@@ -61,37 +61,35 @@ def test_tp2_over_gloo_matches_tp1_and_its_workers_exit(family: str, tmp_path: P
         path = model_factory.make_tiny_llama(tmp_path / family)
     else:  # 4 query heads / 1 KV head (replicated on both ranks), QK-norm, tied embeddings, vocab 512
         path = model_factory.make_tiny_qwen3(tmp_path / family, num_key_value_heads=1, vocab_size=511)
-    expected = _generate(LLM(str(path), **ENGINE), _params())
+    expected = _generate(LLM(str(path), **ENGINE))
     llm = LLM(str(path), tensor_parallel_size=2, **ENGINE)
-    executor = llm.llm_engine.executor
-    pids = executor.worker_pids
+    pids = llm.llm_engine.executor.worker_pids
     assert len(pids) == 2 and all(_alive(pid) for pid in pids)
-    assert _generate(llm, _params()) == expected
-    llm.llm_engine.shutdown()
+    assert _generate(llm) == expected
+    if family == "llama":
+        # As if the driver died (SIGKILL: no shutdown, no atexit): the kernel closes its pipe ends.
+        for conn in llm.llm_engine.executor._conns:
+            conn.close()
+    else:
+        llm.llm_engine.shutdown()
     assert _wait_gone(pids) == []
 
 
-DRIVER = """
-import os, signal, sys
-from kvllm import LLM
-llm = LLM(sys.argv[1], tensor_parallel_size=2, dtype="float32", kv_cache_memory_bytes=1 << 22)
-print(*llm.llm_engine.executor.worker_pids, flush=True)
-os.kill(os.getpid(), signal.SIGKILL)  # no shutdown, no atexit: the workers see their pipes close
-"""
+@pytest.fixture
+def local_ray():
+    ray = pytest.importorskip("ray")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1")
+    yield ray
+    ray.shutdown()
 
 
-def test_workers_exit_when_the_driver_is_killed(tiny_llama_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [sys.executable, "-c", DRIVER, str(tiny_llama_path)],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-    )
-    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
-    pids = [int(pid) for pid in proc.stdout.split()]
-    assert len(pids) == 2
+def test_ray_executor_on_a_local_head_matches_tp1(local_ray, tiny_llama_path: Path) -> None:
+    expected = _generate(LLM(str(tiny_llama_path), **ENGINE))
+    llm = LLM(str(tiny_llama_path), tensor_parallel_size=2, distributed_executor_backend="ray", **ENGINE)
+    pids = llm.llm_engine.executor.worker_pids
+    assert len(set(pids)) == 2 and os.getpid() not in pids
+    assert _generate(llm) == expected
+    llm.llm_engine.shutdown()
     assert _wait_gone(pids) == []
 
 
