@@ -196,8 +196,8 @@ class EngineArgs:
         default=1,
         metadata=_help(
             "Tensor-parallel degree: the model's attention heads, MLP and vocabulary split over this many "
-            "worker processes (GPUs, or CPU processes over gloo), one per rank. Llama, Mistral, Qwen2 and "
-            "Qwen3 families.",
+            "worker processes (GPUs, or CPU processes over gloo), one per rank. Llama, Mistral, Qwen2, "
+            "Qwen3, Qwen3-MoE and Mixtral families.",
             aliases=("-tp",),
         ),
     )

@@ -45,7 +45,6 @@ def is_sparse_layer(hf_config: Any, layer_index: int) -> bool:
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
     """Qwen3-MoE (e.g. Qwen3-30B-A3B)."""
 
-    supports_tensor_parallel = False  # its experts are not split yet
     supports_quantization = False  # its MLPs (experts) take no quantization method yet
 
     qk_norm = True
@@ -71,7 +70,6 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
 class MixtralForCausalLM(LlamaForCausalLM):
     """Mixtral (e.g. Mixtral-8x7B): Mistral with every MLP a mixture of `num_local_experts` experts."""
 
-    supports_tensor_parallel = False  # its experts are not split yet
     supports_quantization = False  # its MLPs (experts) take no quantization method yet
 
     @staticmethod

@@ -216,3 +216,53 @@ def test_tp1_layers_are_the_plain_layers() -> None:
     assert layer.parallel is None and layer.in_features == 64
     embedding = VocabParallelEmbedding(10, 4)
     assert embedding.weight.shape == (10, 4)
+
+
+@pytest.mark.parametrize("has_bias", [False, True])
+def test_moe_experts_split_along_the_intermediate_size(has_bias: bool) -> None:
+    from kvllm.layers.moe import FusedMoE
+    from kvllm.layers.moe.fused_moe import fused_experts
+
+    experts, hidden, inter, tp = 4, 16, 32, 2
+    generator = torch.Generator().manual_seed(3)
+    ckpt = {
+        (e, shard): torch.randn(shape, generator=generator) * 0.3
+        for e in range(experts)
+        for shard, shape in (("w1", (inter, hidden)), ("w3", (inter, hidden)), ("w2", (hidden, inter)))
+    }
+    biases = {
+        (e, shard): torch.randn(size, generator=generator)
+        for e in range(experts)
+        for shard, size in (("w1", inter), ("w3", inter), ("w2", hidden))
+    }
+
+    def build(rank: int, size: int) -> FusedMoE:
+        with simulated_tensor_parallel(rank, size):
+            moe = FusedMoE(experts, 2, hidden, inter, has_bias=has_bias, prefix="experts")
+        for (e, shard), tensor in ckpt.items():
+            param = moe.w2_weight if shard == "w2" else moe.w13_weight
+            moe.weight_loader(param, tensor, shard, e)
+            if has_bias:
+                bias = moe.w2_bias if shard == "w2" else moe.w13_bias
+                moe.weight_loader(bias, biases[(e, shard)], shard, e)
+        return moe
+
+    x = torch.randn(6, hidden, generator=generator)
+    logits = torch.randn(6, experts, generator=generator)
+    expected = build(0, 1)(x, logits)
+    # What the all-reduce sums: each rank's partial output (its forward before the reduce).
+    ranks = [build(rank, tp) for rank in range(tp)]
+    assert all(moe.intermediate_size == inter // tp for moe in ranks)
+    total = sum(
+        fused_experts(
+            x, moe.w13_weight, moe.w2_weight, *_routing(moe, logits), "silu", moe.w13_bias, moe.w2_bias
+        )
+        for moe in ranks
+    )
+    torch.testing.assert_close(total, expected, rtol=1e-5, atol=1e-5)
+
+
+def _routing(moe: nn.Module, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    from kvllm.layers.moe.router import softmax_topk
+
+    return softmax_topk(logits, moe.top_k, moe.renormalize)
