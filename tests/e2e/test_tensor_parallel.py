@@ -55,14 +55,14 @@ def _wait_gone(pids: list[int], timeout_s: float = 60.0) -> list[int]:
     return [pid for pid in pids if _alive(pid)]
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "deepseek_v3"])
 def test_tp2_over_gloo_matches_tp1_and_its_workers_exit(family: str, tmp_path: Path) -> None:
     if family == "llama":  # 4 query / 2 KV heads: each rank holds 2 and 1, untied LM head
         path = model_factory.make_tiny_llama(tmp_path / family)
     elif family == "qwen3":  # 4 query heads / 1 KV head (replicated on both ranks), QK-norm, tied embeddings
         path = model_factory.make_tiny_qwen3(tmp_path / family, num_key_value_heads=1, vocab_size=511)
-    else:  # 8 experts of 32 split to 16 per rank, and one dense layer
-        path = model_factory.make_tiny_qwen3_moe(tmp_path / family)
+    else:  # MLA heads split, latent cache whole; experts (FusedMoE, as Qwen3-MoE's) and a shared one split
+        path = model_factory.make_tiny_deepseek_v3(tmp_path / family)
     expected = _generate(LLM(str(path), **ENGINE))
     llm = LLM(str(path), tensor_parallel_size=2, **ENGINE)
     pids = llm.llm_engine.executor.worker_pids
