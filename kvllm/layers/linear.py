@@ -48,6 +48,13 @@ def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> N
     param.data.copy_(loaded_weight)
 
 
+def kv_heads_per_rank(num_kv_heads: int, tp_size: int | None = None) -> int:
+    """KV heads each tensor-parallel rank holds: its share, or one replicated head when there are
+    fewer KV heads than ranks (all of them at TP=1)."""
+    tp = get_tensor_model_parallel_world_size() if tp_size is None else tp_size
+    return max(num_kv_heads // tp, 1)
+
+
 class Linear(nn.Module):
     """y = x W^T + b through the layer's LinearMethod; unquantized it has nn.Linear's parameters and
     state dict (`weight` [output, input], `bias`).
@@ -82,6 +89,7 @@ class Linear(nn.Module):
         self.tp_size = get_tensor_model_parallel_world_size() if parallel else 1
         self.tp_rank = get_tensor_model_parallel_rank() if parallel else 0
         self.parallel = parallel if self.tp_size > 1 else None
+        self.reduce_results = self.parallel == "row"  # a bool: forward's one check at TP=1
         # Per shard: which 1/N slice of the checkpoint's rows this rank holds (column parallel).
         self.shard_slices = [self.tp_rank] * len(full_sizes)
         if self.parallel == "column":
@@ -130,7 +138,7 @@ class Linear(nn.Module):
         return [size // self.tp_size for size in output_sizes]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.parallel != "row":
+        if not self.reduce_results:
             return self.quant_method.apply(self, x, self.bias)
         out = tensor_model_parallel_all_reduce(self.quant_method.apply(self, x, None))
         return out if self.bias is None else out + self.bias
@@ -305,7 +313,7 @@ class QKVLinear(MergedLinear):
                 f"{self.prefix}: {heads} attention heads and {kv_heads} KV heads do not split over "
                 f"tensor_parallel_size={tp} (it must divide the heads, and divide or be a multiple of the KV heads)"
             )
-        local_kv = max(kv_heads // tp, 1)
+        local_kv = kv_heads_per_rank(kv_heads, tp)
         kv_slice = self.tp_rank if kv_heads >= tp else self.tp_rank // (tp // kv_heads)
         self.shard_slices = [self.tp_rank, kv_slice, kv_slice]
         return [heads // tp * self.head_size, local_kv * self.head_size, local_kv * self.head_size]

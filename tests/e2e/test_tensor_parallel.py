@@ -63,8 +63,12 @@ def test_tp2_over_gloo_matches_tp1_and_its_workers_exit(family: str, tmp_path: P
         path = model_factory.make_tiny_qwen3(tmp_path / family, num_key_value_heads=1, vocab_size=511)
     else:  # MLA heads split, latent cache whole; experts (FusedMoE, as Qwen3-MoE's) and a shared one split
         path = model_factory.make_tiny_deepseek_v3(tmp_path / family)
-    expected = _generate(LLM(str(path), **ENGINE))
+    tp1 = LLM(str(path), **ENGINE)
+    expected = _generate(tp1)
     llm = LLM(str(path), tensor_parallel_size=2, **ENGINE)
+    # A rank caches its own KV heads: half of Llama's two, Qwen3's one replicated, MLA's whole latent.
+    share = {"llama": 2, "qwen3": 1, "deepseek_v3": 1}[family]
+    assert llm.llm_engine.executor.bytes_per_block() * share == tp1.llm_engine.executor.bytes_per_block()
     pids = llm.llm_engine.executor.worker_pids
     assert len(pids) == 2 and all(_alive(pid) for pid in pids)
     assert _generate(llm) == expected
