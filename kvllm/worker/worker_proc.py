@@ -21,13 +21,14 @@ from kvllm.attention.metadata import KVCacheSpec
 from kvllm.config.engine import EngineArgs
 from kvllm.core.sched_wire import SchedulerOutputDecoder, WireSchedulerOutput
 from kvllm.core.step_result import GrammarBitmaskFn
+from kvllm.distributed.communication import tensor_model_parallel_all_reduce
 from kvllm.distributed.parallel_state import destroy_distributed_environment, init_distributed_environment
 from kvllm.models.model_config import ModelConfig
 from kvllm.worker.sleep_mode import SleepState
 from kvllm.worker.worker import Worker
 
 # The calls every rank answers (the driver combines them); the others only rank 0 answers.
-ALL_RANKS_ANSWER = frozenset({"ready", "determine_num_blocks", "initialize_kv_cache", "sleep", "wake_up"})
+ALL_RANKS_ANSWER = frozenset({"determine_num_blocks", "initialize_kv_cache", "sleep", "wake_up"})
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,9 @@ class WorkerProc:
         else:
             self.device = torch.device("cpu")
         init_distributed_environment(startup.world_size, startup.rank, startup.init_method, startup.backend)
+        # One collective now: NCCL builds its communicator at the first one, which must not be inside
+        # a CUDA-graph capture (with kv_cache_memory_bytes set, nothing runs eagerly before capture).
+        tensor_model_parallel_all_reduce(torch.zeros(1, device=self.device))
         self.worker = Worker(startup.args, startup.model_config, self.device, startup.max_num_batched_tokens)
         runner = self.worker.model_runner
         self.info = WorkerInfo(
