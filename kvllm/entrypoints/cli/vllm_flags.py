@@ -79,10 +79,13 @@ DISTRIBUTED = (
     "workers are not available"
 )
 DATA_PARALLEL = (
-    "kvllm has no data parallelism; run one kvllm server per GPU behind a load balancer "
-    "(the tensor-parallel issue tracks parallelism)"
+    "kvllm has no data parallelism; run one kvllm server per GPU (or per tensor-parallel group) behind a "
+    "load balancer"
 )
-MOE = "kvllm has no mixture-of-experts kernels or expert parallelism"
+MOE = (
+    "kvllm has one mixture-of-experts path (its fused Triton experts, softmax or grouped top-k routing) and no "
+    "expert parallelism: under tensor parallel every rank holds every expert, split along its intermediate size"
+)
 OFFLOAD = (
     "kvllm keeps weights and the KV cache on the device; offloading to CPU memory is not available. "
     "To fit, lower --max-model-len or --max-num-seqs, or use --kv-cache-dtype fp8"
