@@ -180,7 +180,7 @@ def test_underscore_spellings_and_short_aliases_are_the_same_flags(served, capsy
     assert main(["serve", "m", "-dpa", "10.0.0.1"]) == 2
     assert "-dpa 10.0.0.1: kvllm has no data parallelism" in capsys.readouterr().err
     assert main(["serve", "m", "-ep"]) == 2
-    assert "-ep: kvllm has no mixture-of-experts" in capsys.readouterr().err
+    assert "-ep: kvllm has no expert parallelism" in capsys.readouterr().err
 
 
 def test_unsupported_engine_flags_stop_the_other_commands_too(capsys) -> None:

@@ -83,8 +83,8 @@ DATA_PARALLEL = (
     "load balancer"
 )
 MOE = (
-    "kvllm has one mixture-of-experts path (its fused Triton experts, softmax or grouped top-k routing) and no "
-    "expert parallelism: under tensor parallel every rank holds every expert, split along its intermediate size"
+    "kvllm has no expert parallelism and one mixture-of-experts path (its fused Triton experts); under tensor "
+    "parallel every rank holds every expert, split along its intermediate size"
 )
 OFFLOAD = (
     "kvllm keeps weights and the KV cache on the device; offloading to CPU memory is not available. "
