@@ -64,7 +64,22 @@ LLAMA_3_8B: dict[str, Any] = {
     "use_cache": True,
 }
 
-MODEL_SHAPES: dict[str, dict[str, Any]] = {"Qwen3-0.6B": QWEN3_0_6B, "Llama-3-8B": LLAMA_3_8B}
+# Qwen3-8B: 32 query / 8 KV heads of 128, untied LM head (the tensor-parallel benchmark's model).
+QWEN3_8B: dict[str, Any] = {
+    **QWEN3_0_6B,
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 32,
+    "max_window_layers": 36,
+    "tie_word_embeddings": False,
+}
+
+MODEL_SHAPES: dict[str, dict[str, Any]] = {
+    "Qwen3-0.6B": QWEN3_0_6B,
+    "Qwen3-8B": QWEN3_8B,
+    "Llama-3-8B": LLAMA_3_8B,
+}
 
 _SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 _WORDS = ("the", "a", "model", "token", "cache", "block", "attention", "batch", "benchmark", "random")

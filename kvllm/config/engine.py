@@ -38,12 +38,13 @@ def _help(text: str, **cli: Any) -> dict[str, Any]:
     return {"help": text, **cli}
 
 
-# A parallel degree above 1 is the tensor-parallel issue's work; until it lands, this reason is given.
+# Pipeline and data parallelism are not built: this reason is given for sizes above 1.
 PARALLEL_NOT_YET = (
-    "kvllm runs a model on one device; tensor, pipeline and data parallelism (sizes above 1) are "
-    "not implemented yet (the tensor-parallel issue). Use a size of 1 (the default); to serve more "
-    "traffic, run one kvllm server per GPU behind a load balancer."
+    "kvllm splits a model over GPUs by tensor parallelism only (--tensor-parallel-size); pipeline and "
+    "data parallelism (sizes above 1) are not implemented. Use a size of 1 (the default); to serve more "
+    "traffic, run one kvllm server per GPU (or per tensor-parallel group) behind a load balancer."
 )
+DISTRIBUTED_EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 
 
 @dataclass(frozen=True)
@@ -193,7 +194,20 @@ class EngineArgs:
 
     tensor_parallel_size: int = field(
         default=1,
-        metadata=_help("Tensor-parallel degree (vLLM's flag). Only 1 in this version.", aliases=("-tp",)),
+        metadata=_help(
+            "Tensor-parallel degree: the model's attention heads, MLP and vocabulary split over this many "
+            "worker processes (GPUs, or CPU processes over gloo), one per rank. Llama, Mistral, Qwen2, "
+            "Qwen3, Qwen3-MoE, Mixtral, Gemma 2/3 and DeepSeek-V2/V3 families.",
+            aliases=("-tp",),
+        ),
+    )
+    distributed_executor_backend: str | None = field(
+        default=None,
+        metadata=_help(
+            "How the tensor-parallel workers run: uni (in the engine's process; TP=1 only), mp (one "
+            "process per rank on this machine) or ray (one Ray actor per rank; needs the ray package). "
+            "Default: uni at TP=1, mp above."
+        ),
     )
     pipeline_parallel_size: int = field(
         default=1,
@@ -581,9 +595,21 @@ def _check_vllm_compat_fields(args: EngineArgs) -> None:
     ):
         value = getattr(args, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}={value!r} ({flag}) is not valid; allowed: 1")
-        if value > 1:
+            allowed = "an integer >= 1" if name == "tensor_parallel_size" else "1"
+            raise ValueError(f"{name}={value!r} ({flag}) is not valid; allowed: {allowed}")
+        if value > 1 and name != "tensor_parallel_size":
             raise ValueError(f"{name}={value} ({flag}): {PARALLEL_NOT_YET}")
+    backend = args.distributed_executor_backend
+    if backend is not None and backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
+        raise ValueError(
+            f"distributed_executor_backend={backend!r} (--distributed-executor-backend) is not valid; "
+            f"allowed: {', '.join(DISTRIBUTED_EXECUTOR_BACKENDS)}"
+        )
+    if backend == "uni" and args.tensor_parallel_size > 1:
+        raise ValueError(
+            f"distributed_executor_backend='uni' runs one worker in the engine's process, so it cannot run "
+            f"tensor_parallel_size={args.tensor_parallel_size}; use 'mp' or 'ray' (or leave it unset)"
+        )
     if args.tokenizer_mode not in TOKENIZER_MODES:
         raise ValueError(
             f"tokenizer_mode={args.tokenizer_mode!r} (--tokenizer-mode): kvllm loads the Hugging Face "

@@ -19,7 +19,7 @@ from kvllm.engine.input_processor import InputProcessor, PromptType, truncate_pr
 from kvllm.engine.output_processor import OutputProcessor
 from kvllm.engine.pooling import check_pooling_params, pooling_request, pooling_scheduler_settings
 from kvllm.engine.warm_up import WarmUpStats, warm_up
-from kvllm.executor.uniproc_executor import UniProcExecutor
+from kvllm.executor.select import make_executor
 from kvllm.models.model_config import ModelConfig
 from kvllm.models.tokenizer import load_tokenizer
 from kvllm.outputs import RequestOutput
@@ -82,7 +82,7 @@ class LLMEngine:
         self.structured_output_manager = StructuredOutputManager(
             self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids
         )
-        self.executor = UniProcExecutor(args, self.model_config, self.device, max_batched)
+        self.executor = make_executor(args, self.model_config, self.device, max_batched)
         num_blocks = self.executor.determine_num_blocks()
         _check_kv_cache_holds_one_request(
             num_blocks,
@@ -265,6 +265,11 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.output_processor.parents)
+
+    def shutdown(self) -> None:
+        """Stop the executor's worker processes, if it has any (also done when the engine is collected
+        and at interpreter exit)."""
+        self.executor.shutdown()
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.output_processor.parents)

@@ -73,3 +73,7 @@ class Executor(ABC):
         `grammar_bitmask` (structured outputs) is called with the positions in `plan.scheduled` of
         the rows that sample, after the forward pass is launched and before sampling: what it
         returns constrains those rows (see `kvllm.structured_output`)."""
+
+    def shutdown(self) -> None:
+        """Release the workers (processes, actors); nothing to do for an in-process worker."""
+        return None

@@ -13,6 +13,12 @@ weight directly.
 Every parameter carries `weight_loader(param, loaded_weight, shard_id=None)`, which copies one
 checkpoint tensor into it (into one shard's rows for fused layers), so the model's `load_weights` is a
 name mapping and nothing else.
+
+Tensor parallel (`parallel="column"` / `"row"`, vLLM's ColumnParallelLinear / RowParallelLinear): a
+column-parallel layer holds each shard's 1/N of the output rows, a row-parallel one 1/N of the input
+columns and sums the ranks' partial outputs (one all-reduce, the bias added after it). The loader cuts
+each checkpoint tensor to this rank's part as it copies. At TP=1 (N = 1) nothing of this exists: the
+layer is built and runs as before.
 """
 
 from __future__ import annotations
@@ -22,6 +28,11 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from kvllm.distributed.communication import tensor_model_parallel_all_reduce
+from kvllm.distributed.parallel_state import (
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+)
 from kvllm.layers.quantization.base import LinearMethodBase, UnquantizedLinearMethod
 
 if TYPE_CHECKING:
@@ -37,6 +48,13 @@ def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> N
     param.data.copy_(loaded_weight)
 
 
+def kv_heads_per_rank(num_kv_heads: int, tp_size: int | None = None) -> int:
+    """KV heads each tensor-parallel rank holds: its share, or one replicated head when there are
+    fewer KV heads than ranks (all of them at TP=1)."""
+    tp = get_tensor_model_parallel_world_size() if tp_size is None else tp_size
+    return max(num_kv_heads // tp, 1)
+
+
 class Linear(nn.Module):
     """y = x W^T + b through the layer's LinearMethod; unquantized it has nn.Linear's parameters and
     state dict (`weight` [output, input], `bias`).
@@ -44,7 +62,8 @@ class Linear(nn.Module):
     `output_sizes` (default: one shard of `output_size`) lists the rows of each shard stacked along the
     output; a shard is addressed by its index or by a name from `shard_names`. `prefix` is the layer's
     name in the model and `shard_prefixes` its shards' names in the checkpoint, which a quantization
-    config matches against its not-quantized list.
+    config matches against its not-quantized list. `parallel` ("column", "row" or None) splits the
+    layer over the tensor-parallel ranks; `output_sizes` and `input_size` are the whole layer's.
     """
 
     def __init__(
@@ -58,14 +77,34 @@ class Linear(nn.Module):
         quant_config: QuantizationConfig | None = None,
         prefix: str = "",
         shard_prefixes: list[str] | None = None,
+        parallel: str | None = None,
     ) -> None:
         super().__init__()
-        self.output_sizes = list(output_sizes) if output_sizes is not None else [output_size]
-        if sum(self.output_sizes) != output_size:
-            raise ValueError(f"output_sizes {self.output_sizes} do not add up to output_size {output_size}")
-        self.in_features, self.out_features = input_size, output_size  # nn.Linear's names
-        self.shard_names = shard_names or tuple(str(i) for i in range(len(self.output_sizes)))
+        full_sizes = list(output_sizes) if output_sizes is not None else [output_size]
+        if sum(full_sizes) != output_size:
+            raise ValueError(f"output_sizes {full_sizes} do not add up to output_size {output_size}")
+        if parallel not in (None, "column", "row"):
+            raise ValueError(f"parallel={parallel!r} is not valid; allowed: None, 'column', 'row'")
         self.prefix = prefix
+        self.tp_size = get_tensor_model_parallel_world_size() if parallel else 1
+        self.tp_rank = get_tensor_model_parallel_rank() if parallel else 0
+        self.parallel = parallel if self.tp_size > 1 else None
+        self.reduce_results = self.parallel == "row"  # a bool: forward's one check at TP=1
+        # Per shard: which 1/N slice of the checkpoint's rows this rank holds (column parallel).
+        self.shard_slices = [self.tp_rank] * len(full_sizes)
+        if self.parallel == "column":
+            self.output_sizes = self._column_sizes(full_sizes)
+        else:
+            self.output_sizes = full_sizes
+        if self.parallel == "row":
+            if input_size % self.tp_size:
+                raise ValueError(
+                    f"{prefix}: input size {input_size} does not split over tensor_parallel_size={self.tp_size}"
+                )
+            input_size //= self.tp_size
+        output_size = sum(self.output_sizes)
+        self.in_features, self.out_features = input_size, output_size  # nn.Linear's names (this rank's)
+        self.shard_names = shard_names or tuple(str(i) for i in range(len(self.output_sizes)))
         self.quant_method: LinearMethodBase = (
             quant_config.get_linear_method(shard_prefixes or [prefix])
             if quant_config is not None
@@ -76,13 +115,33 @@ class Linear(nn.Module):
         if bias:
             self.bias = nn.Parameter(torch.zeros(output_size, dtype=params_dtype))
             self.bias.output_dim = 0  # type: ignore[attr-defined]
+            self.bias.input_dim = None  # type: ignore[attr-defined]
         else:
             self.register_parameter("bias", None)
-        for param in self.parameters(recurse=False):
+        for name, param in self.named_parameters(recurse=False):
             param.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+            if self.parallel == "row" and not hasattr(param, "input_dim"):
+                raise ValueError(
+                    f"{prefix}: {type(self.quant_method).__name__} does not say how its {name!r} splits "
+                    f"along the input, so this layer cannot run with tensor_parallel_size={self.tp_size}; "
+                    "use tensor_parallel_size=1 or an unquantized, fp8, AWQ or GPTQ checkpoint"
+                )
+
+    def _column_sizes(self, output_sizes: list[int]) -> list[int]:
+        """This rank's rows of each shard (and `shard_slices`) for a column-parallel layer."""
+        bad = [size for size in output_sizes if size % self.tp_size]
+        if bad:
+            raise ValueError(
+                f"{self.prefix}: output sizes {output_sizes} do not split over "
+                f"tensor_parallel_size={self.tp_size}"
+            )
+        return [size // self.tp_size for size in output_sizes]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.quant_method.apply(self, x, self.bias)
+        if not self.reduce_results:
+            return self.quant_method.apply(self, x, self.bias)
+        out = tensor_model_parallel_all_reduce(self.quant_method.apply(self, x, None))
+        return out if self.bias is None else out + self.bias
 
     def _shard_index(self, shard_id: int | str | None) -> int | None:
         if shard_id is None:
@@ -96,8 +155,11 @@ class Linear(nn.Module):
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: int | str | None = None
     ) -> None:
-        """Copy one checkpoint tensor into `param`: all of it (shard_id None), or one shard's part."""
+        """Copy one checkpoint tensor into `param`: all of it (shard_id None), or one shard's part;
+        under tensor parallel, only this rank's part of it."""
         index = self._shard_index(shard_id)
+        if self.parallel is not None:
+            loaded_weight = self._tensor_parallel_part(param, loaded_weight, index)
         if getattr(param, "per_shard", False):  # one entry per shard: per-tensor scales, shapes
             entry = param.data[index or 0]
             if loaded_weight.numel() != entry.numel():
@@ -128,9 +190,43 @@ class Linear(nn.Module):
         length = -(-size // divisor)
         default_weight_loader(param.data.narrow(dim, start // divisor, length), loaded_weight)
 
+    def _tensor_parallel_part(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, index: int | None
+    ) -> torch.Tensor:
+        """The part of a whole checkpoint tensor (one shard's, for fused layers) this rank holds."""
+        if getattr(param, "per_shard", False):  # one scalar per matrix: every rank has it
+            return loaded_weight
+        if self.parallel == "row":
+            dim = getattr(param, "input_dim", None)
+            size, divisor, piece = self.in_features, getattr(param, "input_divisor", 1), self.tp_rank
+        else:
+            dim = getattr(param, "output_dim", None)
+            if dim is not None and index is None and len(self.output_sizes) > 1:
+                raise ValueError(
+                    f"{self.prefix}: the checkpoint stores the shards {self.shard_names} as one tensor, which "
+                    f"kvllm does not split for tensor_parallel_size={self.tp_size}; use tensor_parallel_size=1"
+                )
+            shard = index or 0
+            size, divisor, piece = (
+                self.output_sizes[shard],
+                getattr(param, "output_divisor", 1),
+                self.shard_slices[shard],
+            )
+        if dim is None:  # the same for every rank (input-independent biases and scales, shared tensors)
+            return loaded_weight
+        if size % divisor:
+            raise ValueError(
+                f"{self.prefix}: this rank's {size} {'inputs' if self.parallel == 'row' else 'outputs'} are not "
+                f"a multiple of the {divisor} one element of {tuple(param.shape)} covers, so the layer cannot "
+                f"split over tensor_parallel_size={self.tp_size}"
+            )
+        length = size // divisor
+        return loaded_weight.narrow(dim, piece * length, length)
+
 
 class MergedLinear(Linear):
-    """Several linear maps of one input stacked along the output dimension (e.g. gate_proj + up_proj)."""
+    """Several linear maps of one input stacked along the output dimension (e.g. gate_proj + up_proj);
+    column parallel by default (each rank holds its slice of every shard)."""
 
     def __init__(
         self,
@@ -142,6 +238,7 @@ class MergedLinear(Linear):
         quant_config: QuantizationConfig | None = None,
         prefix: str = "",
         shard_prefixes: list[str] | None = None,
+        parallel: str | None = "column",
     ) -> None:
         super().__init__(
             input_size,
@@ -152,6 +249,7 @@ class MergedLinear(Linear):
             quant_config=quant_config,
             prefix=prefix,
             shard_prefixes=shard_prefixes,
+            parallel=parallel,
         )
 
     def gated(self, x: torch.Tensor, act: nn.Module) -> torch.Tensor:
@@ -191,17 +289,34 @@ class QKVLinear(MergedLinear):
         prefix: str = "",
         shard_prefixes: list[str] | None = None,
     ) -> None:
-        self.q_size = num_heads * head_size
-        self.kv_size = num_kv_heads * head_size
+        self.head_size = head_size
+        self.total_num_heads, self.total_num_kv_heads = num_heads, num_kv_heads
         super().__init__(
             hidden_size,
-            [self.q_size, self.kv_size, self.kv_size],
+            [num_heads * head_size, num_kv_heads * head_size, num_kv_heads * head_size],
             bias,
             ("q", "k", "v"),
             quant_config=quant_config,
             prefix=prefix,
             shard_prefixes=shard_prefixes,
         )
+        # This rank's heads (all of them at TP=1).
+        self.q_size, self.kv_size = self.output_sizes[0], self.output_sizes[1]
+        self.num_heads, self.num_kv_heads = self.q_size // head_size, self.kv_size // head_size
+
+    def _column_sizes(self, output_sizes: list[int]) -> list[int]:
+        """Query heads split over the ranks; KV heads too, or, when there are fewer KV heads than ranks,
+        each KV head replicated on the ranks whose query heads read it."""
+        tp, heads, kv_heads = self.tp_size, self.total_num_heads, self.total_num_kv_heads
+        if heads % tp or (kv_heads % tp if kv_heads >= tp else tp % kv_heads):
+            raise ValueError(
+                f"{self.prefix}: {heads} attention heads and {kv_heads} KV heads do not split over "
+                f"tensor_parallel_size={tp} (it must divide the heads, and divide or be a multiple of the KV heads)"
+            )
+        local_kv = kv_heads_per_rank(kv_heads, tp)
+        kv_slice = self.tp_rank if kv_heads >= tp else self.tp_rank // (tp // kv_heads)
+        self.shard_slices = [self.tp_rank, kv_slice, kv_slice]
+        return [heads // tp * self.head_size, local_kv * self.head_size, local_kv * self.head_size]
 
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)

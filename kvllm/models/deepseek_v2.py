@@ -5,6 +5,11 @@ Attention: q from `q_proj`, or through the q LoRA (`q_a_proj` -> RMSNorm -> `q_b
 latent from `kv_a_proj_with_mqa` (kv_lora_rank compressed entries, RMS-normed, plus one shared
 rope key); RoPE (YaRN with mscale where configured) on the rope parts; the MLA layer attends and
 `kv_b_proj` up-projects inside it. V3 differs in routing only (and its rope layout flag).
+
+Tensor parallel: the attention heads split over the ranks (q_proj / q_b_proj and kv_b_proj column
+parallel by head, o_proj row parallel); the latent projections (q_a_proj, kv_a_proj_with_mqa) and so
+the latent KV cache are whole on every rank; the experts split as FusedMoE does, the shared experts
+and dense MLPs as LlamaMLP.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from kvllm.layers.mla_attention import MLAAttention
 from kvllm.layers.moe import FusedMoE
 from kvllm.layers.norm import RMSNorm
 from kvllm.layers.rotary import rope_parameters_from_config
+from kvllm.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding, gather_logits
 from kvllm.models.deepseek_moe import DeepseekMoE
 from kvllm.models.llama import LlamaMLP
 
@@ -43,7 +49,6 @@ class DeepseekV2MLAAttention(nn.Module):
     def __init__(self, hf_config: Any, layer_index: int, rotary_emb: DeepseekRotaryEmbedding) -> None:
         super().__init__()
         c = hf_config
-        self.num_heads = c.num_attention_heads
         self.qk_nope_head_dim = c.qk_nope_head_dim
         self.qk_rope_head_dim = c.qk_rope_head_dim
         self.qk_head_dim = c.qk_nope_head_dim + c.qk_rope_head_dim
@@ -51,18 +56,25 @@ class DeepseekV2MLAAttention(nn.Module):
         self.kv_lora_rank = c.kv_lora_rank
         self.q_lora_rank = getattr(c, "q_lora_rank", None)
         bias = bool(getattr(c, "attention_bias", False))
+        heads = c.num_attention_heads
         if self.q_lora_rank is None:
-            self.q_proj = Linear(c.hidden_size, self.num_heads * self.qk_head_dim, bias=False)
+            self.q_proj = Linear(c.hidden_size, heads * self.qk_head_dim, bias=False, parallel="column")
         else:
             self.q_a_proj = Linear(c.hidden_size, self.q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, 1e-6)
-            self.q_b_proj = Linear(self.q_lora_rank, self.num_heads * self.qk_head_dim, bias=False)
+            self.q_b_proj = Linear(self.q_lora_rank, heads * self.qk_head_dim, bias=False, parallel="column")
         self.kv_a_proj_with_mqa = Linear(c.hidden_size, self.kv_lora_rank + self.qk_rope_head_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, 1e-6)
         self.kv_b_proj = Linear(
-            self.kv_lora_rank, self.num_heads * (self.qk_nope_head_dim + self.v_head_dim), bias=False
+            self.kv_lora_rank,
+            heads * (self.qk_nope_head_dim + self.v_head_dim),
+            bias=False,
+            parallel="column",
         )
-        self.o_proj = Linear(self.num_heads * self.v_head_dim, c.hidden_size, bias=bias)
+        self.o_proj = Linear(heads * self.v_head_dim, c.hidden_size, bias=bias, parallel="row")
+        self.num_heads = self.kv_b_proj.out_features // (
+            self.qk_nope_head_dim + self.v_head_dim
+        )  # this rank's
         self.rotary_emb = rotary_emb
         self.mla_attn = MLAAttention(
             num_heads=self.num_heads,
@@ -120,7 +132,7 @@ class DeepseekV2DecoderLayer(nn.Module):
 class DeepseekV2Model(nn.Module):
     def __init__(self, hf_config: Any) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size)
         rope = rope_parameters_from_config(hf_config)
         interleaved = getattr(hf_config, "model_type", "") != "deepseek_v3" or bool(
             getattr(hf_config, "rope_interleave", True)
@@ -145,16 +157,18 @@ class DeepseekV2Model(nn.Module):
 class DeepseekV2ForCausalLM(nn.Module):
     """DeepSeek-V2 (and V2-Lite): softmax group-limited greedy routing."""
 
+    supports_tensor_parallel = True
+
     def __init__(self, hf_config: Any) -> None:
         super().__init__()
         self.config = hf_config
         self.model = DeepseekV2Model(hf_config)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.lm_head = (
-            None
-            if self.tie_word_embeddings
-            else nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+            None if self.tie_word_embeddings else ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size)
         )
+        self.vocab_size = hf_config.vocab_size
+        self.gathers_logits = self.model.embed_tokens.tp_size > 1
         self.num_experts = getattr(hf_config, "n_routed_experts", None) or 0
 
     @property
@@ -166,6 +180,8 @@ class DeepseekV2ForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor, upcast: bool = True) -> torch.Tensor:
         logits = F.linear(hidden_states, self.lm_head_weight)
+        if self.gathers_logits:
+            logits = gather_logits(logits, self.vocab_size)
         return logits.float() if upcast else logits
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
@@ -200,7 +216,8 @@ class DeepseekV2ForCausalLM(nn.Module):
                 param = _param(params, param_name, name)
                 param.weight_loader(param, tensor, shard)  # type: ignore[attr-defined]
                 return param_name
-        default_weight_loader(_param(params, name, name), tensor)
+        param = _param(params, name, name)
+        getattr(param, "weight_loader", default_weight_loader)(param, tensor)
         return name
 
 

@@ -20,6 +20,7 @@ from kvllm.layers.linear import Linear, MergedLinear
 from kvllm.layers.norm import GemmaRMSNorm
 from kvllm.layers.ops.dispatch import use_fused_ops
 from kvllm.layers.rotary import RopeInputs, RotaryEmbedding, rope_parameters_from_config
+from kvllm.layers.vocab_embedding import VocabParallelEmbedding
 from kvllm.models.hf_config import head_size, layer_type
 from kvllm.models.llama import LlamaAttention, LlamaForCausalLM
 
@@ -39,7 +40,7 @@ class GemmaMLP(nn.Module):
         size = hf_config.intermediate_size
         self.gate_up_proj = MergedLinear(hf_config.hidden_size, [size, size], bias=False)
         self.act_fn = GeluAndMul(_GELU_APPROXIMATIONS[activation])
-        self.down_proj = Linear(size, hf_config.hidden_size, bias=False)
+        self.down_proj = Linear(size, hf_config.hidden_size, bias=False, parallel="row")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
@@ -80,7 +81,7 @@ class GemmaModel(nn.Module):
     def __init__(self, hf_config: Any, qk_norm: bool, rope_per_layer_type: bool) -> None:
         super().__init__()
         self.hidden_size = hf_config.hidden_size
-        self.embed_tokens = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size)
         self.layer_types = [layer_type(hf_config, i) for i in range(hf_config.num_hidden_layers)]
         self.rotary_embs = nn.ModuleDict(
             {

@@ -79,6 +79,7 @@ class GptOssForCausalLM(LlamaForCausalLM):
     """gpt-oss-20b / 120b (bf16 checkpoints). Sinks and windows reach the backend through
     `layer_attention_settings`."""
 
+    supports_tensor_parallel = False  # its experts and sinks are not split yet
     qkv_bias = None  # the config's attention_bias (True for the released models)
     supports_quantization = False  # its experts and MLP take no quantization method yet
 

@@ -22,6 +22,7 @@ from kvllm.layers.linear import Linear, MergedLinear, QKVLinear, default_weight_
 from kvllm.layers.norm import RMSNorm
 from kvllm.layers.ops.dispatch import use_fused_ops
 from kvllm.layers.rotary import RopeInputs, RotaryEmbedding, rope_parameters_from_config
+from kvllm.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding, gather_logits
 from kvllm.models.hf_config import head_size, layer_attention_settings, num_kv_heads
 
 if TYPE_CHECKING:
@@ -57,26 +58,28 @@ class LlamaAttention(nn.Module):
         quant_config: QuantizationConfig | None = None,
     ) -> None:
         super().__init__()
-        self.num_heads = hf_config.num_attention_heads
-        self.num_kv_heads = num_kv_heads(hf_config)
         self.head_size = head_size(hf_config)
         prefix = f"model.layers.{layer_index}.self_attn"
         self.qkv_proj = QKVLinear(
             hf_config.hidden_size,
             self.head_size,
-            self.num_heads,
-            self.num_kv_heads,
+            hf_config.num_attention_heads,
+            num_kv_heads(hf_config),
             bias=qkv_bias,
             quant_config=quant_config,
             prefix=f"{prefix}.qkv_proj",
             shard_prefixes=[f"{prefix}.{name}_proj" for name in "qkv"],
         )
+        # This rank's heads (tensor parallel: its share of the query heads, and of the KV heads or one
+        # replicated KV head); all of them at TP=1.
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.o_proj = Linear(
-            self.num_heads * self.head_size,
+            hf_config.num_attention_heads * self.head_size,
             hf_config.hidden_size,
             bias=getattr(hf_config, "attention_bias", False),
             quant_config=quant_config,
             prefix=f"{prefix}.o_proj",
+            parallel="row",
         )
         self.q_norm = norm_cls(self.head_size, hf_config.rms_norm_eps) if qk_norm else None
         self.k_norm = norm_cls(self.head_size, hf_config.rms_norm_eps) if qk_norm else None
@@ -163,7 +166,12 @@ class LlamaMLP(nn.Module):
         )
         self.act_fn = SiluAndMul()
         self.down_proj = Linear(
-            intermediate_size, hidden_size, bias=bias, quant_config=quant_config, prefix=f"{prefix}.down_proj"
+            intermediate_size,
+            hidden_size,
+            bias=bias,
+            quant_config=quant_config,
+            prefix=f"{prefix}.down_proj",
+            parallel="row",
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -233,7 +241,7 @@ class LlamaModel(nn.Module):
         quant_config: QuantizationConfig | None = None,
     ) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size)
         # One cos/sin cache shared by all layers (it can be tens of MB for long contexts).
         self.rotary_emb = rotary_emb = RotaryEmbedding(
             head_size(hf_config), hf_config.max_position_embeddings, rope_parameters_from_config(hf_config)
@@ -263,6 +271,9 @@ class LlamaForCausalLM(nn.Module):
     qkv_bias: bool | None = None  # None: the config's `attention_bias`
     qk_norm: bool = False
     supports_quantization = True  # takes quant_config (kvllm/layers/quantization)
+    # Splits over tensor-parallel ranks (kvllm/distributed); subclasses that change a layer set it
+    # again once their own layers are split.
+    supports_tensor_parallel = True
 
     def __init__(self, hf_config: Any, quant_config: QuantizationConfig | None = None) -> None:
         super().__init__()
@@ -270,11 +281,13 @@ class LlamaForCausalLM(nn.Module):
         self.quant_config = quant_config
         self.model = self.build_model(hf_config)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self.vocab_size = hf_config.vocab_size
+        self.gathers_logits = getattr(self.model.embed_tokens, "tp_size", 1) > 1
         if self.tie_word_embeddings:
             self.lm_head = None
         else:
-            # Plain nn.Linear: compute_logits calls F.linear on its weight (not the small-M kernel).
-            self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+            # compute_logits calls F.linear on its weight (not the small-M kernel).
+            self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size)
 
     def build_model(self, hf_config: Any) -> nn.Module:
         """The decoder stack (embedding, layers, final norm): `forward(input_ids, positions)` -> hidden states,
@@ -310,6 +323,8 @@ class LlamaForCausalLM(nn.Module):
         """hidden states [N, hidden_size] -> logits [N, vocab_size] over the full (padded) vocab, in
         float32 (or, with upcast=False, in the model's dtype: the sampler reads those directly)."""
         logits = F.linear(hidden_states, self.lm_head_weight)
+        if self.gathers_logits:
+            logits = gather_logits(logits, self.vocab_size)
         return logits.float() if upcast else logits
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
@@ -371,3 +386,4 @@ class Phi3ForCausalLM(LlamaForCausalLM):
     LongRoPE (the 128k variants) is rejected by `unsupported_config_reason`."""
 
     supports_quantization = False  # its fused checkpoint names have no quantized-shard mapping yet
+    supports_tensor_parallel = False  # its fused q/k/v and gate/up tensors are not split at load yet

@@ -19,6 +19,7 @@ from kvllm.core.sched_output import SchedulerOutput
 from kvllm.core.step_result import GrammarBitmaskFn, StepResult
 from kvllm.forward_context import set_forward_context
 from kvllm.layers.attention import Attention
+from kvllm.layers.linear import kv_heads_per_rank
 from kvllm.layers.mla_attention import MLAAttention
 from kvllm.models.hf_config import selector_config_from_hf_config
 from kvllm.models.loader import load_model
@@ -103,11 +104,12 @@ class ModelRunner:
         explain_kv_cache_dtype(selector_config.dtype, args.kv_cache_dtype, device_info)
         self.attn_backend: type[AttentionBackend] = choice.backend
         self.block_size = choice.block_size
-        # An MLA backend's cache is one latent plane per layer (kv_lora_rank + rope wide, one "head").
+        # An MLA backend's cache is one latent plane per layer (kv_lora_rank + rope wide, one "head");
+        # under tensor parallel a rank caches its own KV heads (the latent plane is whole on every rank).
         is_mla = self.attn_backend.is_mla
         self.kv_cache_spec = KVCacheSpec(
             block_size=self.block_size,
-            num_kv_heads=1 if is_mla else model_config.num_kv_heads,
+            num_kv_heads=1 if is_mla else kv_heads_per_rank(model_config.num_kv_heads),
             head_size=selector_config.head_size if is_mla else model_config.head_size,
             dtype=kv_cache_torch_dtype(args.kv_cache_dtype, model_config.dtype),
             kv_cache_dtype=args.kv_cache_dtype,

@@ -20,6 +20,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "kvllm"
 
 FLOORS: tuple[tuple[str, ...], ...] = (
     ("logger", "utils", "forward_context", "sampling_params", "pooling_params", "outputs", "beam_search"),
+    ("distributed",),  # tensor-parallel process groups and collectives (torch.distributed only)
     ("config",),  # the vocabulary of user choices, backend names, EngineArgs (no torch)
     ("platforms",),  # DeviceInfo, detection, priority lists (names only)
     ("attention",),

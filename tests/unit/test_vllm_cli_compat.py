@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import shlex
 import sys
 from pathlib import Path
@@ -82,9 +83,11 @@ def test_every_vllm_serve_flag_is_in_the_table() -> None:
     table = vllm_flags.verdict_table()
     assert table["--enable-lora"].startswith("rejected: kvllm has no LoRA support yet")
     assert table["--enable-lora"].endswith("(--no-enable-lora is accepted)")
+    assert table["--tensor-parallel-size"] == SUPPORTED
+    assert table["--distributed-executor-backend"] == SUPPORTED
     assert (
-        table["--tensor-parallel-size"]
-        == f"rejected: {PARALLEL_NOT_YET} (accepted: --tensor-parallel-size 1)"
+        table["--pipeline-parallel-size"]
+        == f"rejected: {PARALLEL_NOT_YET} (accepted: --pipeline-parallel-size 1)"
     )
     assert table["--max-model-len"] == SUPPORTED
     assert all(v == SUPPORTED or v.startswith(("rejected", "accepted")) for v in table.values())
@@ -177,7 +180,7 @@ def test_underscore_spellings_and_short_aliases_are_the_same_flags(served, capsy
     assert main(["serve", "m", "-dpa", "10.0.0.1"]) == 2
     assert "-dpa 10.0.0.1: kvllm has no data parallelism" in capsys.readouterr().err
     assert main(["serve", "m", "-ep"]) == 2
-    assert "-ep: kvllm has no mixture-of-experts" in capsys.readouterr().err
+    assert "-ep: kvllm has no expert parallelism" in capsys.readouterr().err
 
 
 def test_unsupported_engine_flags_stop_the_other_commands_too(capsys) -> None:
@@ -188,25 +191,42 @@ def test_unsupported_engine_flags_stop_the_other_commands_too(capsys) -> None:
 # --- parallel sizes -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("flag", ["-tp", "--tensor-parallel-size", "-pp", "--pipeline-parallel-size", "-dp"])
-def test_parallel_size_1_is_accepted_and_more_points_at_the_tensor_parallel_issue(
+@pytest.mark.parametrize("flag", ["-pp", "--pipeline-parallel-size", "-dp"])
+def test_pipeline_and_data_parallel_size_1_is_accepted_and_more_is_rejected_with_the_reason(
     flag, served, capsys
 ) -> None:
     assert main(["serve", "m", flag, "1"]) == 0
     assert main(["serve", "m", flag, "2"]) == 2
     err = capsys.readouterr().err
-    assert "not implemented yet (the tensor-parallel issue)" in err and "=2 (" in err
+    assert "pipeline and data parallelism (sizes above 1) are not implemented" in err and "=2 (" in err
 
 
-@pytest.mark.parametrize("name", ["tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"])
-def test_python_api_takes_parallel_size_1_only(name) -> None:
+@pytest.mark.parametrize("flag", ["-tp", "--tensor-parallel-size"])
+def test_tensor_parallel_size_reaches_the_engine(flag, served) -> None:
+    assert main(["serve", "m", flag, "2", "--distributed-executor-backend", "mp"]) == 0
+    engine_args = served["engine_args"]
+    assert (engine_args.tensor_parallel_size, engine_args.distributed_executor_backend) == (2, "mp")
+
+
+@pytest.mark.parametrize("name", ["pipeline_parallel_size", "data_parallel_size"])
+def test_python_api_takes_pipeline_and_data_parallel_size_1_only(name) -> None:
     from kvllm import LLM
 
     assert getattr(EngineArgs(**{name: 1}), name) == 1
-    with pytest.raises(ValueError, match=PARALLEL_NOT_YET.split(";")[0]):
+    with pytest.raises(ValueError, match=re.escape(PARALLEL_NOT_YET.split(";")[0])):
         LLM("some/model", **{name: 4})  # refused before anything is loaded
     with pytest.raises(ValueError, match="allowed: 1"):
         EngineArgs(**{name: 0})
+
+
+def test_tensor_parallel_arguments_are_validated() -> None:
+    assert EngineArgs(tensor_parallel_size=2).tensor_parallel_size == 2
+    with pytest.raises(ValueError, match="allowed: an integer >= 1"):
+        EngineArgs(tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="allowed: uni, mp, ray"):
+        EngineArgs(distributed_executor_backend="mpi")
+    with pytest.raises(ValueError, match="cannot run tensor_parallel_size=2; use 'mp' or 'ray'"):
+        EngineArgs(tensor_parallel_size=2, distributed_executor_backend="uni")
 
 
 def test_llm_runs_with_tensor_parallel_size_1(tiny_qwen3_path) -> None:
@@ -694,10 +714,13 @@ REFUSED_LINES: list[tuple[str, str]] = [
         "vllm serve meta-llama/Llama-2-7b-hf --enable-lora --lora-modules sql-lora=/root/sql-lora",
         "--enable-lora: kvllm has no LoRA support yet",
     ),
-    ("vllm serve meta-llama/Llama-3.1-70B-Instruct --tensor-parallel-size 4", "the tensor-parallel issue"),
+    (
+        "vllm serve meta-llama/Llama-3.1-70B-Instruct --tensor-parallel-size 4 --pipeline-parallel-size 2",
+        "pipeline and data parallelism (sizes above 1) are not implemented",
+    ),
     (
         "vllm serve meta-llama/Llama-3.2-1B-Instruct --data-parallel-size 4 --tensor-parallel-size 2",
-        "not implemented yet",
+        "are not implemented",
     ),
     (
         "vllm serve meta-llama/Llama-3.2-1B-Instruct --headless --data-parallel-size 4 --data-parallel-size-local 2 "

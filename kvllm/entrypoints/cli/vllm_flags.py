@@ -74,14 +74,18 @@ LORA = (
 MULTIMODAL = "kvllm serves text-only models; images, audio and video inputs are not supported"
 MAMBA = "kvllm runs attention models only; Mamba, hybrid and linear-attention models are not supported"
 DISTRIBUTED = (
-    "kvllm runs one model in one process on one device; multi-process and multi-node settings do not "
-    "apply (parallelism is the tensor-parallel issue, not implemented yet)"
+    "kvllm runs its tensor-parallel workers on one machine (--distributed-executor-backend mp) or where Ray "
+    "places them (ray); torch.distributed's multi-node settings, context parallelism and headless "
+    "workers are not available"
 )
 DATA_PARALLEL = (
-    "kvllm has no data parallelism; run one kvllm server per GPU behind a load balancer "
-    "(the tensor-parallel issue tracks parallelism)"
+    "kvllm has no data parallelism; run one kvllm server per GPU (or per tensor-parallel group) behind a "
+    "load balancer"
 )
-MOE = "kvllm has no mixture-of-experts kernels or expert parallelism"
+MOE = (
+    "kvllm has no expert parallelism and one mixture-of-experts path (its fused Triton experts); under tensor "
+    "parallel every rank holds every expert, split along its intermediate size"
+)
 OFFLOAD = (
     "kvllm keeps weights and the KV cache on the device; offloading to CPU memory is not available. "
     "To fit, lower --max-model-len or --max-num-seqs, or use --kv-cache-dtype fp8"
@@ -288,9 +292,7 @@ ENGINE_FLAGS: dict[str, Verdict] = {
     "--mamba-cache-philox-rounds": _no(MAMBA),
     "--reasoning-parser": SUPPORTED,
     "--reasoning-parser-plugin": _no(REASONING, ""),
-    "--distributed-executor-backend": _no(
-        "kvllm runs the model in the server's own process, on one device", "uni", "mp"
-    ),
+    "--distributed-executor-backend": SUPPORTED,
     "--pipeline-parallel-size": _field(PARALLEL_NOT_YET, "1"),
     "--master-addr": _no(DISTRIBUTED),
     "--master-port": _no(DISTRIBUTED),
@@ -301,7 +303,7 @@ ENGINE_FLAGS: dict[str, Verdict] = {
     "--numa-bind": _off("kvllm does not bind itself to NUMA nodes; start it under numactl"),
     "--numa-bind-nodes": _no("kvllm does not bind itself to NUMA nodes; start it under numactl"),
     "--numa-bind-cpus": _no("kvllm does not bind itself to CPUs; start it under numactl or taskset"),
-    "--tensor-parallel-size": _field(PARALLEL_NOT_YET, "1"),
+    "--tensor-parallel-size": SUPPORTED,
     "--decode-context-parallel-size": _no(DISTRIBUTED, "1"),
     "--dcp-comm-backend": _no(DISTRIBUTED),
     "--dcp-kv-cache-interleave-size": _no(DISTRIBUTED),

@@ -5,6 +5,10 @@ Parameters (vLLM's names): `w13_weight` [E, 2I, H] (each expert's gate rows, the
 name each expert's matrices separately (`experts.N.gate_proj/up_proj/down_proj`, Mixtral's
 `experts.N.w1/w3/w2`); `make_expert_params_mapping` turns those names into the stacked parameter plus
 (expert, shard), and `weight_loader` copies one expert's matrix into its rows.
+
+Tensor parallel: every rank holds every expert, with 1/N of its intermediate size (its slice of the
+gate and up rows and of the down columns); the ranks' outputs are summed (one all-reduce), and the
+down projection's bias is held by rank 0 alone so that it is counted once. At TP=1 nothing changes.
 """
 
 from __future__ import annotations
@@ -12,6 +16,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvllm.distributed.communication import tensor_model_parallel_all_reduce
+from kvllm.distributed.parallel_state import (
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+)
 from kvllm.layers.linear import default_weight_loader
 from kvllm.layers.moe.fused_moe import fused_experts
 from kvllm.layers.moe.router import softmax_topk
@@ -44,10 +53,18 @@ class FusedMoE(nn.Module):
         self.num_experts = num_experts
         self.top_k = top_k
         self.hidden_size = hidden_size
-        self.intermediate_size = intermediate_size
+        self.tp_size = get_tensor_model_parallel_world_size()
+        self.tp_rank = get_tensor_model_parallel_rank()
+        if intermediate_size % self.tp_size:
+            raise ValueError(
+                f"{prefix}: the experts' intermediate size {intermediate_size} does not split over "
+                f"tensor_parallel_size={self.tp_size}"
+            )
+        self.intermediate_size = intermediate_size // self.tp_size  # this rank's
         self.renormalize = renormalize
         self.activation = activation
         self.prefix = prefix
+        intermediate_size = self.intermediate_size
         self.w13_weight = nn.Parameter(
             torch.empty(num_experts, 2 * intermediate_size, hidden_size), requires_grad=False
         )
@@ -96,6 +113,11 @@ class FusedMoE(nn.Module):
         """Copy one expert's gate (w1), up (w3) or down (w2) matrix or bias into the stacked `param`;
         without a shard and an expert, a checkpoint tensor already stacked as `param` is (gpt-oss)."""
         if shard_id is None and expert_id is None:
+            if self.tp_size > 1:
+                raise ValueError(
+                    f"{self.prefix}: the checkpoint stacks the experts in one tensor, which kvllm does not "
+                    f"split for tensor_parallel_size={self.tp_size}; use tensor_parallel_size=1"
+                )
             default_weight_loader(param, loaded_weight)
             return
         if shard_id not in _SHARDS or expert_id is None:
@@ -105,17 +127,31 @@ class FusedMoE(nn.Module):
                 f"expert id {expert_id} out of range for {self.num_experts} experts ({self.prefix})"
             )
         target = param.data[expert_id]
+        if self.tp_size > 1:
+            loaded_weight = self._tensor_parallel_part(param, loaded_weight, shard_id)
         if shard_id == "w1":
             target = target.narrow(0, 0, self.intermediate_size)
         elif shard_id == "w3":
             target = target.narrow(0, self.intermediate_size, self.intermediate_size)
         default_weight_loader(target, loaded_weight)
 
+    def _tensor_parallel_part(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str
+    ) -> torch.Tensor:
+        """This rank's part of one expert's matrix or bias: its intermediate slice (rows of gate/up,
+        columns of down); the down bias on rank 0 only (zeros elsewhere: the all-reduce adds it once)."""
+        size = self.intermediate_size
+        if shard_id != "w2":
+            return loaded_weight.narrow(0, self.tp_rank * size, size)
+        if param is self.w2_bias:
+            return loaded_weight if self.tp_rank == 0 else torch.zeros_like(loaded_weight)
+        return loaded_weight.narrow(1, self.tp_rank * size, size)
+
     def forward_experts(
         self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
         """hidden_states [T, H] with precomputed routing [T, k] -> [T, H]."""
-        return fused_experts(
+        out = fused_experts(
             hidden_states,
             self.w13_weight,
             self.w2_weight,
@@ -125,6 +161,7 @@ class FusedMoE(nn.Module):
             w13_bias=self.w13_bias,
             w2_bias=self.w2_bias,
         )
+        return out if self.tp_size == 1 else tensor_model_parallel_all_reduce(out)
 
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """hidden_states [T, H], router_logits [T, E] -> [T, H], routed by softmax top-k."""

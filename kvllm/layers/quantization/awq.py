@@ -75,11 +75,23 @@ class AWQLinearMethod(Int4LinearMethod):
         check_packable(input_size, output_sizes, "AWQ")
         groups = input_size // check_group_size(self.group_size, input_size, "AWQ")
         n = sum(output_sizes)
+        # Tensor parallel: rows along the input; one group (group_size -1) is shared by every rank.
+        group_dim = None if self.group_size == -1 else 0
+        group = {"input_dim": group_dim, "input_divisor": max(self.group_size, 1)}
         new_parameter(
-            layer, "qweight", (input_size, n // PACK), torch.int32, 1, PACK, dummy_init=random_int32
+            layer,
+            "qweight",
+            (input_size, n // PACK),
+            torch.int32,
+            1,
+            PACK,
+            dummy_init=random_int32,
+            input_dim=0,
         )
-        new_parameter(layer, "qzeros", (groups, n // PACK), torch.int32, 1, PACK, dummy_init=random_int32)
-        new_parameter(layer, "scales", (groups, n), params_dtype, 1, dummy_init=random_scales)
+        new_parameter(
+            layer, "qzeros", (groups, n // PACK), torch.int32, 1, PACK, dummy_init=random_int32, **group
+        )
+        new_parameter(layer, "scales", (groups, n), params_dtype, 1, dummy_init=random_scales, **group)
 
     def to_kvllm_layout(
         self, layer: nn.Module

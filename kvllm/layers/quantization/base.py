@@ -6,8 +6,11 @@ A parameter a method creates carries what the one loader in kvllm/layers/linear.
 checkpoint tensor (one shard of a fused layer, or the whole layer) into it: `output_dim` (the
 dimension along which shards are stacked, None for tensors all shards share), `output_divisor` (output
 rows per element along that dimension: 8 for int4 values packed along the output, 128 for block scales)
-and `per_shard` (one scalar per shard: per-tensor scales). Tensor-parallel sharding would add an
-`input_dim` and narrow the same way.
+and `per_shard` (one scalar per shard: per-tensor scales). Row-parallel layers (tensor parallel) also
+need `input_dim` (the dimension along the layer's input, None for tensors that do not depend on it) and
+`input_divisor` (inputs per element along it: 8 for int4 packed along the input, the group size for group
+scales); a method that does not declare them cannot be split along the input, and a row-parallel layer
+built with it at TP > 1 raises.
 """
 
 from __future__ import annotations
@@ -23,6 +26,9 @@ from torch import nn
 
 from kvllm.layers.ops.dispatch import use_fused_ops
 
+# new_parameter's input_dim when the method does not say how the tensor splits along the input.
+NOT_DECLARED = object()
+
 # fill(param, generator): random values for load_format=dummy that the layer can run on.
 DummyInit = Callable[[torch.Tensor, torch.Generator], None]
 
@@ -36,12 +42,17 @@ def new_parameter(
     output_divisor: int = 1,
     per_shard: bool = False,
     dummy_init: DummyInit | None = None,
+    input_dim: int | None | object = NOT_DECLARED,
+    input_divisor: int = 1,
 ) -> nn.Parameter:
     """An uninitialised, frozen parameter registered on `layer` with the loader's attributes."""
     param = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
     param.output_dim = output_dim  # type: ignore[attr-defined]
     param.output_divisor = output_divisor  # type: ignore[attr-defined]
     param.per_shard = per_shard  # type: ignore[attr-defined]
+    if input_dim is not NOT_DECLARED:
+        param.input_dim = input_dim  # type: ignore[attr-defined]
+        param.input_divisor = input_divisor  # type: ignore[attr-defined]
     if dummy_init is not None:
         param.dummy_init = dummy_init  # type: ignore[attr-defined]
     layer.register_parameter(name, param)
@@ -81,7 +92,9 @@ class UnquantizedLinearMethod(LinearMethodBase):
     def create_weights(
         self, layer: nn.Module, input_size: int, output_sizes: list[int], params_dtype: torch.dtype
     ) -> None:
-        weight = new_parameter(layer, "weight", (sum(output_sizes), input_size), params_dtype, output_dim=0)
+        weight = new_parameter(
+            layer, "weight", (sum(output_sizes), input_size), params_dtype, output_dim=0, input_dim=1
+        )
         weight.requires_grad_(True)  # as nn.Linear's; the loader freezes the whole model
         nn.init.kaiming_uniform_(weight, a=5**0.5)  # nn.Linear's init, for modules built in tests
 

@@ -130,22 +130,44 @@ class Fp8LinearMethod(LinearMethodBase):
     ) -> None:
         n, shards = sum(output_sizes), len(output_sizes)
         if self.config.online:
-            new_parameter(layer, "weight", (n, input_size), params_dtype, 0)
+            new_parameter(layer, "weight", (n, input_size), params_dtype, 0, input_dim=1)
             return
-        new_parameter(layer, "weight", (n, input_size), FP8, 0, dummy_init=_dummy_fp8)
+        new_parameter(layer, "weight", (n, input_size), FP8, 0, dummy_init=_dummy_fp8, input_dim=1)
         block = self.config.weight_block_size
         if block is not None:
             shape = (-(-n // block[0]), -(-input_size // block[1]))
             new_parameter(
-                layer, "weight_scale_inv", shape, torch.float32, 0, block[0], dummy_init=_dummy_scale
+                layer,
+                "weight_scale_inv",
+                shape,
+                torch.float32,
+                0,
+                block[0],
+                dummy_init=_dummy_scale,
+                input_dim=1,
+                input_divisor=block[1],
             )
         else:
             new_parameter(
-                layer, "weight_scale", (shards,), torch.float32, None, per_shard=True, dummy_init=_dummy_scale
+                layer,
+                "weight_scale",
+                (shards,),
+                torch.float32,
+                None,
+                per_shard=True,
+                dummy_init=_dummy_scale,
+                input_dim=None,
             )
         if self.config.static_activations:
             new_parameter(
-                layer, "input_scale", (shards,), torch.float32, None, per_shard=True, dummy_init=_dummy_scale
+                layer,
+                "input_scale",
+                (shards,),
+                torch.float32,
+                None,
+                per_shard=True,
+                dummy_init=_dummy_scale,
+                input_dim=None,
             )
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:

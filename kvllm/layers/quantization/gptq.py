@@ -96,11 +96,22 @@ class GPTQLinearMethod(Int4LinearMethod):
         def sequential_groups(param: torch.Tensor, generator: torch.Generator) -> None:
             param.copy_(torch.arange(input_size, device=param.device) // group)
 
-        new_parameter(layer, "qweight", (input_size // PACK, n), torch.int32, 1, dummy_init=random_int32)
-        new_parameter(layer, "qzeros", (groups, n // PACK), torch.int32, 1, PACK, dummy_init=random_int32)
-        new_parameter(layer, "scales", (groups, n), params_dtype, 1, dummy_init=random_scales)
+        # Tensor parallel: rows along the input; one group (group_size -1) is shared by every rank.
+        group_dim = None if self.group_size == -1 else 0
+        grouped = {"input_dim": group_dim, "input_divisor": max(self.group_size, 1)}
+        new_parameter(
+            layer, "qweight", (input_size // PACK, n), torch.int32, 1, dummy_init=random_int32,
+            input_dim=0, input_divisor=PACK,
+        )  # fmt: skip
+        new_parameter(
+            layer, "qzeros", (groups, n // PACK), torch.int32, 1, PACK, dummy_init=random_int32, **grouped
+        )
+        new_parameter(layer, "scales", (groups, n), params_dtype, 1, dummy_init=random_scales, **grouped)
         # One g_idx for all shards: act order sorts rows by the input's statistics, which the shards share.
-        new_parameter(layer, "g_idx", (input_size,), torch.int32, None, dummy_init=sequential_groups)
+        # Split along the input (tensor parallel) a rank's rows keep their global group numbers.
+        new_parameter(
+            layer, "g_idx", (input_size,), torch.int32, None, dummy_init=sequential_groups, input_dim=0
+        )
 
     def to_kvllm_layout(
         self, layer: nn.Module
@@ -108,7 +119,9 @@ class GPTQLinearMethod(Int4LinearMethod):
         group = self.layer_group_size(layer)
         values = unpack_int4_rows(layer.qweight)  # [K, N]
         zeros = unpack_int4(layer.qzeros).to(layer.scales.dtype) + (1 if self.zero_plus_one else 0)
-        perm = act_order_perm(layer.g_idx, group, layer.prefix)
+        # A row-parallel rank's groups start at its first row's group (act order across ranks: the
+        # check below names the layer).
+        perm = act_order_perm(layer.g_idx - layer.g_idx.min(), group, layer.prefix)
         if perm is not None:
             values = values.index_select(0, perm)
         return values.t(), layer.scales.t(), zeros.t(), perm
