@@ -31,7 +31,7 @@ import sys
 import tempfile
 import time
 import traceback
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from kvllm.benchmarks.attention.shapes import Group, Shape
 
@@ -426,7 +426,6 @@ def _safe_fn(case: Case, cand: Candidate):
 
 
 def _measure(case: Case, fn, out, note: str, args, on_gpu: bool) -> dict:
-    import torch
 
     s = case.shape
     if fn is None:
