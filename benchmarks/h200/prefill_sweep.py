@@ -99,6 +99,7 @@ def candidates(tiny: bool) -> list[Candidate]:
     if tiny:
         out += [
             Candidate("prefill m32-n16 gather", "prefill", PrefillConfig(32, 16, 4, 1)),
+            Candidate("prefill m32-n16 newkv", "prefill", PrefillConfig(32, 16, 4, 1, new_kv=True)),
             Candidate(
                 "prefill m32-n16 tma", "prefill", PrefillConfig(32, 16, 4, 1, kv_load="tma"), paged_only=True
             ),
@@ -124,10 +125,21 @@ def candidates(tiny: bool) -> list[Candidate]:
         PrefillConfig(128, 128, 8, 2, pack_gqa=True),
         PrefillConfig(128, 64, 4, 3, pack_gqa=True),
         PrefillConfig(64, 64, 4, 3, pack_gqa=True),
+        PrefillConfig(256, 64, 8, 2, pack_gqa=True),
+        PrefillConfig(256, 32, 8, 2, pack_gqa=True),
         PrefillConfig(128, 64, 8, 2, warp_specialize=True),
         PrefillConfig(128, 64, 8, 3, warp_specialize=True),
         PrefillConfig(128, 128, 8, 2, warp_specialize=True),
         PrefillConfig(128, 64, 8, 3, pack_gqa=True, warp_specialize=True),
+        PrefillConfig(128, 64, 8, 2, new_kv=True),
+        PrefillConfig(128, 64, 8, 3, new_kv=True),
+        PrefillConfig(128, 128, 8, 2, new_kv=True),
+        PrefillConfig(128, 128, 8, 3, new_kv=True),
+        PrefillConfig(128, 64, 4, 2, new_kv=True),
+        PrefillConfig(64, 64, 4, 3, new_kv=True),
+        PrefillConfig(128, 64, 8, 3, pack_gqa=True, new_kv=True),
+        PrefillConfig(128, 64, 8, 3, warp_specialize=True, new_kv=True),
+        PrefillConfig(128, 128, 8, 2, warp_specialize=True, new_kv=True),
     ]
     out += [Candidate(f"prefill {c.label}", "prefill", c) for c in pre]
     paged = [
@@ -140,6 +152,8 @@ def candidates(tiny: bool) -> list[Candidate]:
         PrefillConfig(128, 64, 8, 3, kv_load="tma", warp_specialize=True),
         PrefillConfig(128, 64, 8, 3, kv_load="page"),
         PrefillConfig(128, 64, 8, 3, kv_load="gather"),
+        PrefillConfig(128, 64, 8, 3, kv_load="tma", new_kv=True),
+        PrefillConfig(128, 64, 8, 3, kv_load="tma", new_kv=True, warp_specialize=True),
     ]
     out += [Candidate(f"prefill {c.label}", "prefill", c, paged_only=True) for c in paged]
     for splits in (16, 32, 64):
@@ -182,17 +196,28 @@ def build_case(s: SweepShape, dtype, device) -> Case:
     reshape_and_cache(batch.new_keys, batch.new_values, kv_cache[0], kv_cache[1], batch.metadata.slot_mapping,
                       one, one)  # fmt: skip
     md = batch.metadata
+    # The step's K/V as the engine passes them: strided views of one fused qkv projection output.
+    qkv = torch.empty(
+        md.num_actual_tokens, s.num_heads + 2 * s.num_kv_heads, s.head_size, dtype=dtype, device=device
+    )
+    key, value = qkv[:, s.num_heads : s.num_heads + s.num_kv_heads], qkv[:, s.num_heads + s.num_kv_heads :]
+    key.copy_(batch.new_keys)
+    value.copy_(batch.new_values)
     spec = KVCacheSpec(s.block_size, s.num_kv_heads, s.head_size, dtype, "auto")
     builder = TritonAttentionMetadataBuilder(TritonAttentionBackend, spec, device, md.num_reqs,
                                              md.num_actual_tokens, md.max_seq_len + s.block_size)  # fmt: skip
-    return Case(s, batch, kv_cache, builder.build(md))
+    return Case(s, batch, kv_cache, builder.build(md), extra={"key": key, "value": value})
 
 
 def candidate_fn(case: Case, cand: Candidate):
     """(fn, out, note): fn runs the candidate once into out."""
     import torch
 
-    from kvllm.attention.ops.triton_prefill_attention import prefill_kernel_config, resolve_kv_load
+    from kvllm.attention.ops.triton_prefill_attention import (
+        prefill_kernel_config,
+        resolve_kv_load,
+        resolve_new_kv_load,
+    )
     from kvllm.attention.ops.triton_unified_attention import prefill_config, unified_attention
 
     s, tm, kv = case.shape, case.metadata, case.kv_cache
@@ -204,7 +229,10 @@ def candidate_fn(case: Case, cand: Candidate):
     splits = tm.num_splits
     if cand.kind == "prefill":
         pre_cfg = cand.cfg or prefill_kernel_config(s.head_size, g, dtype, s.block_size)
-        note = f"{pre_cfg.label}, loads {resolve_kv_load(pre_cfg, kv[0], kv[1], s.head_size)}"
+        new = resolve_new_kv_load(pre_cfg, case.extra["key"], case.extra["value"], kv[0])
+        note = f"{pre_cfg.label}, loads {resolve_kv_load(pre_cfg, kv[0], kv[1], s.head_size)}" + (
+            f"+{new}" if new else ""
+        )
     elif cand.kind == "unified":
         pre_cfg = cand.cfg or prefill_config(s.head_size, g, dtype)
         note = f"unified m{pre_cfg.block_m}-n{pre_cfg.tile_n}-w{pre_cfg.num_warps}-s{pre_cfg.num_stages}"
@@ -219,6 +247,7 @@ def candidate_fn(case: Case, cand: Candidate):
             out, case.batch.query, kv[0], kv[1], tm.query_start_loc, tm.seq_lens, tm.block_table,
             num_reqs=tm.num_reqs, num_tokens=tm.num_actual_tokens, num_decode_reqs=tm.num_decode_reqs,
             scale=scale, k_scale=one, v_scale=one, num_splits=splits, decode_cfg=dec_cfg, prefill_cfg=pre_cfg,
+            key=case.extra["key"], value=case.extra["value"],
         )  # fmt: skip
 
     return fn, out, note

@@ -70,6 +70,10 @@ FAMILIES = {
     "page": (PrefillConfig(128, 64, 8, 3, kv_load="page"), 64),
     "tma-ws": (PrefillConfig(128, 64, 8, 3, kv_load="tma", warp_specialize=True), 64),
     "tma-pack": (PrefillConfig(128, 64, 8, 3, kv_load="tma", pack_gqa=True), 64),
+    "gather": (PrefillConfig(128, 64, 8, 3), 16),
+    "newkv-ws": (PrefillConfig(128, 64, 8, 3, warp_specialize=True, new_kv=True), 16),
+    "newkv-n128": (PrefillConfig(128, 128, 8, 2, new_kv=True), 16),
+    "newkv-pack": (PrefillConfig(128, 64, 8, 3, pack_gqa=True, new_kv=True), 16),
 }
 
 

@@ -29,6 +29,8 @@ CONFIGS = {
     "page": PrefillConfig(32, 16, 4, 1, kv_load="page"),
     "tma": PrefillConfig(16, 16, 4, 1, kv_load="tma"),
     "tma-pack-ws": PrefillConfig(32, 16, 4, 2, pack_gqa=True, kv_load="tma", warp_specialize=True),
+    "newkv": PrefillConfig(16, 16, 4, 1, new_kv=True),
+    "newkv-tma-pack": PrefillConfig(32, 32, 4, 2, pack_gqa=True, kv_load="tma", new_kv=True),
 }
 
 
@@ -62,6 +64,12 @@ MIXED_CASES = [
     ("tma-pack-ws", "gqa3-d32-b32", torch.float16),
     ("tma-pack-ws", "gqa2-d128-b32", torch.float16),
     ("tma-pack-ws", "gqa4-d80-b16", torch.float32),
+    ("newkv", "gqa4-d80-b16", torch.float16),
+    ("newkv", "gqa2-d128-b32", torch.float16),
+    ("newkv", "mha-d64-b16", torch.float32),
+    ("newkv-tma-pack", "gqa3-d32-b32", torch.float16),
+    ("newkv-tma-pack", "mha-d64-b16", torch.float16),
+    ("newkv-tma-pack", "gqa2-d128-b32", torch.float32),
 ]
 
 
@@ -82,8 +90,19 @@ def test_mixed_batch(config, shape, dtype) -> None:
         (19, 10.0, True, "tma"),
         (1, None, True, "gather"),
         (1, 10.0, True, "tma-pack-ws"),
+        (8, None, False, "newkv"),
+        (19, 10.0, True, "newkv-tma-pack"),
     ],
-    ids=["window", "softcap", "sinks", "all", "window1-sinks", "window1-all-pack"],
+    ids=[
+        "window",
+        "softcap",
+        "sinks",
+        "all",
+        "window1-sinks",
+        "window1-all-pack",
+        "newkv-window",
+        "newkv-all",
+    ],
 )
 def test_features(sliding_window, logits_soft_cap, use_sinks, config) -> None:
     case = run_triton_case(
@@ -93,7 +112,9 @@ def test_features(sliding_window, logits_soft_cap, use_sinks, config) -> None:
     check(case, torch.float16)
 
 
-@pytest.mark.parametrize("kv_cache_dtype,config", [("fp8_e4m3", "tma"), ("fp8_e5m2", "gather")])
+@pytest.mark.parametrize(
+    "kv_cache_dtype,config", [("fp8_e4m3", "tma"), ("fp8_e5m2", "gather"), ("fp8_e4m3", "newkv-tma-pack")]
+)
 def test_fp8_kv_cache(kv_cache_dtype, config) -> None:
     case = run_triton_case(
         QUERY_LENS, CONTEXT_LENS, 8, 2, 64, 16, torch.float16, kv_cache_dtype=kv_cache_dtype, k_scale=0.37,
@@ -102,8 +123,11 @@ def test_fp8_kv_cache(kv_cache_dtype, config) -> None:
     check(case, torch.float16)
 
 
-def _direct(query_lens, context_lens, cfg, *, head_size=64, block_size=16, nan_tails=False):
-    """Call prefill_attention alone on a batch of prefill chunks; returns (out, reference, kv_load)."""
+def _direct(query_lens, context_lens, cfg, *, head_size=64, block_size=16, nan_tails=False, step_kv=False):
+    """Call prefill_attention alone on a batch of prefill chunks; returns (out, reference, kv_load).
+
+    `step_kv`: the step's K/V go to the kernel as strided key/value views of a fused qkv tensor and
+    their cache slots hold NaN, so only a kernel reading them from there (cfg.new_kv) gets it right."""
     num_heads, num_kv_heads = 4, 2
     batch = make_paged_batch(query_lens, context_lens, num_heads, num_kv_heads, head_size, block_size,
                              dtype=torch.float32, seed=3)  # fmt: skip
@@ -116,13 +140,19 @@ def _direct(query_lens, context_lens, cfg, *, head_size=64, block_size=16, nan_t
     md = batch.metadata
     for t, (k, v) in enumerate(zip(batch.new_keys, batch.new_values)):
         slot = int(md.slot_mapping[t])
-        key_cache[slot // block_size, slot % block_size] = k
-        value_cache[slot // block_size, slot % block_size] = v
+        key_cache[slot // block_size, slot % block_size] = float("nan") if step_kv else k
+        value_cache[slot // block_size, slot % block_size] = float("nan") if step_kv else v
+    key = value = None
+    if step_kv:
+        qkv = torch.randn(md.num_actual_tokens, num_heads + 2 * num_kv_heads, head_size)
+        key, value = qkv[:, num_heads : num_heads + num_kv_heads], qkv[:, num_heads + num_kv_heads :]
+        key.copy_(batch.new_keys)
+        value.copy_(batch.new_values)
     out = torch.full_like(batch.query, float("nan"))
     scale = head_size**-0.5
     kv_load = prefill_attention(
         out, batch.query, key_cache, value_cache, md.query_start_loc, md.seq_lens, md.block_table,
-        seq_lo=0, seq_hi=md.num_reqs, num_tokens=md.num_actual_tokens, scale=scale, cfg=cfg,
+        seq_lo=0, seq_hi=md.num_reqs, num_tokens=md.num_actual_tokens, scale=scale, cfg=cfg, key=key, value=value,
     )  # fmt: skip
     ref = reference_attention(batch.query, batch.keys, batch.values, batch.query_lens, scale)
     return out, ref, kv_load
@@ -135,6 +165,22 @@ def test_stale_page_tails_are_never_read(config) -> None:
     assert kv_load == CONFIGS[config].kv_load
     assert not torch.isnan(out).any()
     assert ((out - ref).norm() / ref.norm()).item() < TOLERANCE[torch.float32][0]
+
+
+@pytest.mark.parametrize("head_size,expect", [(64, "gather+rows-tma"), (80, "gather+rows")])
+def test_new_kv_reads_the_step_inputs(head_size, expect) -> None:
+    """With new_kv the chunk's own keys come from key/value (their cache slots are NaN here) and the
+    cached prefix from the cache; a padded head dim takes pointer loads instead of TMA."""
+    out, ref, kv_load = _direct([23, 40], [17, 0], CONFIGS["newkv"], head_size=head_size, step_kv=True)
+    assert kv_load == expect
+    assert not torch.isnan(out).any()
+    assert ((out - ref).norm() / ref.norm()).item() < TOLERANCE[torch.float32][0]
+
+
+def test_new_kv_shape_mismatch_is_an_error() -> None:
+    cache = torch.zeros(4, 16, 2, 64)
+    with pytest.raises(ValueError, match="must be"):
+        prefill_ops.resolve_new_kv_load(CONFIGS["newkv"], torch.zeros(8, 4, 64), torch.zeros(8, 4, 64), cache)
 
 
 def test_kv_load_fallbacks() -> None:
@@ -173,3 +219,34 @@ def test_kernel_choice(monkeypatch, query_lens, expect_prefill_kernel) -> None:
     case = run_triton_case(query_lens, [10] * len(query_lens), 4, 2, 32, 16, torch.float32)
     assert bool(calls) == expect_prefill_kernel
     check(case, torch.float32)
+
+
+def test_sweep_tiny_runs(tmp_path, monkeypatch) -> None:
+    """benchmarks/h200/prefill_sweep.py on the CPU: candidates checked against float32, rows written."""
+    import importlib.util
+    import json
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).parents[2] / "benchmarks" / "h200" / "prefill_sweep.py"
+    spec = importlib.util.spec_from_file_location("prefill_sweep", path)
+    sweep = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "prefill_sweep", sweep)  # its dataclasses look their module up
+    spec.loader.exec_module(sweep)
+    argv = [
+        "--tiny",
+        "--out-dir",
+        str(tmp_path),
+        "--shapes",
+        "tiny 2x80",
+        "--only",
+        "default,newkv",
+        "--peers",
+        "sdpa",
+    ]
+    assert sweep.main(argv) == 0
+    rows = [json.loads(line) for line in (tmp_path / "prefill_sweep.jsonl").read_text().splitlines()]
+    assert rows[0]["kind"] == "env"
+    got = {r["candidate"]: r for r in rows[1:]}
+    assert set(got) == {"prefill default", "unified default", "prefill m32-n16 newkv", "SDPA (cpu default)"}
+    assert all(r["status"] == "ok" and r["rel_error"] < 1e-5 for r in got.values()), got

@@ -11,6 +11,9 @@ FlashAttention-2 loop shaped for that case:
   "gather" (row by row through the block table, any page size), "page" (the tile lies inside one
   page: one table lookup per tile, page size a multiple of TILE_N) and "tma" (as "page", loaded
   by a Hopper TMA descriptor over the cache seen as [blocks * block_size, kv_heads * head_size]).
+- With `new_kv`, the step's own keys and values come from the step's key/value inputs (contiguous
+  rows: tiles need no table lookup and take TMA loads where allowed), only the cached prefix from
+  the cache; the KV write has stored them in the cache as well, for later steps.
 - Only the tiles on the causal diagonal (and the window's lower edge, the sequence end) are masked;
   the tiles every row sees whole take the unmasked loop, where the softmax scale folds into one FMA
   before exp2.
@@ -50,6 +53,9 @@ class PrefillConfig:
     pack_gqa: bool = False  # rows = (token, head of the KV group) pairs instead of one head per program
     kv_load: str = "gather"  # see KV_LOADS; "page"/"tma" fall back when the cache does not allow them
     warp_specialize: bool = False  # tl.range(warp_specialize=True) on the KV loops
+    new_kv: bool = (
+        False  # the step's K/V from the key/value inputs (16-bit caches), the prefix from the cache
+    )
 
     def __post_init__(self) -> None:
         if self.kv_load not in KV_LOADS:
@@ -72,6 +78,8 @@ class PrefillConfig:
             parts.append("pack")
         if self.warp_specialize:
             parts.append("ws")
+        if self.new_kv:
+            parts.append("newkv")
         return "-".join(parts)
 
 
@@ -80,14 +88,15 @@ def prefill_kernel_config(
 ) -> PrefillConfig:
     """The config table: the fastest candidate of `benchmarks/h200/prefill_sweep.py` per case.
 
-    16-bit, head size <= 128: 128 x 64 tiles, 8 warps (two warpgroups of 64 rows), 3 stages; pages of
-    64+ tokens take TMA loads. float32 or head size 256: 64 x 32 tiles (registers).
+    16-bit, head size <= 128: 128 x 64 tiles, 8 warps (two warpgroups of 64 rows), 3 stages, the
+    step's own K/V read as rows (TMA), the prefix from the cache (TMA inside 64+-token pages).
+    float32 or head size 256: 64 x 32 tiles (registers).
     """
     head_pad = triton.next_power_of_2(head_size)
     if dtype == torch.float32 or head_pad > 128:
         return PrefillConfig(64, 32, 4, 2)
     kv_load = "tma" if block_size % 64 == 0 else "gather"
-    return PrefillConfig(128, 64, 8, 3, kv_load=kv_load)
+    return PrefillConfig(128, 64, 8, 3, kv_load=kv_load, new_kv=True)
 
 
 def resolve_kv_load(
@@ -112,6 +121,49 @@ def resolve_kv_load(
     return "tma"
 
 
+def _tma_ok(t: torch.Tensor, head_size: int) -> bool:
+    """Whether [rows, heads, head_size] `t` can be read by a TMA descriptor of its 2-D rows."""
+    if TensorDescriptor is None or triton.next_power_of_2(head_size) != head_size:
+        return False
+    if t.device.type == "cuda" and torch.cuda.get_device_capability(t.device)[0] < 9:
+        return False
+    row_bytes = t.stride(0) * t.element_size()
+    return t.stride(2) == 1 and t.stride(1) == head_size and t.data_ptr() % 16 == 0 and row_bytes % 16 == 0
+
+
+def resolve_new_kv_load(
+    cfg: PrefillConfig, key: torch.Tensor | None, value: torch.Tensor | None, key_cache: torch.Tensor
+) -> str | None:
+    """How the step's own K/V are read: None (from the cache), "rows" (pointer loads) or "rows-tma"."""
+    if not cfg.new_kv or key is None or value is None or key_cache.dtype in FP8_DTYPES:
+        return None
+    for name, t in (("key", key), ("value", value)):
+        if t.shape[1:] != key_cache.shape[2:] or t.stride(-1) != 1:
+            raise ValueError(
+                f"{name} {tuple(t.shape)} (strides {t.stride()}) must be [tokens, {key_cache.shape[2]}, "
+                f"{key_cache.shape[3]}] with a contiguous head dimension, like the cache's pages"
+            )
+    if key.dtype != key_cache.dtype or value.dtype != key_cache.dtype:
+        return None
+    head_size = key.shape[2]
+    return "rows-tma" if _tma_ok(key, head_size) and _tma_ok(value, head_size) else "rows"
+
+
+@triton.jit
+def _split_tiles(first_pos, last_pos, end, window, TILE_N: tl.constexpr, USE_WINDOW: tl.constexpr):
+    """KV tiles of rows at positions [first_pos, last_pos] over keys below `end`: [lo, hi), of which
+    [a, b) every row sees whole (no mask); [lo, a) and [b, hi) are masked. Always a partition."""
+    hi = tl.cdiv(tl.minimum(last_pos + 1, end), TILE_N)
+    if USE_WINDOW:
+        lo = tl.minimum(tl.maximum(first_pos - window + 1, 0) // TILE_N, hi)
+        a = tl.minimum(tl.maximum(tl.cdiv(tl.maximum(last_pos - window + 1, 0), TILE_N), lo), hi)
+    else:
+        lo = hi * 0
+        a = hi * 0
+    b = tl.maximum(tl.minimum(tl.minimum(first_pos + 1, end) // TILE_N, hi), a)
+    return lo, a, b, hi
+
+
 @triton.jit
 def _prefill_tiles(
     acc,
@@ -126,6 +178,7 @@ def _prefill_tiles(
     k_desc,
     v_desc,
     kv_col,
+    row_base,
     q_pos,
     seq_len,
     qk_scale,
@@ -141,13 +194,16 @@ def _prefill_tiles(
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
     MASKED: tl.constexpr,
-    KV_LOAD: tl.constexpr,  # 0 gather, 1 page, 2 tma
+    KV_LOAD: tl.constexpr,  # 0 gather, 1 page, 2 tma (the paged cache); 3 rows, 4 rows-tma (the step's K/V)
     WARP_SPECIALIZE: tl.constexpr,
     USE_SOFT_CAP: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """Online softmax over KV tiles [tile_lo, tile_hi); MASKED=False only for tiles every row sees whole."""
+    """Online softmax over KV tiles [tile_lo, tile_hi); MASKED=False only for tiles every row sees whole.
+
+    Keys are at positions tile * TILE_N + [0, TILE_N), compared with `q_pos`; masked tiles also drop
+    keys at or past `seq_len` (the end of what this loop reads)."""
     dim_ok = offs_d < HEAD_SIZE
     offs_t = tl.arange(0, TILE_N)
     for tile in tl.range(tile_lo, tile_hi, warp_specialize=WARP_SPECIALIZE):
@@ -161,15 +217,20 @@ def _prefill_tiles(
             in_page = offs_n % BLOCK_SIZE
             k_ptrs = k_base + (page * stride_kb + in_page * stride_ks)[:, None] + offs_d[None, :]
             v_ptrs = v_base + (page * stride_vb + in_page * stride_vs)[:, None] + offs_d[None, :]
-        else:
+        elif KV_LOAD == 1 or KV_LOAD == 2:
             page = tl.load(block_table_row + (tile * TILE_N) // BLOCK_SIZE)
-            first = (tile * TILE_N) % BLOCK_SIZE
-            if KV_LOAD == 1:
-                page64 = page.to(tl.int64)
-                k_ptrs = k_base + page64 * stride_kb + (first + offs_t)[:, None] * stride_ks + offs_d[None, :]
-                v_ptrs = v_base + page64 * stride_vb + (first + offs_t)[:, None] * stride_vs + offs_d[None, :]
-        if KV_LOAD == 2:
-            row = page * BLOCK_SIZE + first
+            row = (
+                page * BLOCK_SIZE + (tile * TILE_N) % BLOCK_SIZE
+            )  # TMA row of the [blocks * block_size, ...] view
+            page64 = page.to(tl.int64)
+            in_page = (tile * TILE_N) % BLOCK_SIZE + offs_t
+            k_ptrs = k_base + page64 * stride_kb + in_page[:, None] * stride_ks + offs_d[None, :]
+            v_ptrs = v_base + page64 * stride_vb + in_page[:, None] * stride_vs + offs_d[None, :]
+        else:  # rows of the step's key/value inputs; k_base / v_base / row_base at the request's first token
+            row = row_base + tile * TILE_N
+            k_ptrs = k_base + offs_n.to(tl.int64)[:, None] * stride_ks + offs_d[None, :]
+            v_ptrs = v_base + offs_n.to(tl.int64)[:, None] * stride_vs + offs_d[None, :]
+        if KV_LOAD == 2 or KV_LOAD == 4:
             k = k_desc.load([row, kv_col]).to(q.dtype)
             v = v_desc.load([row, kv_col]).to(q.dtype)
             if MASKED:  # rows past the sequence end hold stale data; P is 0 there, V must not be NaN
@@ -225,6 +286,10 @@ def _prefill_attention_kernel(
     v_cache_ptr,
     k_desc,  # TMA descriptors (KV_LOAD == 2), else the cache tensors again (unused)
     v_desc,
+    new_k_ptr,  # the step's key/value inputs [T, num_kv_heads, head_size] (NEW_KV_LOAD > 0)
+    new_v_ptr,
+    new_k_desc,  # their TMA descriptors (NEW_KV_LOAD == 4), else the tensors again
+    new_v_desc,
     sinks_ptr,
     k_scale_ptr,
     v_scale_ptr,
@@ -247,6 +312,8 @@ def _prefill_attention_kernel(
     stride_vs,
     stride_vh,
     stride_bt,
+    stride_nkt,
+    stride_nvt,
     QUERIES_PER_KV: tl.constexpr,
     ROW_HEADS: tl.constexpr,  # query heads per program: 1, or QUERIES_PER_KV when packed
     HEAD_SIZE: tl.constexpr,
@@ -256,6 +323,7 @@ def _prefill_attention_kernel(
     BLOCK_Q: tl.constexpr,  # query tokens per program: BLOCK_M // ROW_HEADS
     TILE_N: tl.constexpr,
     KV_LOAD: tl.constexpr,
+    NEW_KV_LOAD: tl.constexpr,  # 0: every key from the cache; 3 / 4: the step's keys as rows (pointers / TMA)
     WARP_SPECIALIZE: tl.constexpr,
     USE_SINKS: tl.constexpr,
     USE_SOFT_CAP: tl.constexpr,
@@ -302,18 +370,8 @@ def _prefill_attention_kernel(
         other=0.0,
     )
 
-    # Keys needed by this q-block: [kv_lo, kv_hi); keys every valid row sees: [full_lo, full_hi).
-    first_pos = ctx_len + q_block * BLOCK_Q
-    last_pos = ctx_len + tl.minimum(q_block * BLOCK_Q + BLOCK_Q, q_len) - 1
-    tile_hi = tl.cdiv(last_pos + 1, TILE_N)
-    full_hi = (first_pos + 1) // TILE_N
-    if USE_WINDOW:
-        tile_lo = tl.maximum(first_pos - window + 1, 0) // TILE_N
-        unmasked_lo = tl.minimum(tl.cdiv(tl.maximum(last_pos - window + 1, 0), TILE_N), tile_hi)
-    else:
-        tile_lo = 0
-        unmasked_lo = 0
-    unmasked_hi = tl.maximum(tl.minimum(full_hi, tile_hi), unmasked_lo)
+    first_tok = q_block * BLOCK_Q
+    last_tok = tl.minimum(first_tok + BLOCK_Q, q_len) - 1
 
     k_scale = 1.0
     v_scale = 1.0
@@ -339,25 +397,56 @@ def _prefill_attention_kernel(
     k_base = k_cache_ptr + kv_head * stride_kh
     v_base = v_cache_ptr + kv_head * stride_vh
     kv_col = kv_head * HEAD_SIZE
+    # From the cache: every key (NEW_KV_LOAD == 0), else the cached prefix [0, ctx_len) only.
+    if NEW_KV_LOAD == 0:
+        cache_end = seq_len
+    else:
+        cache_end = ctx_len
+    lo, a, b, hi = _split_tiles(
+        ctx_len + first_tok, ctx_len + last_tok, cache_end, window, TILE_N, USE_WINDOW
+    )
     if USE_WINDOW:  # tiles crossing the window's lower edge
         acc, m_i, l_i = _prefill_tiles(
-            acc, m_i, l_i, q, tile_lo, unmasked_lo, block_table_row, k_base, v_base, k_desc, v_desc, kv_col,
-            q_pos, seq_len, qk_scale, cap_scale, window, offs_d, stride_kb, stride_ks, stride_vb, stride_vs,
+            acc, m_i, l_i, q, lo, a, block_table_row, k_base, v_base, k_desc, v_desc, kv_col, 0, q_pos,
+            cache_end, qk_scale, cap_scale, window, offs_d, stride_kb, stride_ks, stride_vb, stride_vs,
             HEAD_SIZE, HEAD_SIZE_PAD, BLOCK_SIZE, TILE_N, True, KV_LOAD, WARP_SPECIALIZE, USE_SOFT_CAP,
             USE_WINDOW, DOT_PRECISION,
         )  # fmt: skip
     acc, m_i, l_i = _prefill_tiles(
-        acc, m_i, l_i, q, unmasked_lo, unmasked_hi, block_table_row, k_base, v_base, k_desc, v_desc, kv_col,
-        q_pos, seq_len, qk_scale, cap_scale, window, offs_d, stride_kb, stride_ks, stride_vb, stride_vs,
+        acc, m_i, l_i, q, a, b, block_table_row, k_base, v_base, k_desc, v_desc, kv_col, 0, q_pos,
+        cache_end, qk_scale, cap_scale, window, offs_d, stride_kb, stride_ks, stride_vb, stride_vs,
         HEAD_SIZE, HEAD_SIZE_PAD, BLOCK_SIZE, TILE_N, False, KV_LOAD, WARP_SPECIALIZE, USE_SOFT_CAP,
         USE_WINDOW, DOT_PRECISION,
     )  # fmt: skip
     acc, m_i, l_i = _prefill_tiles(
-        acc, m_i, l_i, q, unmasked_hi, tile_hi, block_table_row, k_base, v_base, k_desc, v_desc, kv_col,
-        q_pos, seq_len, qk_scale, cap_scale, window, offs_d, stride_kb, stride_ks, stride_vb, stride_vs,
+        acc, m_i, l_i, q, b, hi, block_table_row, k_base, v_base, k_desc, v_desc, kv_col, 0, q_pos,
+        cache_end, qk_scale, cap_scale, window, offs_d, stride_kb, stride_ks, stride_vb, stride_vs,
         HEAD_SIZE, HEAD_SIZE_PAD, BLOCK_SIZE, TILE_N, True, KV_LOAD, WARP_SPECIALIZE, USE_SOFT_CAP,
         USE_WINDOW, DOT_PRECISION,
     )  # fmt: skip
+    if NEW_KV_LOAD != 0:  # the chunk's own keys, positions relative to its first token
+        nk_base = new_k_ptr + q_start.to(tl.int64) * stride_nkt + kv_head * HEAD_SIZE
+        nv_base = new_v_ptr + q_start.to(tl.int64) * stride_nvt + kv_head * HEAD_SIZE
+        lo, a, b, hi = _split_tiles(first_tok, last_tok, q_len, window, TILE_N, USE_WINDOW)
+        if USE_WINDOW:
+            acc, m_i, l_i = _prefill_tiles(
+                acc, m_i, l_i, q, lo, a, block_table_row, nk_base, nv_base, new_k_desc, new_v_desc, kv_col,
+                q_start, tok, q_len, qk_scale, cap_scale, window, offs_d, 0, stride_nkt, 0, stride_nvt,
+                HEAD_SIZE, HEAD_SIZE_PAD, BLOCK_SIZE, TILE_N, True, NEW_KV_LOAD, WARP_SPECIALIZE, USE_SOFT_CAP,
+                USE_WINDOW, DOT_PRECISION,
+            )  # fmt: skip
+        acc, m_i, l_i = _prefill_tiles(
+            acc, m_i, l_i, q, a, b, block_table_row, nk_base, nv_base, new_k_desc, new_v_desc, kv_col,
+            q_start, tok, q_len, qk_scale, cap_scale, window, offs_d, 0, stride_nkt, 0, stride_nvt,
+            HEAD_SIZE, HEAD_SIZE_PAD, BLOCK_SIZE, TILE_N, False, NEW_KV_LOAD, WARP_SPECIALIZE, USE_SOFT_CAP,
+            USE_WINDOW, DOT_PRECISION,
+        )  # fmt: skip
+        acc, m_i, l_i = _prefill_tiles(
+            acc, m_i, l_i, q, b, hi, block_table_row, nk_base, nv_base, new_k_desc, new_v_desc, kv_col,
+            q_start, tok, q_len, qk_scale, cap_scale, window, offs_d, 0, stride_nkt, 0, stride_nvt,
+            HEAD_SIZE, HEAD_SIZE_PAD, BLOCK_SIZE, TILE_N, True, NEW_KV_LOAD, WARP_SPECIALIZE, USE_SOFT_CAP,
+            USE_WINDOW, DOT_PRECISION,
+        )  # fmt: skip
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc * (v_scale / l_safe)[:, None]
@@ -387,8 +476,11 @@ def prefill_attention(
     sinks: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    key: torch.Tensor | None = None,  # the step's K/V [T, num_kv_heads, head_size], for cfg.new_kv
+    value: torch.Tensor | None = None,
 ) -> str:
-    """Causal attention of requests [seq_lo, seq_hi) over the paged cache; returns the KV load used.
+    """Causal attention of requests [seq_lo, seq_hi) over the paged cache; returns the KV loads used
+    ("gather" / "page" / "tma" for the cache, "+rows" / "+rows-tma" for the step's own K/V).
 
     The caller has checked shapes and strides (`unified_attention` does); the grid is an upper
     bound from Python ints, so no device sync.
@@ -411,11 +503,23 @@ def prefill_attention(
         )
     else:
         k_desc, v_desc = key_cache, value_cache
+    new_load = resolve_new_kv_load(cfg, key, value, key_cache)
+    if new_load is None:
+        key = value = new_k_desc = new_v_desc = key_cache
+    elif new_load == "rows-tma":
+        new_k_desc, new_v_desc = (
+            TensorDescriptor(
+                t, [t.shape[0], num_kv_heads * head_size], [t.stride(0), 1], [cfg.tile_n, head_size]
+            )
+            for t in (key, value)
+        )
+    else:
+        new_k_desc, new_v_desc = key, value
     is_fp8 = key_cache.dtype in FP8_DTYPES
     dummy = seq_lens
     grid = (num_tokens // block_q + (seq_hi - seq_lo), num_heads // row_heads)
     _prefill_attention_kernel[grid](
-        out, query, key_cache, value_cache, k_desc, v_desc,
+        out, query, key_cache, value_cache, k_desc, v_desc, key, value, new_k_desc, new_v_desc,
         sinks if sinks is not None else dummy,
         k_scale if is_fp8 else dummy,
         v_scale if is_fp8 else dummy,
@@ -425,12 +529,13 @@ def prefill_attention(
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        block_table.stride(0),
+        block_table.stride(0), key.stride(0), value.stride(0),
         QUERIES_PER_KV=g, ROW_HEADS=row_heads, HEAD_SIZE=head_size, HEAD_SIZE_PAD=head_pad,
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=cfg.tile_n,
-        KV_LOAD=KV_LOADS.index(kv_load), WARP_SPECIALIZE=cfg.warp_specialize,
+        KV_LOAD=KV_LOADS.index(kv_load), NEW_KV_LOAD={None: 0, "rows": 3, "rows-tma": 4}[new_load],
+        WARP_SPECIALIZE=cfg.warp_specialize,
         USE_SINKS=sinks is not None, USE_SOFT_CAP=bool(logits_soft_cap), USE_WINDOW=sliding_window is not None,
         IS_FP8=is_fp8, DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    return kv_load
+    return kv_load if new_load is None else f"{kv_load}+{new_load}"

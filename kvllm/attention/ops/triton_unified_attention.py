@@ -472,6 +472,8 @@ def unified_attention(
     num_splits: int = 1,  # KV segments of the decode launch; 1 = no split
     decode_cfg: KernelConfig | None = None,
     prefill_cfg: KernelConfig | PrefillConfig | None = None,
+    key: torch.Tensor | None = None,  # the step's K/V [T, num_kv_heads, head_size]: read by a
+    value: torch.Tensor | None = None,  # PrefillConfig with new_kv (already in the cache as well)
 ) -> torch.Tensor:
     """Causal paged attention for a decodes-first mixed batch; returns `out`.
 
@@ -575,7 +577,7 @@ def unified_attention(
                 out, query, key_cache, value_cache, query_start_loc, seq_lens, block_table,
                 seq_lo=num_decode_reqs, seq_hi=num_reqs, num_tokens=num_prefill_tokens, scale=scale,
                 cfg=prefill_cfg, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks,
-                k_scale=k_scale, v_scale=v_scale,
+                k_scale=k_scale, v_scale=v_scale, key=key, value=value,
             )  # fmt: skip
             return out
         cfg = prefill_cfg or prefill_config(head_size, g, query.dtype)
