@@ -4,9 +4,9 @@ The unified kernel (`triton_unified_attention`) packs the query heads of one KV 
 which suits decodes and short chunks. Long chunks are compute-bound; this kernel is the
 FlashAttention-2 loop shaped for that case:
 - One program = BLOCK_Q query tokens of one request x ROW_HEADS query heads (1: one head per
-  program, rows are tokens; G: the KV group packed, row r = token r // G, head r % G). The q-blocks
-  of a request run latest (most keys) first, so the long programs start early and the short ones
-  fill the tail.
+  program, rows are tokens; G: the KV group packed, row r = token r // G, head r % G). Programs
+  start q-block by q-block (all heads of one before the next), a request's latest q-block (most
+  keys) first, so the long programs start early and the short ones fill the tail.
 - KV tiles of TILE_N keys come from the cache in one of three ways (`kv_load`):
   "gather" (row by row through the block table, any page size), "page" (the tile lies inside one
   page: one table lookup per tile, page size a multiple of TILE_N) and "tma" (as "page", loaded
@@ -331,8 +331,11 @@ def _prefill_attention_kernel(
     IS_FP8: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    head_group = tl.program_id(1)
+    # Heads vary fastest in launch order, so programs start q-block by q-block, heaviest first per
+    # request: the last programs to start are the lightest (a short tail), and the programs running
+    # together share one request's K/V in L2.
+    head_group = tl.program_id(0)
+    pid = tl.program_id(1)
     # Request r owns q-block slots [start(r), start(r) + cdiv(qlen_r, BLOCK_Q)) with
     # start(r) = (qsl[r] - qsl[seq_lo]) // BLOCK_Q + (r - seq_lo): disjoint, and the grid bound
     # num_tokens // BLOCK_Q + num_reqs covers them all. Find the last r with start(r) <= pid.
@@ -517,7 +520,7 @@ def prefill_attention(
         new_k_desc, new_v_desc = key, value
     is_fp8 = key_cache.dtype in FP8_DTYPES
     dummy = seq_lens
-    grid = (num_tokens // block_q + (seq_hi - seq_lo), num_heads // row_heads)
+    grid = (num_heads // row_heads, num_tokens // block_q + (seq_hi - seq_lo))
     _prefill_attention_kernel[grid](
         out, query, key_cache, value_cache, k_desc, v_desc, key, value, new_k_desc, new_v_desc,
         sinks if sinks is not None else dummy,
