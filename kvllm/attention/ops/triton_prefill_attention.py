@@ -114,18 +114,23 @@ def resolve_kv_load(
         page_contiguous = cache.stride() == (bs * kvh * d, kvh * d, d, 1)
         if not page_contiguous or cache.data_ptr() % 16 or (kvh * d * cache.element_size()) % 16:
             return "page"
-    if TensorDescriptor is None or head_pad != head_size:
-        return "page"
-    if key_cache.device.type == "cuda" and torch.cuda.get_device_capability(key_cache.device)[0] < 9:
+    if head_pad != head_size or not _has_tma(key_cache.device):
         return "page"
     return "tma"
 
 
+def _has_tma(device: torch.device) -> bool:
+    """TMA descriptors: NVIDIA from Hopper (SM 9.0) on, and the interpreter (CPU tensors)."""
+    if TensorDescriptor is None:
+        return False
+    if device.type != "cuda":
+        return device.type == "cpu"
+    return torch.version.hip is None and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def _tma_ok(t: torch.Tensor, head_size: int) -> bool:
     """Whether [rows, heads, head_size] `t` can be read by a TMA descriptor of its 2-D rows."""
-    if TensorDescriptor is None or triton.next_power_of_2(head_size) != head_size:
-        return False
-    if t.device.type == "cuda" and torch.cuda.get_device_capability(t.device)[0] < 9:
+    if triton.next_power_of_2(head_size) != head_size or not _has_tma(t.device):
         return False
     row_bytes = t.stride(0) * t.element_size()
     return t.stride(2) == 1 and t.stride(1) == head_size and t.data_ptr() % 16 == 0 and row_bytes % 16 == 0
