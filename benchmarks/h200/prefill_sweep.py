@@ -90,7 +90,7 @@ class Candidate:
 
 
 def candidates(tiny: bool) -> list[Candidate]:
-    from kvllm.attention.ops.triton_prefill_attention import PrefillConfig
+    from kvllm.attention.ops.triton_prefill_config import PrefillConfig
     from kvllm.attention.ops.triton_unified_attention import KernelConfig
 
     out: list[Candidate] = [
@@ -214,7 +214,7 @@ def candidate_fn(case: Case, cand: Candidate):
     """(fn, out, note): fn runs the candidate once into out."""
     import torch
 
-    from kvllm.attention.ops.triton_prefill_attention import (
+    from kvllm.attention.ops.triton_prefill_config import (
         prefill_kernel_config,
         resolve_kv_load,
         resolve_new_kv_load,

@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvllm.attention.ops.triton_prefill_attention import PrefillConfig, prefill_attention, resolve_kv_load
+from kvllm.attention.ops.triton_prefill_attention import prefill_attention
+from kvllm.attention.ops.triton_prefill_config import PrefillConfig, resolve_kv_load
 
 pytestmark = [
     pytest.mark.gpu,

@@ -13,8 +13,10 @@ import pytest
 import torch
 
 import kvllm.attention.ops.triton_prefill_attention as prefill_ops
+import kvllm.attention.ops.triton_prefill_config as prefill_cfgs
 import kvllm.attention.ops.triton_unified_attention as unified_ops
-from kvllm.attention.ops.triton_prefill_attention import PrefillConfig, prefill_attention, resolve_kv_load
+from kvllm.attention.ops.triton_prefill_attention import prefill_attention
+from kvllm.attention.ops.triton_prefill_config import PrefillConfig, resolve_kv_load
 from kvllm.attention.reference import make_paged_batch, reference_attention
 from kvllm.attention.testing import run_triton_case
 
@@ -180,7 +182,9 @@ def test_new_kv_reads_the_step_inputs(head_size, expect) -> None:
 def test_new_kv_shape_mismatch_is_an_error() -> None:
     cache = torch.zeros(4, 16, 2, 64)
     with pytest.raises(ValueError, match="must be"):
-        prefill_ops.resolve_new_kv_load(CONFIGS["newkv"], torch.zeros(8, 4, 64), torch.zeros(8, 4, 64), cache)
+        prefill_cfgs.resolve_new_kv_load(
+            CONFIGS["newkv"], torch.zeros(8, 4, 64), torch.zeros(8, 4, 64), cache
+        )
 
 
 def test_kv_load_fallbacks() -> None:

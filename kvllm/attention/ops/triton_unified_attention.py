@@ -23,12 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kvllm.attention.ops.triton_prefill_attention import (
-    MIN_MEAN_QUERY_LEN,
-    PrefillConfig,
-    prefill_attention,
-    prefill_kernel_config,
-)
+from kvllm.attention.ops.triton_prefill_attention import prefill_attention
+from kvllm.attention.ops.triton_prefill_config import MIN_MEAN_QUERY_LEN, PrefillConfig, prefill_kernel_config
 from kvllm.utils.dtypes import FP8_DTYPES
 from kvllm.utils.pdl import pdl_enabled, pdl_launch_options, wait_for_previous_kernel
 
