@@ -63,31 +63,6 @@ def test_table_config(dtype, num_heads, num_kv_heads, block_size) -> None:
     check(run(QUERY_LENS, CONTEXT_LENS, num_heads, num_kv_heads, 128, block_size, dtype), dtype)
 
 
-FAMILIES = {
-    "pack": (PrefillConfig(128, 64, 8, 3, pack_gqa=True), 16),
-    "ws": (PrefillConfig(128, 64, 8, 3, warp_specialize=True), 16),
-    "n128": (PrefillConfig(128, 128, 8, 2), 16),
-    "m64-w4": (PrefillConfig(64, 64, 4, 3), 16),
-    "page": (PrefillConfig(128, 64, 8, 3, kv_load="page"), 64),
-    "tma-ws": (PrefillConfig(128, 64, 8, 3, kv_load="tma", warp_specialize=True), 64),
-    "tma-pack": (PrefillConfig(128, 64, 8, 3, kv_load="tma", pack_gqa=True), 64),
-    "gather": (PrefillConfig(128, 64, 8, 3), 16),
-    "newkv-ws": (PrefillConfig(128, 64, 8, 3, warp_specialize=True, new_kv=True), 16),
-    "newkv-n128": (PrefillConfig(128, 128, 8, 2, new_kv=True), 16),
-    "newkv-pack": (PrefillConfig(128, 64, 8, 3, pack_gqa=True, new_kv=True), 16),
-}
-
-
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_sweep_families(family) -> None:
-    """One member of each candidate family of benchmarks/h200/prefill_sweep.py."""
-    cfg, block_size = FAMILIES[family]
-    check(
-        run(QUERY_LENS, CONTEXT_LENS, 16, 8, 128, block_size, torch.bfloat16, prefill_config=cfg),
-        torch.bfloat16,
-    )
-
-
 @pytest.mark.parametrize(
     "sliding_window,logits_soft_cap,use_sinks",
     [(128, None, False), (None, 30.0, False), (None, None, True), (1024, 50.0, True)],
@@ -133,3 +108,28 @@ def test_tma_stale_page_tails() -> None:
     assert not torch.isnan(out).any()
     err = ((out.float() - ref).norm() / ref.norm()).item()
     assert err < TOLERANCE[torch.bfloat16][0], f"relative error {err:.2e}"
+
+
+FAMILIES = {  # warp-specialized ones last: a compiler hang there cannot hide the others' results
+    "gather": (PrefillConfig(128, 64, 8, 3), 16),
+    "pack": (PrefillConfig(128, 64, 8, 3, pack_gqa=True), 16),
+    "n128": (PrefillConfig(128, 128, 8, 2), 16),
+    "m64-w4": (PrefillConfig(64, 64, 4, 3), 16),
+    "newkv-n128": (PrefillConfig(128, 128, 8, 2, new_kv=True), 16),
+    "newkv-pack": (PrefillConfig(128, 64, 8, 3, pack_gqa=True, new_kv=True), 16),
+    "page": (PrefillConfig(128, 64, 8, 3, kv_load="page"), 64),
+    "tma-pack": (PrefillConfig(128, 64, 8, 3, kv_load="tma", pack_gqa=True), 64),
+    "ws": (PrefillConfig(128, 64, 8, 3, warp_specialize=True), 16),
+    "newkv-ws": (PrefillConfig(128, 64, 8, 3, warp_specialize=True, new_kv=True), 16),
+    "tma-ws": (PrefillConfig(128, 64, 8, 3, kv_load="tma", warp_specialize=True), 64),
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_sweep_families(family) -> None:
+    """One member of each candidate family of benchmarks/h200/prefill_sweep.py."""
+    cfg, block_size = FAMILIES[family]
+    check(
+        run(QUERY_LENS, CONTEXT_LENS, 16, 8, 128, block_size, torch.bfloat16, prefill_config=cfg),
+        torch.bfloat16,
+    )
