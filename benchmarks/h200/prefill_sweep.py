@@ -320,9 +320,11 @@ def precompile(tasks: list[tuple[str, str]], args, env_root: str) -> dict[tuple[
     by_cand: dict[str, list[tuple[str, str]]] = {}
     for t in tasks:
         by_cand.setdefault(t[1], []).append(t)
-    groups = list(by_cand.values())
-    n_chunks = max(1, min(len(groups), 2 * args.jobs))
-    chunks = [sum(groups[i::n_chunks], []) for i in range(n_chunks)]
+    # Warp-specialized candidates get a worker each: a compiler hang there costs only its own runs.
+    risky = [g for name, g in by_cand.items() if "-ws" in name]
+    groups = [g for name, g in by_cand.items() if "-ws" not in name]
+    n_chunks = max(1, min(len(groups), 2 * args.jobs - len(risky)))
+    chunks = [sum(groups[i::n_chunks], []) for i in range(n_chunks)] + risky
     tmp = tempfile.mkdtemp(prefix="prefill_sweep_")
     env = dict(os.environ)
     env["PYTHONPATH"] = env_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -376,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shapes", default=None, help="comma list of substrings: shapes to keep")
     parser.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1), help="compile workers")
     parser.add_argument("--no-precompile", action="store_true", help="compile in this process, one by one")
-    parser.add_argument("--compile-timeout-s", type=int, default=100)
+    parser.add_argument("--compile-timeout-s", type=int, default=60, help="per worker process")
     parser.add_argument("--rep-ms", type=int, default=40, help="do_bench timing window per kernel")
     parser.add_argument("--budget-s", type=float, default=215.0, help="stop timing new rows after this")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
