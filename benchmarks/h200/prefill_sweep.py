@@ -324,7 +324,7 @@ def precompile(tasks: list[tuple[str, str]], args, env_root: str) -> dict[tuple[
     risky = [g for name, g in by_cand.items() if "-ws" in name]
     groups = [g for name, g in by_cand.items() if "-ws" not in name]
     n_chunks = max(1, min(len(groups), 2 * args.jobs - len(risky)))
-    chunks = [sum(groups[i::n_chunks], []) for i in range(n_chunks)] + risky
+    chunks = risky + [sum(groups[i::n_chunks], []) for i in range(n_chunks)]  # risky ones start first
     tmp = tempfile.mkdtemp(prefix="prefill_sweep_")
     env = dict(os.environ)
     env["PYTHONPATH"] = env_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
