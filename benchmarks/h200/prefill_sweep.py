@@ -71,6 +71,26 @@ TINY_SHAPES = (
 )
 
 
+# --quick (about 40 s on a fresh H200): the standard shape and the batch-1 decode, the current kernel
+# and the candidates most likely to win.
+QUICK_SHAPES = ("qwen3 8x2048 causal", "qwen3 decode 1 x 32k")
+QUICK_CANDIDATES = (
+    "unified default",
+    "prefill default",
+    "prefill m128-n64-w8-s3-gather",
+    "prefill m128-n128-w8-s2-gather",
+    "prefill m128-n64-w8-s2-gather-newkv",
+    "prefill m128-n128-w8-s2-gather-newkv",
+    "prefill m128-n64-w4-s2-gather-newkv",
+    "prefill m64-n64-w4-s3-gather-newkv",
+    "prefill m128-n64-w8-s3-gather-pack-newkv",
+    "prefill m128-n64-w8-s3-gather-ws-newkv",
+    "decode default splits 64",
+    "decode default splits 32",
+    "decode m16-n128-w4-s2 splits 64",
+)
+
+
 @dataclass(frozen=True)
 class Candidate:
     name: str
@@ -370,6 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out-dir", default=".", help="where prefill_sweep.jsonl goes")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (CPU: the Triton interpreter)")
+    parser.add_argument("--quick", action="store_true", help="QUICK_SHAPES x QUICK_CANDIDATES only")
     parser.add_argument("--dtype", default=None, help="bfloat16 (GPU default) or float16; float32 on the CPU")
     parser.add_argument(
         "--peers", default="sdpa,fa4,flashinfer", help="library peers, each only if importable"
@@ -401,6 +422,9 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda" if on_gpu else "cpu")
     shapes = [s for s in (TINY_SHAPES if args.tiny else GPU_SHAPES) if _keep(s.name, args.shapes)]
     cands = [c for c in candidates(args.tiny) if _keep(c.name, args.only)]
+    if args.quick and not args.tiny:
+        shapes = [s for s in shapes if s.name in QUICK_SHAPES]
+        cands = [c for c in cands if c.name in QUICK_CANDIDATES]
     tasks = [(s.name, c.name) for s in shapes for c in cands if c.applies(s)]
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     compiled = {} if args.no_precompile or not on_gpu else precompile(tasks, args, root)
@@ -416,6 +440,13 @@ def main(argv: list[str] | None = None) -> int:
                "torch": torch.__version__, "triton": _version("triton"), "dtype": args.dtype,
                "compile_phase_s": round(time.perf_counter() - start, 1)}  # fmt: skip
         jsonl.write(json.dumps(env) + "\n")
+        for line in compiled.values():  # phase 1: what compiled, how long each worker's run took
+            jsonl.write(json.dumps({"kind": "compile", **line}) + "\n")
+        for line in compiled.values():
+            if line["status"] != "ok":
+                print(
+                    f"  compile {line['status']}: {line['shape']} / {line['candidate']}: {line['note'][:200]}"
+                )
         for s in shapes:
             case = build_case(s, dtype, device)
             from kvllm.attention.reference import reference_attention
@@ -427,10 +458,10 @@ def main(argv: list[str] | None = None) -> int:
             for name, kind in runs + [(label, "peer") for label, *_ in peer_runs]:
                 row = {"kind": "row", "shape": s.name, "candidate": name, "type": kind}
                 pre = compiled.get((s.name, name))
-                if time.perf_counter() - start > args.budget_s:
-                    row.update(status="skipped", note=f"time budget {args.budget_s:.0f} s spent")
-                elif pre is not None and pre["status"] != "ok":
+                if pre is not None and pre["status"] != "ok":
                     row.update(status=pre["status"], note=pre["note"])
+                elif time.perf_counter() - start > args.budget_s:
+                    row.update(status="skipped", note=f"time budget {args.budget_s:.0f} s spent")
                 else:
                     if kind == "peer":
                         fn, out, note = next((f, o, n) for lbl, f, o, n in peer_runs if lbl == name)
