@@ -63,7 +63,9 @@ class PrefillConfig:
 def prefill_kernel_config(
     head_size: int, queries_per_kv: int, dtype: torch.dtype, block_size: int
 ) -> PrefillConfig:
-    """The config table: the fastest candidate of `benchmarks/h200/prefill_sweep.py` per case.
+    """The config table. Not yet chosen by timing: the first H200 run of
+    `benchmarks/h200/prefill_sweep.py` compiled every candidate but timed none (time budget), so
+    this is the design choice, to be replaced by the sweep's fastest per case.
 
     16-bit, head size <= 128: 128 x 64 tiles, 8 warps (two warpgroups of 64 rows), 3 stages, the
     step's own K/V read as rows (TMA), the prefix from the cache (TMA inside 64+-token pages).
