@@ -72,8 +72,8 @@ TINY_SHAPES = (
 
 
 # --quick (about 40 s on a fresh H200): the standard shape and the batch-1 decode, the current kernel
-# and the candidates most likely to win.
-QUICK_SHAPES = ("qwen3 8x2048 causal", "qwen3 decode 1 x 32k")
+# and the candidates most likely to win; block 64 checks the table's TMA page loads (defaults only).
+QUICK_SHAPES = ("qwen3 8x2048 causal", "qwen3 decode 1 x 32k", "qwen3 8x2048 causal, block 64")
 QUICK_CANDIDATES = (
     "unified default",
     "prefill default",
