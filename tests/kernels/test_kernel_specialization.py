@@ -22,6 +22,12 @@ EXPECTED = {
         "stride_bt",
     ],
     "kvllm.attention.ops.triton_unified_attention:_reduce_segments_kernel": ["num_tokens", "num_segments"],
+    "kvllm.attention.ops.triton_prefill_attention:_prefill_attention_kernel": [
+        "seq_lo",
+        "seq_hi",
+        "window",
+        "stride_bt",
+    ],
     "kvllm.sample.gumbel:_gumbel_chunk_kernel": ["seed", "blocks_per_chunk", "num_chunks"],
     "kvllm.sample.gumbel:_reduce_chunks_kernel": ["num_chunks"],
     "kvllm.layers.ops.linear:_small_m_linear_kernel": ["M"],

@@ -195,4 +195,6 @@ class TritonAttentionImpl(AttentionImpl):
             num_splits=md.num_splits,
             decode_cfg=self.decode_config,
             prefill_cfg=self.prefill_config,
+            key=key,
+            value=value,
         )  # fmt: skip

@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvllm.attention.ops.triton_prefill_attention import prefill_attention
+from kvllm.attention.ops.triton_prefill_config import MIN_MEAN_QUERY_LEN, PrefillConfig, prefill_kernel_config
 from kvllm.utils.dtypes import FP8_DTYPES
 from kvllm.utils.pdl import pdl_enabled, pdl_launch_options, wait_for_previous_kernel
 
@@ -465,12 +467,17 @@ def unified_attention(
     v_scale: torch.Tensor | None = None,
     num_splits: int = 1,  # KV segments of the decode launch; 1 = no split
     decode_cfg: KernelConfig | None = None,
-    prefill_cfg: KernelConfig | None = None,
+    prefill_cfg: KernelConfig | PrefillConfig | None = None,
+    key: torch.Tensor | None = None,  # the step's K/V [T, num_kv_heads, head_size]: read by a
+    value: torch.Tensor | None = None,  # PrefillConfig with new_kv (already in the cache as well)
 ) -> torch.Tensor:
     """Causal paged attention for a decodes-first mixed batch; returns `out`.
 
     All launch sizes come from the Python ints passed in (no device sync): the decode launch has one
     program per decode request, the prefill launch an upper bound of q-blocks with early exits.
+    The prefill requests go to the prefill kernel (`triton_prefill_attention`) when `prefill_cfg` is a
+    PrefillConfig, or when it is None and they average MIN_MEAN_QUERY_LEN query tokens or more;
+    else to this module's kernel (a KernelConfig, or `prefill_config`'s).
     """
     num_heads, head_size = query.shape[1], query.shape[2]
     _, block_size, num_kv_heads, cache_head_size = key_cache.shape
@@ -556,10 +563,22 @@ def unified_attention(
             launch((num_decode_reqs, num_kv_heads, 1), cfg, 0, num_decode_reqs, 1, True, False,
                    dummy, (dummy, dummy), 1)  # fmt: skip
     if num_reqs > num_decode_reqs:
+        # Tokens of the prefill requests are at most num_tokens - num_decode_reqs.
+        num_prefill_tokens = num_tokens - num_decode_reqs
+        num_prefill_reqs = num_reqs - num_decode_reqs
+        if prefill_cfg is None and num_prefill_tokens >= MIN_MEAN_QUERY_LEN * num_prefill_reqs:
+            prefill_cfg = prefill_kernel_config(head_size, g, query.dtype, block_size)
+        if isinstance(prefill_cfg, PrefillConfig):
+            prefill_attention(
+                out, query, key_cache, value_cache, query_start_loc, seq_lens, block_table,
+                seq_lo=num_decode_reqs, seq_hi=num_reqs, num_tokens=num_prefill_tokens, scale=scale,
+                cfg=prefill_cfg, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks,
+                k_scale=k_scale, v_scale=v_scale, key=key, value=value,
+            )  # fmt: skip
+            return out
         cfg = prefill_cfg or prefill_config(head_size, g, query.dtype)
         block_q = max(1, cfg.block_m // g)
-        # Tokens of the prefill requests are at most num_tokens - num_decode_reqs.
-        num_q_blocks = (num_tokens - num_decode_reqs) // block_q + (num_reqs - num_decode_reqs)
+        num_q_blocks = num_prefill_tokens // block_q + num_prefill_reqs
         launch((num_q_blocks, num_kv_heads, 1), cfg, num_decode_reqs, num_reqs, block_q, False, False,
                dummy, (dummy, dummy), 1)  # fmt: skip
     return out
