@@ -209,9 +209,15 @@ def test_bad_config_is_an_error() -> None:
         PrefillConfig(128, 48, 8, 3)
 
 
-@pytest.mark.parametrize("query_lens,expect_prefill_kernel", [([1, 200, 150], True), ([1, 20, 30], False)])
-def test_kernel_choice(monkeypatch, query_lens, expect_prefill_kernel) -> None:
-    """With no override, prefills averaging MIN_MEAN_QUERY_LEN+ tokens take the prefill kernel."""
+@pytest.mark.parametrize(
+    "query_lens,enabled,expect_prefill_kernel",
+    [([1, 200, 150], "1", True), ([1, 20, 30], "1", False), ([1, 200, 150], "0", False)],
+)
+def test_kernel_choice(monkeypatch, query_lens, enabled, expect_prefill_kernel) -> None:
+    """With no override and KVLLM_TRITON_PREFILL_KERNEL=1, prefills averaging MIN_MEAN_QUERY_LEN+
+    tokens take the prefill kernel; without the switch (the default until its GPU tests have run)
+    they keep the unified kernel."""
+    monkeypatch.setenv("KVLLM_TRITON_PREFILL_KERNEL", enabled)
     calls = []
     real = prefill_ops.prefill_attention
     monkeypatch.setattr(

@@ -3,6 +3,7 @@ them, and how a config's KV load modes resolve on a given cache and inputs. No k
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,14 @@ KV_LOADS = ("gather", "page", "tma")
 # Batches whose prefill requests average at least this many query tokens take this kernel; shorter
 # chunks keep the unified kernel's GQA-packed rows (fewer wasted rows per program).
 MIN_MEAN_QUERY_LEN = 128
+
+
+def prefill_kernel_enabled() -> bool:
+    """Whether batches route to this kernel on their own. Its float32 checks have passed in the
+    Triton interpreter but its GPU tests (tests/gpu/test_triton_prefill_gpu.py) have not yet run on a
+    GPU, so until they have it is opt-in: KVLLM_TRITON_PREFILL_KERNEL=1. A PrefillConfig passed to
+    `unified_attention` (benchmarks, tests) always takes it."""
+    return os.environ.get("KVLLM_TRITON_PREFILL_KERNEL", "0") == "1"
 
 
 @dataclass(frozen=True)

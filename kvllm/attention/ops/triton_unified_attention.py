@@ -24,7 +24,12 @@ import triton
 import triton.language as tl
 
 from kvllm.attention.ops.triton_prefill_attention import prefill_attention
-from kvllm.attention.ops.triton_prefill_config import MIN_MEAN_QUERY_LEN, PrefillConfig, prefill_kernel_config
+from kvllm.attention.ops.triton_prefill_config import (
+    MIN_MEAN_QUERY_LEN,
+    PrefillConfig,
+    prefill_kernel_config,
+    prefill_kernel_enabled,
+)
 from kvllm.utils.dtypes import FP8_DTYPES
 from kvllm.utils.pdl import pdl_enabled, pdl_launch_options, wait_for_previous_kernel
 
@@ -566,7 +571,8 @@ def unified_attention(
         # Tokens of the prefill requests are at most num_tokens - num_decode_reqs.
         num_prefill_tokens = num_tokens - num_decode_reqs
         num_prefill_reqs = num_reqs - num_decode_reqs
-        if prefill_cfg is None and num_prefill_tokens >= MIN_MEAN_QUERY_LEN * num_prefill_reqs:
+        long = num_prefill_tokens >= MIN_MEAN_QUERY_LEN * num_prefill_reqs
+        if prefill_cfg is None and long and prefill_kernel_enabled():
             prefill_cfg = prefill_kernel_config(head_size, g, query.dtype, block_size)
         if isinstance(prefill_cfg, PrefillConfig):
             prefill_attention(
