@@ -1,0 +1,312 @@
+"""W4A16 GEMV: y = x @ dequant(W)^T (+ bias) for 1 to 4 rows of x (decode), one Triton launch, no reduce.
+
+Reference: `dequantize` (int4_layout.py) and a float32 matmul. At these row counts the layer is a read
+of its packed weight, and with 4-bit values the CUDA cores' instruction issue, not the FMAs, is what
+keeps a kernel off HBM bandwidth: a bfloat16 stream delivers one weight per 2 bytes, this one per half
+byte, so each value gets a quarter of the instructions. The kernel is built to spend about three on it:
+
+- a program owns BLOCK_N output columns and the whole of K (as kvllm/layers/ops/gemv.py's bf16 GEMV:
+  one-warp programs, enough of them for any width, no split-K reduce);
+- it loads [BLOCK_N, blocks, B] words (16-byte vectors along K) and decodes nibble j of every word at
+  once, in place: (w & 0xF << 4j) | bits(2^(23-4j)) read as a float is 2^(23-4j) + q, so one logic op
+  and one subtraction of (2^(23-4j) + zero) give q - zero exactly (nibbles 4..7 the same after one
+  shift of the word by 16); no per-value shift or int-to-float conversion;
+- in the kvllm layout (int4_layout.py) nibble j of a block's B words is matched by B consecutive
+  activations, one vector load shared by all the program's columns;
+- the group scale multiplies a block's sum, not each value (a block lies in one group when the group
+  size is a multiple of the block's 8 * B values; otherwise each nibble's group is scaled apart).
+
+Accumulation is in float32 throughout; the dequantized weight is never rounded to 16 bits, so results
+are the float32 product of x with the exact dequantized weight, rounded once.
+
+`w4a16_gemv_silu_and_mul` runs a fused gate_up projection (2d output rows: gate, then up) and applies
+silu(gate) * up in the epilogue, rounding where the unfused path does (projection, silu, product).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kvllm.layers.ops.common import cast_to, exp_f32, interpreting, round_to
+from kvllm.layers.quantization.ops.int4_layout import PACK, block_words
+
+MAX_ROWS = 4
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@triton.jit
+def _decode(src, JJ: tl.constexpr, zero):
+    """q - zero (float32, exact) for the nibble at bits 4 * JJ .. 4 * JJ + 3 of `src`."""
+    if JJ == 0:
+        raw = (src & 0xF) | 0x4B000000
+        magic = 8388608.0
+    elif JJ == 1:
+        raw = (src & 0xF0) | 0x49000000
+        magic = 524288.0
+    elif JJ == 2:
+        raw = (src & 0xF00) | 0x47000000
+        magic = 32768.0
+    else:
+        raw = (src & 0xF000) | 0x45000000
+        magic = 2048.0
+    return raw.to(tl.float32, bitcast=True) - (zero + magic)
+
+
+@triton.jit
+def _tile_sum(words, hi, x_ptrs, x_mask, s, z, s_ptrs, z_ptrs, g_mask,
+              BW: tl.constexpr, GROUP_SIZE: tl.constexpr, PER_NIBBLE: tl.constexpr):  # fmt: skip
+    """sum over the tile's values of (q - zero) * scale * x -> [BLOCK_N, blocks], for one row of x.
+
+    x_ptrs [blocks, BW] point at nibble 0's activations of each block; nibble j's are j * BW further.
+    Without PER_NIBBLE a block lies in one group: `s` [BLOCK_N, blocks] and `z` [BLOCK_N, blocks, 1]
+    are its scale and zero. With it (groups smaller than a block) nibble j of a block is in the group
+    `(j * BW) // GROUP_SIZE` after the block's first, loaded here from s_ptrs / z_ptrs."""
+    acc = tl.zeros(words.shape, dtype=tl.float32)
+    out = tl.zeros((words.shape[0], words.shape[1]), dtype=tl.float32)
+    for j in tl.static_range(PACK):
+        x = tl.load(x_ptrs + j * BW, mask=x_mask, other=0.0).to(tl.float32)[None, :, :]
+        if j < 4:
+            src = words
+        else:
+            src = hi
+        if PER_NIBBLE:
+            zj = tl.load(z_ptrs + (j * BW) // GROUP_SIZE, mask=g_mask, other=0.0).to(tl.float32)
+            sj = tl.load(s_ptrs + (j * BW) // GROUP_SIZE, mask=g_mask, other=0.0).to(tl.float32)
+            out += tl.sum(_decode(src, j % 4, zj[:, :, None]) * x, axis=2) * sj
+        else:
+            acc += _decode(src, j % 4, z) * x
+    if not PER_NIBBLE:
+        out = tl.sum(acc, axis=2) * s
+    return out
+
+
+@triton.jit
+def _store_row(acc, acc_up, bias_ptr, out_ptr, offs_n, n_mask, N, M, ROW: tl.constexpr,
+               HAS_BIAS: tl.constexpr, GATED: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
+    y = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    dtype = out_ptr.dtype.element_ty
+    if GATED:
+        up = tl.sum(acc_up, axis=1)
+        if HAS_BIAS:
+            up += tl.load(bias_ptr + N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        gate = round_to(y, dtype, INTERPRET)
+        up = round_to(up, dtype, INTERPRET)
+        y = round_to(tl.math.div_rn(gate, 1.0 + exp_f32(-gate, INTERPRET)), dtype, INTERPRET) * up
+    tl.store(out_ptr + offs_n, cast_to(y, dtype, INTERPRET), mask=n_mask & (offs_n * 0 + ROW < M))
+
+
+@triton.jit(do_not_specialize=["M", "num_groups"])
+def _w4a16_gemv_kernel(
+    x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr,
+    M, N, K, num_groups, stride_xm, stride_om,
+    GROUP_SIZE: tl.constexpr,
+    BW: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PER_NIBBLE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    GATED: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):  # fmt: skip
+    # GATED: N is the output width d; the weight has 2d rows (gate, then up), out gets silu(gate) * up.
+    NBT: tl.constexpr = BLOCK_K // (PACK * BW)  # blocks per tile
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    blk = tl.arange(0, NBT)
+    b = tl.arange(0, BW)
+    blk_k = blk * (PACK * BW)  # each block's first value
+    qw_ptrs = (
+        qw_ptr
+        + offs_n[:, None, None].to(tl.int64) * (K // PACK)
+        + (blk * BW)[None, :, None]
+        + b[None, None, :]
+    )
+    x_ptrs = x_ptr + blk_k[:, None] + b[None, :]
+    up_words = N.to(tl.int64) * (K // PACK)  # GATED: the up half's rows follow the gate half's
+    up_groups = N * num_groups
+    acc0 = tl.zeros((BLOCK_N, NBT), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_N, NBT), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_N, NBT), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_N, NBT), dtype=tl.float32)
+    up0 = tl.zeros((BLOCK_N, NBT), dtype=tl.float32)
+    up1 = tl.zeros((BLOCK_N, NBT), dtype=tl.float32)
+    up2 = tl.zeros((BLOCK_N, NBT), dtype=tl.float32)
+    up3 = tl.zeros((BLOCK_N, NBT), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        blk_ok = (k0 + blk_k) < K  # K is a multiple of the block, so blocks are whole or absent
+        w_mask = n_mask[:, None, None] & blk_ok[None, :, None]
+        x_mask = blk_ok[:, None]
+        zero_row = tl.zeros_like(x_mask.to(tl.int32))  # row r of x exists where zero_row + r < M
+        g_mask = n_mask[:, None] & blk_ok[None, :]
+        g_offs = offs_n[:, None] * num_groups + (k0 + blk_k)[None, :] // GROUP_SIZE
+        s_ptrs = s_ptr + g_offs
+        z_ptrs = z_ptr + g_offs
+        if PER_NIBBLE:
+            s = tl.zeros((BLOCK_N, NBT), dtype=tl.float32)
+            z = tl.zeros((BLOCK_N, NBT, 1), dtype=tl.float32)
+        else:
+            s = tl.load(s_ptrs, mask=g_mask, other=0.0).to(tl.float32)
+            z = tl.load(z_ptrs, mask=g_mask, other=0.0).to(tl.float32)[:, :, None]
+        words = tl.load(qw_ptrs + k0 // PACK, mask=w_mask, other=0)
+        hi = words >> 16
+        xp = x_ptrs + k0
+        acc0 += _tile_sum(words, hi, xp, x_mask, s, z, s_ptrs, z_ptrs, g_mask, BW, GROUP_SIZE, PER_NIBBLE)
+        if BLOCK_M > 1:
+            acc1 += _tile_sum(words, hi, xp + stride_xm, x_mask & (zero_row + 1 < M), s, z, s_ptrs, z_ptrs, g_mask,
+                              BW, GROUP_SIZE, PER_NIBBLE)  # fmt: skip
+        if BLOCK_M > 2:
+            acc2 += _tile_sum(words, hi, xp + 2 * stride_xm, x_mask & (zero_row + 2 < M), s, z, s_ptrs, z_ptrs, g_mask,
+                              BW, GROUP_SIZE, PER_NIBBLE)  # fmt: skip
+            acc3 += _tile_sum(words, hi, xp + 3 * stride_xm, x_mask & (zero_row + 3 < M), s, z, s_ptrs, z_ptrs, g_mask,
+                              BW, GROUP_SIZE, PER_NIBBLE)  # fmt: skip
+        if GATED:
+            su_ptrs = s_ptrs + up_groups
+            zu_ptrs = z_ptrs + up_groups
+            if PER_NIBBLE:
+                su = s
+                zu = z
+            else:
+                su = tl.load(su_ptrs, mask=g_mask, other=0.0).to(tl.float32)
+                zu = tl.load(zu_ptrs, mask=g_mask, other=0.0).to(tl.float32)[:, :, None]
+            wu = tl.load(qw_ptrs + up_words + k0 // PACK, mask=w_mask, other=0)
+            hu = wu >> 16
+            up0 += _tile_sum(wu, hu, xp, x_mask, su, zu, su_ptrs, zu_ptrs, g_mask, BW, GROUP_SIZE, PER_NIBBLE)
+            if BLOCK_M > 1:
+                up1 += _tile_sum(wu, hu, xp + stride_xm, x_mask & (zero_row + 1 < M), su, zu, su_ptrs, zu_ptrs, g_mask,
+                                 BW, GROUP_SIZE, PER_NIBBLE)  # fmt: skip
+            if BLOCK_M > 2:
+                up2 += _tile_sum(wu, hu, xp + 2 * stride_xm, x_mask & (zero_row + 2 < M), su, zu, su_ptrs, zu_ptrs,
+                                 g_mask, BW, GROUP_SIZE, PER_NIBBLE)  # fmt: skip
+                up3 += _tile_sum(wu, hu, xp + 3 * stride_xm, x_mask & (zero_row + 3 < M), su, zu, su_ptrs, zu_ptrs,
+                                 g_mask, BW, GROUP_SIZE, PER_NIBBLE)  # fmt: skip
+    _store_row(acc0, up0, bias_ptr, out_ptr, offs_n, n_mask, N, M, 0, HAS_BIAS, GATED, INTERPRET)
+    if BLOCK_M > 1:
+        _store_row(acc1, up1, bias_ptr, out_ptr + stride_om, offs_n, n_mask, N, M, 1, HAS_BIAS, GATED,
+                   INTERPRET)  # fmt: skip
+    if BLOCK_M > 2:
+        _store_row(acc2, up2, bias_ptr, out_ptr + 2 * stride_om, offs_n, n_mask, N, M, 2, HAS_BIAS, GATED,
+                   INTERPRET)  # fmt: skip
+        _store_row(acc3, up3, bias_ptr, out_ptr + 3 * stride_om, offs_n, n_mask, N, M, 3, HAS_BIAS, GATED,
+                   INTERPRET)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class W4A16GemvConfig:
+    """Columns per program, K values per loop iteration (a power of two, at least one block), warps."""
+
+    block_n: int
+    block_k: int
+    num_warps: int = 1
+    num_stages: int = 1
+
+
+def default_config(m: int, n: int, k: int) -> W4A16GemvConfig:
+    """Two columns per one-warp program, K in tiles of up to 2048 values (a first guess, before the
+    H200 sweep of benchmarks/h200/quant_bench.py --sweep)."""
+    block = PACK * block_words(k)
+    return W4A16GemvConfig(block_n=2, block_k=max(block, min(2048, triton.next_power_of_2(k))), num_warps=1)
+
+
+def block_m_for(m: int) -> int:
+    """The compiled row count for m rows: 1, 2 or 4."""
+    return 1 if m <= 1 else 2 if m == 2 else 4
+
+
+def check_gemv_operands(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+    bias: torch.Tensor | None, rows: int,
+) -> None:  # fmt: skip
+    """ValueError unless x [M <= MAX_ROWS, K] (contiguous rows), qweight [rows, K/8] int32, scales and
+    zeros [rows, K/G] (floating point), bias [rows] (rows: the weight's output rows)."""
+    if x.dim() != 2 or x.shape[0] > MAX_ROWS or x.stride(-1) != 1 or x.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(
+            f"the W4A16 GEMV needs x [M <= {MAX_ROWS}, K] of {SUPPORTED_DTYPES} with contiguous rows, got "
+            f"{tuple(x.shape)} {x.dtype} strides {tuple(x.stride())}"
+        )
+    k = x.shape[1]
+    if (
+        qweight.shape != (rows, k // PACK)
+        or qweight.dtype != torch.int32
+        or k % PACK
+        or not qweight.is_contiguous()
+    ):
+        raise ValueError(
+            f"the W4A16 GEMV needs a contiguous int32 qweight [{rows}, {k // PACK}], got "
+            f"{tuple(qweight.shape)} {qweight.dtype}"
+        )
+    if group_size != k and (group_size < 16 or group_size & (group_size - 1) or k % group_size):
+        raise ValueError(f"group size {group_size} must be a power of two >= 16 dividing K = {k}, or K")
+    expected = (rows, k // group_size)
+    for name, t in (("scales", scales), ("zeros", zeros)):
+        if t.shape != expected or not t.dtype.is_floating_point or not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous floating-point [N, K/G] = {expected}, got "
+                             f"{tuple(t.shape)} {t.dtype}")  # fmt: skip
+    if bias is not None and (bias.shape != (rows,) or not bias.is_contiguous()):
+        raise ValueError(f"bias must be [{rows}], got {tuple(bias.shape)}")
+
+
+def w4a16_gemv(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+    bias: torch.Tensor | None = None, config: W4A16GemvConfig | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """x [M, K] @ W^T (+ bias) -> [M, N] in x's dtype for 0 <= M <= MAX_ROWS, W in the kvllm int4
+    layout (int4_layout.py); `config` overrides `default_config`."""
+    check_gemv_operands(x, qweight, scales, zeros, group_size, bias, qweight.shape[0])
+    return _launch(x, qweight, scales, zeros, group_size, bias, qweight.shape[0], config, False)
+
+
+def w4a16_gemv_silu_and_mul(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+    bias: torch.Tensor | None = None, config: W4A16GemvConfig | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """silu(gate) * up of the fused projection x @ W^T (+ bias), W's 2d rows the gate rows then the up
+    rows -> [M, d], for 0 <= M <= MAX_ROWS."""
+    rows = qweight.shape[0]
+    if rows % 2:
+        raise ValueError(f"a gate_up weight has an even number of rows (gate, then up), got {rows}")
+    check_gemv_operands(x, qweight, scales, zeros, group_size, bias, rows)
+    return _launch(x, qweight, scales, zeros, group_size, bias, rows // 2, config, True)
+
+
+def _launch(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+    bias: torch.Tensor | None, n: int, config: W4A16GemvConfig | None, gated: bool,
+) -> torch.Tensor:  # fmt: skip
+    m, k = x.shape
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    bw = block_words(k)
+    config = config or default_config(m, qweight.shape[0], k)
+    bk, bn = config.block_k, config.block_n
+    if bk & (bk - 1) or bk % (PACK * bw) or bn < 1 or bn & (bn - 1):
+        raise ValueError(
+            f"block_k must be a power of two and a multiple of the layout's block ({PACK * bw} values for "
+            f"K = {k}), block_n a power of two; got {config}"
+        )
+    _w4a16_gemv_kernel[(triton.cdiv(n, bn),)](
+        x, qweight, scales, zeros, bias if bias is not None else scales, out,
+        m, n, k, scales.shape[1],
+        x.stride(0) if m > 1 else k,  # a lone row's stride is arbitrary; keep it off the specializations
+        out.stride(0),
+        GROUP_SIZE=group_size,
+        BW=bw,
+        BLOCK_M=block_m_for(m),
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        PER_NIBBLE=group_size % (PACK * bw) != 0,
+        HAS_BIAS=bias is not None,
+        GATED=gated,
+        INTERPRET=interpreting(),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )  # fmt: skip
+    return out
