@@ -101,6 +101,9 @@ def sweep(out: Path, budget_s: float) -> list[dict[str, Any]]:
 
     ranking: dict[tuple[int, int, int], list[float]] = defaultdict(list)  # M = 1 time / best, per config
     for shape, (n, k) in SHAPES.items():
+        if time.monotonic() > deadline:
+            print(f"sweep: time budget of {budget_s:.0f} s spent; stopping before {shape}", flush=True)
+            break
         bf16, w4, bf16_bytes, w4_bytes = _weights(n, k)
         for m in GEMV_ROWS + GEMM_ROWS:
             if time.monotonic() > deadline:

@@ -67,11 +67,16 @@ def test_w4a16_matches_float32(dtype, n, k, m, gather) -> None:
     assert_close_scaled(out, x.float() @ weight.T, 1e-2 if dtype == torch.bfloat16 else 2e-3)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("n,k", SHAPES + [(1024, 3072), (264, 192)])
+GEMV_CASES = [(n, k, 128, torch.bfloat16) for n, k in SHAPES + [(1024, 3072)]] + [
+    (264, 192, 128, torch.bfloat16),  # 8-word blocks, N not a multiple of block_n
+    (6144, 4096, 32, torch.bfloat16),  # groups shorter than a block
+    (4096, 14336, 128, torch.float16),
+]
+
+
+@pytest.mark.parametrize("n,k,group,dtype", GEMV_CASES)
 @pytest.mark.parametrize("m", [1, 2, 3, 4])
-@pytest.mark.parametrize("group", [128, 32])
-def test_w4a16_gemv_matches_float32(dtype, n, k, m, group) -> None:
+def test_w4a16_gemv_matches_float32(n, k, group, dtype, m) -> None:
     """The decode GEMV with its default configs, against the exact dequantized weight in float32."""
     from kvllm.layers.quantization.ops.w4a16_gemv import w4a16_gemv
 

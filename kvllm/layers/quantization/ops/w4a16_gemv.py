@@ -38,22 +38,50 @@ MAX_ROWS = 4
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+# Nibble j of a word is read in place, at bits 4p .. 4p + 3 of the word (p = j for j <= 4) or of the
+# word shifted right by 12 (p = j - 3 for j >= 5): as a float32 those bits are the subnormal
+# q * 2^(4p - 149). x is scaled by 2^(X_EXP - 4p), so each product is q * x * 2^(X_EXP - 149), a
+# normal float for any |x| > 2^-77 (and x * 2^X_EXP stays finite below 2^27). UNSCALE = 2^(149 - X_EXP).
+UNSCALE: tl.constexpr = tl.constexpr(2.0**49)
+
+
 @triton.jit
-def _decode(src, JJ: tl.constexpr, zero):
-    """q - zero (float32, exact) for the nibble at bits 4 * JJ .. 4 * JJ + 3 of `src`."""
-    if JJ == 0:
-        raw = (src & 0xF) | 0x4B000000
-        magic = 8388608.0
-    elif JJ == 1:
-        raw = (src & 0xF0) | 0x49000000
-        magic = 524288.0
-    elif JJ == 2:
-        raw = (src & 0xF00) | 0x47000000
-        magic = 32768.0
+def _load(ptrs, mask):
+    """tl.load, masked with zeros where `mask` is given (None: every address is in bounds)."""
+    if mask is None:
+        value = tl.load(ptrs)
     else:
-        raw = (src & 0xF000) | 0x45000000
-        magic = 2048.0
-    return raw.to(tl.float32, bitcast=True) - (zero + magic)
+        value = tl.load(ptrs, mask=mask, other=0)
+    return value
+
+
+@triton.jit
+def _nibble(src, P: tl.constexpr):
+    """The 4 bits at 4P .. 4P + 3 of `src` in place, read as a float32: q * 2^(4P - 149) exactly (a
+    subnormal; FMAs take them at full rate and do not flush them)."""
+    return (src & (0xF << (4 * P))).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _x_scale(J: tl.constexpr):
+    """2^(100 - 4p) for nibble J, read at bits 4p: products come out scaled by 2^-49."""
+    if J == 0:
+        c = 1.2676506002282294e30  # p = 0
+    elif J == 1:
+        c = 7.922816251426434e28  # p = 1
+    elif J == 2 or J == 5:
+        c = 4.951760157141521e27  # p = 2
+    elif J == 3 or J == 6:
+        c = 3.094850098213451e26  # p = 3
+    else:
+        c = 1.9342813113834067e25  # p = 4
+    return c
+
+
+@triton.jit
+def _sum_block(t):
+    """[*, blocks, BW / V, V] -> [*, blocks]: the sum over each block's words."""
+    return tl.sum(tl.sum(t, axis=3), axis=2)
 
 
 @triton.jit
@@ -61,76 +89,94 @@ def _tile_sum(words, hi, x_ptrs, x_mask, s, z, s_ptrs, z_ptrs, g_mask,
               BW: tl.constexpr, GROUP_SIZE: tl.constexpr, PER_NIBBLE: tl.constexpr):  # fmt: skip
     """sum over the tile's values of (q - zero) * scale * x -> [BLOCK_N, blocks], for one row of x.
 
-    x_ptrs [blocks, BW] point at nibble 0's activations of each block; nibble j's are j * BW further.
-    Without PER_NIBBLE a block lies in one group: `s` [BLOCK_N, blocks] and `z` [BLOCK_N, blocks, 1]
-    are its scale and zero. With it (groups smaller than a block) nibble j of a block is in the group
-    `(j * BW) // GROUP_SIZE` after the block's first, loaded here from s_ptrs / z_ptrs."""
+    x_ptrs [1, blocks, BW / V, V] point at nibble 0's activations of each block; nibble j's are j * BW
+    further. The zero is taken out of the sum: sum (q - z) x = sum q x - z sum x. Without PER_NIBBLE a
+    block lies in one group: `s` and `z` [BLOCK_N, blocks] are its scale and zero. With it (groups
+    smaller than a block) nibble j of a block is in the group `(j * BW) // GROUP_SIZE` after the
+    block's first, loaded here from s_ptrs / z_ptrs."""
     acc = tl.zeros(words.shape, dtype=tl.float32)
-    out = tl.zeros((words.shape[0], words.shape[1]), dtype=tl.float32)
-    for j in tl.static_range(PACK):
-        x = tl.load(x_ptrs + j * BW, mask=x_mask, other=0.0).to(tl.float32)[None, :, :]
-        if j < 4:
-            src = words
+    x_sum = tl.zeros(x_ptrs.shape, dtype=tl.float32)
+    out = tl.zeros((words.shape[0], words.shape[1]), dtype=tl.float32)  # [BLOCK_N, blocks]
+    for j in tl.static_range(8):
+        x = _load(x_ptrs + j * BW, x_mask).to(tl.float32)
+        if j <= 4:
+            q = _nibble(words, j)
         else:
-            src = hi
+            q = _nibble(hi, j - 3)
         if PER_NIBBLE:
-            zj = tl.load(z_ptrs + (j * BW) // GROUP_SIZE, mask=g_mask, other=0.0).to(tl.float32)
-            sj = tl.load(s_ptrs + (j * BW) // GROUP_SIZE, mask=g_mask, other=0.0).to(tl.float32)
-            out += tl.sum(_decode(src, j % 4, zj[:, :, None]) * x, axis=2) * sj
+            zj = _load(z_ptrs + (j * BW) // GROUP_SIZE, g_mask).to(tl.float32)
+            sj = _load(s_ptrs + (j * BW) // GROUP_SIZE, g_mask).to(tl.float32)
+            qx = _sum_block(q * (x * _x_scale(j)))
+            out += (qx * UNSCALE - zj * _sum_block(x)) * sj
         else:
-            acc += _decode(src, j % 4, z) * x
+            acc += q * (x * _x_scale(j))
+            x_sum += x
     if not PER_NIBBLE:
-        out = tl.sum(acc, axis=2) * s
+        out = (_sum_block(acc) * UNSCALE - z * _sum_block(x_sum)) * s
     return out
 
 
 @triton.jit
-def _store_row(acc, acc_up, bias_ptr, out_ptr, offs_n, n_mask, N, M, ROW: tl.constexpr,
+def _store_row(acc, acc_up, bias_ptr, out_ptr, offs_n, cols, N, M, ROW: tl.constexpr,
                HAS_BIAS: tl.constexpr, GATED: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
-        y += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        y += tl.load(bias_ptr + offs_n).to(tl.float32)
     dtype = out_ptr.dtype.element_ty
     if GATED:
         up = tl.sum(acc_up, axis=1)
         if HAS_BIAS:
-            up += tl.load(bias_ptr + N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+            up += tl.load(bias_ptr + N + offs_n).to(tl.float32)
         gate = round_to(y, dtype, INTERPRET)
         up = round_to(up, dtype, INTERPRET)
         y = round_to(tl.math.div_rn(gate, 1.0 + exp_f32(-gate, INTERPRET)), dtype, INTERPRET) * up
-    tl.store(out_ptr + offs_n, cast_to(y, dtype, INTERPRET), mask=n_mask & (offs_n * 0 + ROW < M))
+    tl.store(out_ptr + cols, cast_to(y, dtype, INTERPRET), mask=(cols < N) & (cols * 0 + ROW < M))
 
 
 @triton.jit(do_not_specialize=["M", "num_groups"])
 def _w4a16_gemv_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr,
-    M, N, K, num_groups, stride_xm, stride_om,
+    M, N, K, stride_wn, num_groups, stride_xm, stride_om,
     GROUP_SIZE: tl.constexpr,
     BW: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PER_NIBBLE: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    EVEN_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     GATED: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):  # fmt: skip
     # GATED: N is the output width d; the weight has 2d rows (gate, then up), out gets silu(gate) * up.
-    NBT: tl.constexpr = BLOCK_K // (PACK * BW)  # blocks per tile
+    NBT: tl.constexpr = BLOCK_K // (8 * BW)  # blocks per tile
     pid = tl.program_id(0)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    if EVEN_N:
+        offs_n = cols
+    else:
+        offs_n = tl.minimum(cols, N - 1)  # columns past N load column N - 1 and are not stored
     blk = tl.arange(0, NBT)
-    b = tl.arange(0, BW)
-    blk_k = blk * (PACK * BW)  # each block's first value
+    V: tl.constexpr = 4 if BW >= 4 else BW
+    bv = tl.arange(0, BW // V)[:, None] * V + tl.arange(0, V)[None, :]  # word b of a block, [BW / V, V]
+    blk_k = blk * (8 * BW)  # each block's first value
+    # Tiles are [BLOCK_N, blocks, BW / V, V]: a last dimension of V = 4 words (16 bytes) makes Triton
+    # give the weight words and the activations (4 x 16 bits) the same register layout, so the
+    # activations broadcast over the columns without a layout conversion.
     qw_ptrs = (
         qw_ptr
-        + offs_n[:, None, None].to(tl.int64) * (K // PACK)
-        + (blk * BW)[None, :, None]
-        + b[None, None, :]
+        + offs_n[:, None, None, None].to(tl.int64) * stride_wn
+        + (blk * BW)[None, :, None, None]
+        + bv[None, None, :, :]
     )
-    x_ptrs = x_ptr + blk_k[:, None] + b[None, :]
-    up_words = N.to(tl.int64) * (K // PACK)  # GATED: the up half's rows follow the gate half's
+    # x rows past M read row M - 1 (never stored), so no load needs a row mask.
+    x_ptrs = x_ptr + blk_k[None, :, None, None] + bv[None, None, :, :]
+    x1 = x_ptrs + tl.minimum(1, M - 1) * stride_xm
+    x2 = x_ptrs + tl.minimum(2, M - 1) * stride_xm
+    x3 = x_ptrs + tl.minimum(3, M - 1) * stride_xm
+    g_ptrs = offs_n[:, None] * num_groups + blk_k[None, :] // GROUP_SIZE
+    up_words = N.to(tl.int64) * stride_wn  # GATED: the up half's rows follow the gate half's
     up_groups = N * num_groups
     acc0 = tl.zeros((BLOCK_N, NBT), dtype=tl.float32)
     acc1 = tl.zeros((BLOCK_N, NBT), dtype=tl.float32)
@@ -141,32 +187,37 @@ def _w4a16_gemv_kernel(
     up2 = tl.zeros((BLOCK_N, NBT), dtype=tl.float32)
     up3 = tl.zeros((BLOCK_N, NBT), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        blk_ok = (k0 + blk_k) < K  # K is a multiple of the block, so blocks are whole or absent
-        w_mask = n_mask[:, None, None] & blk_ok[None, :, None]
-        x_mask = blk_ok[:, None]
-        zero_row = tl.zeros_like(x_mask.to(tl.int32))  # row r of x exists where zero_row + r < M
-        g_mask = n_mask[:, None] & blk_ok[None, :]
-        g_offs = offs_n[:, None] * num_groups + (k0 + blk_k)[None, :] // GROUP_SIZE
-        s_ptrs = s_ptr + g_offs
-        z_ptrs = z_ptr + g_offs
+        if EVEN_K:  # K is a multiple of BLOCK_K: whole tiles
+            w_mask = None
+            g_mask = None
+        else:  # a partial last tile: K is a multiple of the block, so blocks are whole or absent
+            blk_ok = (k0 + blk_k) < K
+            w_mask = blk_ok[None, :, None, None]
+            g_mask = blk_ok[None, :]
+        s_ptrs = s_ptr + g_ptrs + k0 // GROUP_SIZE
+        z_ptrs = z_ptr + g_ptrs + k0 // GROUP_SIZE
         if PER_NIBBLE:
             s = tl.zeros((BLOCK_N, NBT), dtype=tl.float32)
-            z = tl.zeros((BLOCK_N, NBT, 1), dtype=tl.float32)
+            z = tl.zeros((BLOCK_N, NBT), dtype=tl.float32)
         else:
-            s = tl.load(s_ptrs, mask=g_mask, other=0.0).to(tl.float32)
-            z = tl.load(z_ptrs, mask=g_mask, other=0.0).to(tl.float32)[:, :, None]
-        words = tl.load(qw_ptrs + k0 // PACK, mask=w_mask, other=0)
-        hi = words >> 16
-        xp = x_ptrs + k0
-        acc0 += _tile_sum(words, hi, xp, x_mask, s, z, s_ptrs, z_ptrs, g_mask, BW, GROUP_SIZE, PER_NIBBLE)
+            s = _load(s_ptrs, g_mask).to(tl.float32)
+            z = _load(z_ptrs, g_mask).to(tl.float32)
+        words = _load(qw_ptrs, w_mask)
+        hi = words >> 12
+        acc0 += _tile_sum(
+            words, hi, x_ptrs + k0, w_mask, s, z, s_ptrs, z_ptrs, g_mask, BW, GROUP_SIZE, PER_NIBBLE
+        )
         if BLOCK_M > 1:
-            acc1 += _tile_sum(words, hi, xp + stride_xm, x_mask & (zero_row + 1 < M), s, z, s_ptrs, z_ptrs, g_mask,
-                              BW, GROUP_SIZE, PER_NIBBLE)  # fmt: skip
+            acc1 += _tile_sum(
+                words, hi, x1 + k0, w_mask, s, z, s_ptrs, z_ptrs, g_mask, BW, GROUP_SIZE, PER_NIBBLE
+            )
         if BLOCK_M > 2:
-            acc2 += _tile_sum(words, hi, xp + 2 * stride_xm, x_mask & (zero_row + 2 < M), s, z, s_ptrs, z_ptrs, g_mask,
-                              BW, GROUP_SIZE, PER_NIBBLE)  # fmt: skip
-            acc3 += _tile_sum(words, hi, xp + 3 * stride_xm, x_mask & (zero_row + 3 < M), s, z, s_ptrs, z_ptrs, g_mask,
-                              BW, GROUP_SIZE, PER_NIBBLE)  # fmt: skip
+            acc2 += _tile_sum(
+                words, hi, x2 + k0, w_mask, s, z, s_ptrs, z_ptrs, g_mask, BW, GROUP_SIZE, PER_NIBBLE
+            )
+            acc3 += _tile_sum(
+                words, hi, x3 + k0, w_mask, s, z, s_ptrs, z_ptrs, g_mask, BW, GROUP_SIZE, PER_NIBBLE
+            )
         if GATED:
             su_ptrs = s_ptrs + up_groups
             zu_ptrs = z_ptrs + up_groups
@@ -174,27 +225,33 @@ def _w4a16_gemv_kernel(
                 su = s
                 zu = z
             else:
-                su = tl.load(su_ptrs, mask=g_mask, other=0.0).to(tl.float32)
-                zu = tl.load(zu_ptrs, mask=g_mask, other=0.0).to(tl.float32)[:, :, None]
-            wu = tl.load(qw_ptrs + up_words + k0 // PACK, mask=w_mask, other=0)
-            hu = wu >> 16
-            up0 += _tile_sum(wu, hu, xp, x_mask, su, zu, su_ptrs, zu_ptrs, g_mask, BW, GROUP_SIZE, PER_NIBBLE)
+                su = _load(su_ptrs, g_mask).to(tl.float32)
+                zu = _load(zu_ptrs, g_mask).to(tl.float32)
+            wu = _load(qw_ptrs + up_words, w_mask)
+            hu = wu >> 12
+            up0 += _tile_sum(
+                wu, hu, x_ptrs + k0, w_mask, su, zu, su_ptrs, zu_ptrs, g_mask, BW, GROUP_SIZE, PER_NIBBLE
+            )
             if BLOCK_M > 1:
-                up1 += _tile_sum(wu, hu, xp + stride_xm, x_mask & (zero_row + 1 < M), su, zu, su_ptrs, zu_ptrs, g_mask,
-                                 BW, GROUP_SIZE, PER_NIBBLE)  # fmt: skip
+                up1 += _tile_sum(
+                    wu, hu, x1 + k0, w_mask, su, zu, su_ptrs, zu_ptrs, g_mask, BW, GROUP_SIZE, PER_NIBBLE
+                )
             if BLOCK_M > 2:
-                up2 += _tile_sum(wu, hu, xp + 2 * stride_xm, x_mask & (zero_row + 2 < M), su, zu, su_ptrs, zu_ptrs,
-                                 g_mask, BW, GROUP_SIZE, PER_NIBBLE)  # fmt: skip
-                up3 += _tile_sum(wu, hu, xp + 3 * stride_xm, x_mask & (zero_row + 3 < M), su, zu, su_ptrs, zu_ptrs,
-                                 g_mask, BW, GROUP_SIZE, PER_NIBBLE)  # fmt: skip
-    _store_row(acc0, up0, bias_ptr, out_ptr, offs_n, n_mask, N, M, 0, HAS_BIAS, GATED, INTERPRET)
+                up2 += _tile_sum(
+                    wu, hu, x2 + k0, w_mask, su, zu, su_ptrs, zu_ptrs, g_mask, BW, GROUP_SIZE, PER_NIBBLE
+                )
+                up3 += _tile_sum(
+                    wu, hu, x3 + k0, w_mask, su, zu, su_ptrs, zu_ptrs, g_mask, BW, GROUP_SIZE, PER_NIBBLE
+                )
+        qw_ptrs += BLOCK_K // 8
+    _store_row(acc0, up0, bias_ptr, out_ptr, offs_n, cols, N, M, 0, HAS_BIAS, GATED, INTERPRET)
     if BLOCK_M > 1:
-        _store_row(acc1, up1, bias_ptr, out_ptr + stride_om, offs_n, n_mask, N, M, 1, HAS_BIAS, GATED,
+        _store_row(acc1, up1, bias_ptr, out_ptr + stride_om, offs_n, cols, N, M, 1, HAS_BIAS, GATED,
                    INTERPRET)  # fmt: skip
     if BLOCK_M > 2:
-        _store_row(acc2, up2, bias_ptr, out_ptr + 2 * stride_om, offs_n, n_mask, N, M, 2, HAS_BIAS, GATED,
+        _store_row(acc2, up2, bias_ptr, out_ptr + 2 * stride_om, offs_n, cols, N, M, 2, HAS_BIAS, GATED,
                    INTERPRET)  # fmt: skip
-        _store_row(acc3, up3, bias_ptr, out_ptr + 3 * stride_om, offs_n, n_mask, N, M, 3, HAS_BIAS, GATED,
+        _store_row(acc3, up3, bias_ptr, out_ptr + 3 * stride_om, offs_n, cols, N, M, 3, HAS_BIAS, GATED,
                    INTERPRET)  # fmt: skip
 
 
@@ -209,10 +266,11 @@ class W4A16GemvConfig:
 
 
 def default_config(m: int, n: int, k: int) -> W4A16GemvConfig:
-    """Two columns per one-warp program, K in tiles of up to 2048 values (a first guess, before the
-    H200 sweep of benchmarks/h200/quant_bench.py --sweep)."""
+    """Four columns per one-warp program, K in tiles of up to 2048 values: a first guess from the
+    instruction count per weight (about 3.6 SASS instructions per value, against 4.7 for two columns),
+    before the H200 sweep of benchmarks/h200/quant_bench.py --sweep."""
     block = PACK * block_words(k)
-    return W4A16GemvConfig(block_n=2, block_k=max(block, min(2048, triton.next_power_of_2(k))), num_warps=1)
+    return W4A16GemvConfig(block_n=4, block_k=max(block, min(2048, triton.next_power_of_2(k))), num_warps=1)
 
 
 def block_m_for(m: int) -> int:
@@ -294,7 +352,7 @@ def _launch(
         )
     _w4a16_gemv_kernel[(triton.cdiv(n, bn),)](
         x, qweight, scales, zeros, bias if bias is not None else scales, out,
-        m, n, k, scales.shape[1],
+        m, n, k, qweight.stride(0), scales.shape[1],
         x.stride(0) if m > 1 else k,  # a lone row's stride is arbitrary; keep it off the specializations
         out.stride(0),
         GROUP_SIZE=group_size,
@@ -303,6 +361,8 @@ def _launch(
         BLOCK_N=bn,
         BLOCK_K=bk,
         PER_NIBBLE=group_size % (PACK * bw) != 0,
+        EVEN_N=n % bn == 0,
+        EVEN_K=k % bk == 0,
         HAS_BIAS=bias is not None,
         GATED=gated,
         INTERPRET=interpreting(),
