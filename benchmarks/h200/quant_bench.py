@@ -17,7 +17,7 @@ e2e      Llama-3-8B-shaped model, dummy weights generated on the GPU, bf16 activ
          weight_block_size [128, 128]). Batch 1: 32 random prompt tokens, 128 output tokens, EOS ignored,
          ms per output token = wall time / 128 (median of 3 after a warm-up). Batch 256: 256 x 128 in /
          128 out, output tokens per second (after a warm-up batch).
---sweep  the W4A16 launch-config sweep of benchmarks/h200/w4a16_sweep.py first (GEMV at M = 1, 2, 4,
+--sweep  the W4A16 launch-config sweep of benchmarks/h200/w4a16_sweep.py (after e2e; GEMV at M = 1, 2, 4,
          GEMM tiles and dequantize + cuBLAS at M = 16 .. 256, Llama-3-8B and Qwen3-0.6B shapes), bounded
          by --sweep-budget seconds; its own JSONL and summary.
 One JSON line per measurement goes to DIR/quant_bench.jsonl; a table is printed last.
@@ -244,13 +244,14 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     parts = args.parts.split(",")
+    records = []
+    if "e2e" in parts:  # first: the engines run in their own processes on an idle GPU
+        records += e2e_records(out, args.engines.split(","), args.quick, args.engine_timeout)
     if args.sweep:
         from benchmarks.h200.w4a16_sweep import sweep
 
         sweep(out, args.sweep_budget)
-    records = kernel_records(args.quick) if "kernels" in parts else []
-    if "e2e" in parts:
-        records += e2e_records(out, args.engines.split(","), args.quick, args.engine_timeout)
+    records += kernel_records(args.quick) if "kernels" in parts else []
     with open(out / "quant_bench.jsonl", "w") as f:
         for record in records:
             f.write(json.dumps(record) + "\n")

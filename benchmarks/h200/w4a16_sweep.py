@@ -16,8 +16,11 @@ from __future__ import annotations
 
 import json
 import math
+import multiprocessing
+import os
 import time
 from collections import defaultdict
+from concurrent.futures import ProcessPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +42,9 @@ GEMV_CANDIDATES = [
     for w in (1, 2, 4)
     if 4 <= bn * bk // (256 * w) <= 32 and (bk > 512 or w == 1)
 ]
+GEMV_CANDIDATES += [(2, 2048, 1, 2), (4, 2048, 1, 2), (8, 1024, 1, 2)]  # and two pipeline stages
 GEMV_TOP = 6  # configs from the M = 1 ranking tried at M = 2, 4 and fused with SiLU
+GEMV_GUESS = [(4, 2048, 1), (8, 1024, 1), (8, 2048, 2), (2, 2048, 1), (4, 1024, 1), (8, 4096, 4)]
 # (block_m, block_n, block_k, split_k, warps, stages) of the tensor-core kernel; split only for M = 16
 GEMM_CANDIDATES = {
     16: [(16, 64, 128, s, 4, 4) for s in (1, 2, 4, 8)] + [(16, 32, 128, 4, 4, 4), (16, 128, 128, 2, 4, 3)],
@@ -82,6 +87,7 @@ def sweep(out: Path, budget_s: float) -> list[dict[str, Any]]:
     from kvllm.layers.quantization.ops.w4a16_gemv import W4A16GemvConfig, w4a16_gemv, w4a16_gemv_silu_and_mul
 
     deadline = time.monotonic() + budget_s
+    precompile(min(45.0, budget_s / 2))
     records: list[dict[str, Any]] = []
     log = (out / "w4a16_sweep.jsonl").open("w")
 
@@ -151,8 +157,8 @@ def sweep(out: Path, budget_s: float) -> list[dict[str, Any]]:
                           config=cfg)  # fmt: skip
                 if us is not None:
                     times[cfg] = us
-                if gated and cfg in _top(ranking, GEMV_TOP) + [(2, 2048, 1)]:
-                    gc = W4A16GemvConfig(max(1, cfg[0] // 2), cfg[1], cfg[2])
+                if gated and cfg in _top(ranking, GEMV_TOP):
+                    gc = W4A16GemvConfig(max(1, cfg[0] // 2), *cfg[1:])
                     emit(shape, m, n, k, "w4a16 gemv+silu " + "/".join(map(str, cfg)),
                          lambda i, c=gc, x=x, w=w4: w4a16_gemv_silu_and_mul(x, *w[i % len(w)], GROUP, config=c),
                          w4_bytes, config=cfg)  # fmt: skip
@@ -167,11 +173,68 @@ def sweep(out: Path, budget_s: float) -> list[dict[str, Any]]:
     return records
 
 
+def _compile_job(job: tuple[str, tuple[int, ...], int, int]) -> str:
+    """One kernel variant compiled into Triton's disk cache by running it on a small weight with the
+    sweep's K (what the specialization depends on), in a worker process."""
+    import torch
+
+    from kvllm.layers.quantization.ops.w4a16 import W4A16Config, w4a16_triton
+    from kvllm.layers.quantization.ops.w4a16_gemv import W4A16GemvConfig, w4a16_gemv, w4a16_gemv_silu_and_mul
+
+    kind, cfg, m, k = job
+    n = 256
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    q = torch.zeros(n, k // 8, dtype=torch.int32, device="cuda")
+    s = torch.ones(n, k // GROUP, dtype=torch.bfloat16, device="cuda")
+    if kind == "gemv":
+        w4a16_gemv(x, q, s, s, GROUP, config=W4A16GemvConfig(*cfg))
+    elif kind == "gemv+silu":
+        w4a16_gemv_silu_and_mul(x, q, s, s, GROUP, config=W4A16GemvConfig(*cfg))
+    else:
+        w4a16_triton(x, q, s, s, GROUP, config=W4A16Config(*cfg))
+    torch.cuda.synchronize()
+    return f"{kind} {cfg} m={m} k={k}"
+
+
+def precompile(budget_s: float) -> None:
+    """Compile the sweep's likely kernel variants in parallel worker processes (Triton's disk cache
+    then serves the timing loop), for at most `budget_s`; anything not done is compiled when first
+    timed. A failure here only costs time."""
+    ks = sorted({k for _, k in SHAPES.values()})
+    jobs: dict[tuple, tuple[str, tuple[int, ...], int, int]] = {}
+    for k in ks:
+        for cfg in GEMV_CANDIDATES:
+            if cfg[1] <= max(512, 2 * k):
+                jobs.setdefault(("gemv", cfg, 1, k % cfg[1] == 0), ("gemv", cfg, 1, k))
+        for cfg in GEMV_GUESS:
+            for m in (2, 4):
+                jobs.setdefault(("gemv", cfg, m, k % cfg[1] == 0), ("gemv", cfg, m, k))
+            gated = (max(1, cfg[0] // 2), *cfg[1:])
+            jobs.setdefault(("gemv+silu", gated, 1, k % cfg[1] == 0), ("gemv+silu", gated, 1, k))
+        for m, cfgs in GEMM_CANDIDATES.items():
+            for cfg in cfgs:
+                jobs.setdefault(("gemm", cfg), ("gemm", cfg, m, k))  # K changes no specialization
+    start = time.monotonic()
+    workers = max(1, min(12, (os.cpu_count() or 2) - 2))
+    try:
+        pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+        futures = [pool.submit(_compile_job, job) for job in jobs.values()]
+        done, pending = wait(futures, timeout=budget_s)
+        failed = [f for f in done if f.exception() is not None]
+        pool.shutdown(wait=False, cancel_futures=True)
+        print(f"precompile: {len(done) - len(failed)} of {len(futures)} variants compiled by {workers} workers "
+              f"in {time.monotonic() - start:.0f} s ({len(failed)} failed, {len(pending)} left)", flush=True)  # fmt: skip
+        for f in failed[:3]:
+            print(f"precompile: {f.exception()!r}"[:300], flush=True)
+    except Exception as e:  # no worker pool here: the timing loop compiles everything itself
+        print(f"precompile skipped: {e!r}"[:300], flush=True)
+
+
 def _top(ranking: dict[tuple[int, int, int], list[float]], count: int) -> list[tuple[int, int, int]]:
     """The configs with the smallest geometric mean of time / best time at M = 1 (over the shapes
     timed so far; the first shape's ranking before any: a fixed guess)."""
     if not ranking:
-        return [(2, 2048, 1), (4, 2048, 2), (2, 4096, 2), (1, 2048, 1), (4, 1024, 1), (8, 4096, 4)][:count]
+        return GEMV_GUESS[:count]
     scored = sorted(ranking, key=lambda c: math.exp(sum(map(math.log, ranking[c])) / len(ranking[c])))
     return scored[:count]
 
