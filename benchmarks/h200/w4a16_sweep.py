@@ -83,7 +83,12 @@ def sweep(out: Path, budget_s: float) -> list[dict[str, Any]]:
     import torch.nn.functional as F
 
     from kvllm.layers.ops.gemv import gemv, gemv_silu_and_mul
-    from kvllm.layers.quantization.ops.w4a16 import W4A16Config, dequantize_triton, w4a16_triton
+    from kvllm.layers.quantization.ops.w4a16 import (
+        W4A16Config,
+        default_config,
+        dequantize_triton,
+        w4a16_triton,
+    )
     from kvllm.layers.quantization.ops.w4a16_gemv import W4A16GemvConfig, w4a16_gemv, w4a16_gemv_silu_and_mul
 
     deadline = time.monotonic() + budget_s
@@ -139,6 +144,9 @@ def sweep(out: Path, budget_s: float) -> list[dict[str, Any]]:
                      lambda i, x=x, w=w4: F.linear(x, dequantize_triton(*w[i % len(w)], GROUP, x.dtype)), w4_bytes)  # fmt: skip
                 continue
             emit(shape, m, n, k, "bf16 GEMV", lambda i, x=x, w=bf16: gemv(x, w[i % len(w)][0]), bf16_bytes)
+            emit(shape, m, n, k, "w4a16 gemm default",
+                 lambda i, x=x, w=w4, c=default_config(m, n, k, GROUP): w4a16_triton(x, *w[i % len(w)], GROUP, config=c),
+                 w4_bytes)  # fmt: skip
             gated = shape.endswith("gate_up")
             if gated:
                 emit(shape, m, n, k, "bf16 GEMV+silu", lambda i, x=x, w=bf16: gemv_silu_and_mul(x, w[i % len(w)][0]),
