@@ -265,12 +265,21 @@ class W4A16GemvConfig:
     num_stages: int = 1
 
 
-def default_config(m: int, n: int, k: int) -> W4A16GemvConfig:
-    """Four columns per one-warp program, K in tiles of up to 2048 values: a first guess from the
-    instruction count per weight (about 3.6 SASS instructions per value, against 4.7 for two columns),
-    before the H200 sweep of benchmarks/h200/quant_bench.py --sweep."""
+def default_config(m: int, n: int, k: int, gated: bool = False) -> W4A16GemvConfig:
+    """A first guess from the SASS instruction count per weight value (compiled for sm_90, before the
+    H200 sweep of benchmarks/h200/quant_bench.py --sweep): eight columns per program (3.1 per value;
+    two columns: 4.7) for wide outputs, K tiles of 1024 values per warp (fewer leave x and W in
+    different register layouts), the largest tile up to 4096 that divides K (no masked last tile);
+    4 rows run out of registers (spill) at eight columns, so four there (two gated: each column is
+    a gate and an up row)."""
     block = PACK * block_words(k)
-    return W4A16GemvConfig(block_n=4, block_k=max(block, min(2048, triton.next_power_of_2(k))), num_warps=1)
+    block_k = block
+    while block_k < 4096 and k % (2 * block_k) == 0:
+        block_k *= 2
+    if m > 2:
+        return W4A16GemvConfig(block_n=2 if gated else 4, block_k=min(block_k, 1024), num_warps=1)
+    block_n = 8 if n >= 4096 else 4 if n >= 1024 else 2
+    return W4A16GemvConfig(block_n=block_n, block_k=block_k, num_warps=max(1, block_k // 1024))
 
 
 def block_m_for(m: int) -> int:
@@ -343,7 +352,7 @@ def _launch(
     if m == 0 or n == 0:
         return out
     bw = block_words(k)
-    config = config or default_config(m, qweight.shape[0], k)
+    config = config or default_config(m, qweight.shape[0], k, gated)
     bk, bn = config.block_k, config.block_n
     if bk & (bk - 1) or bk % (PACK * bw) or bn < 1 or bn & (bn - 1):
         raise ValueError(
