@@ -16,6 +16,9 @@ byte, so each value gets a quarter of the instructions. The kernel is built to s
 - the group scale multiplies a block's sum, not each value (a block lies in one group when the group
   size is a multiple of the block's 8 * B values; otherwise each nibble's group is scaled apart).
 
+Under programmatic dependent launch (kvllm/utils/pdl.py) a one-row call whose K fits one tile loads
+its weights, scales and zeros before waiting for the previous kernel; otherwise it waits first.
+
 Accumulation is in float32 throughout; the dequantized weight is never rounded to 16 bits, so results
 are the float32 product of x with the exact dequantized weight, rounded once.
 
@@ -33,6 +36,7 @@ import triton.language as tl
 
 from kvllm.layers.ops.common import cast_to, exp_f32, interpreting, round_to
 from kvllm.layers.quantization.ops.int4_layout import PACK, block_words
+from kvllm.utils.pdl import pdl_enabled, pdl_launch_options, wait_for_previous_kernel
 
 MAX_ROWS = 4
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -76,6 +80,19 @@ def _x_scale(J: tl.constexpr):
     else:
         c = 1.9342813113834067e25  # p = 4
     return c
+
+
+@triton.jit
+def _weights(qw_ptrs, s_ptrs, z_ptrs, w_mask, g_mask, PER_NIBBLE: tl.constexpr):
+    """A tile's words and, unless groups are smaller than a block, each block's scale and zero."""
+    words = _load(qw_ptrs, w_mask)
+    if PER_NIBBLE:  # loaded per nibble in _tile_sum
+        s = tl.zeros((words.shape[0], words.shape[1]), dtype=tl.float32)
+        z = tl.zeros((words.shape[0], words.shape[1]), dtype=tl.float32)
+    else:
+        s = _load(s_ptrs, g_mask).to(tl.float32)
+        z = _load(z_ptrs, g_mask).to(tl.float32)
+    return words, s, z
 
 
 @triton.jit
@@ -147,6 +164,8 @@ def _w4a16_gemv_kernel(
     EVEN_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     GATED: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    PRELOAD: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):  # fmt: skip
     # GATED: N is the output width d; the weight has 2d rows (gate, then up), out gets silu(gate) * up.
@@ -186,23 +205,31 @@ def _w4a16_gemv_kernel(
     up1 = tl.zeros((BLOCK_N, NBT), dtype=tl.float32)
     up2 = tl.zeros((BLOCK_N, NBT), dtype=tl.float32)
     up3 = tl.zeros((BLOCK_N, NBT), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:  # K is a multiple of BLOCK_K: whole tiles
-            w_mask = None
-            g_mask = None
-        else:  # a partial last tile: K is a multiple of the block, so blocks are whole or absent
-            blk_ok = (k0 + blk_k) < K
-            w_mask = blk_ok[None, :, None, None]
-            g_mask = blk_ok[None, :]
+    # Masks of a K tile: None for whole tiles; K is a multiple of the block, so the blocks of a
+    # partial tile are whole or absent.
+    w_mask = None
+    g_mask = None
+    if PRELOAD:  # one K tile under PDL: its weights load while the previous kernel finishes
+        if not EVEN_K:
+            w_mask = (blk_k < K)[None, :, None, None]
+            g_mask = (blk_k < K)[None, :]
+        words_p, s_p, z_p = _weights(qw_ptrs, s_ptr + g_ptrs, z_ptr + g_ptrs, w_mask, g_mask, PER_NIBBLE)
+        if GATED:
+            wu_p, su_p, zu_p = _weights(qw_ptrs + up_words, s_ptr + g_ptrs + up_groups, z_ptr + g_ptrs + up_groups,
+                                        w_mask, g_mask, PER_NIBBLE)  # fmt: skip
+    wait_for_previous_kernel(USE_PDL)  # nothing above reads an activation or writes
+    # PRELOAD: K <= BLOCK_K, and a constant trip count of one keeps the loop from hoisting the decode
+    k_end = BLOCK_K if PRELOAD else K
+    for k0 in range(0, k_end, BLOCK_K):
+        if not EVEN_K:
+            w_mask = ((k0 + blk_k) < K)[None, :, None, None]
+            g_mask = ((k0 + blk_k) < K)[None, :]
         s_ptrs = s_ptr + g_ptrs + k0 // GROUP_SIZE
         z_ptrs = z_ptr + g_ptrs + k0 // GROUP_SIZE
-        if PER_NIBBLE:
-            s = tl.zeros((BLOCK_N, NBT), dtype=tl.float32)
-            z = tl.zeros((BLOCK_N, NBT), dtype=tl.float32)
+        if PRELOAD:
+            words, s, z = words_p, s_p, z_p
         else:
-            s = _load(s_ptrs, g_mask).to(tl.float32)
-            z = _load(z_ptrs, g_mask).to(tl.float32)
-        words = _load(qw_ptrs, w_mask)
+            words, s, z = _weights(qw_ptrs, s_ptrs, z_ptrs, w_mask, g_mask, PER_NIBBLE)
         hi = words >> 12
         acc0 += _tile_sum(
             words, hi, x_ptrs + k0, w_mask, s, z, s_ptrs, z_ptrs, g_mask, BW, GROUP_SIZE, PER_NIBBLE
@@ -221,13 +248,10 @@ def _w4a16_gemv_kernel(
         if GATED:
             su_ptrs = s_ptrs + up_groups
             zu_ptrs = z_ptrs + up_groups
-            if PER_NIBBLE:
-                su = s
-                zu = z
+            if PRELOAD:
+                wu, su, zu = wu_p, su_p, zu_p
             else:
-                su = _load(su_ptrs, g_mask).to(tl.float32)
-                zu = _load(zu_ptrs, g_mask).to(tl.float32)
-            wu = _load(qw_ptrs + up_words, w_mask)
+                wu, su, zu = _weights(qw_ptrs + up_words, su_ptrs, zu_ptrs, w_mask, g_mask, PER_NIBBLE)
             hu = wu >> 12
             up0 += _tile_sum(
                 wu, hu, x_ptrs + k0, w_mask, su, zu, su_ptrs, zu_ptrs, g_mask, BW, GROUP_SIZE, PER_NIBBLE
@@ -352,6 +376,7 @@ def _launch(
     if m == 0 or n == 0:
         return out
     bw = block_words(k)
+    use_pdl = pdl_enabled(x)
     config = config or default_config(m, qweight.shape[0], k, gated)
     bk, bn = config.block_k, config.block_n
     if bk & (bk - 1) or bk % (PACK * bw) or bn < 1 or bn & (bn - 1):
@@ -372,10 +397,13 @@ def _launch(
         PER_NIBBLE=group_size % (PACK * bw) != 0,
         EVEN_N=n % bn == 0,
         EVEN_K=k % bk == 0,
+        USE_PDL=use_pdl,
+        PRELOAD=use_pdl and k <= bk and m == 1,  # more rows: the early loads spill registers
         HAS_BIAS=bias is not None,
         GATED=gated,
         INTERPRET=interpreting(),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        **pdl_launch_options(use_pdl),
     )  # fmt: skip
     return out
