@@ -17,6 +17,8 @@ e2e      Llama-3-8B-shaped model, dummy weights generated on the GPU, bf16 activ
          weight_block_size [128, 128]). Batch 1: 32 random prompt tokens, 128 output tokens, EOS ignored,
          ms per output token = wall time / 128 (median of 3 after a warm-up). Batch 256: 256 x 128 in /
          128 out, output tokens per second (after a warm-up batch).
+fp8probe torch's blockwise-scaled F.scaled_mm (1x128 x 128x128) on Llama-3-8B shapes at M = 256: which
+         scale layouts run, error against float32, time beside the block-fp8 Triton GEMM.
 --sweep  the W4A16 launch-config sweep of benchmarks/h200/w4a16_sweep.py (after e2e; GEMV at M = 1, 2, 4,
          GEMM tiles and dequantize + cuBLAS at M = 16 .. 256, Llama-3-8B and Qwen3-0.6B shapes), bounded
          by --sweep-budget seconds; its own JSONL and summary.
@@ -164,6 +166,70 @@ def bench_rows(shape: str, m: int, n: int, k: int, quick: bool) -> list[dict[str
     return records
 
 
+def fp8_block_probe(m: int = 256) -> list[dict[str, Any]]:
+    """Whether torch's blockwise-scaled GEMM (F.scaled_mm, BlockWise1x128 activations x BlockWise128x128
+    weights) runs here, for which scale layouts, how close it is to float32 and how fast, beside
+    kvllm's block-fp8 Triton GEMM and the per-channel _scaled_mm (Llama-3-8B shapes, M rows)."""
+    records: list[dict[str, Any]] = []
+    for shape, (n, k) in SHAPES.items():
+        found = _fp8_probe_shape(shape, m, n, k)
+        for r in found:
+            print(json.dumps(r), flush=True)
+        records += found
+    return records
+
+
+def _fp8_probe_shape(shape: str, m: int, n: int, k: int) -> list[dict[str, Any]]:
+    import torch
+    import torch.nn.functional as F
+
+    from kvllm.layers.quantization.fp8 import quantize_per_channel
+    from kvllm.layers.quantization.ops.fp8 import FP8, block_fp8_linear, dequantize_block, quantize_fp8
+
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(n, k, device="cuda") * 0.5).to(FP8)
+    ws = torch.rand(n // 128, k // 128, device="cuda") * 0.01 + 0.001
+    xq, xs = quantize_fp8(x, 128)
+    ref = (xq.float() * xs.repeat_interleave(128, 1)) @ dequantize_block(w, ws, (128, 128)).T
+    base = {"part": "fp8probe", "shape": shape, "m": m, "n": n, "k": k}
+    records = [base | {"impl": "block Triton (quant + GEMM)",
+                       "us": graph_us(lambda i: block_fp8_linear(x, w, ws, (128, 128)))}]  # fmt: skip
+    wc, sc = quantize_per_channel((w.float() * 0.01).bfloat16())
+    xq1, xs1 = quantize_fp8(x)
+    records.append(base | {"impl": "per-channel _scaled_mm (GEMM only)", "us": graph_us(
+        lambda i: torch._scaled_mm(xq1, wc.t(), scale_a=xs1, scale_b=sc.view(1, -1), out_dtype=torch.bfloat16))})  # fmt: skip
+    scaling = getattr(F, "ScalingType", None)
+    layouts = {
+        "xs row-major, ws row-major": (xs, ws),
+        "xs M-major, ws row-major": (xs.t().contiguous().t(), ws),
+        "xs M-major, ws K-major": (xs.t().contiguous().t(), ws.t().contiguous().t()),
+        "xs M-major, ws^T": (xs.t().contiguous().t(), ws.t()),
+        "xs M-major, ws^T contiguous": (xs.t().contiguous().t(), ws.t().contiguous()),
+    }
+    for name, (sa, sb) in layouts.items():
+        rec = base | {"impl": f"F.scaled_mm blockwise ({name})"}
+        try:
+            if scaling is None:
+                raise RuntimeError("this torch has no F.ScalingType")
+
+            def call(i: int, sa: Any = sa, sb: Any = sb) -> Any:
+                return F.scaled_mm(xq, w.t(), sa, scaling.BlockWise1x128, sb, scaling.BlockWise128x128,
+                                   output_dtype=torch.bfloat16)  # fmt: skip
+
+            err = ((call(0).float() - ref).abs().max() / ref.abs().max()).item()
+            rec["max_rel_err"] = round(err, 5)
+            if err < 2e-2:
+                rec["us"] = graph_us(call)
+        except Exception as e:  # not available for this layout / torch / GPU: recorded
+            rec["error"] = repr(e)[:300]
+        records.append(rec)
+    for r in records:
+        if "us" in r:
+            r["us"] = round(r["us"], 2)
+            r["tflops"] = round(2 * m * n * k / r["us"] / 1e6, 1)
+    return records
+
+
 def engine_child(name: str, folder: str, quantization: str | None, quick: bool) -> None:
     """One engine: batch-1 latency and batch-256 throughput; JSON lines on stdout."""
     import torch
@@ -252,6 +318,8 @@ def main() -> int:
 
         sweep(out, args.sweep_budget)
     records += kernel_records(args.quick) if "kernels" in parts else []
+    if "fp8probe" in parts:
+        records += fp8_block_probe()
     with open(out / "quant_bench.jsonl", "w") as f:
         for record in records:
             f.write(json.dumps(record) + "\n")
