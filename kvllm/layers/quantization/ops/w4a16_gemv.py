@@ -3,18 +3,21 @@
 Reference: `dequantize` (int4_layout.py) and a float32 matmul. At these row counts the layer is a read
 of its packed weight, and with 4-bit values the CUDA cores' instruction issue, not the FMAs, is what
 keeps a kernel off HBM bandwidth: a bfloat16 stream delivers one weight per 2 bytes, this one per half
-byte, so each value gets a quarter of the instructions. The kernel is built to spend about three on it:
+byte, so each value gets a quarter of the instructions. The kernel spends about three on it (SASS
+for sm_90, 8 columns per program; 4.7 at 2 columns):
 
 - a program owns BLOCK_N output columns and the whole of K (as kvllm/layers/ops/gemv.py's bf16 GEMV:
-  one-warp programs, enough of them for any width, no split-K reduce);
-- it loads [BLOCK_N, blocks, B] words (16-byte vectors along K) and decodes nibble j of every word at
-  once, in place: (w & 0xF << 4j) | bits(2^(23-4j)) read as a float is 2^(23-4j) + q, so one logic op
-  and one subtraction of (2^(23-4j) + zero) give q - zero exactly (nibbles 4..7 the same after one
-  shift of the word by 16); no per-value shift or int-to-float conversion;
-- in the kvllm layout (int4_layout.py) nibble j of a block's B words is matched by B consecutive
-  activations, one vector load shared by all the program's columns;
-- the group scale multiplies a block's sum, not each value (a block lies in one group when the group
-  size is a multiple of the block's 8 * B values; otherwise each nibble's group is scaled apart).
+  small programs, enough of them for any width, no split-K reduce);
+- it loads [BLOCK_N, blocks, B / 4, 4] words (16-byte vectors along K) and reads nibble j of every
+  word in place: `w & (0xF << 4p)` viewed as a float32 is the subnormal q * 2^(4p - 149), one logic
+  op per value, and the FMA with x * 2^(100 - 4p) (scaled once per activation, shared by the
+  columns) adds q * x * 2^-49 (p = j, or j - 3 in the word shifted by 12 for j >= 5);
+- the zero point leaves the sum: sum (q - z) x = sum q x - z sum x, and the group scale multiplies a
+  block's sum, not each value (a block lies in one group when the group size is a multiple of its
+  8 * B values; otherwise each nibble's group is scaled apart);
+- in the kvllm layout (int4_layout.py) nibble j of a block's B words meets B consecutive activations:
+  x is a vector load in the same register layout as the words (the [.., 4] last dimension makes
+  Triton pick it for both), so nothing is converted between layouts in the loop.
 
 Under programmatic dependent launch (kvllm/utils/pdl.py) a one-row call whose K fits one tile loads
 its weights, scales and zeros before waiting for the previous kernel; otherwise it waits first.
@@ -44,8 +47,9 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 # Nibble j of a word is read in place, at bits 4p .. 4p + 3 of the word (p = j for j <= 4) or of the
 # word shifted right by 12 (p = j - 3 for j >= 5): as a float32 those bits are the subnormal
-# q * 2^(4p - 149). x is scaled by 2^(X_EXP - 4p), so each product is q * x * 2^(X_EXP - 149), a
-# normal float for any |x| > 2^-77 (and x * 2^X_EXP stays finite below 2^27). UNSCALE = 2^(149 - X_EXP).
+# q * 2^(4p - 149). x is scaled by 2^(100 - 4p), so each product is q * x * 2^-49, a normal float for
+# any |x| > 2^-77 (smaller ones contribute below 2^-126), and x * 2^100 stays finite for |x| < 2^27.
+# FMAs take subnormal inputs at full rate; Triton compiles them without flush-to-zero.
 UNSCALE: tl.constexpr = tl.constexpr(2.0**49)
 
 
