@@ -294,20 +294,15 @@ class W4A16GemvConfig:
 
 
 def default_config(m: int, n: int, k: int, gated: bool = False) -> W4A16GemvConfig:
-    """A first guess from the SASS instruction count per weight value (compiled for sm_90, before the
-    H200 sweep of benchmarks/h200/quant_bench.py --sweep): eight columns per program (3.1 per value;
-    two columns: 4.7) for wide outputs, K tiles of 1024 values per warp (fewer leave x and W in
-    different register layouts), the largest tile up to 4096 that divides K (no masked last tile);
-    4 rows run out of registers (spill) at eight columns, so four there (two gated: each column is
-    a gate and an up row)."""
-    block = PACK * block_words(k)
-    block_k = block
-    while block_k < 4096 and k % (2 * block_k) == 0:
+    """The H200 sweep's choice (benchmarks/h200/quant_bench.py --sweep, Llama-3-8B qkv / o / gate_up,
+    docs/benchmarks.md): one-warp programs over K tiles of 1024 values, two columns at 1-2 rows (one
+    for gate_up with the SiLU epilogue: a gate and an up row), four at 4 rows (two gated). Larger K
+    tiles and more warps per program measured 1.3-2x slower."""
+    block_k = PACK * block_words(k)
+    while block_k < 1024 and k % (2 * block_k) == 0:
         block_k *= 2
-    if m > 2:
-        return W4A16GemvConfig(block_n=2 if gated else 4, block_k=min(block_k, 1024), num_warps=1)
-    block_n = 8 if n >= 4096 else 4 if n >= 1024 else 2
-    return W4A16GemvConfig(block_n=block_n, block_k=block_k, num_warps=max(1, block_k // 1024))
+    block_n = 4 if m > 2 else 2
+    return W4A16GemvConfig(block_n=block_n // 2 if gated else block_n, block_k=block_k, num_warps=1)
 
 
 def block_m_for(m: int) -> int:
