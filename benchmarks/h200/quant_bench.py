@@ -3,8 +3,9 @@
     PYTHONPATH=. python3 benchmarks/h200/quant_bench.py --out DIR [--parts kernels,e2e] [--quick] [--sweep]
 
 kernels  Llama-3-8B's four projections (qkv, o, gate_up, down). Decode rows (M = 1, 16): bf16 F.linear
-         (cuBLAS), kvllm's bf16 GEMV (M = 1) and small-M kernels, W4A16 (group 128; reshape and gather unpacking; with
-         --sweep tile/split variants at M = 1). Prefill/batch rows (M = 256, 1024): bf16 F.linear, fp8 per-channel W8A8
+         (cuBLAS), kvllm's bf16 GEMV (M = 1) and small-M kernels, W4A16 (group 128) as the layers
+         dispatch it (GEMV up to 4 rows, Triton GEMM, dequantize + cuBLAS from DEQUANT_MIN_ROWS) and
+         the Triton GEMM alone. Prefill/batch rows (M = 256, 1024): bf16 F.linear, fp8 per-channel W8A8
          through torch._scaled_mm (GEMM alone, and with kvllm's per-token activation quantization),
          block-fp8 (128x128) Triton GEMM with its activation quantization, W4A16. Each time is the median
          per call of a CUDA graph of LOOP calls, each reading another copy of the weight (together more
@@ -16,6 +17,11 @@ e2e      Llama-3-8B-shaped model, dummy weights generated on the GPU, bf16 activ
          weight_block_size [128, 128]). Batch 1: 32 random prompt tokens, 128 output tokens, EOS ignored,
          ms per output token = wall time / 128 (median of 3 after a warm-up). Batch 256: 256 x 128 in /
          128 out, output tokens per second (after a warm-up batch).
+fp8probe torch's blockwise-scaled F.scaled_mm (1x128 x 128x128) on Llama-3-8B shapes at M = 256: which
+         scale layouts run, error against float32, time beside the block-fp8 Triton GEMM.
+--sweep  the W4A16 launch-config sweep of benchmarks/h200/w4a16_sweep.py (after e2e; GEMV at M = 1, 2, 4,
+         GEMM tiles and dequantize + cuBLAS at M = 16 .. 256, Llama-3-8B and Qwen3-0.6B shapes), bounded
+         by --sweep-budget seconds; its own JSONL and summary.
 One JSON line per measurement goes to DIR/quant_bench.jsonl; a table is printed last.
 """
 
@@ -39,7 +45,6 @@ GEMM_ROWS = (256, 1024)
 LOOP, REPLAYS = 20, 10
 COLD_BYTES = 256 << 20
 GROUP = 128
-SWEEP = False  # --sweep: W4A16 tile/split/unpack variants at M = 1 (about a minute more of compiling)
 ENGINES = {
     "bf16": (None, None),
     "awq": (
@@ -100,7 +105,8 @@ def bench_rows(shape: str, m: int, n: int, k: int, quick: bool) -> list[dict[str
     from kvllm.layers.ops.linear import linear as small_m_linear
     from kvllm.layers.quantization.fp8 import quantize_per_channel
     from kvllm.layers.quantization.ops.fp8 import FP8, block_fp8_linear, quantize_fp8, scaled_mm_rowwise
-    from kvllm.layers.quantization.ops.w4a16 import W4A16Config, default_config, pack_int4, w4a16_triton
+    from kvllm.layers.quantization.ops.int4_layout import pack_kernel_layout
+    from kvllm.layers.quantization.ops.w4a16 import default_config, w4a16_linear, w4a16_triton
 
     dev = torch.device("cuda")
     records: list[dict[str, Any]] = []
@@ -113,7 +119,7 @@ def bench_rows(shape: str, m: int, n: int, k: int, quick: bool) -> list[dict[str
         print(json.dumps(rec), flush=True)
 
     def make_w4() -> tuple:
-        q = pack_int4(torch.randint(0, 16, (n, k), device=dev))
+        q = pack_kernel_layout(torch.randint(0, 16, (n, k), device=dev))
         s = (torch.rand(n, k // GROUP, device=dev) * 0.003).bfloat16()
         z = torch.randint(0, 16, (n, k // GROUP), device=dev).bfloat16()
         return q, s, z
@@ -134,25 +140,17 @@ def bench_rows(shape: str, m: int, n: int, k: int, quick: bool) -> list[dict[str
             graph_us(lambda i: small_m_linear(x, bf16_w[i % len(bf16_w)][0])),
             bf16_bytes,
         )
-    base = default_config(m, n, k, GROUP)
-    variants = {"w4a16": base, "w4a16 gather": W4A16Config(**{**base.__dict__, "gather": True})}
-    if m == 1 and SWEEP:
-        sweep = ((32, 128, base.split_k, 4, 4), (128, 128, base.split_k, 4, 4), (64, 128, base.split_k * 2, 4, 4),
-                 (64, 128, base.split_k, 3, 8), (64, 256, max(1, base.split_k // 2), 4, 4),
-                 (128, 256, base.split_k, 3, 8), (32, 256, base.split_k, 4, 4))  # fmt: skip
-        for bn, bk, split, stages, warps in sweep:
-            for gather in (False, True):
-                config = W4A16Config(16, bn, bk, split, warps, stages, gather)
-                variants[f"w4a16 bn{bn} bk{bk} s{split} st{stages} w{warps}{' gather' if gather else ''}"] = (
-                    config
-                )
-    for name, config in variants.items():
+    variants = {
+        "w4a16": lambda i: w4a16_linear(x, *w4[i % len(w4)], GROUP),
+        "w4a16 Triton GEMM": lambda i: w4a16_triton(x, *w4[i % len(w4)], GROUP, config=default_config(m, n, k, GROUP)),
+    }  # fmt: skip
+    for name, fn in variants.items():
         try:
-            us = graph_us(lambda i, c=config: w4a16_triton(x, *w4[i % len(w4)], GROUP, config=c))
+            us = graph_us(fn)
         except Exception as e:  # a variant that does not compile here: recorded, not fatal
             print(json.dumps({"shape": shape, "m": m, "impl": name, "error": repr(e)[:300]}), flush=True)
             continue
-        emit(name, us, w4_bytes, config=config.__dict__)
+        emit(name, us, w4_bytes)
     if m >= 256:
         fp8_w = copies(lambda: quantize_per_channel(bf16_w[0][0]), n * k)
         xq, xs = quantize_fp8(x)
@@ -165,6 +163,70 @@ def bench_rows(shape: str, m: int, n: int, k: int, quick: bool) -> list[dict[str
                                  torch.rand(n // 128, k // 128, device=dev) * 0.01), n * k)  # fmt: skip
         emit("fp8 W8A8 block 128x128 (quant + Triton)",
              graph_us(lambda i: block_fp8_linear(x, *blocks[i % len(blocks)], (128, 128))), n * k)  # fmt: skip
+    return records
+
+
+def fp8_block_probe(m: int = 256) -> list[dict[str, Any]]:
+    """Whether torch's blockwise-scaled GEMM (F.scaled_mm, BlockWise1x128 activations x BlockWise128x128
+    weights) runs here, for which scale layouts, how close it is to float32 and how fast, beside
+    kvllm's block-fp8 Triton GEMM and the per-channel _scaled_mm (Llama-3-8B shapes, M rows)."""
+    records: list[dict[str, Any]] = []
+    for shape, (n, k) in SHAPES.items():
+        found = _fp8_probe_shape(shape, m, n, k)
+        for r in found:
+            print(json.dumps(r), flush=True)
+        records += found
+    return records
+
+
+def _fp8_probe_shape(shape: str, m: int, n: int, k: int) -> list[dict[str, Any]]:
+    import torch
+    import torch.nn.functional as F
+
+    from kvllm.layers.quantization.fp8 import quantize_per_channel
+    from kvllm.layers.quantization.ops.fp8 import FP8, block_fp8_linear, dequantize_block, quantize_fp8
+
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(n, k, device="cuda") * 0.5).to(FP8)
+    ws = torch.rand(n // 128, k // 128, device="cuda") * 0.01 + 0.001
+    xq, xs = quantize_fp8(x, 128)
+    ref = (xq.float() * xs.repeat_interleave(128, 1)) @ dequantize_block(w, ws, (128, 128)).T
+    base = {"part": "fp8probe", "shape": shape, "m": m, "n": n, "k": k}
+    records = [base | {"impl": "block Triton (quant + GEMM)",
+                       "us": graph_us(lambda i: block_fp8_linear(x, w, ws, (128, 128)))}]  # fmt: skip
+    wc, sc = quantize_per_channel((w.float() * 0.01).bfloat16())
+    xq1, xs1 = quantize_fp8(x)
+    records.append(base | {"impl": "per-channel _scaled_mm (GEMM only)", "us": graph_us(
+        lambda i: torch._scaled_mm(xq1, wc.t(), scale_a=xs1, scale_b=sc.view(1, -1), out_dtype=torch.bfloat16))})  # fmt: skip
+    scaling = getattr(F, "ScalingType", None)
+    layouts = {
+        "xs row-major, ws row-major": (xs, ws),
+        "xs M-major, ws row-major": (xs.t().contiguous().t(), ws),
+        "xs M-major, ws K-major": (xs.t().contiguous().t(), ws.t().contiguous().t()),
+        "xs M-major, ws^T": (xs.t().contiguous().t(), ws.t()),
+        "xs M-major, ws^T contiguous": (xs.t().contiguous().t(), ws.t().contiguous()),
+    }
+    for name, (sa, sb) in layouts.items():
+        rec = base | {"impl": f"F.scaled_mm blockwise ({name})"}
+        try:
+            if scaling is None:
+                raise RuntimeError("this torch has no F.ScalingType")
+
+            def call(i: int, sa: Any = sa, sb: Any = sb) -> Any:
+                return F.scaled_mm(xq, w.t(), sa, scaling.BlockWise1x128, sb, scaling.BlockWise128x128,
+                                   output_dtype=torch.bfloat16)  # fmt: skip
+
+            err = ((call(0).float() - ref).abs().max() / ref.abs().max()).item()
+            rec["max_rel_err"] = round(err, 5)
+            if err < 2e-2:
+                rec["us"] = graph_us(call)
+        except Exception as e:  # not available for this layout / torch / GPU: recorded
+            rec["error"] = repr(e)[:300]
+        records.append(rec)
+    for r in records:
+        if "us" in r:
+            r["us"] = round(r["us"], 2)
+            r["tflops"] = round(2 * m * n * k / r["us"] / 1e6, 1)
     return records
 
 
@@ -233,7 +295,10 @@ def main() -> int:
     parser.add_argument("--parts", default="kernels,e2e")
     parser.add_argument("--engines", default=",".join(ENGINES))
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--sweep", action="store_true", help="W4A16 launch-config variants at M = 1")
+    parser.add_argument("--sweep", action="store_true", help="the W4A16 launch-config sweep first")
+    parser.add_argument(
+        "--sweep-budget", type=float, default=100.0, help="seconds the sweep may start configs"
+    )
     parser.add_argument("--engine-timeout", type=float, default=150.0)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--folder", help=argparse.SUPPRESS)
@@ -242,14 +307,19 @@ def main() -> int:
     if args.child:
         engine_child(args.child, args.folder, args.quantization, args.quick)
         return 0
-    global SWEEP
-    SWEEP = args.sweep
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     parts = args.parts.split(",")
-    records = kernel_records(args.quick) if "kernels" in parts else []
-    if "e2e" in parts:
+    records = []
+    if "e2e" in parts:  # first: the engines run in their own processes on an idle GPU
         records += e2e_records(out, args.engines.split(","), args.quick, args.engine_timeout)
+    if args.sweep:
+        from benchmarks.h200.w4a16_sweep import sweep
+
+        sweep(out, args.sweep_budget)
+    records += kernel_records(args.quick) if "kernels" in parts else []
+    if "fp8probe" in parts:
+        records += fp8_block_probe()
     with open(out / "quant_bench.jsonl", "w") as f:
         for record in records:
             f.write(json.dumps(record) + "\n")

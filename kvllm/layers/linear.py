@@ -253,24 +253,19 @@ class MergedLinear(Linear):
         )
 
     def gated(self, x: torch.Tensor, act: nn.Module) -> torch.Tensor:
-        """act(self(x)) for a gate_up pair ([gate; up], equal halves). SiLU on one row (or up to four
-        of a narrow output) of an unquantized layer where fused ops are on is one GEMV launch with the
-        activation in its epilogue; anything else runs the projection, then `act`."""
+        """act(self(x)) for a gate_up pair ([gate; up], equal halves). SiLU runs as one kernel with the
+        activation in its epilogue where the layer's method has one for this input (the bf16 and
+        W4A16 GEMVs: decode rows, fused ops on); anything else runs the projection, then `act`."""
         from kvllm.layers.activation import SiluAndMul
-        from kvllm.layers.ops.dispatch import use_fused_ops
 
         if (
             type(act) is SiluAndMul
-            and type(self.quant_method) is UnquantizedLinearMethod
-            and use_fused_ops(x)
             and len(self.output_sizes) == 2
             and self.output_sizes[0] == self.output_sizes[1]
         ):
-            from kvllm.layers.ops.gemv import gemv_silu_and_mul, use_gemv
-            from kvllm.layers.ops.linear import is_narrow
-
-            if use_gemv(x, self.weight, narrow=is_narrow(self.weight)):
-                return gemv_silu_and_mul(x, self.weight, self.bias, constant_weight=True)
+            fused = self.quant_method.apply_silu_and_mul(self, x, self.bias)
+            if fused is not None:
+                return fused
         return act(self(x))
 
 

@@ -20,7 +20,8 @@ from kvllm.layers.quantization.ops.fp8 import (
     quantize_fp8,
     scaled_mm_rowwise,
 )
-from kvllm.layers.quantization.ops.w4a16 import W4A16Config, dequantize, pack_int4, w4a16_triton
+from kvllm.layers.quantization.ops.int4_layout import dequantize, pack_kernel_layout
+from kvllm.layers.quantization.ops.w4a16 import W4A16Config, default_config, w4a16_triton
 
 pytestmark = [
     pytest.mark.gpu,
@@ -38,7 +39,7 @@ def _gen(seed: int) -> torch.Generator:
 
 def random_int4(n: int, k: int, group: int, dtype: torch.dtype, seed: int):
     g = _gen(seed)
-    qweight = pack_int4(torch.randint(0, 16, (n, k), generator=g, device=CUDA))
+    qweight = pack_kernel_layout(torch.randint(0, 16, (n, k), generator=g, device=CUDA))
     scales = (0.001 + 0.004 * torch.rand(n, k // group, generator=g, device=CUDA)).to(dtype)
     zeros = torch.randint(0, 16, (n, k // group), generator=g, device=CUDA).to(dtype)
     return qweight, scales, zeros
@@ -54,17 +55,60 @@ def assert_close_scaled(out: torch.Tensor, expected: torch.Tensor, rel: float) -
 @pytest.mark.parametrize("m", [1, 16, 33, 256])
 @pytest.mark.parametrize("gather", [False, True], ids=["reshape", "gather"])
 def test_w4a16_matches_float32(dtype, n, k, m, gather) -> None:
+    """The Triton GEMM (tensor cores), forced at every M."""
     group = 128
     qweight, scales, zeros = random_int4(n, k, group, dtype, seed=n + m)
     x = torch.randn(m, k, generator=_gen(m), device=CUDA).to(dtype)
-    from kvllm.layers.quantization.ops.w4a16 import default_config
-
     config = default_config(m, n, k, group)
     config = W4A16Config(config.block_m, config.block_n, config.block_k, config.split_k,
                          config.num_warps, config.num_stages, gather)  # fmt: skip
     out = w4a16_triton(x, qweight, scales, zeros, group, config=config)
     weight = dequantize(qweight, scales, zeros, group).to(dtype).float()
     assert_close_scaled(out, x.float() @ weight.T, 1e-2 if dtype == torch.bfloat16 else 2e-3)
+
+
+GEMV_CASES = [(n, k, 128, torch.bfloat16) for n, k in SHAPES + [(1024, 3072)]] + [
+    (264, 192, 64, torch.bfloat16),  # 8-word blocks, N not a multiple of block_n
+    (6144, 4096, 32, torch.bfloat16),  # groups shorter than a block
+    (4096, 14336, 128, torch.float16),
+]
+
+
+@pytest.mark.parametrize("n,k,group,dtype", GEMV_CASES)
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+def test_w4a16_gemv_matches_float32(n, k, group, dtype, m) -> None:
+    """The decode GEMV with its default configs, against the exact dequantized weight in float32."""
+    from kvllm.layers.quantization.ops.w4a16_gemv import w4a16_gemv
+
+    qweight, scales, zeros = random_int4(n, k, group, dtype, seed=n + m)
+    x = torch.randn(m, k, generator=_gen(m), device=CUDA).to(dtype)
+    out = w4a16_gemv(x, qweight, scales, zeros, group)
+    assert_close_scaled(out, x.float() @ dequantize(qweight, scales, zeros, group).T, 1e-2)
+
+
+@pytest.mark.parametrize("n,k", [(28672, 4096), (6144, 1024), (528, 384)])
+@pytest.mark.parametrize("m", [1, 4])
+def test_w4a16_gemv_silu_and_mul_matches_float32(n, k, m) -> None:
+    from kvllm.layers.quantization.ops.w4a16_gemv import w4a16_gemv_silu_and_mul
+
+    qweight, scales, zeros = random_int4(n, k, 128, torch.bfloat16, seed=n + m)
+    x = torch.randn(m, k, generator=_gen(m), device=CUDA).bfloat16()
+    out = w4a16_gemv_silu_and_mul(x, qweight, scales, zeros, 128)
+    gate, up = (x.float() @ dequantize(qweight, scales, zeros, 128).T).split(n // 2, dim=1)
+    assert_close_scaled(out, torch.nn.functional.silu(gate) * up, 2e-2)
+
+
+@pytest.mark.parametrize("m", [1, 3, 8, 200, 700])
+def test_w4a16_linear_dispatch_matches_float32(m) -> None:
+    """Every route the layers take on the GPU (GEMV, Triton GEMM, dequantize + cuBLAS), act order on."""
+    from kvllm.layers.quantization.ops.w4a16 import w4a16_linear
+
+    n, k = 4096, 4096
+    qweight, scales, zeros = random_int4(n, k, 128, torch.bfloat16, seed=m)
+    perm = torch.randperm(k, generator=_gen(1), device=CUDA)
+    x = torch.randn(m, k, generator=_gen(m), device=CUDA).bfloat16()
+    out = w4a16_linear(x, qweight, scales, zeros, 128, perm=perm)
+    assert_close_scaled(out, x[:, perm].float() @ dequantize(qweight, scales, zeros, 128).T, 1e-2)
 
 
 @pytest.mark.parametrize("n,k", SHAPES[:4])

@@ -13,14 +13,14 @@ import torch
 
 from kvllm.layers.ops.dispatch import fused_ops_mode
 from kvllm.layers.quantization.ops.fp8 import FP8, block_fp8_linear, dequantize_block, quantize_fp8
-from kvllm.layers.quantization.ops.w4a16 import (
-    W4A16Config,
+from kvllm.layers.quantization.ops.int4_layout import (
     dequantize,
     pack_int4,
+    pack_kernel_layout,
     unpack_int4,
-    w4a16_linear,
-    w4a16_triton,
+    unpack_kernel_layout,
 )
+from kvllm.layers.quantization.ops.w4a16 import W4A16Config, w4a16_linear, w4a16_triton
 
 TOLERANCES = {torch.float16: (2e-3, 2e-3), torch.bfloat16: (1e-2, 1e-2), torch.float32: (1e-5, 1e-4)}
 
@@ -31,7 +31,7 @@ def _gen(seed: int) -> torch.Generator:
 
 def random_int4(n: int, k: int, group: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, ...]:
     g = _gen(seed)
-    qweight = pack_int4(torch.randint(0, 16, (n, k), generator=g))
+    qweight = pack_kernel_layout(torch.randint(0, 16, (n, k), generator=g))
     scales = (0.01 + 0.02 * torch.rand(n, k // group, generator=g)).to(dtype)
     zeros = torch.randint(0, 16, (n, k // group), generator=g).to(dtype)
     return qweight, scales, zeros
@@ -80,7 +80,7 @@ def test_w4a16_split_k_and_unpack_configs(split_k, gather) -> None:
     torch.testing.assert_close(out.float(), expected, rtol=2e-3, atol=2e-3)
 
 
-@pytest.mark.parametrize("block_k", [64, 128], ids=["two_groups_per_tile", "four_groups_per_tile"])
+@pytest.mark.parametrize("block_k", [128, 256], ids=["four_groups_per_tile", "eight_groups_per_tile"])
 def test_w4a16_tiles_spanning_groups(block_k) -> None:
     qweight, scales, zeros = random_int4(40, 256, 32, torch.float16, seed=6)
     x = torch.randn(3, 256, generator=_gen(7)).half()
@@ -137,3 +137,144 @@ def test_quantize_fp8_kernel_matches_torch(group) -> None:
         q, s = quantize_fp8(x, group)
     torch.testing.assert_close(s, s_ref, rtol=0, atol=0)
     torch.testing.assert_close(q.float(), q_ref.float(), rtol=0, atol=0)
+
+
+def test_kernel_layout_places_value_in_its_nibble() -> None:
+    """The layout's definition: value j * B + b of each 8B-value block sits in nibble j of word b."""
+    from kvllm.layers.quantization.ops.int4_layout import block_words
+
+    for k in (128, 384, 64, 24):
+        values = torch.randint(0, 16, (3, k), generator=_gen(k))
+        words, packed = block_words(k), pack_kernel_layout(values)
+        for n, index in ((0, 0), (1, k - 1), (2, k // 2 + 1), (2, k // 3)):
+            block, offset = divmod(index, 8 * words)
+            j, b = divmod(offset, words)
+            word = int(packed[n, block * words + b]) & 0xFFFFFFFF
+            assert (word >> (4 * j)) & 0xF == values[n, index]
+        assert torch.equal(unpack_kernel_layout(packed).long(), values)
+
+
+GEMV_CASES = [
+    # m, n, k, group, bias, config (block_n, block_k, warps) or None, dtype
+    (1, 96, 256, 128, False, None, torch.bfloat16),
+    (2, 40, 512, 128, True, (4, 256, 1), torch.float16),  # two K tiles
+    (
+        3,
+        24,
+        384,
+        128,
+        False,
+        (2, 256, 2),
+        torch.float32,
+    ),  # a partial last tile (masked blocks), rows padded to 4
+    (
+        4,
+        36,
+        512,
+        32,
+        True,
+        (8, 512, 1),
+        torch.bfloat16,
+    ),  # N not a multiple of block_n; groups shorter than a block
+    (1, 20, 192, 64, False, (4, 64, 1), torch.float16),  # K not a multiple of 128: 8-word blocks
+    (2, 16, 256, 256, False, (1, 128, 1), torch.float32),  # one group per column (group = K)
+]
+
+
+@pytest.mark.parametrize("m,n,k,group,with_bias,config,dtype", GEMV_CASES)
+def test_w4a16_gemv_matches_float32_reference(dtype, m, n, k, group, with_bias, config) -> None:
+    """Against x @ W^T in float32 with the exact (unrounded) dequantized weight: the kernel never
+    rounds W, so the only 16-bit rounding is the output's."""
+    from kvllm.layers.quantization.ops.w4a16_gemv import W4A16GemvConfig, w4a16_gemv
+
+    qweight, scales, zeros = random_int4(n, k, group, dtype, seed=m * n + k)
+    x = torch.randn(m, k, generator=_gen(k + m)).to(dtype)
+    bias = torch.randn(n, generator=_gen(n)).to(dtype) if with_bias else None
+    out = w4a16_gemv(x, qweight, scales, zeros, group, bias, W4A16GemvConfig(*config) if config else None)
+    expected = x.float() @ dequantize(qweight, scales, zeros, group).T + (bias.float() if with_bias else 0)
+    rtol, atol = TOLERANCES[dtype]
+    assert out.dtype == dtype and out.shape == (m, n)
+    torch.testing.assert_close(out.float(), expected, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("m,n,k,group,with_bias,config,dtype", [GEMV_CASES[1], GEMV_CASES[3]])
+def test_w4a16_gemv_silu_and_mul(m, n, k, group, with_bias, config, dtype) -> None:
+    """The fused gate_up epilogue: the projection, silu and product each rounded to x's dtype, as the
+    unfused path does."""
+    from kvllm.layers.quantization.ops.w4a16_gemv import W4A16GemvConfig, w4a16_gemv_silu_and_mul
+
+    qweight, scales, zeros = random_int4(2 * n, k, group, dtype, seed=n + k)
+    x = torch.randn(m, k, generator=_gen(k)).to(dtype)
+    bias = torch.randn(2 * n, generator=_gen(n)).to(dtype) if with_bias else None
+    out = w4a16_gemv_silu_and_mul(x, qweight, scales, zeros, group, bias, W4A16GemvConfig(*config))
+    y = (x.float() @ dequantize(qweight, scales, zeros, group).T + (bias.float() if with_bias else 0)).to(
+        dtype
+    )
+    gate, up = y.float().split(n, dim=1)
+    expected = torch.nn.functional.silu(gate).to(dtype).float() * up
+    rtol, atol = TOLERANCES[dtype]
+    torch.testing.assert_close(out.float(), expected, rtol=rtol, atol=atol)
+
+
+def test_w4a16_gemv_rejects_bad_operands() -> None:
+    from kvllm.layers.quantization.ops.w4a16_gemv import W4A16GemvConfig, w4a16_gemv, w4a16_gemv_silu_and_mul
+
+    qweight, scales, zeros = random_int4(16, 256, 128, torch.float32, seed=1)
+    with pytest.raises(ValueError, match="M <= 4"):
+        w4a16_gemv(torch.randn(5, 256), qweight, scales, zeros, 128)
+    with pytest.raises(ValueError, match="qweight"):
+        w4a16_gemv(torch.randn(1, 128), qweight, scales, zeros, 128)
+    with pytest.raises(ValueError, match="block_k"):
+        w4a16_gemv(torch.randn(1, 256), qweight, scales, zeros, 128, config=W4A16GemvConfig(2, 64))
+    with pytest.raises(ValueError, match="even number"):
+        w4a16_gemv_silu_and_mul(torch.randn(1, 256), qweight[:15], scales[:15], zeros[:15], 128)
+
+
+@pytest.mark.parametrize("group", [128, 32])
+def test_dequantize_kernel_matches_reference(group) -> None:
+    from kvllm.layers.quantization.ops.w4a16 import dequantize_triton
+
+    qweight, scales, zeros = random_int4(40, 384, group, torch.float16, seed=group)
+    out = dequantize_triton(qweight, scales, zeros, group, torch.float16)
+    torch.testing.assert_close(out, dequantize(qweight, scales, zeros, group).half(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("m", [1, 9, 130])
+def test_w4a16_linear_dispatch_matches_cpu_path(m, monkeypatch) -> None:
+    """Each route of the fused dispatch (GEMV, Triton GEMM, dequantize + matmul from DEQUANT_MIN_ROWS,
+    here lowered to 128) against the dequantize-and-matmul path, act order included."""
+    from kvllm.layers.quantization.ops import w4a16
+
+    monkeypatch.setattr(w4a16, "DEQUANT_MIN_ROWS", 128)
+    qweight, scales, zeros = random_int4(48, 256, 64, torch.float32, seed=m)
+    perm = torch.randperm(256, generator=_gen(m))
+    x = torch.randn(m, 256, generator=_gen(m + 1))
+    bias = torch.randn(48, generator=_gen(2))
+    expected = w4a16_linear(x, qweight, scales, zeros, 64, bias, perm)
+    with fused_ops_mode("1"):
+        out = w4a16_linear(x, qweight, scales, zeros, 64, bias, perm)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
+
+
+def test_gated_int4_layer_fuses_silu_for_decode_rows() -> None:
+    """MergedLinear.gated on an int4 layer with fused ops on runs the W4A16 GEMV's SiLU epilogue (one
+    row) and matches the projection-then-activation path of the CPU reference."""
+    from unittest import mock
+
+    from kvllm.layers.activation import SiluAndMul
+    from kvllm.layers.linear import MergedLinear
+    from kvllm.layers.quantization.gptq import GPTQConfig
+    from kvllm.layers.quantization.ops import w4a16_gemv
+
+    config = GPTQConfig.from_config({"bits": 4, "group_size": 64, "desc_act": False, "sym": True})
+    layer = MergedLinear(256, [64, 64], quant_config=config, prefix="mlp.gate_up_proj")
+    g = _gen(3)
+    for param in layer.parameters():
+        param.dummy_init(param.data, g)  # random int4 values, zeros and scales; sequential g_idx
+    layer.quant_method.process_weights_after_loading(layer)
+    x = torch.randn(1, 256, generator=g)
+    expected = SiluAndMul()(layer(x))
+    with fused_ops_mode("1"), mock.patch.object(w4a16_gemv, "_launch", wraps=w4a16_gemv._launch) as launch:
+        out = layer.gated(x, SiluAndMul())
+    assert launch.call_args.args[-1] is True  # the gated kernel ran
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)

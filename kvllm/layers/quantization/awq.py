@@ -28,7 +28,7 @@ from kvllm.layers.quantization.int4 import (
     random_int32,
     random_scales,
 )
-from kvllm.layers.quantization.ops.w4a16 import PACK
+from kvllm.layers.quantization.ops.int4_layout import PACK
 
 
 class AWQConfig(QuantizationConfig):

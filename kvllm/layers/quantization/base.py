@@ -84,6 +84,14 @@ class LinearMethodBase(ABC):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., input_size] -> [..., output_size] in x's dtype."""
 
+    def apply_silu_and_mul(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """silu(gate) * up of a gate_up layer's projection ([gate; up] rows, equal halves) in one fused
+        kernel, or None where the method has none for this input (the caller then runs `apply` and
+        the activation)."""
+        return None
+
 
 class UnquantizedLinearMethod(LinearMethodBase):
     """A dense weight [output, input] in the model's dtype: F.linear, or the GEMV / small-M kernels for
@@ -108,6 +116,20 @@ class UnquantizedLinearMethod(LinearMethodBase):
             if use_small_m_kernel(x, layer.weight):
                 return linear(x, layer.weight, bias)
         return F.linear(x, layer.weight, bias)
+
+    def apply_silu_and_mul(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """The GEMV with the activation in its epilogue, for one row (or up to four of a narrow
+        output) where fused ops are on."""
+        if not use_fused_ops(x):
+            return None
+        from kvllm.layers.ops.gemv import gemv_silu_and_mul, use_gemv
+        from kvllm.layers.ops.linear import is_narrow
+
+        if use_gemv(x, layer.weight, narrow=is_narrow(layer.weight)):
+            return gemv_silu_and_mul(x, layer.weight, bias, constant_weight=True)
+        return None
 
 
 class QuantizationConfig(ABC):

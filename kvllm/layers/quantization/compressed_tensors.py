@@ -35,7 +35,7 @@ from kvllm.layers.quantization.int4 import (
     random_scales,
 )
 from kvllm.layers.quantization.ops.fp8 import FP8
-from kvllm.layers.quantization.ops.w4a16 import PACK, unpack_int4
+from kvllm.layers.quantization.ops.int4_layout import PACK, unpack_int4
 
 _FORMATS = ("pack-quantized", "float-quantized", "naive-quantized")
 

@@ -29,7 +29,7 @@ from kvllm.layers.quantization.int4 import (
     random_scales,
     unpack_int4_rows,
 )
-from kvllm.layers.quantization.ops.w4a16 import PACK, unpack_int4
+from kvllm.layers.quantization.ops.int4_layout import PACK, unpack_int4
 
 
 class GPTQConfig(QuantizationConfig):

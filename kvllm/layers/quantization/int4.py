@@ -1,5 +1,6 @@
 """What the 4-bit weight-only methods (AWQ, GPTQ, compressed-tensors W4A16) share: repacking into the
-kvllm int4 layout (kvllm/layers/quantization/ops/w4a16.py), dummy values, and `apply`."""
+kvllm int4 layout (kvllm/layers/quantization/ops/int4_layout.py), dummy values, `apply` and the fused
+gate_up activation."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import torch
 from torch import nn
 
 from kvllm.layers.quantization.base import LinearMethodBase
-from kvllm.layers.quantization.ops.w4a16 import PACK, pack_int4, unpack_int4, w4a16_linear
+from kvllm.layers.quantization.ops.int4_layout import PACK, pack_kernel_layout, unpack_int4
+from kvllm.layers.quantization.ops.w4a16 import w4a16_linear, w4a16_silu_and_mul
 
 DUMMY_SCALE = 0.003  # dequantized weights (q - z) * s then have a spread of about 0.02, as dummy bf16 ones
 
@@ -89,11 +91,22 @@ class Int4LinearMethod(LinearMethodBase):
         dtype = scales.dtype
         for name in [name for name, _ in layer.named_parameters(recurse=False) if name != "bias"]:
             delattr(layer, name)
-        for name, value in (("qweight", pack_int4(values)), ("scales", scales), ("zeros", zeros.to(dtype))):
+        for name, value in (
+            ("qweight", pack_kernel_layout(values)),
+            ("scales", scales),
+            ("zeros", zeros.to(dtype)),
+        ):
             layer.register_parameter(name, nn.Parameter(value.contiguous(), requires_grad=False))
         layer.register_buffer("perm", perm, persistent=False)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return w4a16_linear(
+            x, layer.qweight, layer.scales, layer.zeros, self.layer_group_size(layer), bias, layer.perm
+        )
+
+    def apply_silu_and_mul(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        return w4a16_silu_and_mul(
             x, layer.qweight, layer.scales, layer.zeros, self.layer_group_size(layer), bias, layer.perm
         )

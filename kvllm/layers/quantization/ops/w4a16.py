@@ -25,38 +25,13 @@ import triton.language as tl
 
 from kvllm.layers.ops.common import cast_to, interpreting, round_to
 from kvllm.layers.ops.dispatch import use_fused_ops
+from kvllm.layers.quantization.ops.int4_layout import PACK, block_words, dequantize
 
-PACK = 8  # 4-bit values per int32
 SMALL_M = 16
+# From this many rows: dequantize the weight, then cuBLAS. H200 sweep: at 16 rows the Triton GEMM
+# (16-row tiles) is 2.2-2.4x faster than dequantize + cuBLAS, at 64 rows 1.4-2.1x slower.
+DEQUANT_MIN_ROWS = 17
 TARGET_PROGRAMS = 264  # two per SM on an H200
-MAX_SPLIT_K = 8
-
-
-def pack_int4(values: torch.Tensor) -> torch.Tensor:
-    """[R, C] integers in [0, 15] -> [R, C / 8] int32, value c % 8 of each word in bits 4 * (c % 8)."""
-    if values.shape[-1] % PACK:
-        raise ValueError(f"int4 packing needs a multiple of {PACK} columns, got {values.shape[-1]}")
-    v = values.to(torch.int64).reshape(*values.shape[:-1], -1, PACK)
-    shifts = torch.arange(PACK, dtype=torch.int64, device=values.device) * 4
-    words = (v << shifts).sum(-1)
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-
-
-def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    """Inverse of `pack_int4`: [R, C / 8] int32 -> [R, C] uint8 values in [0, 15]."""
-    shifts = torch.arange(PACK, dtype=torch.int32, device=packed.device) * 4
-    values = (packed.unsqueeze(-1) >> shifts) & 0xF
-    return values.reshape(*packed.shape[:-1], -1).to(torch.uint8)
-
-
-def dequantize(
-    qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
-) -> torch.Tensor:
-    """The float32 weight [N, K] of the kvllm int4 layout (the reference of every W4A16 path)."""
-    q = unpack_int4(qweight).float()
-    s = scales.float().repeat_interleave(group_size, dim=1)[:, : q.shape[1]]
-    z = zeros.float().repeat_interleave(group_size, dim=1)[:, : q.shape[1]]
-    return (q - z) * s
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -64,6 +39,7 @@ def _w4a16_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, partial_ptr,
     M, N, K, k_per_split, num_groups, stride_xm, stride_om,
     GROUP_SIZE: tl.constexpr,
+    BW: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -81,7 +57,7 @@ def _w4a16_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    offs_kw = tl.arange(0, BLOCK_K // 8)
+    offs_kw = (tl.arange(0, BLOCK_K // (8 * BW)) * BW)[:, None] + tl.arange(0, BW)[None, :]  # [blocks, BW]
     shifts = tl.arange(0, 8) * 4
     m_mask = offs_m < M
     n_mask = offs_n < N
@@ -98,20 +74,21 @@ def _w4a16_kernel(
             other=0.0,
         )
         if GATHER:  # each word loaded once per value it holds (cache hits), no reshape
+            kk = k + offs_k  # value kk: word (block, kk % BW), nibble (kk % (8 BW)) // BW
             packed = tl.load(
-                qw_ptr + offs_n[:, None] * words_per_row + ((k + offs_k) // 8)[None, :],
+                qw_ptr + offs_n[:, None] * words_per_row + ((kk // (8 * BW)) * BW + kk % BW)[None, :],
                 mask=n_mask[:, None] & k_mask[None, :],
                 other=0,
             )
-            q = (packed >> (((k + offs_k) % 8) * 4)[None, :]) & 0xF
-        else:
+            q = (packed >> (((kk % (8 * BW)) // BW) * 4)[None, :]) & 0xF
+        else:  # whole blocks: [BLOCK_N, blocks, 8 nibbles, BW words] is the tile in K order
             kw = k // 8 + offs_kw
             packed = tl.load(
-                qw_ptr + offs_n[:, None] * words_per_row + kw[None, :],
-                mask=n_mask[:, None] & (kw < k_end // 8)[None, :],
+                qw_ptr + offs_n[:, None, None] * words_per_row + kw[None, :, :],
+                mask=n_mask[:, None, None] & (kw < k_end // 8)[None, :, :],
                 other=0,
             )
-            q = (packed[:, :, None] >> shifts[None, None, :]) & 0xF
+            q = (packed[:, :, None, :] >> shifts[None, None, :, None]) & 0xF
             q = tl.reshape(q, (BLOCK_N, BLOCK_K))
         if BLOCK_K <= GROUP_SIZE:  # one group per tile: a scale and a zero per column
             group = k // GROUP_SIZE
@@ -144,6 +121,52 @@ def _w4a16_kernel(
         tl.store(partial_ptrs, acc, mask=mask)
 
 
+@triton.jit
+def _dequantize_kernel(
+    qw_ptr, s_ptr, z_ptr, out_ptr, N, K, num_groups,
+    GROUP_SIZE: tl.constexpr,
+    BW: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NBT: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):  # fmt: skip
+    # One program: BLOCK_N columns x NBT layout blocks, written as [BLOCK_N, NBT, 8 nibbles, BW words].
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    blk = tl.program_id(1) * NBT + tl.arange(0, NBT)
+    b = tl.arange(0, BW)
+    j = tl.arange(0, 8)
+    n4 = offs_n[:, None, None, None]
+    mask = (n4 < N) & (blk * (8 * BW) < K)[None, :, None, None]
+    words = tl.load(qw_ptr + n4 * (K // 8) + (blk * BW)[None, :, None, None] + b[None, None, None, :],
+                    mask=mask, other=0)  # fmt: skip
+    q = (words >> (j * 4)[None, None, :, None]) & 0xF
+    k = (blk * (8 * BW))[None, :, None, None] + (j * BW)[None, None, :, None] + b[None, None, None, :]
+    g = n4 * num_groups + k // GROUP_SIZE
+    s = tl.load(s_ptr + g, mask=mask, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + g, mask=mask, other=0.0).to(tl.float32)
+    w = ((q | 0x4B000000).to(tl.float32, bitcast=True) - (z + 8388608.0)) * s
+    tl.store(out_ptr + n4 * K + k, cast_to(w, out_ptr.dtype.element_ty, INTERPRET), mask=mask)
+
+
+def dequantize_triton(
+    qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """`dequantize` rounded to `dtype`, one Triton launch: the weight [N, K] for cuBLAS."""
+    n, k = qweight.shape[0], qweight.shape[1] * PACK
+    bw = block_words(k)
+    out = torch.empty((n, k), dtype=dtype, device=qweight.device)
+    if n == 0:
+        return out
+    block_n, nbt = 16, max(1, 256 // (PACK * bw))
+    grid = (triton.cdiv(n, block_n), triton.cdiv(k // (PACK * bw), nbt))
+    _dequantize_kernel[grid](
+        qweight, scales, zeros, out, n, k, scales.shape[1],
+        GROUP_SIZE=min(group_size, k), BW=bw, BLOCK_N=block_n, NBT=nbt, INTERPRET=interpreting(),
+        num_warps=4,
+    )  # fmt: skip
+    return out
+
+
 @dataclass(frozen=True)
 class W4A16Config:
     """Launch parameters of the W4A16 kernel."""
@@ -158,18 +181,19 @@ class W4A16Config:
 
 
 def default_config(m: int, n: int, k: int, group_size: int) -> W4A16Config:
-    """Small M: 16 rows, 64 columns, K split up to TARGET_PROGRAMS programs; large M: 64 or 128 rows."""
-    block_k = min(128, group_size)
+    """Small M: 16 rows, 32 columns, K split 4 ways below 4 * TARGET_PROGRAMS column tiles (the H200
+    sweep's best at M = 16 on Llama-3-8B qkv and o: 1.4-2.8x faster than 64 columns); large M: 64 or
+    128 rows (measured slower than dequantize + cuBLAS there, which the dispatch takes). K tiles of
+    whole layout blocks (128 values), or one group where groups are longer."""
+    block_k = max(PACK * block_words(k), min(128, group_size))
     if m <= SMALL_M:
-        block_n = 64
+        block_n = 32
         tiles = triton.cdiv(n, block_n)
-        split = 1
-        while tiles * split < TARGET_PROGRAMS and split * 2 <= min(MAX_SPLIT_K, k // block_k):
-            split *= 2
+        split = max(1, min(4, k // block_k)) if tiles < 4 * TARGET_PROGRAMS else 1
         return W4A16Config(SMALL_M, block_n, block_k, split, num_warps=4, num_stages=4)
     if m <= 64:
         return W4A16Config(64, 64, block_k, num_warps=4, num_stages=4)
-    return W4A16Config(128, 128, min(64, block_k), num_warps=8, num_stages=3)
+    return W4A16Config(128, 128, block_k, num_warps=8, num_stages=3)
 
 
 def _check(
@@ -207,7 +231,11 @@ def w4a16_linear(
     config: W4A16Config | None = None,
 ) -> torch.Tensor:
     """x [..., K] @ W^T (+ bias) -> [..., N] in x's dtype, W in the kvllm int4 layout; `perm` [K] gathers
-    x's columns first (act order). The Triton kernel where fused ops are on, else dequantize + F.linear."""
+    x's columns first (act order). Where fused ops are on: the GEMV for up to 4 rows, the Triton GEMM
+    for up to DEQUANT_MIN_ROWS - 1, then the dequantized weight through cuBLAS (`config` forces the
+    GEMM). Else dequantize + F.linear."""
+    from kvllm.layers.quantization.ops.w4a16_gemv import MAX_ROWS, w4a16_gemv
+
     shape = x.shape
     x = x.reshape(-1, shape[-1])
     if perm is not None:
@@ -216,8 +244,37 @@ def w4a16_linear(
     if not use_fused_ops(x):
         weight = dequantize(qweight, scales, zeros, group_size).to(x.dtype)
         return F.linear(x, weight, bias).reshape(*shape[:-1], -1)
-    out = w4a16_triton(x.contiguous(), qweight, scales, zeros, group_size, bias, config)
+    x = x.contiguous()
+    m = x.shape[0]
+    # Groups shorter than a 128-value block would need the GEMM's multi-group tiles, which no GPU run
+    # has checked: those layers dequantize instead.
+    if config is not None or (MAX_ROWS < m < DEQUANT_MIN_ROWS and group_size >= 128):
+        out = w4a16_triton(x, qweight, scales, zeros, group_size, bias, config)
+    elif m <= MAX_ROWS:
+        out = w4a16_gemv(x, qweight, scales, zeros, group_size, bias)
+    else:
+        out = F.linear(x, dequantize_triton(qweight, scales, zeros, group_size, x.dtype), bias)
     return out.reshape(*shape[:-1], -1)
+
+
+def w4a16_silu_and_mul(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+    perm: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """silu(gate) * up of a gate_up projection (W's rows: gate, then up) in one GEMV launch, for up to
+    4 rows of x [M, K] where fused ops are on; None where that kernel does not apply."""
+    from kvllm.layers.quantization.ops.w4a16_gemv import MAX_ROWS, w4a16_gemv_silu_and_mul
+
+    if not use_fused_ops(x) or x.dim() != 2 or x.shape[0] > MAX_ROWS:
+        return None
+    if perm is not None:
+        x = x.index_select(1, perm)
+    return w4a16_gemv_silu_and_mul(x.contiguous(), qweight, scales, zeros, group_size, bias)
 
 
 def w4a16_triton(
@@ -241,15 +298,17 @@ def w4a16_triton(
     group_size = min(group_size, k)
     config = config or default_config(m, n, k, group_size)
     bk = config.block_k
+    block = PACK * block_words(k)
     if (
         bk < 16
         or bk & (bk - 1)
         or (bk <= group_size and group_size % bk)
         or (bk > group_size and bk % group_size)
+        or (not config.gather and bk % block)
     ):
         raise ValueError(
             f"block_k {bk} must be a power of two >= 16 that divides the group size {group_size} or is a "
-            "multiple of it"
+            f"multiple of it, and (without gather) a multiple of the layout's {block}-value block"
         )
     k_per_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
     split = triton.cdiv(k, k_per_split)
@@ -263,6 +322,7 @@ def w4a16_triton(
         x, qweight, scales, zeros, bias_arg, out, partial,
         m, n, k, k_per_split, scales.shape[1], x.stride(0) if m > 1 else k, out.stride(0),
         GROUP_SIZE=group_size,
+        BW=block // PACK,
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,

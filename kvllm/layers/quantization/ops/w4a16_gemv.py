@@ -1,0 +1,408 @@
+"""W4A16 GEMV: y = x @ dequant(W)^T (+ bias) for 1 to 4 rows of x (decode), one Triton launch, no reduce.
+
+Reference: `dequantize` (int4_layout.py) and a float32 matmul. At these row counts the layer is a read
+of its packed weight, and with 4-bit values the CUDA cores' instruction issue, not the FMAs, is what
+keeps a kernel off HBM bandwidth: a bfloat16 stream delivers one weight per 2 bytes, this one per half
+byte, so each value gets a quarter of the instructions. The kernel spends about three on it (SASS
+for sm_90, 8 columns per program; 4.7 at 2 columns):
+
+- a program owns BLOCK_N output columns and the whole of K (as kvllm/layers/ops/gemv.py's bf16 GEMV:
+  small programs, enough of them for any width, no split-K reduce);
+- it loads [BLOCK_N, blocks, B / 4, 4] words (16-byte vectors along K) and reads nibble j of every
+  word in place: `w & (0xF << 4p)` viewed as a float32 is the subnormal q * 2^(4p - 149), one logic
+  op per value, and the FMA with x * 2^(100 - 4p) (scaled once per activation, shared by the
+  columns) adds q * x * 2^-49 (p = j, or j - 3 in the word shifted by 12 for j >= 5);
+- the zero point leaves the sum: sum (q - z) x = sum q x - z sum x, and the group scale multiplies a
+  block's sum, not each value (a block lies in one group when the group size is a multiple of its
+  8 * B values; otherwise each nibble's group is scaled apart);
+- in the kvllm layout (int4_layout.py) nibble j of a block's B words meets B consecutive activations:
+  x is a vector load in the same register layout as the words (the [.., 4] last dimension makes
+  Triton pick it for both), so nothing is converted between layouts in the loop.
+
+Under programmatic dependent launch (kvllm/utils/pdl.py) a one-row call whose K fits one tile loads
+its weights, scales and zeros before waiting for the previous kernel; otherwise it waits first.
+
+Accumulation is in float32 throughout; the dequantized weight is never rounded to 16 bits, so results
+are the float32 product of x with the exact dequantized weight, rounded once.
+
+`w4a16_gemv_silu_and_mul` runs a fused gate_up projection (2d output rows: gate, then up) and applies
+silu(gate) * up in the epilogue, rounding where the unfused path does (projection, silu, product).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kvllm.layers.ops.common import cast_to, exp_f32, interpreting, round_to
+from kvllm.layers.quantization.ops.int4_layout import PACK, block_words
+from kvllm.utils.pdl import pdl_enabled, pdl_launch_options, wait_for_previous_kernel
+
+MAX_ROWS = 4
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+# Nibble j of a word is read in place, at bits 4p .. 4p + 3 of the word (p = j for j <= 4) or of the
+# word shifted right by 12 (p = j - 3 for j >= 5): as a float32 those bits are the subnormal
+# q * 2^(4p - 149). x is scaled by 2^(100 - 4p), so each product is q * x * 2^-49, a normal float for
+# any |x| > 2^-77 (smaller ones contribute below 2^-126), and x * 2^100 stays finite for |x| < 2^27.
+# FMAs take subnormal inputs at full rate; Triton compiles them without flush-to-zero.
+UNSCALE: tl.constexpr = tl.constexpr(2.0**49)
+
+
+@triton.jit
+def _load(ptrs, mask):
+    """tl.load, masked with zeros where `mask` is given (None: every address is in bounds)."""
+    if mask is None:
+        value = tl.load(ptrs)
+    else:
+        value = tl.load(ptrs, mask=mask, other=0)
+    return value
+
+
+@triton.jit
+def _nibble(src, P: tl.constexpr):
+    """The 4 bits at 4P .. 4P + 3 of `src` in place, read as a float32: q * 2^(4P - 149) exactly (a
+    subnormal; FMAs take them at full rate and do not flush them)."""
+    return (src & (0xF << (4 * P))).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _x_scale(J: tl.constexpr):
+    """2^(100 - 4p) for nibble J, read at bits 4p: products come out scaled by 2^-49."""
+    if J == 0:
+        c = 1.2676506002282294e30  # p = 0
+    elif J == 1:
+        c = 7.922816251426434e28  # p = 1
+    elif J == 2 or J == 5:
+        c = 4.951760157141521e27  # p = 2
+    elif J == 3 or J == 6:
+        c = 3.094850098213451e26  # p = 3
+    else:
+        c = 1.9342813113834067e25  # p = 4
+    return c
+
+
+@triton.jit
+def _weights(qw_ptrs, s_ptrs, z_ptrs, w_mask, g_mask, PER_NIBBLE: tl.constexpr):
+    """A tile's words and, unless groups are smaller than a block, each block's scale and zero."""
+    words = _load(qw_ptrs, w_mask)
+    if PER_NIBBLE:  # loaded per nibble in _tile_sum
+        s = tl.zeros((words.shape[0], words.shape[1]), dtype=tl.float32)
+        z = tl.zeros((words.shape[0], words.shape[1]), dtype=tl.float32)
+    else:
+        s = _load(s_ptrs, g_mask).to(tl.float32)
+        z = _load(z_ptrs, g_mask).to(tl.float32)
+    return words, s, z
+
+
+@triton.jit
+def _sum_block(t):
+    """[*, blocks, BW / V, V] -> [*, blocks]: the sum over each block's words."""
+    return tl.sum(tl.sum(t, axis=3), axis=2)
+
+
+@triton.jit
+def _tile_sum(words, hi, x_ptrs, x_mask, s, z, s_ptrs, z_ptrs, g_mask,
+              BW: tl.constexpr, GROUP_SIZE: tl.constexpr, PER_NIBBLE: tl.constexpr):  # fmt: skip
+    """sum over the tile's values of (q - zero) * scale * x -> [BLOCK_N, blocks], for one row of x.
+
+    x_ptrs [1, blocks, BW / V, V] point at nibble 0's activations of each block; nibble j's are j * BW
+    further. The zero is taken out of the sum: sum (q - z) x = sum q x - z sum x. Without PER_NIBBLE a
+    block lies in one group: `s` and `z` [BLOCK_N, blocks] are its scale and zero. With it (groups
+    smaller than a block) nibble j of a block is in the group `(j * BW) // GROUP_SIZE` after the
+    block's first, loaded here from s_ptrs / z_ptrs."""
+    acc = tl.zeros(words.shape, dtype=tl.float32)
+    x_sum = tl.zeros(x_ptrs.shape, dtype=tl.float32)
+    out = tl.zeros((words.shape[0], words.shape[1]), dtype=tl.float32)  # [BLOCK_N, blocks]
+    for j in tl.static_range(8):
+        x = _load(x_ptrs + j * BW, x_mask).to(tl.float32)
+        if j <= 4:
+            q = _nibble(words, j)
+        else:
+            q = _nibble(hi, j - 3)
+        if PER_NIBBLE:
+            zj = _load(z_ptrs + (j * BW) // GROUP_SIZE, g_mask).to(tl.float32)
+            sj = _load(s_ptrs + (j * BW) // GROUP_SIZE, g_mask).to(tl.float32)
+            qx = _sum_block(q * (x * _x_scale(j)))
+            out += (qx * UNSCALE - zj * _sum_block(x)) * sj
+        else:
+            acc += q * (x * _x_scale(j))
+            x_sum += x
+    if not PER_NIBBLE:
+        out = (_sum_block(acc) * UNSCALE - z * _sum_block(x_sum)) * s
+    return out
+
+
+@triton.jit
+def _store_row(acc, acc_up, bias_ptr, out_ptr, offs_n, cols, N, M, ROW: tl.constexpr,
+               HAS_BIAS: tl.constexpr, GATED: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
+    y = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + offs_n).to(tl.float32)
+    dtype = out_ptr.dtype.element_ty
+    if GATED:
+        up = tl.sum(acc_up, axis=1)
+        if HAS_BIAS:
+            up += tl.load(bias_ptr + N + offs_n).to(tl.float32)
+        gate = round_to(y, dtype, INTERPRET)
+        up = round_to(up, dtype, INTERPRET)
+        y = round_to(tl.math.div_rn(gate, 1.0 + exp_f32(-gate, INTERPRET)), dtype, INTERPRET) * up
+    tl.store(out_ptr + cols, cast_to(y, dtype, INTERPRET), mask=(cols < N) & (cols * 0 + ROW < M))
+
+
+@triton.jit(do_not_specialize=["M", "num_groups"])
+def _w4a16_gemv_kernel(
+    x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr,
+    M, N, K, stride_wn, num_groups, stride_xm, stride_om,
+    GROUP_SIZE: tl.constexpr,
+    BW: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PER_NIBBLE: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    GATED: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    PRELOAD: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):  # fmt: skip
+    # GATED: N is the output width d; the weight has 2d rows (gate, then up), out gets silu(gate) * up.
+    NBT: tl.constexpr = BLOCK_K // (8 * BW)  # blocks per tile
+    pid = tl.program_id(0)
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    if EVEN_N:
+        offs_n = cols
+    else:
+        offs_n = tl.minimum(cols, N - 1)  # columns past N load column N - 1 and are not stored
+    blk = tl.arange(0, NBT)
+    V: tl.constexpr = 4 if BW >= 4 else BW
+    bv = tl.arange(0, BW // V)[:, None] * V + tl.arange(0, V)[None, :]  # word b of a block, [BW / V, V]
+    blk_k = blk * (8 * BW)  # each block's first value
+    # Tiles are [BLOCK_N, blocks, BW / V, V]: a last dimension of V = 4 words (16 bytes) makes Triton
+    # give the weight words and the activations (4 x 16 bits) the same register layout, so the
+    # activations broadcast over the columns without a layout conversion.
+    qw_ptrs = (
+        qw_ptr
+        + offs_n[:, None, None, None].to(tl.int64) * stride_wn
+        + (blk * BW)[None, :, None, None]
+        + bv[None, None, :, :]
+    )
+    # x rows past M read row M - 1 (never stored), so no load needs a row mask.
+    x_ptrs = x_ptr + blk_k[None, :, None, None] + bv[None, None, :, :]
+    x1 = x_ptrs + tl.minimum(1, M - 1) * stride_xm
+    x2 = x_ptrs + tl.minimum(2, M - 1) * stride_xm
+    x3 = x_ptrs + tl.minimum(3, M - 1) * stride_xm
+    g_ptrs = offs_n[:, None] * num_groups + blk_k[None, :] // GROUP_SIZE
+    up_words = N.to(tl.int64) * stride_wn  # GATED: the up half's rows follow the gate half's
+    up_groups = N * num_groups
+    acc0 = tl.zeros((BLOCK_N, NBT), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_N, NBT), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_N, NBT), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_N, NBT), dtype=tl.float32)
+    up0 = tl.zeros((BLOCK_N, NBT), dtype=tl.float32)
+    up1 = tl.zeros((BLOCK_N, NBT), dtype=tl.float32)
+    up2 = tl.zeros((BLOCK_N, NBT), dtype=tl.float32)
+    up3 = tl.zeros((BLOCK_N, NBT), dtype=tl.float32)
+    # Masks of a K tile: None for whole tiles; K is a multiple of the block, so the blocks of a
+    # partial tile are whole or absent.
+    w_mask = None
+    g_mask = None
+    if PRELOAD:  # one K tile under PDL: its weights load while the previous kernel finishes
+        if not EVEN_K:
+            w_mask = (blk_k < K)[None, :, None, None]
+            g_mask = (blk_k < K)[None, :]
+        words_p, s_p, z_p = _weights(qw_ptrs, s_ptr + g_ptrs, z_ptr + g_ptrs, w_mask, g_mask, PER_NIBBLE)
+        if GATED:
+            wu_p, su_p, zu_p = _weights(qw_ptrs + up_words, s_ptr + g_ptrs + up_groups, z_ptr + g_ptrs + up_groups,
+                                        w_mask, g_mask, PER_NIBBLE)  # fmt: skip
+    wait_for_previous_kernel(USE_PDL)  # nothing above reads an activation or writes
+    # PRELOAD: K <= BLOCK_K, and a constant trip count of one keeps the loop from hoisting the decode
+    k_end = BLOCK_K if PRELOAD else K
+    for k0 in range(0, k_end, BLOCK_K):
+        if not EVEN_K:
+            w_mask = ((k0 + blk_k) < K)[None, :, None, None]
+            g_mask = ((k0 + blk_k) < K)[None, :]
+        s_ptrs = s_ptr + g_ptrs + k0 // GROUP_SIZE
+        z_ptrs = z_ptr + g_ptrs + k0 // GROUP_SIZE
+        if PRELOAD:
+            words, s, z = words_p, s_p, z_p
+        else:
+            words, s, z = _weights(qw_ptrs, s_ptrs, z_ptrs, w_mask, g_mask, PER_NIBBLE)
+        hi = words >> 12
+        acc0 += _tile_sum(
+            words, hi, x_ptrs + k0, w_mask, s, z, s_ptrs, z_ptrs, g_mask, BW, GROUP_SIZE, PER_NIBBLE
+        )
+        if BLOCK_M > 1:
+            acc1 += _tile_sum(
+                words, hi, x1 + k0, w_mask, s, z, s_ptrs, z_ptrs, g_mask, BW, GROUP_SIZE, PER_NIBBLE
+            )
+        if BLOCK_M > 2:
+            acc2 += _tile_sum(
+                words, hi, x2 + k0, w_mask, s, z, s_ptrs, z_ptrs, g_mask, BW, GROUP_SIZE, PER_NIBBLE
+            )
+            acc3 += _tile_sum(
+                words, hi, x3 + k0, w_mask, s, z, s_ptrs, z_ptrs, g_mask, BW, GROUP_SIZE, PER_NIBBLE
+            )
+        if GATED:
+            su_ptrs = s_ptrs + up_groups
+            zu_ptrs = z_ptrs + up_groups
+            if PRELOAD:
+                wu, su, zu = wu_p, su_p, zu_p
+            else:
+                wu, su, zu = _weights(qw_ptrs + up_words, su_ptrs, zu_ptrs, w_mask, g_mask, PER_NIBBLE)
+            hu = wu >> 12
+            up0 += _tile_sum(
+                wu, hu, x_ptrs + k0, w_mask, su, zu, su_ptrs, zu_ptrs, g_mask, BW, GROUP_SIZE, PER_NIBBLE
+            )
+            if BLOCK_M > 1:
+                up1 += _tile_sum(
+                    wu, hu, x1 + k0, w_mask, su, zu, su_ptrs, zu_ptrs, g_mask, BW, GROUP_SIZE, PER_NIBBLE
+                )
+            if BLOCK_M > 2:
+                up2 += _tile_sum(
+                    wu, hu, x2 + k0, w_mask, su, zu, su_ptrs, zu_ptrs, g_mask, BW, GROUP_SIZE, PER_NIBBLE
+                )
+                up3 += _tile_sum(
+                    wu, hu, x3 + k0, w_mask, su, zu, su_ptrs, zu_ptrs, g_mask, BW, GROUP_SIZE, PER_NIBBLE
+                )
+        qw_ptrs += BLOCK_K // 8
+    _store_row(acc0, up0, bias_ptr, out_ptr, offs_n, cols, N, M, 0, HAS_BIAS, GATED, INTERPRET)
+    if BLOCK_M > 1:
+        _store_row(acc1, up1, bias_ptr, out_ptr + stride_om, offs_n, cols, N, M, 1, HAS_BIAS, GATED,
+                   INTERPRET)  # fmt: skip
+    if BLOCK_M > 2:
+        _store_row(acc2, up2, bias_ptr, out_ptr + 2 * stride_om, offs_n, cols, N, M, 2, HAS_BIAS, GATED,
+                   INTERPRET)  # fmt: skip
+        _store_row(acc3, up3, bias_ptr, out_ptr + 3 * stride_om, offs_n, cols, N, M, 3, HAS_BIAS, GATED,
+                   INTERPRET)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class W4A16GemvConfig:
+    """Columns per program, K values per loop iteration (a power of two, at least one block), warps."""
+
+    block_n: int
+    block_k: int
+    num_warps: int = 1
+    num_stages: int = 1
+
+
+def default_config(m: int, n: int, k: int, gated: bool = False) -> W4A16GemvConfig:
+    """The H200 sweep's choice (benchmarks/h200/quant_bench.py --sweep, Llama-3-8B qkv / o / gate_up,
+    docs/benchmarks.md): one-warp programs over K tiles of 1024 values, two columns at 1-2 rows (one
+    for gate_up with the SiLU epilogue: a gate and an up row), four at 4 rows (two gated). Larger K
+    tiles and more warps per program measured 1.3-2x slower."""
+    block_k = PACK * block_words(k)
+    while block_k < 1024 and k % (2 * block_k) == 0:
+        block_k *= 2
+    block_n = 4 if m > 2 else 2
+    return W4A16GemvConfig(block_n=block_n // 2 if gated else block_n, block_k=block_k, num_warps=1)
+
+
+def block_m_for(m: int) -> int:
+    """The compiled row count for m rows: 1, 2 or 4."""
+    return 1 if m <= 1 else 2 if m == 2 else 4
+
+
+def check_gemv_operands(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+    bias: torch.Tensor | None, rows: int,
+) -> None:  # fmt: skip
+    """ValueError unless x [M <= MAX_ROWS, K] (contiguous rows), qweight [rows, K/8] int32, scales and
+    zeros [rows, K/G] (floating point), bias [rows] (rows: the weight's output rows)."""
+    if x.dim() != 2 or x.shape[0] > MAX_ROWS or x.stride(-1) != 1 or x.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(
+            f"the W4A16 GEMV needs x [M <= {MAX_ROWS}, K] of {SUPPORTED_DTYPES} with contiguous rows, got "
+            f"{tuple(x.shape)} {x.dtype} strides {tuple(x.stride())}"
+        )
+    k = x.shape[1]
+    if (
+        qweight.shape != (rows, k // PACK)
+        or qweight.dtype != torch.int32
+        or k % PACK
+        or not qweight.is_contiguous()
+    ):
+        raise ValueError(
+            f"the W4A16 GEMV needs a contiguous int32 qweight [{rows}, {k // PACK}], got "
+            f"{tuple(qweight.shape)} {qweight.dtype}"
+        )
+    if group_size != k and (group_size < 16 or group_size & (group_size - 1) or k % group_size):
+        raise ValueError(f"group size {group_size} must be a power of two >= 16 dividing K = {k}, or K")
+    expected = (rows, k // group_size)
+    for name, t in (("scales", scales), ("zeros", zeros)):
+        if t.shape != expected or not t.dtype.is_floating_point or not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous floating-point [N, K/G] = {expected}, got "
+                             f"{tuple(t.shape)} {t.dtype}")  # fmt: skip
+    if bias is not None and (bias.shape != (rows,) or not bias.is_contiguous()):
+        raise ValueError(f"bias must be [{rows}], got {tuple(bias.shape)}")
+
+
+def w4a16_gemv(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+    bias: torch.Tensor | None = None, config: W4A16GemvConfig | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """x [M, K] @ W^T (+ bias) -> [M, N] in x's dtype for 0 <= M <= MAX_ROWS, W in the kvllm int4
+    layout (int4_layout.py); `config` overrides `default_config`."""
+    check_gemv_operands(x, qweight, scales, zeros, group_size, bias, qweight.shape[0])
+    return _launch(x, qweight, scales, zeros, group_size, bias, qweight.shape[0], config, False)
+
+
+def w4a16_gemv_silu_and_mul(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+    bias: torch.Tensor | None = None, config: W4A16GemvConfig | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """silu(gate) * up of the fused projection x @ W^T (+ bias), W's 2d rows the gate rows then the up
+    rows -> [M, d], for 0 <= M <= MAX_ROWS."""
+    rows = qweight.shape[0]
+    if rows % 2:
+        raise ValueError(f"a gate_up weight has an even number of rows (gate, then up), got {rows}")
+    check_gemv_operands(x, qweight, scales, zeros, group_size, bias, rows)
+    return _launch(x, qweight, scales, zeros, group_size, bias, rows // 2, config, True)
+
+
+def _launch(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+    bias: torch.Tensor | None, n: int, config: W4A16GemvConfig | None, gated: bool,
+) -> torch.Tensor:  # fmt: skip
+    m, k = x.shape
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    bw = block_words(k)
+    use_pdl = pdl_enabled(x)
+    config = config or default_config(m, qweight.shape[0], k, gated)
+    bk, bn = config.block_k, config.block_n
+    if bk & (bk - 1) or bk % (PACK * bw) or bn < 1 or bn & (bn - 1):
+        raise ValueError(
+            f"block_k must be a power of two and a multiple of the layout's block ({PACK * bw} values for "
+            f"K = {k}), block_n a power of two; got {config}"
+        )
+    _w4a16_gemv_kernel[(triton.cdiv(n, bn),)](
+        x, qweight, scales, zeros, bias if bias is not None else scales, out,
+        m, n, k, qweight.stride(0), scales.shape[1],
+        x.stride(0) if m > 1 else k,  # a lone row's stride is arbitrary; keep it off the specializations
+        out.stride(0),
+        GROUP_SIZE=group_size,
+        BW=bw,
+        BLOCK_M=block_m_for(m),
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        PER_NIBBLE=group_size % (PACK * bw) != 0,
+        EVEN_N=n % bn == 0,
+        EVEN_K=k % bk == 0,
+        USE_PDL=use_pdl,
+        PRELOAD=use_pdl and k <= bk and m == 1,  # more rows: the early loads spill registers
+        HAS_BIAS=bias is not None,
+        GATED=gated,
+        INTERPRET=interpreting(),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+        **pdl_launch_options(use_pdl),
+    )  # fmt: skip
+    return out
