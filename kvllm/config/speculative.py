@@ -159,7 +159,9 @@ class SpeculativeConfig:
                     "medusa": "a folder of Medusa heads (FasterDecoding/Medusa's format)",
                     "eagle": "a folder of an EAGLE head (SafeAILab/EAGLE's format: config.json and safetensors)",
                     "eagle3": "a folder of an EAGLE-3 head (SafeAILab/EAGLE's format: config.json and safetensors)",
-                }.get(method, "a model folder (or repo id) that kvllm loads, with the target model's tokenizer")
+                }.get(
+                    method, "a model folder (or repo id) that kvllm loads, with the target model's tokenizer"
+                )
                 raise ValueError(f"{name}.model is required with method {method!r}: {what}")
             if lo is not None or hi is not None:
                 raise ValueError(

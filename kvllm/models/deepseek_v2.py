@@ -193,6 +193,7 @@ class DeepseekV2ForCausalLM(nn.Module):
             loaded.add(param_name)
         return loaded
 
+
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
     """DeepSeek-V3/R1: sigmoid routing with e_score_correction_bias (selected by the config's model_type)."""
 

@@ -58,7 +58,10 @@ class Worker:
 
     def bytes_per_block(self) -> int:
         runner = self.model_runner
-        return runner.kv_cache_spec.page_size_bytes * len(runner.attention_layers) + runner.draft_bytes_per_block()
+        return (
+            runner.kv_cache_spec.page_size_bytes * len(runner.attention_layers)
+            + runner.draft_bytes_per_block()
+        )
 
     def determine_num_blocks(self) -> int:
         """Blocks that fit the KV-cache memory budget (CPU: a byte count; GPU: what profiling leaves)."""
