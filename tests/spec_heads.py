@@ -123,7 +123,21 @@ def write_eagle3_head(
     return path
 
 
-def add_mtp_layer(path: Path, target: Path, seed: int = 0, damping: float = 1.0) -> Path:
+def damp_layers(folder: Path, factor: float) -> Path:
+    """Scale a model folder's attention and MLP output projections (o_proj, down_proj) in place: with
+    tied embeddings, the smaller the factor the more the model repeats its last token, which the
+    near-identity heads above draft."""
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(folder / "model.safetensors")
+    for name in weights:
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            weights[name] = weights[name] * factor
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+def add_mtp_layer(path: Path, target: Path, seed: int = 0) -> Path:
     """A copy of a DeepSeek-V3 folder with one MTP layer (`num_nextn_predict_layers` = 1): the last main
     layer's tensors again as layer L's decoder block (damped to near the identity), random
     enorm/hnorm/eh_proj near [0 | I], the target's embedding and LM head as its own. `damping` scales
@@ -139,9 +153,6 @@ def add_mtp_layer(path: Path, target: Path, seed: int = 0, damping: float = 1.0)
     num_layers, hidden = config["num_hidden_layers"], config["hidden_size"]
     generator = torch.Generator().manual_seed(seed)
     last, mtp = f"model.layers.{num_layers - 1}.", f"model.layers.{num_layers}."
-    for name in list(weights):
-        if name.endswith(("o_proj.weight", "down_proj.weight")):
-            weights[name] = weights[name] * damping
     for name in list(weights):
         if name.startswith(last):
             tensor = weights[name].clone()

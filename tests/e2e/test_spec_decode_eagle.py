@@ -56,8 +56,10 @@ def mtp_target(tmp_path_factory) -> Path:
     """A tiny DeepSeek-V3 (MLA, MoE) with one MTP layer; tied embeddings and damped layers make it
     often repeat its last token, which the near-identity MTP layer drafts."""
     root = tmp_path_factory.mktemp("mtp")
-    base = model_factory.make_tiny_deepseek_v3(root / "v3", tie_word_embeddings=True)
-    return spec_heads.add_mtp_layer(root / "v3_mtp", base, damping=0.3)
+    base = spec_heads.damp_layers(
+        model_factory.make_tiny_deepseek_v3(root / "v3", tie_word_embeddings=True), 0.3
+    )
+    return spec_heads.add_mtp_layer(root / "v3_mtp", base)
 
 
 CASES = [
