@@ -83,6 +83,10 @@ def _check_stats(llm: LLM) -> None:
     stats = llm.llm_engine.spec_decode.stats
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens  # drafts both kept and rejected
     assert sum(stats.num_accepted_tokens_per_pos) == stats.num_accepted_tokens
+    metrics = {m.name: m for m in llm.get_metrics() if m.name.startswith("vllm:spec_decode")}
+    assert metrics["vllm:spec_decode_num_drafts"].value == stats.num_drafts
+    assert metrics["vllm:spec_decode_num_accepted_tokens"].value == stats.num_accepted_tokens
+    assert metrics["vllm:spec_decode_num_accepted_tokens_per_pos"].values == stats.num_accepted_tokens_per_pos
 
 
 @pytest.mark.parametrize(("head", "mode"), CASES)
