@@ -225,6 +225,8 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     runs = [(c, "vllm") for c in CONFIGS[:3]] if args.vllm else [(c, "kvllm") for c in CONFIGS]
     records = []
+    results = out / ("spec_decode-vllm.jsonl" if args.vllm else "spec_decode.jsonl")
+    results.write_text("")  # one line per configuration as it finishes: a timeout keeps the earlier ones
     for name, engine in runs:
         log = out / f"spec-{engine}-{name}.log"
         with open(log, "w") as f:
@@ -244,8 +246,8 @@ def main() -> int:
         )
         records.append(record)
         print(json.dumps(record), flush=True)
-    with open(out / ("spec_decode-vllm.jsonl" if args.vllm else "spec_decode.jsonl"), "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in records)
+        with open(results, "a") as f:
+            f.write(json.dumps(record) + "\n")
     print(f"\n{'engine':>8} {'config':>16} {'ms/token':>9} {'accept':>7} {'tok/verify':>10}")
     for r in records:
         rate = r.get("acceptance_rate")
