@@ -168,3 +168,129 @@ def test_heads_are_checked_when_loaded(tiny_qwen3_path, tiny_deepseek_v3_path, h
             **SMALL_CACHE,
         )
     assert torch.get_default_dtype() == torch.float32
+
+
+class _TransformersHead:
+    """A plain reference of the EAGLE / EAGLE-3 heads from transformers' Llama modules: the head over
+    a whole sequence at once (no cache), the chain by running it again on each longer sequence."""
+
+    def __init__(self, folder: Path, target, method: str) -> None:
+        import json
+
+        from safetensors.torch import load_file
+        from transformers import LlamaConfig
+        from transformers.models.llama.modeling_llama import (
+            LlamaAttention,
+            LlamaDecoderLayer,
+            LlamaMLP,
+            LlamaRMSNorm,
+            LlamaRotaryEmbedding,
+        )
+
+        values = json.loads((folder / "config.json").read_text())
+        self.config = config = LlamaConfig(**values, attn_implementation="eager")
+        self.method, self.target = method, target
+        w = {
+            k.replace("midlayer.", "layers.0."): v for k, v in load_file(folder / "model.safetensors").items()
+        }
+        hidden = config.hidden_size
+        self.fc = torch.nn.Linear(w["fc.weight"].shape[1], hidden, bias="fc.bias" in w)
+        self.fc.load_state_dict({k[3:]: v for k, v in w.items() if k.startswith("fc.")})
+        layer = {k[len("layers.0.") :]: v for k, v in w.items() if k.startswith("layers.0.")}
+        self.rotary = LlamaRotaryEmbedding(config)
+        if method == "eagle":
+            self.layer = LlamaDecoderLayer(config, 0)
+            self.layer.input_layernorm = torch.nn.Identity()
+            self.layer.load_state_dict(layer)
+            self.lm_head = target.lm_head.weight
+            self.d2t = None
+        else:
+            self.attn = LlamaAttention(config, 0)
+            for name in "qkv":
+                proj = getattr(self.attn, f"{name}_proj")
+                setattr(self.attn, f"{name}_proj", torch.nn.Linear(2 * hidden, proj.out_features, bias=False))
+            self.attn.load_state_dict(
+                {k[len("self_attn.") :]: v for k, v in layer.items() if "self_attn." in k}
+            )
+            self.mlp = LlamaMLP(config)
+            self.mlp.load_state_dict({k[len("mlp.") :]: v for k, v in layer.items() if k.startswith("mlp.")})
+            self.norms = {
+                name: LlamaRMSNorm(hidden, config.rms_norm_eps)
+                for name in ("input_layernorm", "hidden_norm", "post_attention_layernorm", "norm")
+            }
+            for name, norm in self.norms.items():
+                norm.weight.data.copy_(w[f"{name}.weight"] if name == "norm" else layer[f"{name}.weight"])
+            self.lm_head, self.d2t = w["lm_head.weight"], w["d2t"]
+            self.aux = values["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+
+    def _layer(self, x: torch.Tensor, embeds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        n = x.shape[1]
+        positions = torch.arange(n).unsqueeze(0)
+        rope = self.rotary(x, positions)
+        mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
+        if self.method == "eagle":
+            out = self.layer(x, attention_mask=mask, position_ids=positions, position_embeddings=rope)
+            return out, out
+        n_ = self.norms
+        attn_in = torch.cat([n_["input_layernorm"](embeds), n_["hidden_norm"](x)], -1)
+        h = x + self.attn(attn_in, position_embeddings=rope, attention_mask=mask)[0]
+        h = h + self.mlp(n_["post_attention_layernorm"](h))
+        return n_["norm"](h), h
+
+    @torch.no_grad()
+    def drafts(self, tokens: list[int], k: int) -> list[int]:
+        """The k drafts after `tokens` (the last one just emitted)."""
+        ids = torch.tensor([tokens])
+        out = self.target(ids, output_hidden_states=True)
+        embed = self.target.model.embed_tokens
+        if self.method == "eagle":
+            hidden = self.target.model(ids).last_hidden_state
+            x = self.fc(torch.cat([embed(ids[:, 1:]), hidden[:, :-1]], -1))
+        else:
+            aux = torch.cat([out.hidden_states[i] for i in self.aux], -1)
+            x = self.fc(aux[:, :-1])
+        embeds = embed(ids[:, 1:])
+        drafts: list[int] = []
+        for _ in range(k):
+            logit_h, next_h = self._layer(x, embeds)
+            draft = int((logit_h[0, -1] @ self.lm_head.T).argmax())
+            if self.d2t is not None:
+                draft += int(self.d2t[draft])
+            drafts.append(draft)
+            new = torch.tensor([[draft]])
+            embeds = torch.cat([embeds, embed(new)], 1)
+            if self.method == "eagle":
+                x = torch.cat([x, self.fc(torch.cat([embed(new), next_h[:, -1:]], -1))], 1)
+            else:  # EAGLE-3's later steps read the head's own (pre-norm) state, not fc's
+                x = torch.cat([x, next_h[:, -1:]], 1)
+        return drafts
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_every_draft_is_the_transformers_reference_heads(tiny_qwen3_path, heads, method, monkeypatch):
+    """Each step's drafts equal those of a plain transformers re-implementation of the head run over
+    the whole sequence without a cache: the head's paged KV cache (including the positions of
+    rejected drafts, overwritten later) and its shifted inputs are exactly the full computation's."""
+    from transformers import AutoModelForCausalLM
+
+    from kvllm.spec_decode.eagle import EagleProposer
+
+    calls: list[tuple[int, list[int]]] = []
+    real = EagleProposer.propose
+
+    def spy(self, logit_hidden, next_hidden, positions, *rest):
+        drafts = real(self, logit_hidden, next_hidden, positions, *rest)
+        calls.append((int(positions[0]), drafts[0]))
+        return drafts
+
+    monkeypatch.setattr(EagleProposer, "propose", spy)
+    prompt = repetitive_prompts([2, 19], seed=3)[1]  # its output has runs the heads draft
+    config = {"method": method, "model": str(heads[method]), "num_speculative_tokens": 3}
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    (output,), llm = _generate(tiny_qwen3_path, [prompt], [params], speculative_config=config, **SMALL_CACHE)
+    assert llm.llm_engine.spec_decode.stats.num_accepted_tokens > 0 and len(calls) > 2
+    target = AutoModelForCausalLM.from_pretrained(tiny_qwen3_path, dtype=torch.float32).eval()
+    reference = _TransformersHead(heads[method], target, method)
+    tokens = prompt + output
+    for position, drafts in calls:  # the head's row sits at `position`; the token after it was emitted
+        assert drafts == reference.drafts(tokens[: position + 2], 3)[: len(drafts)], position
