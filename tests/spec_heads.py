@@ -62,7 +62,12 @@ def _head_config(config: dict, **extra) -> dict:
 
 
 def write_eagle_head(
-    path: Path, target: Path, seed: int = 0, with_embed: bool = False, fc_bias: bool = False
+    path: Path,
+    target: Path,
+    seed: int = 0,
+    with_embed: bool = False,
+    fc_bias: bool = False,
+    as_bin: bool = False,
 ) -> Path:
     """An EAGLE-1 head for `target` (a Llama-family folder): fc reads mostly the hidden-state half
     (near [0 | I]) and the layer adds small random terms, so its draft is often the target's own
@@ -81,7 +86,10 @@ def write_eagle_head(
     if with_embed:
         tensors["embed_tokens.weight"] = weights["model.embed_tokens.weight"].clone()
     path.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    if as_bin:  # as yuhuili/EAGLE-LLaMA3-Instruct-8B was published
+        torch.save(tensors, path / "pytorch_model.bin")
+    else:
+        save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(_head_config(config)))
     return path
 

@@ -12,6 +12,7 @@ the target's LM head on it predicts t_{p+2}, and it is the next drafting step's 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from typing import Any
 
@@ -25,6 +26,8 @@ from kvllm.layers.rotary import RotaryEmbedding, rope_parameters_from_config
 from kvllm.models.hf_config import head_size
 from kvllm.models.llama import LlamaDecoderLayer, llama_mlp
 
+logger = logging.getLogger(__name__)
+
 # checkpoint fragment -> (fused parameter fragment, shard id), as kvllm's Llama fuses them
 STACKED_PARAMS = (
     (".q_proj.", ".qkv_proj.", "q"),
@@ -36,24 +39,32 @@ STACKED_PARAMS = (
 
 
 def load_named_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], what: str) -> set[str]:
-    """Load tensors already named as `module`'s parameters (q/k/v and gate/up fused on the way)."""
+    """Load tensors already named as `module`'s parameters (q/k/v and gate/up fused on the way); every
+    parameter must be filled, tensors that fill none are logged and skipped."""
     params = dict(module.named_parameters())
     loaded: set[str] = set()
+    unused: list[str] = []
     for name, tensor in weights:
         for ckpt_part, param_part, shard in STACKED_PARAMS:
             if ckpt_part in name:
                 param_name = name.replace(ckpt_part, param_part)
-                if param_name not in params:
-                    raise ValueError(f"{what}: tensor {name!r} has no matching parameter")
-                param = params[param_name]
-                param.weight_loader(param, tensor, shard)  # type: ignore[attr-defined]
+                if param_name in params:
+                    param = params[param_name]
+                    param.weight_loader(param, tensor, shard)  # type: ignore[attr-defined]
+                    loaded.add(param_name)
+                else:
+                    unused.append(name)
                 break
         else:
-            param_name = name
-            if param_name not in params:
-                raise ValueError(f"{what}: tensor {name!r} has no matching parameter")
-            default_weight_loader(params[param_name], tensor)
-        loaded.add(param_name)
+            if name in params:
+                default_weight_loader(params[name], tensor)
+                loaded.add(name)
+            else:
+                unused.append(name)
+    if unused:  # as vLLM: published heads carry extras (e.g. a first-layer input norm nothing reads)
+        logger.warning(
+            "%s: %d checkpoint tensor(s) unused, e.g. %s", what, len(unused), ", ".join(unused[:3])
+        )
     missing = sorted(set(params) - loaded)
     if missing:
         raise ValueError(

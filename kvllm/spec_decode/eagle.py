@@ -51,6 +51,22 @@ def _checkpoint_names(folder: Path) -> set[str]:
     return names
 
 
+def head_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """A head folder's tensors: its *.safetensors, else its *.bin / *.pt (EAGLE-1 heads were published
+    as pytorch_model.bin), read on the CPU. Heads are one layer: they fit in host memory at once."""
+    from kvllm.models.loader.weights import iterate_safetensors
+
+    if any(folder.glob("*.safetensors")):
+        return dict(iterate_safetensors(folder))
+    files = sorted([*folder.glob("*.bin"), *folder.glob("*.pt")])
+    if not files:
+        raise ValueError(f"EAGLE head folder {str(folder)!r} has no *.safetensors, *.bin or *.pt weights")
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        out.update(torch.load(str(f), map_location="cpu", weights_only=True))
+    return out
+
+
 def _head_config(folder: Path, target: ModelConfig) -> Any:
     """The head's config.json as a LlamaConfig (published heads say model_type llama, or nothing)."""
     from transformers import LlamaConfig
@@ -110,7 +126,8 @@ def build_draft_head(
             )
         )
         hf_config = _head_config(folder, target)
-        names = {n[len("model.") :] if n.startswith("model.") else n for n in _checkpoint_names(folder)}
+        tensors = head_tensors(folder)
+        names = {n[len("model.") :] if n.startswith("model.") else n for n in tensors}
         with torch.device(device), _default_dtype(target.dtype):
             if config.method == "eagle":
                 from kvllm.models.llama_eagle import EagleLlamaForCausalLM
@@ -133,7 +150,7 @@ def build_draft_head(
                     "d2t" in names,
                 )
     try:
-        head.load_weights(iterate_safetensors(folder))
+        head.load_weights(iterate_safetensors(folder) if config.method == "mtp" else tensors.items())
     except ValueError as exc:
         raise ValueError(f"speculative_config ({config.method}) {str(folder)!r}: {exc}") from None
     process_weights_after_loading(head)

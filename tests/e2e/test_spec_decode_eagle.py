@@ -44,7 +44,7 @@ def heads(tiny_qwen3_path, tmp_path_factory) -> dict[str, Path]:
     return {
         "eagle": spec_heads.write_eagle_head(root / "eagle", tiny_qwen3_path),
         "eagle_own_embed": spec_heads.write_eagle_head(
-            root / "eagle_own", tiny_qwen3_path, seed=1, with_embed=True, fc_bias=True
+            root / "eagle_own", tiny_qwen3_path, seed=1, with_embed=True, fc_bias=True, as_bin=True
         ),
         # The tiny target has 2 layers: the head reads the inputs of layers 0, 1 and 1 again.
         "eagle3": spec_heads.write_eagle3_head(root / "eagle3", tiny_qwen3_path, [0, 1, 1], draft_vocab=256),
