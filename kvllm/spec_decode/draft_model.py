@@ -107,7 +107,6 @@ class DraftModelProposer:
         limits: np.ndarray,
         block_table: np.ndarray,
         block_table_gpu: torch.Tensor,
-        block_size: int,
     ) -> list[list[int]]:
         """Up to k greedy drafts per request: request r's token `last_token_ids[r]` sits at position
         `positions[r]` of its row; its slots end before position `limits[r]` (allocated blocks and

@@ -573,7 +573,7 @@ class ModelRunner:
         positions = np.array([r.num_tokens for r in requests], dtype=np.int64) + accepted
         limits = np.minimum(batch.num_blocks[rows] * self.block_size, self.model_config.max_model_len)
         drafts = self.drafter.propose(
-            last, positions, rows, limits, batch.block_table.np, batch.block_table.gpu, self.block_size
+            last, positions, rows, limits, batch.block_table.np, batch.block_table.gpu
         )
         return dict(zip(indices, drafts))
 
