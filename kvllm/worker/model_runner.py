@@ -282,6 +282,11 @@ class ModelRunner:
         if self.pooler is not None or any(isinstance(m, MLAAttention) for m in self.attention_layers):
             logger.info("Piecewise CUDA graphs off: pooling and MLA models run their other steps eagerly")
             return
+        if self.eagle is not None and self.eagle.method == "eagle3":
+            # The target's auxiliary hidden states are a side output of its Python forward, which a
+            # replay of the pieces does not run.
+            logger.info("Piecewise CUDA graphs off: EAGLE-3 reads the target's auxiliary hidden states")
+            return
         buckets = default_token_buckets(self.input_batch.max_num_tokens)
         if not buckets:
             return

@@ -294,3 +294,25 @@ def test_every_draft_is_the_transformers_reference_heads(tiny_qwen3_path, heads,
     tokens = prompt + output
     for position, drafts in calls:  # the head's row sits at `position`; the token after it was emitted
         assert drafts == reference.drafts(tokens[: position + 2], 3)[: len(drafts)], position
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_eagle_beside_piecewise_graphs(tiny_qwen3_path, heads, method, monkeypatch):
+    """With graphs (replayed eagerly on the CPU) the target's prefill and verification steps run as
+    piecewise graphs and the EAGLE head reads their hidden states; EAGLE-3 reads auxiliary states
+    the pieces do not return, so it runs the target eagerly. Greedy ids equal those without."""
+    from kvllm.worker import model_runner
+
+    monkeypatch.setattr(model_runner, "graphs_available", lambda device: True)
+    prompts, params = _workload("default")
+    kwargs = dict(SMALL_CACHE, max_num_batched_tokens=64)  # CPU_ATTN runs between the pieces
+    reference, _ = _generate(tiny_qwen3_path, prompts, params, **kwargs)
+    config = {"method": method, "model": str(heads[method]), "num_speculative_tokens": 3}
+    ours, llm = _generate(tiny_qwen3_path, prompts, params, speculative_config=config, **kwargs)
+    assert ours == reference
+    runner = llm.llm_engine.executor.worker.model_runner
+    if method == "eagle":
+        assert runner.piecewise is not None and runner.piecewise.num_replays > 0
+    else:
+        assert runner.piecewise is None
+    assert llm.llm_engine.spec_decode.stats.num_accepted_tokens > 0
