@@ -11,6 +11,9 @@ each configuration in its own process (so each engine gets the whole GPU):
   none             no speculation, the same prompt
   ngram_rejected   n-gram verification with drafts that are never accepted (random token ids in
                    place of the lookup's): the overhead of verifying k = 3 drafts per step
+  eagle_random     an EAGLE head with random weights (SafeAILab's format, one Llama layer, the
+                   target's embedding and LM head), k = 3: acceptance about 0, so this is the cost of
+                   running the head (eagerly: no CUDA graphs with EAGLE yet) and verifying its drafts
 For each: 1 warm-up request, then REPEATS requests of OUTPUT_LEN tokens; ms per output token = wall
 time / output tokens; acceptance counts from the engine. With --vllm the first three run on vLLM
 (its defaults: torch.compile, CUDA graphs); vLLM has no forced-rejection mode. One JSON line per
@@ -34,7 +37,39 @@ OUTPUT_LEN = 256
 REPEATS = 3
 K = 3
 MODEL_DIR = "/tmp/qwen3-0.6b-shape"
-CONFIGS = ("draft_is_target", "ngram", "none", "ngram_rejected")
+EAGLE_DIR = "/tmp/qwen3-0.6b-shape-eagle-random"
+CONFIGS = ("draft_is_target", "ngram", "none", "ngram_rejected", "eagle_random")
+
+
+def write_random_eagle_head(target: str, folder: str) -> None:
+    """An EAGLE-1 head for the target's shapes with random weights (std 0.02), no embedding or LM head."""
+    import torch
+    from safetensors.torch import save_file
+
+    config = json.loads((Path(target) / "config.json").read_text())
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    generator = torch.Generator().manual_seed(0)
+    shapes = {
+        "fc.weight": (hidden, 2 * hidden),
+        "layers.0.self_attn.q_proj.weight": (heads * head_dim, hidden),
+        "layers.0.self_attn.k_proj.weight": (kv_heads * head_dim, hidden),
+        "layers.0.self_attn.v_proj.weight": (kv_heads * head_dim, hidden),
+        "layers.0.self_attn.o_proj.weight": (hidden, heads * head_dim),
+        "layers.0.mlp.gate_proj.weight": (inter, hidden),
+        "layers.0.mlp.up_proj.weight": (inter, hidden),
+        "layers.0.mlp.down_proj.weight": (hidden, inter),
+    }
+    tensors = {name: 0.02 * torch.randn(shape, generator=generator) for name, shape in shapes.items()}
+    tensors["layers.0.post_attention_layernorm.weight"] = torch.ones(hidden)
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.to(torch.bfloat16) for k, v in tensors.items()}, str(out / "model.safetensors"))
+    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads")
+    head = {k: config[k] for k in keys} | {"head_dim": head_dim, "num_hidden_layers": 1}
+    head |= {k: config[k] for k in ("rms_norm_eps", "rope_theta", "max_position_embeddings") if k in config}
+    (out / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], **head}))
 
 
 def prompt_ids(seed: int, vocab_size: int) -> list[int]:
@@ -48,6 +83,8 @@ def prompt_ids(seed: int, vocab_size: int) -> list[int]:
 def speculative_config(name: str, model: str) -> dict[str, Any] | None:
     if name == "draft_is_target":
         return {"method": "draft_model", "model": model, "num_speculative_tokens": K}
+    if name == "eagle_random":
+        return {"method": "eagle", "model": EAGLE_DIR, "num_speculative_tokens": K}
     if name in ("ngram", "ngram_rejected"):
         return {
             "method": "ngram",
@@ -183,10 +220,13 @@ def main() -> int:
         from kvllm.benchmarks.model_shapes import write_shape_only_model
 
         write_shape_only_model("Qwen3-0.6B", MODEL_DIR)
+    write_random_eagle_head(model, EAGLE_DIR)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     runs = [(c, "vllm") for c in CONFIGS[:3]] if args.vllm else [(c, "kvllm") for c in CONFIGS]
     records = []
+    results = out / ("spec_decode-vllm.jsonl" if args.vllm else "spec_decode.jsonl")
+    results.write_text("")  # one line per configuration as it finishes: a timeout keeps the earlier ones
     for name, engine in runs:
         log = out / f"spec-{engine}-{name}.log"
         with open(log, "w") as f:
@@ -206,8 +246,8 @@ def main() -> int:
         )
         records.append(record)
         print(json.dumps(record), flush=True)
-    with open(out / ("spec_decode-vllm.jsonl" if args.vllm else "spec_decode.jsonl"), "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in records)
+        with open(results, "a") as f:
+            f.write(json.dumps(record) + "\n")
     print(f"\n{'engine':>8} {'config':>16} {'ms/token':>9} {'accept':>7} {'tok/verify':>10}")
     for r in records:
         rate = r.get("acceptance_rate")

@@ -13,13 +13,13 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 # Methods kvllm runs, and the ones vLLM has that kvllm does not (yet), with what to use instead.
-SUPPORTED_METHODS = ("ngram", "draft_model", "medusa")
+SUPPORTED_METHODS = ("ngram", "draft_model", "medusa", "eagle", "eagle3", "mtp")
+# Methods drafting with attention layers of their own: their KV cache shares the target's blocks.
+DRAFT_KV_CACHE_METHODS = ("draft_model", "eagle", "eagle3", "mtp")
+# vLLM's older per-model MTP names, all meaning the checkpoint's own MTP layers.
+MTP_ALIASES = ("deepseek_mtp", "mimo_mtp", "glm4_moe_mtp", "qwen3_next_mtp")
 UNAVAILABLE_METHODS = {
-    "eagle": "EAGLE heads",
-    "eagle3": "EAGLE-3 heads",
     "mlp_speculator": "MLP speculator heads",
-    "mtp": "multi-token-prediction layers",
-    "deepseek_mtp": "multi-token-prediction layers",
     "suffix": "suffix decoding",
     "ngram_gpu": "the GPU n-gram proposer",
     "custom_class": "custom proposer classes",
@@ -59,6 +59,16 @@ class SpeculativeConfig:
     @property
     def uses_draft_model(self) -> bool:
         return self.method == "draft_model"
+
+    @property
+    def uses_draft_kv_cache(self) -> bool:
+        """Whether the drafter has attention layers (and lookahead KV slots for its decode steps)."""
+        return self.method in DRAFT_KV_CACHE_METHODS
+
+    @property
+    def uses_eagle(self) -> bool:
+        """EAGLE, EAGLE-3 and MTP heads: they read the target's hidden states (spec_decode/eagle.py)."""
+        return self.method in ("eagle", "eagle3", "mtp")
 
     @classmethod
     def from_value(cls, value: Any, name: str = "speculative_config") -> SpeculativeConfig:
@@ -107,11 +117,14 @@ class SpeculativeConfig:
             method = "ngram" if model in ("ngram", "[ngram]") else _method_from_model_name(model)
         if method == "[ngram]":
             method = "ngram"
+        if method in MTP_ALIASES:
+            method = "mtp"
         if method in UNAVAILABLE_METHODS:
             raise ValueError(
                 f"{name}.method={method!r}: {UNAVAILABLE_METHODS[method]} are not available in this version "
                 f"of kvllm; allowed methods: {', '.join(SUPPORTED_METHODS)} (n-gram prompt lookup needs no "
-                "weights; draft_model takes a small model with the target's tokenizer; medusa takes Medusa heads)"
+                "weights; draft_model takes a small model with the target's tokenizer; medusa, eagle and eagle3 "
+                "take heads in their published formats; mtp uses the target checkpoint's own MTP layers)"
             )
         if method not in SUPPORTED_METHODS:
             raise ValueError(
@@ -136,12 +149,18 @@ class SpeculativeConfig:
             hi = lo if hi is None else hi
             if lo > hi:
                 raise ValueError(f"{name}: prompt_lookup_min={lo} must be <= prompt_lookup_max={hi}")
+        elif method == "mtp":  # the target's own layers: a model, if given, is the target's folder
+            if lo is not None or hi is not None:
+                raise ValueError(f"{name}: prompt_lookup_min/prompt_lookup_max apply to method 'ngram' only")
+            lo = hi = 0
         else:
             if model is None:
-                what = (
-                    "a folder of Medusa heads (FasterDecoding/Medusa's format)"
-                    if method == "medusa"
-                    else "a model folder (or repo id) that kvllm loads, with the target model's tokenizer"
+                what = {
+                    "medusa": "a folder of Medusa heads (FasterDecoding/Medusa's format)",
+                    "eagle": "a folder of an EAGLE head (SafeAILab/EAGLE's format: config.json and safetensors)",
+                    "eagle3": "a folder of an EAGLE-3 head (SafeAILab/EAGLE's format: config.json and safetensors)",
+                }.get(
+                    method, "a model folder (or repo id) that kvllm loads, with the target model's tokenizer"
                 )
                 raise ValueError(f"{name}.model is required with method {method!r}: {what}")
             if lo is not None or hi is not None:

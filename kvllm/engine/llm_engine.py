@@ -99,7 +99,7 @@ class LLMEngine:
             args.max_num_seqs,
             max_batched,
             chunked_prefill,
-            num_lookahead_tokens=spec.num_speculative_tokens if spec and spec.uses_draft_model else 0,
+            num_lookahead_tokens=spec.num_speculative_tokens if spec and spec.uses_draft_kv_cache else 0,
             max_model_len=self.model_config.max_model_len,
         )
         self.async_scheduling = args.async_scheduling

@@ -103,6 +103,19 @@ class DeepseekV2MLAAttention(nn.Module):
         return self.o_proj(out)
 
 
+def deepseek_rotary_embedding(hf_config: Any) -> DeepseekRotaryEmbedding:
+    """The rope of the MLA layers (V3 checkpoints may ask for the non-interleaved layout)."""
+    interleaved = getattr(hf_config, "model_type", "") != "deepseek_v3" or bool(
+        getattr(hf_config, "rope_interleave", True)
+    )
+    return DeepseekRotaryEmbedding(
+        hf_config.qk_rope_head_dim,
+        hf_config.max_position_embeddings,
+        rope_parameters_from_config(hf_config),
+        interleaved=interleaved,
+    )
+
+
 class DeepseekV2DecoderLayer(nn.Module):
     """Pre-norm layer: MLA, then a dense MLP (first layers) or the MoE."""
 
@@ -133,13 +146,7 @@ class DeepseekV2Model(nn.Module):
     def __init__(self, hf_config: Any) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size)
-        rope = rope_parameters_from_config(hf_config)
-        interleaved = getattr(hf_config, "model_type", "") != "deepseek_v3" or bool(
-            getattr(hf_config, "rope_interleave", True)
-        )
-        self.rotary_emb = rotary_emb = DeepseekRotaryEmbedding(
-            hf_config.qk_rope_head_dim, hf_config.max_position_embeddings, rope, interleaved=interleaved
-        )
+        self.rotary_emb = rotary_emb = deepseek_rotary_embedding(hf_config)
         self.layers = nn.ModuleList(
             DeepseekV2DecoderLayer(hf_config, i, rotary_emb) for i in range(hf_config.num_hidden_layers)
         )
@@ -198,31 +205,34 @@ class DeepseekV2ForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue
-            param_name = self._load_one(params, expert_mapping, name, tensor)
+            param_name = load_deepseek_tensor(params, expert_mapping, name, tensor)
             loaded.add(param_name)
         return loaded
-
-    def _load_one(self, params: dict, expert_mapping: list, name: str, tensor: torch.Tensor) -> str:
-        if ".experts." in name and ".shared_experts." not in name:
-            for param_prefix, fragment, expert_id, shard in expert_mapping:
-                if fragment in name:
-                    param_name = name.replace(fragment, param_prefix)
-                    param = _param(params, param_name, name)
-                    param.weight_loader(param, tensor, shard, expert_id)  # type: ignore[attr-defined]
-                    return param_name
-        for ckpt_part, param_part, shard in _STACKED_PARAMS:
-            if ckpt_part in name:
-                param_name = name.replace(ckpt_part, param_part)
-                param = _param(params, param_name, name)
-                param.weight_loader(param, tensor, shard)  # type: ignore[attr-defined]
-                return param_name
-        param = _param(params, name, name)
-        getattr(param, "weight_loader", default_weight_loader)(param, tensor)
-        return name
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
     """DeepSeek-V3/R1: sigmoid routing with e_score_correction_bias (selected by the config's model_type)."""
+
+
+def load_deepseek_tensor(params: dict, expert_mapping: list, name: str, tensor: torch.Tensor) -> str:
+    """Load one HF-named tensor into `params` (experts into the FusedMoE stacks, gate/up fused);
+    returns the parameter's name."""
+    if ".experts." in name and ".shared_experts." not in name:
+        for param_prefix, fragment, expert_id, shard in expert_mapping:
+            if fragment in name:
+                param_name = name.replace(fragment, param_prefix)
+                param = _param(params, param_name, name)
+                param.weight_loader(param, tensor, shard, expert_id)  # type: ignore[attr-defined]
+                return param_name
+    for ckpt_part, param_part, shard in _STACKED_PARAMS:
+        if ckpt_part in name:
+            param_name = name.replace(ckpt_part, param_part)
+            param = _param(params, param_name, name)
+            param.weight_loader(param, tensor, shard)  # type: ignore[attr-defined]
+            return param_name
+    param = _param(params, name, name)
+    getattr(param, "weight_loader", default_weight_loader)(param, tensor)  # TP-sharding loaders
+    return name
 
 
 def _layer_index(name: str) -> int:

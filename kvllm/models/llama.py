@@ -253,14 +253,23 @@ class LlamaModel(nn.Module):
             for i in range(hf_config.num_hidden_layers)
         )
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+        # EAGLE-3: the residual stream entering these layers is kept after each forward pass, in
+        # `aux_hidden_states` (a side output: every other caller takes the one hidden-state tensor).
+        self.aux_hidden_state_layers: tuple[int, ...] = ()
+        self.aux_hidden_states: list[torch.Tensor] = []
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)
         rope = self.rotary_emb.prepare(positions, hidden_states.dtype, fused=use_fused_ops(hidden_states))
         residual = None
-        for layer in self.layers:
+        aux_layers, aux = self.aux_hidden_state_layers, []
+        for i, layer in enumerate(self.layers):
+            if aux_layers and i in aux_layers:
+                aux.append(hidden_states if residual is None else hidden_states + residual)
             hidden_states, residual = layer(rope, hidden_states, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
+        if aux_layers:
+            self.aux_hidden_states = [aux[sorted(set(aux_layers)).index(i)] for i in aux_layers]
         return hidden_states
 
 
@@ -314,6 +323,19 @@ class LlamaForCausalLM(nn.Module):
     @property
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def set_aux_hidden_state_layers(self, layers: tuple[int, ...]) -> None:
+        """Keep the hidden states entering these layers on every forward pass (EAGLE-3's inputs)."""
+        self.model.aux_hidden_state_layers = tuple(layers)
+
+    def get_eagle3_aux_hidden_state_layers(self) -> tuple[int, ...]:
+        """vLLM's default auxiliary layers: early, middle and late."""
+        num_layers = len(self.model.layers)
+        return (2, num_layers // 2, num_layers - 3)
+
+    def aux_hidden_states(self) -> torch.Tensor:
+        """[T, len(layers) * hidden]: the last forward pass's auxiliary hidden states, concatenated."""
+        return torch.cat(self.model.aux_hidden_states, dim=-1)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [T] -> hidden states [T, hidden_size]."""

@@ -23,9 +23,9 @@ from kvllm.attention.metadata import CommonAttentionMetadata, KVCacheSpec
 from kvllm.config.engine import EngineArgs
 from kvllm.config.speculative import SpeculativeConfig
 from kvllm.forward_context import set_forward_context
-from kvllm.layers.attention import Attention
 from kvllm.models.loader import load_model
 from kvllm.models.model_config import ModelConfig
+from kvllm.spec_decode.draft_cache import DraftKVCache
 from kvllm.utils.dtypes import kv_cache_torch_dtype
 
 logger = logging.getLogger(__name__)
@@ -65,17 +65,20 @@ class DraftModelProposer:
             )
         torch.manual_seed(args.seed)  # dummy weights: the target's own when the draft is the target
         self.model = load_model(self.model_config, args.load_format, device)
-        self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        for layer in self.attention_layers:
-            layer.bind_backend(attn_backend, args.kv_cache_dtype)
-        self.kv_cache_spec = KVCacheSpec(
+        spec = KVCacheSpec(
             block_size=block_size,
             num_kv_heads=self.model_config.num_kv_heads,
             head_size=self.model_config.head_size,
             dtype=kv_cache_torch_dtype(args.kv_cache_dtype, self.model_config.dtype),
             kv_cache_dtype=args.kv_cache_dtype,
         )
-        self.builder = None
+        self.cache = DraftKVCache(
+            self.model,
+            attn_backend,
+            spec,
+            lambda layer: layer.bind_backend(attn_backend, args.kv_cache_dtype),
+            device,
+        )
         logger.info(
             "Draft model %s (%d layers) proposes %d tokens per step",
             self.model_config.model,
@@ -84,29 +87,16 @@ class DraftModelProposer:
         )
 
     def bytes_per_block(self) -> int:
-        return self.kv_cache_spec.page_size_bytes * len(self.attention_layers)
+        return self.cache.bytes_per_block()
 
     def initialize_kv_cache(self, num_blocks: int, max_num_reqs: int, max_num_tokens: int) -> None:
-        spec = self.kv_cache_spec
-        shape = self.attn_backend.get_kv_cache_shape(
-            num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size
-        )
-        for layer in self.attention_layers:
-            layer.kv_cache = torch.zeros(shape, dtype=spec.dtype, device=self.device)
-        self.builder = self.attn_backend.get_builder_cls()(
-            self.attn_backend,
-            spec,
-            self.device,
-            max_num_reqs,
-            max_num_tokens,
-            self.model_config.max_model_len,
-        )
+        self.cache.initialize(num_blocks, max_num_reqs, max_num_tokens, self.model_config.max_model_len)
 
     def run_step_tokens(
         self, input_ids: torch.Tensor, positions: torch.Tensor, common: CommonAttentionMetadata
     ) -> None:
         """The step's own tokens through the draft model: its KV cache follows the target's."""
-        with set_forward_context(self.builder.build(common)):
+        with set_forward_context(self.cache.build(common)):
             self.model(input_ids, positions)
 
     def propose(
@@ -117,7 +107,6 @@ class DraftModelProposer:
         limits: np.ndarray,
         block_table: np.ndarray,
         block_table_gpu: torch.Tensor,
-        block_size: int,
     ) -> list[list[int]]:
         """Up to k greedy drafts per request: request r's token `last_token_ids[r]` sits at position
         `positions[r]` of its row; its slots end before position `limits[r]` (allocated blocks and
@@ -136,27 +125,8 @@ class DraftModelProposer:
                 break
             n = len(active)
             pos = positions[active] + j
-            act_rows = rows[active]
-            slots = block_table[act_rows, pos // block_size].astype(np.int64) * block_size + pos % block_size
-            seq_lens = (pos + 1).astype(np.int32)
-            qsl = torch.arange(n + 1, dtype=torch.int32)
-            common = CommonAttentionMetadata(
-                num_reqs=n,
-                num_actual_tokens=n,
-                num_decodes=n,
-                num_decode_tokens=n,
-                query_start_loc=qsl.to(self.device),
-                query_start_loc_cpu=qsl,
-                seq_lens=torch.from_numpy(seq_lens).to(self.device),
-                seq_lens_cpu=torch.from_numpy(seq_lens),
-                max_query_len=1,
-                max_seq_len=int(seq_lens.max()),
-                block_table=block_table_gpu[
-                    torch.from_numpy(act_rows).to(self.device), : int(pos.max()) // block_size + 1
-                ],
-                slot_mapping=torch.from_numpy(slots).to(self.device),
-            )
-            with set_forward_context(self.builder.build(common)):
+            common = self.cache.decode_metadata(pos, rows[active], block_table, block_table_gpu)
+            with set_forward_context(self.cache.build(common)):
                 hidden = self.model(ids, torch.from_numpy(pos.astype(np.int32)).to(self.device))
             ids = self.model.compute_logits(hidden[:n]).argmax(dim=-1)
             out[torch.from_numpy(active).to(self.device), j] = ids

@@ -64,6 +64,7 @@ class ModelInputs:
     query_starts: np.ndarray  # per scheduled request: the position of its first token this step
     prompt_logprob_indices: list[int]  # scheduled requests that asked for prompt logprobs
     spec: SpecInputs | None = None  # the drafts to verify (speculative decoding), if any
+    token_index: torch.Tensor | None = None  # int64 [T]: each token's flat slot in the token table
 
 
 class InputBatch:
@@ -408,6 +409,7 @@ class InputBatch:
             query_starts=starts,
             prompt_logprob_indices=np.flatnonzero(self.wants_prompt_logprobs[rows]).tolist(),
             spec=spec,
+            token_index=dev64["token_index"][:num_tokens],
         )
 
     def _spec_inputs(

@@ -30,6 +30,7 @@ from kvllm.sample.logprobs import position_logprobs
 from kvllm.sample.sampler import HostCopy, Sampler
 from kvllm.sample.structured import GrammarBitmaskInputs
 from kvllm.spec_decode.draft_model import DraftModelProposer
+from kvllm.spec_decode.eagle import EagleProposer
 from kvllm.spec_decode.medusa import MedusaProposer
 from kvllm.spec_decode.verify import PendingVerification, verify_drafts
 from kvllm.utils.dtypes import dtype_name, kv_cache_torch_dtype
@@ -145,6 +146,7 @@ class ModelRunner:
         self.sleep_state: SleepState | None = None
         self.drafter: DraftModelProposer | None = None
         self.medusa: MedusaProposer | None = None
+        self.eagle: EagleProposer | None = None
 
     def load_model(self) -> None:
         """Load the weights (seeded: dummy weights are drawn from torch's generator) and bind the backend."""
@@ -158,15 +160,38 @@ class ModelRunner:
         prefill_impl = None
         if self.mla_prefill is not None:
             prefill_impl = self.mla_prefill.get_impl_cls()()
-        for layer in self.attention_layers:
+
+        def bind(layer: Attention | MLAAttention) -> None:
             if isinstance(layer, MLAAttention):
                 layer.bind_backend(self.attn_backend, self.args.kv_cache_dtype, prefill_impl)
             else:
                 layer.bind_backend(self.attn_backend, self.args.kv_cache_dtype)
+
+        for layer in self.attention_layers:
+            bind(layer)
         if spec is not None and spec.uses_draft_model and self.drafter is None:
             self.drafter = DraftModelProposer(
                 self.args, spec, self.model_config, self.device, self.attn_backend, self.block_size
             )
+        if spec is not None and spec.uses_eagle:
+            if self.eagle is None:
+                self.eagle = EagleProposer(
+                    self.args,
+                    spec,
+                    self.model_config,
+                    self.model,
+                    self.device,
+                    self.attn_backend,
+                    self.kv_cache_spec,
+                    bind,
+                )
+            else:  # the target reloaded (sleep level 2): the head reads the new one
+                self.eagle.attach_target(self.model)
+
+    def draft_bytes_per_block(self) -> int:
+        """The drafter's KV-cache bytes per block (its blocks are the target's block ids)."""
+        drafter = self.drafter or self.eagle
+        return drafter.bytes_per_block() if drafter is not None else 0
 
     @torch.inference_mode()
     def profile_run(self, num_tokens: int, num_logits: int) -> None:
@@ -215,6 +240,8 @@ class ModelRunner:
         self.input_batch.counts_from_requests = self.args.speculative_config is not None
         if self.drafter is not None:
             self.drafter.initialize_kv_cache(num_blocks, max_num_reqs, max_num_tokens)
+        if self.eagle is not None:
+            self.eagle.initialize_kv_cache(num_blocks, max_num_reqs, max_num_tokens)
         if capture_sizes:
             self.graph_runner = CudaGraphRunner(
                 self.model,
@@ -256,6 +283,11 @@ class ModelRunner:
             return
         if self.pooler is not None or any(isinstance(m, MLAAttention) for m in self.attention_layers):
             logger.info("Piecewise CUDA graphs off: pooling and MLA models run their other steps eagerly")
+            return
+        if self.eagle is not None and self.eagle.method == "eagle3":
+            # The target's auxiliary hidden states are a side output of its Python forward, which a
+            # replay of the pieces does not run.
+            logger.info("Piecewise CUDA graphs off: EAGLE-3 reads the target's auxiliary hidden states")
             return
         buckets = default_token_buckets(self.input_batch.max_num_tokens)
         if not buckets:
@@ -353,6 +385,11 @@ class ModelRunner:
         if self.drafter is not None:
             logger.info("CUDA graphs off: the draft model runs on every step's tokens, eagerly")
             return []
+        if self.eagle is not None:
+            logger.info(
+                "CUDA graphs off: the %s head runs on every step's tokens, eagerly", self.eagle.method
+            )
+            return []
         support = self.attn_backend.cudagraph_support
         if support == "never":
             logger.info(
@@ -403,6 +440,8 @@ class ModelRunner:
             self.drafter.run_step_tokens(inputs.input_ids, inputs.positions, inputs.attn_metadata)
         prompt_logprobs = self._prompt_logprobs(step, inputs, hidden)
         if inputs.sampling_metadata is None:
+            if self.eagle is not None:  # prompt chunks only: the head's cache follows the target's
+                self._run_eagle(inputs, hidden)
             return PendingStepResult([], None, prompt_logprobs)
         if inputs.logits_indices is None:
             sampled_hidden = hidden[: inputs.num_tokens]
@@ -428,6 +467,8 @@ class ModelRunner:
             drafts = self._propose_drafts(step, inputs, sampled.token_ids, verification)
         elif self.medusa is not None:
             drafts = self._propose_medusa(inputs, hidden, verification)
+        elif self.eagle is not None:
+            drafts = self._propose_eagle(step, inputs, hidden, verification)
         return PendingStepResult(
             inputs.sampling_request_indices,
             sampled.copy_to_host(),
@@ -442,9 +483,19 @@ class ModelRunner:
         """The Medusa heads' drafts from the hidden state that gave each request's last emitted token:
         its sampled row, or for a verified request the row after its accepted drafts."""
         assert self.medusa is not None
+        rows = self._emitted_rows(inputs, verification, hidden.device)
+        drafts = self.medusa.propose(hidden.index_select(0, rows))
+        return dict(zip(inputs.sampling_request_indices, drafts))
+
+    @staticmethod
+    def _emitted_rows(
+        inputs: ModelInputs, verification: PendingVerification | None, device: torch.device
+    ) -> torch.Tensor:
+        """int64 [N] on the device: per sampling request, the hidden row whose logits gave the last
+        token it emits this step (its sampled row, or for a verified request its last accepted draft's)."""
         num = len(inputs.sampling_request_indices)
         if inputs.logits_indices is None:
-            rows = torch.arange(num, device=hidden.device)
+            rows = torch.arange(num, device=device)
         else:
             rows = inputs.logits_indices.clone()
         if verification is not None:
@@ -453,8 +504,56 @@ class ModelRunner:
             rows.index_copy_(
                 0, spec.sample_positions, spec.query_starts + verification.device_output.num_accepted
             )
-        drafts = self.medusa.propose(hidden.index_select(0, rows))
-        return dict(zip(inputs.sampling_request_indices, drafts))
+        return rows
+
+    @staticmethod
+    def _num_accepted(inputs: ModelInputs, verification: PendingVerification | None) -> np.ndarray:
+        """Per sampling request, the drafts it accepted this step (one host sync when any were verified)."""
+        accepted = np.zeros(len(inputs.sampling_request_indices), dtype=np.int64)
+        if verification is not None:
+            spec = inputs.spec
+            assert spec is not None
+            accepted[spec.sample_positions.cpu().numpy()] = (
+                verification.device_output.num_accepted.cpu().numpy()
+            )
+        return accepted
+
+    def _run_eagle(self, inputs: ModelInputs, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self.eagle is not None and self.input_batch is not None and inputs.token_index is not None
+        return self.eagle.run_step_tokens(
+            hidden, inputs.token_index, inputs.positions, inputs.attn_metadata, self.input_batch.token_ids
+        )
+
+    def _propose_eagle(
+        self,
+        step: SchedulerOutput,
+        inputs: ModelInputs,
+        hidden: torch.Tensor,
+        verification: PendingVerification | None,
+    ) -> dict[int, list[int]]:
+        """The head over the step's tokens (after verification wrote the emitted ones), then its
+        drafts from each sampling request's last emitted row."""
+        assert self.eagle is not None and self.input_batch is not None
+        batch = self.input_batch
+        logit_hidden, next_hidden = self._run_eagle(inputs, hidden)
+        emitted = self._emitted_rows(inputs, verification, hidden.device)
+        indices = inputs.sampling_request_indices
+        requests = [step.scheduled[i].request for i in indices]
+        rows = np.array([batch.states[r.request_id].row for r in requests], dtype=np.int64)
+        # The emitted row's position: the last known token's, plus the accepted drafts.
+        positions = np.array([r.num_tokens - 1 for r in requests], dtype=np.int64)
+        positions += self._num_accepted(inputs, verification)
+        limits = np.minimum(batch.num_blocks[rows] * self.block_size, self.model_config.max_model_len)
+        drafts = self.eagle.propose(
+            logit_hidden.index_select(0, emitted),
+            next_hidden.index_select(0, emitted),
+            positions,
+            rows,
+            limits,
+            batch.block_table.np,
+            batch.block_table.gpu,
+        )
+        return dict(zip(indices, drafts))
 
     def _propose_drafts(
         self,
@@ -468,22 +567,20 @@ class ModelRunner:
         batch = self.input_batch
         indices = inputs.sampling_request_indices
         last = sampled_token_ids.clone()
-        accepted = np.zeros(len(indices), dtype=np.int64)
         if verification is not None:
             out = verification.device_output
             spec = inputs.spec
             assert spec is not None
             emitted = out.token_ids.gather(1, out.num_accepted.unsqueeze(1)).squeeze(1)
             last.index_copy_(0, spec.sample_positions, emitted)
-            sample_pos = spec.sample_positions.cpu().numpy()
-            accepted[sample_pos] = out.num_accepted.cpu().numpy()
+        accepted = self._num_accepted(inputs, verification)
         requests = [step.scheduled[i].request for i in indices]
         rows = np.array([batch.states[r.request_id].row for r in requests], dtype=np.int64)
         # The emitted token's position: after the request's known tokens and its accepted drafts.
         positions = np.array([r.num_tokens for r in requests], dtype=np.int64) + accepted
         limits = np.minimum(batch.num_blocks[rows] * self.block_size, self.model_config.max_model_len)
         drafts = self.drafter.propose(
-            last, positions, rows, limits, batch.block_table.np, batch.block_table.gpu, self.block_size
+            last, positions, rows, limits, batch.block_table.np, batch.block_table.gpu
         )
         return dict(zip(indices, drafts))
 

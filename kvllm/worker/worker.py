@@ -58,8 +58,10 @@ class Worker:
 
     def bytes_per_block(self) -> int:
         runner = self.model_runner
-        draft = runner.drafter.bytes_per_block() if runner.drafter is not None else 0
-        return runner.kv_cache_spec.page_size_bytes * len(runner.attention_layers) + draft
+        return (
+            runner.kv_cache_spec.page_size_bytes * len(runner.attention_layers)
+            + runner.draft_bytes_per_block()
+        )
 
     def determine_num_blocks(self) -> int:
         """Blocks that fit the KV-cache memory budget (CPU: a byte count; GPU: what profiling leaves)."""

@@ -69,6 +69,31 @@ def test_sampled_tokens_have_the_distribution_without_speculation(peaked_model, 
         assert homogeneity_p_value(ours[:, j], without_speculation[:, j]) > ALPHA, f"position {j}"
 
 
+@pytest.fixture(scope="module")
+def repeating_model(tmp_path_factory):
+    """A less peaked tiny Qwen3 with damped layers: it often repeats its last token, which the random
+    EAGLE head (near-identity, tests/spec_heads.py) drafts, so its drafts are accepted now and then."""
+    from tests.spec_heads import damp_layers
+
+    path = model_factory.make_tiny_qwen3(
+        tmp_path_factory.mktemp("repeating"), vocab_size=400, initializer_range=0.5
+    )
+    return damp_layers(path, 0.3)
+
+
+def test_eagle_sampled_tokens_have_the_distribution_without_speculation(repeating_model, tmp_path):
+    from tests.spec_heads import write_eagle_head
+
+    reference, _ = _sample(repeating_model, seed=0)
+    head = write_eagle_head(tmp_path / "eagle", repeating_model)
+    config = {"method": "eagle", "model": str(head), "num_speculative_tokens": 2}
+    ours, llm = _sample(repeating_model, seed=1, speculative_config=config)
+    stats = llm.llm_engine.spec_decode.stats
+    assert 0.02 < stats.acceptance_rate < 0.9  # drafts are both accepted and rejected
+    for j in range(4):
+        assert homogeneity_p_value(ours[:, j], reference[:, j]) > ALPHA, f"position {j}"
+
+
 def test_negative_control_accepting_every_draft_is_detected(peaked_model, without_speculation, monkeypatch):
     monkeypatch.setattr(rs, "_uniforms", lambda n, md, device: torch.zeros(n, device=device))
     biased, _ = _sample(peaked_model, seed=1, speculative_config=_draft_config(peaked_model))

@@ -46,3 +46,20 @@ def test_sampling_with_drafts_runs_on_the_device(tiny_qwen3_path):
     assert first == again  # per-request seeds make speculative sampling reproducible
     stats = llm.llm_engine.spec_decode.stats
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_eagle_heads_give_the_greedy_ids_of_plain_decoding_on_the_gpu(tiny_qwen3_path, tmp_path, method):
+    from tests.spec_heads import write_eagle3_head, write_eagle_head
+
+    if method == "eagle":
+        head = write_eagle_head(tmp_path / "eagle", tiny_qwen3_path)
+    else:
+        head = write_eagle3_head(tmp_path / "eagle3", tiny_qwen3_path, [0, 1, 1], draft_vocab=256)
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    reference, _ = _run(tiny_qwen3_path, params)
+    config = {"method": method, "model": str(head), "num_speculative_tokens": 3}
+    ours, llm = _run(tiny_qwen3_path, params, speculative_config=config)
+    assert ours == reference
+    stats = llm.llm_engine.spec_decode.stats
+    assert stats.num_drafts > 0 and stats.num_accepted_tokens < stats.num_draft_tokens

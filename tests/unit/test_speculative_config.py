@@ -34,10 +34,24 @@ def test_a_medusa_or_eagle_name_gives_the_method_away():
         {"model": "FasterDecoding/medusa-vicuna-7b-v1.3", "num_speculative_tokens": 2}
     )
     assert config.method == "medusa"
-    with pytest.raises(ValueError, match="method='eagle': EAGLE heads are not available"):
-        SpeculativeConfig.from_value(
-            {"model": "yuhuili/EAGLE-LLaMA3-Instruct-8B", "num_speculative_tokens": 2}
-        )
+    for model, method in (
+        ("yuhuili/EAGLE-LLaMA3-Instruct-8B", "eagle"),
+        ("yuhuili/EAGLE3-LLaMA3.1-Instruct-8B", "eagle3"),
+    ):
+        config = SpeculativeConfig.from_value({"model": model, "num_speculative_tokens": 2})
+        assert (config.method, config.model) == (method, model)
+        assert config.uses_eagle and config.uses_draft_kv_cache and not config.uses_draft_model
+
+
+def test_mtp_takes_no_model_and_vllms_older_names():
+    for method in ("mtp", "deepseek_mtp"):
+        config = SpeculativeConfig.from_value({"method": method, "num_speculative_tokens": 1})
+        assert (config.method, config.model) == ("mtp", None)
+        assert config.uses_eagle and config.uses_draft_kv_cache
+    with pytest.raises(
+        ValueError, match="speculative_config.model is required with method 'eagle': a folder"
+    ):
+        SpeculativeConfig.from_value({"method": "eagle", "num_speculative_tokens": 2})
 
 
 def test_a_model_without_a_method_is_a_draft_model():
@@ -71,19 +85,15 @@ def test_the_cli_flag_parses_like_vllms(argv, expected):
         ({"method": "ngram", "num_speculative_tokens": True}, "num_speculative_tokens=True is not valid"),
         (
             {"method": "bogus", "num_speculative_tokens": 2},
-            "method='bogus' is not valid; allowed: ngram, draft_model, medusa",
+            "method='bogus' is not valid; allowed: ngram, draft_model, medusa, eagle, eagle3, mtp",
         ),
         (
-            {"method": "eagle3", "num_speculative_tokens": 2},
-            "method='eagle3': EAGLE-3 heads are not available",
-        ),
-        (
-            {"method": "mtp", "num_speculative_tokens": 2},
-            "method='mtp': multi-token-prediction layers are not available",
+            {"method": "mlp_speculator", "num_speculative_tokens": 2},
+            "method='mlp_speculator': MLP speculator heads are not available",
         ),
         (
             {"num_speculative_tokens": 2},
-            "needs 'method' (allowed: ngram, draft_model, medusa) or a draft 'model'",
+            "needs 'method' (allowed: ngram, draft_model, medusa, eagle, eagle3, mtp) or a draft 'model'",
         ),
         ({"method": "draft_model", "num_speculative_tokens": 2}, "speculative_config.model is required"),
         (

@@ -24,6 +24,7 @@ from fastapi.testclient import TestClient
 from kvllm.config.engine import PARALLEL_NOT_YET, EngineArgs
 from kvllm.config.serving import ChatTemplateDefaults, HttpOptions
 from kvllm.config.sizes import parse_human_int, parse_human_int_or_auto
+from kvllm.config.speculative import SpeculativeConfig
 from kvllm.entrypoints.cli import vllm_flags
 from kvllm.entrypoints.cli.main import build_parser, main
 from kvllm.entrypoints.cli.vllm_flags import (
@@ -703,6 +704,14 @@ ACCEPTED_LINES: list[tuple[str, dict[str, Any]]] = [
         """vllm serve Qwen/Qwen3-0.6B --structured-outputs-config '{"backend": "xgrammar"}'""",
         {"model": "Qwen/Qwen3-0.6B"},
     ),
+    (
+        """vllm serve meta-llama/Meta-Llama-3-8B-Instruct --speculative-config '{"model": "yuhuili/EAGLE-LLaMA3-Instruct-8B", "num_speculative_tokens": 5}'""",
+        {
+            "speculative_config": SpeculativeConfig(
+                method="eagle", num_speculative_tokens=5, model="yuhuili/EAGLE-LLaMA3-Instruct-8B"
+            )
+        },
+    ),
 ]
 
 REFUSED_LINES: list[tuple[str, str]] = [
@@ -726,10 +735,6 @@ REFUSED_LINES: list[tuple[str, str]] = [
         "vllm serve meta-llama/Llama-3.2-1B-Instruct --headless --data-parallel-size 4 --data-parallel-size-local 2 "
         "--data-parallel-start-rank 2 --data-parallel-address 10.99.48.128 --data-parallel-rpc-port 13345",
         "--data-parallel-address 10.99.48.128: kvllm has no data parallelism",
-    ),
-    (
-        """vllm serve meta-llama/Meta-Llama-3-8B-Instruct --speculative-config '{"model": "yuhuili/EAGLE-LLaMA3-Instruct-8B", "num_speculative_tokens": 5}'""",
-        "speculative_config.method='eagle': EAGLE heads are not available in this version of kvllm",
     ),
     ("vllm serve BAAI/bge-reranker-base --runner pooling --convert classify", "no classification"),
     ("vllm serve intfloat/e5-mistral-7b-instruct --task embed", "--task embed: vLLM 0.22 replaced --task"),

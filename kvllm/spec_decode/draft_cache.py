@@ -1,0 +1,93 @@
+"""The paged KV cache of a drafter's attention layers (a draft model, an EAGLE head, an MTP layer).
+
+A drafter shares the target's paged layout: the same block ids and block table, its own cache
+tensors. So a block holds the target's and the drafter's K/V of the same tokens, and preemption,
+prefix caching and freeing apply to both at once. The drafter's decode steps (one token per
+request) build their metadata here from host positions and the target's block table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from torch import nn
+
+from kvllm.attention.backend import AttentionBackend
+from kvllm.attention.metadata import CommonAttentionMetadata, KVCacheSpec
+from kvllm.layers.attention import Attention
+from kvllm.layers.mla_attention import MLAAttention
+
+
+class DraftKVCache:
+    """The drafter's attention layers, bound to the target's backend, and their caches."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        attn_backend: type[AttentionBackend],
+        spec: KVCacheSpec,
+        bind: Callable[[Attention | MLAAttention], None],
+        device: torch.device,
+    ) -> None:
+        self.attn_backend = attn_backend
+        self.spec = spec
+        self.device = device
+        self.layers = [m for m in module.modules() if isinstance(m, Attention | MLAAttention)]
+        for layer in self.layers:
+            bind(layer)
+        self.builder = None
+
+    def bytes_per_block(self) -> int:
+        return self.spec.page_size_bytes * len(self.layers)
+
+    def initialize(self, num_blocks: int, max_num_reqs: int, max_num_tokens: int, max_model_len: int) -> None:
+        spec = self.spec
+        shape = self.attn_backend.get_kv_cache_shape(
+            num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size
+        )
+        for layer in self.layers:
+            layer.kv_cache = torch.zeros(shape, dtype=spec.dtype, device=self.device)
+        self.builder = self.attn_backend.get_builder_cls()(
+            self.attn_backend, spec, self.device, max_num_reqs, max_num_tokens, max_model_len
+        )
+
+    def build(self, common: CommonAttentionMetadata):
+        """The backend's metadata for one forward pass of the drafter."""
+        assert self.builder is not None, "initialize() first"
+        return self.builder.build(common)
+
+    def decode_metadata(
+        self,
+        positions: np.ndarray,
+        rows: np.ndarray,
+        block_table: np.ndarray,
+        block_table_gpu: torch.Tensor,
+    ) -> CommonAttentionMetadata:
+        """One query token per request: request i's token sits at `positions[i]` of token-table row
+        `rows[i]` and attends to everything before it (its slots must be allocated)."""
+        n = len(rows)
+        block_size = self.spec.block_size
+        slots = (
+            block_table[rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
+        )
+        seq_lens = (positions + 1).astype(np.int32)
+        qsl = torch.arange(n + 1, dtype=torch.int32)
+        device = self.device
+        return CommonAttentionMetadata(
+            num_reqs=n,
+            num_actual_tokens=n,
+            num_decodes=n,
+            num_decode_tokens=n,
+            query_start_loc=qsl.to(device),
+            query_start_loc_cpu=qsl,
+            seq_lens=torch.from_numpy(seq_lens).to(device),
+            seq_lens_cpu=torch.from_numpy(seq_lens),
+            max_query_len=1,
+            max_seq_len=int(seq_lens.max()),
+            block_table=block_table_gpu[
+                torch.from_numpy(rows).to(device), : int(positions.max()) // block_size + 1
+            ],
+            slot_mapping=torch.from_numpy(slots).to(device),
+        )
