@@ -71,8 +71,29 @@ class MLAMetadata:
     prefill: MLAPrefillMetadata | None
 
 
+@dataclass
+class _GraphBuffers:
+    """The decode metadata CUDA graphs read, at fixed addresses (allocated on first capture)."""
+
+    seq_lens: torch.Tensor  # int32 [max_num_reqs]
+    block_table: torch.Tensor  # int32 [max_num_reqs, max_blocks]
+    slot_mapping: torch.Tensor  # int64 [max_num_reqs]
+
+    @classmethod
+    def allocate(cls, max_num_reqs: int, max_blocks: int, device: torch.device) -> _GraphBuffers:
+        return cls(
+            torch.zeros(max_num_reqs, dtype=torch.int32, device=device),
+            torch.zeros(max_num_reqs, max_blocks, dtype=torch.int32, device=device),
+            torch.full((max_num_reqs,), -1, dtype=torch.int64, device=device),
+        )
+
+
 class MLAMetadataBuilder(AttentionMetadataBuilder):
     """Splits a step into its decode and prefill parts (decodes come first in the batch)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._graph: _GraphBuffers | None = None
 
     def build(self, common: CommonAttentionMetadata) -> MLAMetadata:
         if not common.causal:
@@ -98,6 +119,50 @@ class MLAMetadataBuilder(AttentionMetadataBuilder):
     def build_decode_extra(self, decode: MLADecodeMetadata) -> Any:
         """Backend-specific decode state (override); None by default."""
         return None
+
+    # ---- CUDA graphs (backends declaring cudagraph_support="decode_only") -----------------------
+    # A graph reads its metadata from buffers at fixed addresses, and every launch decision in it
+    # depends on the padded batch size only: max_seq_len is max_model_len, never the step's.
+    # Padded requests have sequence length 0 and slot -1 (no write, zero attention output).
+
+    def prepare_for_capture(self, common: CommonAttentionMetadata) -> MLAMetadata:
+        return self._build_static(common)
+
+    def prepare_for_replay(self, common: CommonAttentionMetadata) -> MLAMetadata:
+        return self._build_static(common)
+
+    def build_graph_decode_extra(self, decode: MLADecodeMetadata) -> Any:
+        """Backend-specific decode state of a graph step (override); None by default."""
+        return None
+
+    def _build_static(self, common: CommonAttentionMetadata) -> MLAMetadata:
+        n, num_tokens = common.num_reqs, common.num_actual_tokens
+        if common.max_query_len > 1 or num_tokens != n or not common.causal:
+            raise ValueError(
+                f"an MLA graph step is a uniform decode batch (one token per request), got {n} requests, "
+                f"{num_tokens} tokens, max query length {common.max_query_len}"
+            )
+        if n > self.max_num_reqs:
+            raise ValueError(f"graph batch of {n} requests exceeds max_num_reqs={self.max_num_reqs}")
+        if self._graph is None:
+            max_blocks = -(-self.max_model_len // self.kv_cache_spec.block_size)
+            self._graph = _GraphBuffers.allocate(self.max_num_reqs, max_blocks, torch.device(self.device))
+        buffers = self._graph
+        cols = common.block_table.shape[1]
+        if cols > buffers.block_table.shape[1]:
+            raise ValueError(f"block table has {cols} columns, more than max_model_len allows")
+        buffers.seq_lens[:n].copy_(common.seq_lens[:n], non_blocking=True)
+        buffers.block_table[:n, :cols].copy_(common.block_table[:n], non_blocking=True)
+        buffers.slot_mapping[:n].copy_(common.slot_mapping[:n], non_blocking=True)
+        decode = MLADecodeMetadata(
+            num_decodes=n,
+            block_table=buffers.block_table[:n],
+            seq_lens=buffers.seq_lens[:n],
+            seq_lens_cpu=common.seq_lens_cpu[:n],
+            max_seq_len=self.max_model_len,
+        )
+        decode.extra = self.build_graph_decode_extra(decode)
+        return MLAMetadata(n, n, buffers.slot_mapping[:n], decode, None)
 
     def _build_prefill(self, common: CommonAttentionMetadata) -> MLAPrefillMetadata:
         nd, block_size = common.num_decodes, self.kv_cache_spec.block_size

@@ -11,7 +11,9 @@ from kvllm.platforms.interface import DeviceInfo
 
 
 class TritonMLABackend(MLABackend):
-    """Split-KV Triton decode in the latent space (`kvllm.attention.ops.triton_mla_decode`).
+    """Split-KV Triton decode in the latent space (`kvllm.attention.ops.triton_mla_decode`): one
+    program per block of up to 64 heads and one KV segment, so a latent tile is loaded once for all
+    of them; decode steps are captured in CUDA graphs.
 
     Any latent width that is a multiple of 8 up to 1024 runs (the kernel pads the latent and rotary
     parts to powers of two with masked loads); fp8 caches are read back with the layer's k_scale.
@@ -28,6 +30,8 @@ class TritonMLABackend(MLABackend):
     required_package: ClassVar[str | None] = "triton"
     pip_extra: ClassVar[str | None] = "triton"
     preferred_block_size: ClassVar[int] = 16
+    # Graph steps read fixed buffers and split by batch size and max_model_len only (triton_mla_impl).
+    cudagraph_support: ClassVar[str] = "decode_only"
     verified_on: ClassVar[str] = (
         "CPU via the Triton interpreter (fp16/fp32, fp8 latent); H200: see the GPU test"
     )
