@@ -1,7 +1,7 @@
 """MLA backends on a GPU: every declared combination against the float32 reference (DeepSeek dims).
 
-TRITON_MLA (its own kernel) and FLASHINFER_MLA (FlashInfer's MLA paged wrapper, with FlashInfer's
-ragged prefill for the prefill part) over dtypes x KV dtypes x block sizes x head counts, each on a
+TRITON_MLA (its own kernel) and FLASHINFER_MLA (FlashInfer's MLA paged wrapper; FlashInfer's ragged
+prefill is checked against TORCH_SDPA on its own) over dtypes x KV dtypes x block sizes x head counts, each on a
 mixed batch (decodes with short and long contexts, a chunked prefill with context, a fresh prefill)
 over scrambled block tables, through the backend's builder and implementation
 (kvllm.attention.mla_testing). KVLLM_MLA_GPU_DTYPES limits the model dtypes (FlashInfer compiles
@@ -61,11 +61,9 @@ def test_mla_backend_matches_reference_on_gpu(name, dtype, kv_cache_dtype, block
     reasons = backend.validate_configuration(config, device)
     if reasons:
         pytest.skip(f"{name} does not claim this combination here: {reasons}")
+    # The prefill part runs TORCH_SDPA (FlashInfer's ragged prefill has its own test below: its FA3
+    # module compiles for over a minute on a fresh machine).
     prefill_impl = None
-    if name == "FLASHINFER_MLA":
-        from kvllm.attention.backends.mla.prefill_flashinfer import FlashInferMLAPrefill
-
-        prefill_impl = FlashInferMLAPrefill()
     dims = MLADims(num_heads, 512, 64, 128, 128)
     fp8 = kv_cache_dtype in FP8_KV_CACHE_DTYPES
     case = prepare_mla_case(
@@ -110,3 +108,35 @@ def test_flashinfer_ragged_prefill_matches_torch_sdpa():
     ref = mla_reference(case)
     for out in outs:
         assert ((out - ref).norm() / ref.norm()).item() < 2e-2
+
+
+@pytest.mark.parametrize("backend", ["TRITON_MLA", "FLASHINFER_MLA"])
+def test_mla_graph_decode_matches_eager(backend, tmp_path):
+    """A small DeepSeek-V3 at DeepSeek's latent dims (512 + 64, 16 heads): decode steps replayed from
+    CUDA graphs (padded batches 12 -> 1) give the eager engine's greedy ids, up to bf16 logit ties."""
+    from tests.gpu.test_cuda_graphs_gpu import TIE_GAP, _run
+    from tests.model_factory import make_tiny_deepseek_v3
+
+    backend_class = registry.get_backend_class(backend)
+    config = AttentionSelectorConfig(head_size=576, dtype="bfloat16", use_mla=True)
+    reasons = backend_class.validate_configuration(config, current_device_info())
+    if reasons:
+        pytest.skip(f"{backend}: {reasons}")
+    if backend_class.cudagraph_support == "never":
+        pytest.skip(f"{backend} declares no CUDA-graph support")
+    path = str(make_tiny_deepseek_v3(
+        tmp_path, num_attention_heads=16, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
+        v_head_dim=128, hidden_size=256, intermediate_size=512,
+    ))  # fmt: skip
+    rng = torch.Generator().manual_seed(1)
+    lengths = [1, 5, 17, 64, 130, 300, 511, 9, 33, 700, 2, 80]
+    prompts = [torch.randint(3, 200, (n,), generator=rng).tolist() for n in lengths]
+    max_tokens = [40 - 3 * i for i in range(len(prompts))]
+    eager, eager_replays = _run(path, backend, True, prompts, max_tokens)
+    graphs, replays = _run(path, backend, False, prompts, max_tokens)
+    assert eager_replays == 0 and replays > 0
+    for (ref_ids, ref_lps), (ids, _) in zip(eager, graphs):
+        step = next((i for i, (a, b) in enumerate(zip(ids, ref_ids)) if a != b), None)
+        if step is not None:
+            values = sorted((lp.logprob for lp in ref_lps[step].values()), reverse=True)
+            assert values[0] - values[1] < TIE_GAP, f"diverged at step {step}"

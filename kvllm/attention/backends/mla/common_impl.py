@@ -165,28 +165,33 @@ class MLAMetadataBuilder(AttentionMetadataBuilder):
         return MLAMetadata(n, n, buffers.slot_mapping[:n], decode, None)
 
     def _build_prefill(self, common: CommonAttentionMetadata) -> MLAPrefillMetadata:
+        """Every key's cache slot from host-side (request, position) arrays and one device gather of the
+        block table: no device-to-host copy, so the step does not wait for the previous one."""
         nd, block_size = common.num_decodes, self.kv_cache_spec.block_size
         qsl = common.query_start_loc_cpu[nd:].long()
         token_start = int(qsl[0])
         seq_lens = common.seq_lens_cpu[nd : common.num_reqs].long()
-        table = common.block_table[nd : common.num_reqs].long().cpu()
-        slots = []
-        for row, seq_len in zip(table, seq_lens.tolist()):
-            pos = torch.arange(seq_len)
-            slots.append(row[pos // block_size] * block_size + pos % block_size)
-        kv_start = [0]
-        for seq_len in seq_lens.tolist():
-            kv_start.append(kv_start[-1] + seq_len)
+        kv_start = torch.zeros(seq_lens.numel() + 1, dtype=torch.long)
+        torch.cumsum(seq_lens, 0, out=kv_start[1:])
+        total = int(kv_start[-1])
+        req = torch.repeat_interleave(torch.arange(seq_lens.numel()), seq_lens, output_size=total)
+        pos = torch.arange(total) - kv_start[req]
         device = common.slot_mapping.device
+        table = common.block_table.reshape(-1)
+        cols = common.block_table.shape[1]
+        index = ((req + nd) * cols + pos // block_size).to(device, non_blocking=True)
+        pos_dev = pos.to(device, non_blocking=True)
+        kv_slots = table[index].long() * block_size + pos_dev % block_size
         q_start = (qsl - token_start).tolist()
+        kv_start_list = kv_start.tolist()
         return MLAPrefillMetadata(
             token_start=token_start,
             query_start_loc_cpu=q_start,
             seq_lens_cpu=seq_lens.tolist(),
-            kv_slots=torch.cat(slots).to(device),
-            kv_start_loc_cpu=kv_start,
-            query_start_loc=torch.tensor(q_start, dtype=torch.int32, device=device),
-            kv_start_loc=torch.tensor(kv_start, dtype=torch.int32, device=device),
+            kv_slots=kv_slots,
+            kv_start_loc_cpu=kv_start_list,
+            query_start_loc=torch.tensor(q_start, dtype=torch.int32).to(device, non_blocking=True),
+            kv_start_loc=kv_start.to(torch.int32).to(device, non_blocking=True),
         )
 
 

@@ -30,6 +30,8 @@ class FlashInferMLABackend(MLABackend):
     required_package: ClassVar[str | None] = "flashinfer"
     pip_extra: ClassVar[str | None] = "flashinfer"
     preferred_block_size: ClassVar[int] = 16
+    # Graph mode wrappers per batch size, re-planned before each replay (flashinfer_mla_impl).
+    cudagraph_support: ClassVar[str] = "decode_only"
     verified_on: ClassVar[str] = "pending: tests/gpu/test_mla_gpu.py on the H200 (SM 9.0)"
 
     @classmethod

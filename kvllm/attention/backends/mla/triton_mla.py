@@ -20,8 +20,8 @@ class TritonMLABackend(MLABackend):
     """
 
     name: ClassVar[str] = "TRITON_MLA"
-    version: ClassVar[str] = "1"
-    description: ClassVar[str] = "kvllm Triton MLA decode (split-KV over latent pages, fp8 latent cache)"
+    version: ClassVar[str] = "2"
+    description: ClassVar[str] = "kvllm Triton MLA decode (head-blocked, split-KV over latent pages, fp8 latent cache)"
     supported_dtypes: ClassVar[tuple[str, ...]] = ("float16", "bfloat16", "float32")
     supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3")
     block_sizes: ClassVar[SizeRule] = MultipleOf(16)
