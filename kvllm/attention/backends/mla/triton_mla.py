@@ -6,7 +6,7 @@ from typing import ClassVar
 
 from kvllm.attention.backend import AttentionSelectorConfig, MultipleOf, SizeRule
 from kvllm.attention.backends.mla.common import MLABackend
-from kvllm.config.choices import FP8_KV_CACHE_DTYPES
+from kvllm.config.choices import FP8_KV_CACHE_DTYPES, KV_CACHE_DTYPES
 from kvllm.platforms.interface import DeviceInfo
 
 
@@ -23,7 +23,7 @@ class TritonMLABackend(MLABackend):
     version: ClassVar[str] = "2"
     description: ClassVar[str] = "kvllm Triton MLA decode (head-blocked, split-KV over latent pages, fp8 latent cache)"
     supported_dtypes: ClassVar[tuple[str, ...]] = ("float16", "bfloat16", "float32")
-    supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3")
+    supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = KV_CACHE_DTYPES
     block_sizes: ClassVar[SizeRule] = MultipleOf(16)
     head_sizes: ClassVar[SizeRule] = MultipleOf(8, minimum=16, maximum=1024)
     platforms: ClassVar[tuple[str, ...]] = ("cuda", "rocm")
@@ -33,7 +33,7 @@ class TritonMLABackend(MLABackend):
     # Graph steps read fixed buffers and split by batch size and max_model_len only (triton_mla_impl).
     cudagraph_support: ClassVar[str] = "decode_only"
     verified_on: ClassVar[str] = (
-        "CPU via the Triton interpreter (fp16/fp32, fp8 latent); H200: see the GPU test"
+        "CPU via the Triton interpreter (fp16/fp32, fp8 e4m3/e5m2 latent); H200: see the GPU test"
     )
 
     @classmethod
