@@ -30,7 +30,7 @@ step() {  # name timeout_s command...: run, log, record the exit status
 if [ $has_fi = 1 ]; then
   tests_k="(FLASHINFER_MLA or graph) and not ragged"; tests_s=75; sweep_s=0
 else
-  tests_k="TRITON_MLA or split_counts"; tests_s=60; sweep_s=45
+  tests_k="TRITON_MLA or split_counts or deepseek_dims"; tests_s=75; sweep_s=40
 fi
 step mla-tests $tests_s python3 -m pytest tests/gpu/test_mla_gpu.py -m gpu -q -rfE -p no:cacheprovider -k "$tests_k" \
   --junitxml="$out/mla-junit.xml"
@@ -48,7 +48,7 @@ if [ $has_fi = 1 ]; then
   e2e FLASHINFER_MLA-graphs 35 FLASHINFER_MLA
   e2e FLASHINFER_MLA-eager 30 FLASHINFER_MLA --eager
 else
-  e2e TRITON_MLA-eager 35 TRITON_MLA --eager --profile-host
+  e2e TRITON_MLA-eager 30 TRITON_MLA --eager --profile-host
 fi
 
 echo "== steps (rc 124 = timeout)"; cat "$out/steps.txt"
