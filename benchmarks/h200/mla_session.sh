@@ -30,7 +30,7 @@ step() {  # name timeout_s command...: run, log, record the exit status
 if [ $has_fi = 1 ]; then
   tests_k="(FLASHINFER_MLA or graph) and not ragged"; tests_s=75; sweep_s=0
 else
-  tests_k="TRITON_MLA or split_counts or deepseek_dims"; tests_s=75; sweep_s=40
+  tests_k="TRITON_MLA or split_counts or deepseek"; tests_s=75; sweep_s=40
 fi
 step mla-tests $tests_s python3 -m pytest tests/gpu/test_mla_gpu.py -m gpu -q -rfE -p no:cacheprovider -k "$tests_k" \
   --junitxml="$out/mla-junit.xml"
