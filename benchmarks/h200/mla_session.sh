@@ -45,7 +45,7 @@ e2e() {  # name limit backend extra-args...
 }
 e2e TRITON_MLA-graphs 45 TRITON_MLA
 if [ $has_fi = 1 ]; then
-  e2e FLASHINFER_MLA-graphs 35 FLASHINFER_MLA
+  e2e FLASHINFER_MLA-graphs 35 FLASHINFER_MLA --force-graphs
   e2e FLASHINFER_MLA-eager 30 FLASHINFER_MLA --eager
 else
   e2e TRITON_MLA-eager 30 TRITON_MLA --eager --profile-host

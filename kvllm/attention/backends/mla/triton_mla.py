@@ -21,7 +21,9 @@ class TritonMLABackend(MLABackend):
 
     name: ClassVar[str] = "TRITON_MLA"
     version: ClassVar[str] = "2"
-    description: ClassVar[str] = "kvllm Triton MLA decode (head-blocked, split-KV over latent pages, fp8 latent cache)"
+    description: ClassVar[str] = (
+        "kvllm Triton MLA decode (head-blocked, split-KV over latent pages, fp8 latent cache)"
+    )
     supported_dtypes: ClassVar[tuple[str, ...]] = ("float16", "bfloat16", "float32")
     supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = KV_CACHE_DTYPES
     block_sizes: ClassVar[SizeRule] = MultipleOf(16)
