@@ -5,7 +5,8 @@
 # of the Triton sweep and Triton's eager end-to-end run. FlashInfer's ragged prefill is not
 # used here (its FA3 module compiles for 71 s on a fresh machine): the end-to-end runs prefill with
 # TORCH_SDPA, so they compare the decode backends alone.
-#   1. tests/gpu/test_mla_gpu.py (bf16 unless MLA_DTYPES says more) against the float32 reference;
+#   1. tests/gpu/test_mla_gpu.py (bf16 unless MLA_DTYPES says more) against the float32 reference, and
+#      without FlashInfer tests/gpu/test_fused_moe_gpu.py (the MoE alignment kernels are new);
 #   2. mla_bench.py kernels: Triton's decode kernel (CUDA-graph timed) beside FlashInfer's, + the sweep;
 #   3. mla_e2e.py: DeepSeek-V2-Lite-shaped dummy model, TRITON_MLA with CUDA graphs, then without (with
 #      a host profile), or with FlashInfer: FLASHINFER_MLA with and without graphs.
@@ -30,9 +31,9 @@ step() {  # name timeout_s command...: run, log, record the exit status
 if [ $has_fi = 1 ]; then
   tests_k="(FLASHINFER_MLA or graph) and not ragged"; tests_s=75; sweep_s=0
 else
-  tests_k="TRITON_MLA or split_counts or deepseek"; tests_s=75; sweep_s=40
+  tests_k="TRITON_MLA or split_counts or deepseek or fused_moe_gpu"; tests_s=85; sweep_s=35
 fi
-step mla-tests $tests_s python3 -m pytest tests/gpu/test_mla_gpu.py -m gpu -q -rfE -p no:cacheprovider -k "$tests_k" \
+step mla-tests $tests_s python3 -m pytest tests/gpu/test_mla_gpu.py tests/gpu/test_fused_moe_gpu.py -m gpu -q -rfE -p no:cacheprovider -k "$tests_k" \
   --junitxml="$out/mla-junit.xml"
 sweep_args=(); [ "$sweep_s" -gt 0 ] && sweep_args=(--sweep --budget-s "$sweep_s")
 step mla-kernels $((45 + sweep_s)) python3 benchmarks/h200/mla_bench.py kernels "${sweep_args[@]}" \
@@ -43,7 +44,7 @@ e2e() {  # name limit backend extra-args...
   step "e2e-$name" "$limit" python3 benchmarks/h200/mla_e2e.py /tmp/dsv2lite --backend "$backend" \
     --prefill-backend TORCH_SDPA --num-prompts 32 --out "$out/e2e-$name.json" "$@"
 }
-e2e TRITON_MLA-graphs 45 TRITON_MLA
+e2e TRITON_MLA-graphs 40 TRITON_MLA
 if [ $has_fi = 1 ]; then
   e2e FLASHINFER_MLA-graphs 35 FLASHINFER_MLA --force-graphs
   e2e FLASHINFER_MLA-eager 30 FLASHINFER_MLA --eager
