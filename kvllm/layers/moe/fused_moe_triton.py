@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from kvllm.layers.moe.fused_moe_torch import apply_activation, check_fused_experts_args
+from kvllm.layers.ops.activation import silu_and_mul
 from kvllm.layers.ops.common import cast_to, interpreting
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -286,7 +287,10 @@ def fused_experts_triton(
     alignment = moe_align_block_size(topk_ids, config.block_m, num_experts)
     gate_up = torch.empty((num_pairs, w13.shape[1]), dtype=hidden_states.dtype, device=hidden_states.device)
     _grouped_gemm(hidden_states, w13, w13_bias, gate_up, None, alignment, top_k, config)
-    intermediate = apply_activation(gate_up, activation)
+    if activation == "silu":  # one launch, rounded as the torch ops round (kvllm/layers/ops/activation.py)
+        intermediate = silu_and_mul(gate_up)
+    else:
+        intermediate = apply_activation(gate_up, activation)
     down = torch.empty((num_pairs, hidden), dtype=hidden_states.dtype, device=hidden_states.device)
     weights = topk_weights.reshape(-1).float().contiguous()
     _grouped_gemm(intermediate, w2, w2_bias, down, weights, alignment, 1, config)
