@@ -100,6 +100,11 @@ def main() -> None:
         prefill_s=timing.first_token_latency,
         decode_tok_s=n * 63 / decode_s if decode_s > 0 else None,
     )
+    runner = llm.llm_engine.executor.worker.model_runner.graph_runner
+    doc["graph_replays"] = runner.num_replays if runner is not None else 0
+    doc["graph_sizes"] = sorted(runner.graphs) if runner is not None else []
+    args.out.write_text(json.dumps(doc, indent=1))
+    print("graph replays", doc["graph_replays"], flush=True)
     if profiler is not None:
         text = io.StringIO()
         pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
