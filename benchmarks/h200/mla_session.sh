@@ -55,4 +55,4 @@ fi
 echo "== steps (rc 124 = timeout)"; cat "$out/steps.txt"
 echo "== tests"; grep -E '(passed|failed|error|skipped)' "$out/mla-tests.log" | tail -1; grep -E '^(FAILED|ERROR) ' "$out/mla-tests.log" | head -10
 echo "== kernels"; sed -n '/^   H /,$p' "$out/mla-kernels.log" | head -30
-echo "== e2e"; for f in "$out"/e2e-*.log; do echo "${f##*/}"; grep -E '^(init|warmup|batch1|throughput) |Error|error' "$f" | tail -5; done
+echo "== e2e"; for f in "$out"/e2e-*.log; do echo "${f##*/}"; grep -E '^(init|warmup|batch1|throughput|graph replays) |Error|error' "$f" | tail -6; done
