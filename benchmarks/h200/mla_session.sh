@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # MLA on the H200 in one device call, about 4 minutes (every step has its own timeout; one failing step
-# never stops the next). FlashInfer is optional: carry [".fi"] (../shared/gpu/stage-flashinfer.sh) and
-# its parts run (FLASHINFER_MLA tests, its decode kernel beside Triton's, its end-to-end runs) in place
-# of the Triton sweep and Triton's eager end-to-end run. FlashInfer's ragged prefill is not
-# used here (its FA3 module compiles for 71 s on a fresh machine): the end-to-end runs prefill with
-# TORCH_SDPA, so they compare the decode backends alone.
+# never stops the next). FlashInfer is optional: with MLA_MODE=flashinfer and [".fi"] carried
+# (../shared/gpu/stage-flashinfer.sh) its parts run (FLASHINFER_MLA tests, its decode kernel beside
+# Triton's, its end-to-end runs) in place of the Triton sweep and Triton's eager end-to-end run.
+# FlashInfer's ragged prefill is not used here (its FA3 module compiles for 71 s on a fresh machine):
+# the end-to-end runs prefill with TORCH_SDPA, so they compare the decode backends alone.
 #   1. tests/gpu/test_mla_gpu.py (bf16 unless MLA_DTYPES says more) against the float32 reference, and
 #      without FlashInfer tests/gpu/test_fused_moe_gpu.py (the MoE alignment kernels are new);
 #   2. mla_bench.py kernels: Triton's decode kernel (CUDA-graph timed) beside FlashInfer's, + the sweep;
@@ -14,9 +14,14 @@
 set -uo pipefail
 cd "$(git rev-parse --show-toplevel 2>/dev/null || pwd)"
 out=${OUT:-gpu-out}; mkdir -p "$out"
+# MLA_MODE=triton (default): no FlashInfer even if .fi is there; MLA_MODE=flashinfer: its parts (needs .fi).
 has_fi=0
-if [ -f .fi/unpack.sh ] && bash .fi/unpack.sh > "$out/fi-unpack.txt" 2>&1; then has_fi=1; fi
-export PYTHONPATH=.:/tmp/site-fi FLASHINFER_WORKSPACE_BASE=/tmp/fiws TVM_FFI_CACHE_DIR=/tmp/tvmffi MAX_JOBS=16
+if [ "${MLA_MODE:-triton}" = flashinfer ]; then
+  if [ -f .fi/unpack.sh ] && bash .fi/unpack.sh > "$out/fi-unpack.txt" 2>&1; then has_fi=1
+  else echo "MLA_MODE=flashinfer but .fi/unpack.sh is missing or failed: Triton parts only" | tee "$out/fi-unpack.txt"; fi
+fi
+export PYTHONPATH=. FLASHINFER_WORKSPACE_BASE=/tmp/fiws TVM_FFI_CACHE_DIR=/tmp/tvmffi MAX_JOBS=16
+[ $has_fi = 1 ] && export PYTHONPATH=.:/tmp/site-fi
 export KVLLM_MLA_GPU_DTYPES=${MLA_DTYPES:-bfloat16}
 nvidia-smi --query-gpu=name,compute_cap,driver_version --format=csv,noheader > "$out/gpu.txt" 2>&1
 step() {  # name timeout_s command...: run, log, record the exit status
