@@ -316,13 +316,16 @@ class MLAAttentionImpl(ABC):
         P, V = self.qk_nope_head_dim, self.v_head_dim
         w = kv_b_weight.view(H, P + V, self.kv_lora_rank)
         w_uk, w_uv = w[:, :P], w[:, P:]  # [H, P, L], [H, V, L]
-        output = torch.zeros(num_tokens, H, V, dtype=q.dtype, device=q.device)
+        output = torch.empty(num_tokens, H, V, dtype=q.dtype, device=q.device)
+        covered = 0  # decodes, then prefill tokens; anything after them (padding) is zeroed
         if md.decode is not None:
             nd = md.num_decode_tokens
             q_nope, q_pe = q[:nd].split([P, self.qk_rope_head_dim], dim=-1)
             ql_nope = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [B, H, L]
             latent_out = self.forward_decode(torch.cat([ql_nope, q_pe], dim=-1), kv_cache, md.decode, layer)
-            output[:nd] = torch.bmm(latent_out.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+            # Straight into the [B, H, V] rows (a head-major view: cuBLAS writes it with ldc = H * V).
+            torch.bmm(latent_out.transpose(0, 1), w_uv.transpose(1, 2), out=output[:nd].transpose(0, 1))
+            covered = nd
         if md.prefill is not None:
             if self.prefill_impl is None:
                 raise RuntimeError(
@@ -338,4 +341,7 @@ class MLAAttentionImpl(ABC):
             output[pf.token_start : end] = self.prefill_impl.forward(
                 q[pf.token_start : end], k, v.contiguous(), pf, self.scale
             )
+            covered = end
+        if covered < num_tokens:
+            output[covered:].zero_()
         return output.view(num_tokens, H * V)
