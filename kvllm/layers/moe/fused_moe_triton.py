@@ -192,11 +192,10 @@ def moe_align_block_size(
     num_padded = torch.empty(1, dtype=torch.int32, device=device)
     if num_pairs == 0:
         return sorted_pair_ids, block_expert_ids.fill_(0), num_padded.fill_(0)
-    block = 256
-    grid = (triton.cdiv(num_pairs, block),)
-    _count_experts_kernel[grid](flat, counts, ranks, num_pairs, BLOCK=block)
+    _count_experts_kernel[(triton.cdiv(num_pairs, 256),)](flat, counts, ranks, num_pairs, BLOCK=256)
     block_e = triton.next_power_of_2(num_experts)
-    _scatter_pairs_kernel[grid](
+    block = max(16, min(256, 8192 // block_e))  # the [pairs, experts] comparison stays in registers
+    _scatter_pairs_kernel[(triton.cdiv(num_pairs, block),)](
         flat, counts, ranks, sorted_pair_ids, block_expert_ids, num_padded, num_pairs, num_experts, num_tiles,
         BLOCK_M=block_m, BLOCK=block, BLOCK_E=block_e, BLOCK_T=max(16, 4096 // block_e),
     )  # fmt: skip
