@@ -146,7 +146,7 @@ def kernels(writer: Writer) -> None:
         try:
             q, cache, table, seq_lens = make_case(heads, batch, ctx)
             config = decode_config(heads, q.dtype)
-            splits = num_splits_for(batch, heads, config.block_h, ctx, num_sms)
+            splits = num_splits_for(batch, heads, config, ctx, num_sms)
             rec.update(num_splits=splits, config=list(config.__dict__.values()))
             fn = partial(mla_decode, q, cache, table, seq_lens, L, SCALE, num_splits=splits, config=config)
             triton_out = fn()
@@ -193,7 +193,7 @@ def sweep(writer: Writer, budget_s: float) -> None:
     for heads, batch, ctx in SWEEP_SHAPES:
         q, cache, table, seq_lens = make_case(heads, batch, ctx)
         ref = mla_decode(q, cache, table, seq_lens, L, SCALE, num_splits=1, config=safe).float()
-        heuristic = num_splits_for(batch, heads, decode_config(heads, q.dtype).block_h, ctx, num_sms)
+        heuristic = num_splits_for(batch, heads, decode_config(heads, q.dtype), ctx, num_sms)
         cases.append(((heads, batch, ctx), (q, cache, table, seq_lens), ref, heuristic))
     for bh, bn, warps, stages in SWEEP_CONFIGS:
         config = MLADecodeConfig(bh, bn, warps, stages)

@@ -119,11 +119,13 @@ def test_bad_arguments_are_refused():
 
 
 def test_split_and_config_choices_depend_on_sizes_only():
-    # Enough programs already: one segment; a single request of 4k keys on 132 SMs: many segments,
-    # none shorter than the minimum; short sequences are not cut below it.
-    assert num_splits_for(256, 16, 16, 4096, 132) == 1
-    assert 16 <= num_splits_for(1, 16, 16, 4096, 132) <= MAX_SPLITS
-    assert num_splits_for(1, 16, 16, 200, 132) == 1
-    assert num_splits_for(0, 16, 16, 4096, 132) == 1
-    assert decode_config(128, torch.bfloat16).block_h == 64
-    assert decode_config(16, torch.bfloat16).block_h == 16
+    # One wave of programs at most (132 SMs): what the H200 sweep found fastest at 4k context.
+    small, large = decode_config(16, torch.bfloat16), decode_config(128, torch.bfloat16)
+    assert (small.block_h, large.block_h) == (16, 64)
+    assert num_splits_for(128, 16, small, 4096, 132) == 2  # 256 programs: not 3 (384, a second wave)
+    assert num_splits_for(32, 16, small, 4096, 132) == 8
+    assert num_splits_for(32, 128, large, 4096, 132) == 2  # one 64-head program per SM
+    assert num_splits_for(256, 16, small, 4096, 132) == 1
+    assert 16 <= num_splits_for(1, 16, small, 4096, 132) <= MAX_SPLITS
+    assert num_splits_for(1, 16, small, 200, 132) == 1  # no segment below MIN_SPLIT_TOKENS
+    assert num_splits_for(0, 16, small, 4096, 132) == 1

@@ -42,12 +42,21 @@ class MLADecodeConfig:
     block_n: int  # latent rows per inner-loop tile, power of two >= 16
     num_warps: int
     num_stages: int
+    # Programs of this config an SM runs at once (registers, shared memory): one wave is
+    # programs_per_sm x SMs, and the split count fills one wave without starting a second.
+    programs_per_sm: int = 2
 
 
 def decode_config(num_heads: int, dtype: torch.dtype, interpret: bool = False) -> MLADecodeConfig:
-    """The config for a model: all heads of a request in one program up to 64 (a [64, 512] float32
-    accumulator is what 8 warps hold), 16-row blocks for float32 (registers), wide tiles under the
-    interpreter (its cost is per op, not per element)."""
+    """The config for a model, from a sweep of 15 configs x split counts on an H200 (bf16, DeepSeek dims,
+    4k context; docs/benchmarks.md, sixth session):
+    - 16 heads: 16-head blocks, 32-row tiles, 4 warps, 2 stages: best or within 8% of the best at batch
+      1, 32 and 128 (2.81 TB/s of latent at batch 128, 2.38 at 32);
+    - more than 32 heads: 64-head blocks, 64-row tiles, 8 warps, one stage (a [64, 512] float32
+      accumulator; one program per SM): best at batch 32 and 128 (164 / 172 TFLOP/s), 1.27x the best
+      at batch 1;
+    - 32 heads (not measured): 32-head blocks; float32: 16-row tiles (registers); the interpreter: wide
+      tiles (its cost is per op, not per element)."""
     if interpret:
         return MLADecodeConfig(block_h=16, block_n=64, num_warps=4, num_stages=1)
     if dtype == torch.float32:
@@ -56,18 +65,21 @@ def decode_config(num_heads: int, dtype: torch.dtype, interpret: bool = False) -
         return MLADecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=2)
     if num_heads <= 32:
         return MLADecodeConfig(block_h=32, block_n=32, num_warps=4, num_stages=2)
-    return MLADecodeConfig(block_h=64, block_n=32, num_warps=8, num_stages=2)
+    return MLADecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=1, programs_per_sm=1)
 
 
-def num_splits_for(num_reqs: int, num_heads: int, block_h: int, max_seq_len: int, num_sms: int) -> int:
-    """KV segments per request: enough programs for about two waves on the GPU, no segment shorter
-    than MIN_SPLIT_TOKENS (by the longest sequence), at most MAX_SPLITS. Depends on sizes only."""
-    programs = num_reqs * -(-num_heads // block_h)
-    if programs == 0 or programs >= num_sms:
+def num_splits_for(
+    num_reqs: int, num_heads: int, config: MLADecodeConfig, max_seq_len: int, num_sms: int
+) -> int:
+    """KV segments per request: as many as fit in one wave of programs (a second, partly filled wave
+    cost up to 25% on the H200: 3 segments at batch 128 x 16 heads ran 270 us against 218 for 2), none
+    shorter than MIN_SPLIT_TOKENS of the longest sequence, at most MAX_SPLITS. Sizes only, no lengths."""
+    programs = num_reqs * -(-num_heads // config.block_h)
+    wave = config.programs_per_sm * num_sms
+    if programs == 0 or programs >= wave:
         return 1
-    by_occupancy = -(-2 * num_sms // programs)
     by_length = max(1, max_seq_len // MIN_SPLIT_TOKENS)
-    return max(1, min(by_occupancy, by_length, MAX_SPLITS))
+    return max(1, min(wave // programs, by_length, MAX_SPLITS))
 
 
 @triton.jit(do_not_specialize=["num_heads", "num_splits"])

@@ -39,7 +39,7 @@ class TritonMLAImpl(MLAAttentionImpl):
         splits = self.num_splits
         if splits is None:
             splits = num_splits_for(
-                md.num_decodes, self.num_heads, config.block_h, md.max_seq_len, _num_sms(q.device)
+                md.num_decodes, self.num_heads, config, md.max_seq_len, _num_sms(q.device)
             )
         return mla_decode(
             q.contiguous(),
