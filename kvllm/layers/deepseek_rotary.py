@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from kvllm.layers.ops.dispatch import use_fused_ops
+
 SUPPORTED_ROPE_TYPES = ("default", "yarn", "deepseek_yarn")
 
 
@@ -113,3 +115,17 @@ class DeepseekRotaryEmbedding(nn.Module):
         q = self._rotate(q_pe, cos[:, None], sin[:, None])
         k = self._rotate(k_pe, cos, sin)
         return q, k
+
+    def rotate_query_and_key(
+        self, positions: torch.Tensor, q: torch.Tensor, k_pe: torch.Tensor, nope_dim: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, H, nope_dim + R] (its last R dims rotated), k_pe [T, R] -> (new q, rotated k_pe).
+
+        One Triton launch where the fused kernels run (kvllm/layers/ops/mla_rope.py), else the torch
+        path above and a concatenation; the two round the same float32 values once."""
+        if use_fused_ops(q):
+            from kvllm.layers.ops.mla_rope import mla_rope
+
+            return mla_rope(positions, self.cos_sin_cache, q, k_pe, nope_dim, self.interleaved)
+        q_pe, k_pe = self(positions, q[..., nope_dim:], k_pe)
+        return torch.cat([q[..., :nope_dim], q_pe], dim=-1), k_pe

@@ -97,8 +97,7 @@ class DeepseekV2MLAAttention(nn.Module):
             [self.kv_lora_rank, self.qk_rope_head_dim], -1
         )
         kv_c_normed = self.kv_a_layernorm(kv_c.contiguous())
-        q_pe, k_pe = self.rotary_emb(positions, q[..., self.qk_nope_head_dim :], k_pe)
-        q = torch.cat([q[..., : self.qk_nope_head_dim], q_pe], dim=-1)
+        q, k_pe = self.rotary_emb.rotate_query_and_key(positions, q, k_pe, self.qk_nope_head_dim)
         out = self.mla_attn(q, kv_c_normed, k_pe, self.kv_b_proj.weight)
         return self.o_proj(out)
 

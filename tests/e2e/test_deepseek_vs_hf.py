@@ -95,3 +95,20 @@ def test_triton_mla_matches_hf(v3_and_reference, mode):
         llm = LLM(path, dtype="float32", seed=0, attention_backend="TRITON_MLA", **TRITON_MODES[mode])
     assert llm.llm_engine.attention_backend_name == "TRITON_MLA"
     _check(llm, [prompts[i] for i in TRITON_PROMPTS], [reference[i] for i in TRITON_PROMPTS], mode)
+
+
+def test_triton_mla_cuda_graphs_replayed_eagerly_match_hf(v3_and_reference, monkeypatch):
+    """Decode steps replay TRITON_MLA's captured steps (EagerGraph on the CPU: the same buffers, the
+    same launch plan), padded from 6 requests to 8 (two of sequence length 0)."""
+    from kvllm.worker import model_runner
+
+    monkeypatch.setattr(model_runner, "graphs_available", lambda device: True)
+    path, prompts, reference = v3_and_reference
+    with simulate_platform("cuda", (9, 0)):
+        llm = LLM(
+            path, dtype="float32", seed=0, attention_backend="TRITON_MLA", cudagraph_capture_sizes=[1, 2, 8]
+        )
+    runner = llm.llm_engine.executor.worker.model_runner.graph_runner
+    assert runner is not None and sorted(runner.graphs) == [1, 2, 8]
+    _check(llm, [prompts[i] for i in TRITON_PROMPTS], [reference[i] for i in TRITON_PROMPTS], "default")
+    assert runner.num_replays >= MAX_NEW_TOKENS - 1

@@ -71,7 +71,10 @@ def make_inputs(num_tokens, num_experts, top_k, hidden, inter, dtype, seed, bias
 
 
 @pytest.mark.parametrize(
-    "num_pairs,num_experts,block_m", [(1, 4, 16), (37, 5, 16), (64, 8, 32), (200, 3, 64)]
+    "num_pairs,num_experts,block_m",
+    # the last two: several programs counting into the same experts (atomics), empty experts, and more
+    # tiles than one pass of the tile loop
+    [(1, 4, 16), (37, 5, 16), (64, 8, 32), (200, 3, 64), (700, 60, 16), (1500, 256, 64)],
 )
 def test_align_block_size_covers_every_pair_once(num_pairs, num_experts, block_m):
     g = torch.Generator().manual_seed(num_pairs)

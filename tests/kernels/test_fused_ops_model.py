@@ -1,6 +1,6 @@
 """Whole models with the fused layer kernels forced on (CPU interpreter) against the same models' torch path.
 
-Covers the wiring: RMSNorm / SiluAndMul / LlamaAttention dispatch, in-place QK-norm + RoPE on the qkv
+Covers the wiring: RMSNorm / SiluAndMul / LlamaAttention dispatch, DeepSeek's MLA RoPE and MoE, in-place QK-norm + RoPE on the qkv
 buffer, strided q/k/v views reaching attention (the profile path here, CPU_ATTN's paged cache in the
 engine test), and the small-M linear kernel for the four projections of decode-sized batches (never the
 LM head).
@@ -30,6 +30,8 @@ KERNEL_WRAPPERS = [
     ("kvllm.layers.ops.linear", "linear"),
     ("kvllm.layers.ops.gemv", "gemv"),
     ("kvllm.layers.ops.gemv", "gemv_silu_and_mul"),
+    ("kvllm.layers.ops.mla_rope", "mla_rope"),
+    ("kvllm.layers.moe.fused_moe_triton", "fused_experts_triton"),
 ]
 MODELS = pytest.mark.parametrize("fixture", ["tiny_qwen3_path", "tiny_llama_path", "tiny_qwen2_path"])
 
@@ -95,6 +97,17 @@ def test_decode_sized_batch_runs_the_projections_in_the_linear_kernel(
     else:
         assert (out_logits - ref_logits).abs().max() <= 0.02 * ref_logits.abs().max()
     assert torch.equal(out_logits.argmax(-1), ref_logits.argmax(-1))
+
+
+def test_deepseek_v3_matches_torch_path(tiny_deepseek_v3_path: Path, kernel_calls: dict[str, int]) -> None:
+    """DeepSeek-V3 (q LoRA, MLA RoPE kernel, the MoE layer's grouped GEMMs with the Triton alignment)."""
+    input_ids = torch.randint(3, 400, (37,), generator=torch.Generator().manual_seed(3))
+    ref_hidden, ref_logits = logits(tiny_deepseek_v3_path, "float32", input_ids, "0")
+    assert not kernel_calls
+    hidden, out_logits = logits(tiny_deepseek_v3_path, "float32", input_ids, "1")
+    assert kernel_calls["mla_rope"] == 2 and kernel_calls["fused_experts_triton"] == 1  # 2 layers, 1 MoE
+    torch.testing.assert_close(hidden, ref_hidden, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out_logits, ref_logits, rtol=1e-5, atol=1e-5)
 
 
 def test_bf16_logits_match_torch_path(tiny_qwen3_path: Path) -> None:

@@ -104,8 +104,9 @@ def test_fp8_latent_declarations():
     fp8 = AttentionSelectorConfig(head_size=576, dtype="bfloat16", kv_cache_dtype="fp8", use_mla=True)
     assert choose_attention_backend(fp8, SM90, "TRITON_MLA").backend.name == "TRITON_MLA"
     e5m2 = AttentionSelectorConfig(head_size=576, dtype="bfloat16", kv_cache_dtype="fp8_e5m2", use_mla=True)
+    assert choose_attention_backend(e5m2, SM90, "TRITON_MLA").backend.name == "TRITON_MLA"
     with pytest.raises(ValueError, match=r"kv_cache_dtype fp8_e5m2 not supported"):
-        choose_attention_backend(e5m2, SM90, "TRITON_MLA")
+        choose_attention_backend(e5m2, SM90, "FLASHMLA")
     with pytest.raises(ValueError, match=r"FLASHINFER_MLA is not valid.*kv_cache_dtype fp8 not supported"):
         choose_attention_backend(fp8, SM90, "FLASHINFER_MLA")
 

@@ -8,8 +8,9 @@ experts in one launch). Padding slots hold the sentinel T * k and are neither re
 
 GEMM 1 gathers hidden rows (pair p reads token p // k) and writes gate_up [T * k, 2I]; the activation
 runs on that; GEMM 2 reads pair rows, scales each by its routing weight (in float32, before the one
-rounding), and writes [T * k, H]; the k rows of a token are then summed. The alignment runs as torch
-ops on the device with a fixed upper bound on the padded length, so nothing syncs with the host.
+rounding), and writes [T * k, H]; the k rows of a token are then summed. The alignment is two small
+Triton launches with a fixed upper bound on the padded length, so nothing syncs with the host (it
+was about twenty torch ops, each a kernel per MoE layer and step, graphs included).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import triton
 import triton.language as tl
 
 from kvllm.layers.moe.fused_moe_torch import apply_activation, check_fused_experts_args
+from kvllm.layers.ops.activation import silu_and_mul
 from kvllm.layers.ops.common import cast_to, interpreting
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -116,36 +118,88 @@ def default_config(num_pairs: int, num_experts: int) -> FusedMoEConfig:
     return FusedMoEConfig(block_m=64, block_n=128, num_warps=8)
 
 
+@triton.jit
+def _count_experts_kernel(topk_ids_ptr, counts_ptr, ranks_ptr, num_pairs, BLOCK: tl.constexpr):
+    """ranks[p] = how many pairs before p (in atomic order) chose p's expert; counts = the totals."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < num_pairs
+    experts = tl.load(topk_ids_ptr + offs, mask=mask, other=0).to(tl.int32)
+    ranks = tl.atomic_add(counts_ptr + experts, tl.full([BLOCK], 1, tl.int32), mask=mask)
+    tl.store(ranks_ptr + offs, ranks, mask=mask)
+
+
+@triton.jit
+def _scatter_pairs_kernel(
+    topk_ids_ptr,
+    counts_ptr,
+    ranks_ptr,
+    sorted_pair_ids_ptr,
+    block_expert_ids_ptr,
+    num_padded_ptr,
+    num_pairs,
+    num_experts,
+    num_tiles,
+    BLOCK_M: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    """Each program recomputes the padded run starts from the counts (cheap: E values) and places its
+    pairs; program 0 also writes every tile's expert and the used length."""
+    e = tl.arange(0, BLOCK_E)
+    counts = tl.load(counts_ptr + e, mask=e < num_experts, other=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_end = tl.cumsum(padded, axis=0)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < num_pairs
+    experts = tl.load(topk_ids_ptr + offs, mask=mask, other=0).to(tl.int32)
+    ranks = tl.load(ranks_ptr + offs, mask=mask, other=0)
+    if tl.program_id(0) == 0:
+        tl.store(num_padded_ptr, tl.sum(padded, axis=0))
+        for t0 in range(0, num_tiles, BLOCK_T):
+            tiles = t0 + tl.arange(0, BLOCK_T)
+            # the expert of a tile: how many runs end at or before its start (clamped to the last one)
+            ends_before = (padded_end[None, :] <= (tiles * BLOCK_M)[:, None]) & (e < num_experts)[None, :]
+            expert = tl.minimum(tl.sum(ends_before.to(tl.int32), axis=1), num_experts - 1)
+            tl.store(block_expert_ids_ptr + tiles, expert, mask=tiles < num_tiles)
+    # each pair's run start: the padded lengths of the experts before its own (no register gather)
+    padded_start = tl.sum(tl.where(e[None, :] < experts[:, None], padded[None, :], 0), axis=1)
+    tl.store(sorted_pair_ids_ptr + padded_start + ranks, offs, mask=mask)
+
+
 def moe_align_block_size(
     topk_ids: torch.Tensor, block_m: int, num_experts: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pairs sorted by expert, each expert's run padded to a multiple of block_m.
 
     Returns sorted_pair_ids [P] (pair index t * k + j, or the sentinel T * k in padding), block_expert_ids
-    [P / block_m] (the expert of each tile; 0 for tiles past the end, which the kernel skips) and
-    num_padded [1] (the used length). P = T * k + E * (block_m - 1) rounded up to block_m: a bound that
-    needs no host sync. Experts outside [0, E) are rejected by the caller.
+    [P / block_m] (the expert of each tile; the last expert for tiles past the end, which the kernel
+    skips) and num_padded [1] (the used length). P = T * k + E * (block_m - 1) rounded up to block_m: a
+    bound that needs no host sync. Experts outside [0, E) are rejected by the caller. Two Triton launches
+    (plus two fills): atomic counts and ranks, then the placement. Within an expert's run the pairs are
+    in atomic order, not token order: every pair's row is computed on its own, so results do not
+    depend on it.
     """
-    flat = topk_ids.reshape(-1).long()
+    flat = topk_ids.reshape(-1)
     num_pairs = flat.numel()
     device = flat.device
     capacity = triton.cdiv(num_pairs + num_experts * (block_m - 1), block_m) * block_m
-    # scatter_add, not bincount: bincount on CUDA reads the maximum back to the host (no graph capture).
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(
-        0, flat, torch.ones_like(flat)
-    )
-    padded = (counts + block_m - 1) // block_m * block_m
-    padded_end = torch.cumsum(padded, 0)
-    padded_start = padded_end - padded
-    order = torch.argsort(flat, stable=True)
-    sorted_experts = flat[order]
-    unpadded_start = torch.cumsum(counts, 0) - counts
-    rank = torch.arange(num_pairs, device=device) - unpadded_start[sorted_experts]
+    num_tiles = capacity // block_m
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=device)
+    ranks = torch.empty(num_pairs, dtype=torch.int32, device=device)
     sorted_pair_ids = torch.full((capacity,), num_pairs, dtype=torch.int32, device=device)
-    sorted_pair_ids[padded_start[sorted_experts] + rank] = order.to(torch.int32)
-    tile_starts = torch.arange(0, capacity, block_m, device=device)
-    block_expert_ids = torch.searchsorted(padded_end, tile_starts, right=True).clamp_(max=num_experts - 1)
-    return sorted_pair_ids, block_expert_ids.to(torch.int32), padded_end[-1:].to(torch.int32)
+    block_expert_ids = torch.empty(num_tiles, dtype=torch.int32, device=device)
+    num_padded = torch.empty(1, dtype=torch.int32, device=device)
+    if num_pairs == 0:
+        return sorted_pair_ids, block_expert_ids.fill_(0), num_padded.fill_(0)
+    _count_experts_kernel[(triton.cdiv(num_pairs, 256),)](flat, counts, ranks, num_pairs, BLOCK=256)
+    block_e = triton.next_power_of_2(num_experts)
+    block = max(16, min(256, 8192 // block_e))  # the [pairs, experts] comparison stays in registers
+    _scatter_pairs_kernel[(triton.cdiv(num_pairs, block),)](
+        flat, counts, ranks, sorted_pair_ids, block_expert_ids, num_padded, num_pairs, num_experts, num_tiles,
+        BLOCK_M=block_m, BLOCK=block, BLOCK_E=block_e, BLOCK_T=max(16, 4096 // block_e),
+    )  # fmt: skip
+    return sorted_pair_ids, block_expert_ids, num_padded
 
 
 def _grouped_gemm(
@@ -232,7 +286,10 @@ def fused_experts_triton(
     alignment = moe_align_block_size(topk_ids, config.block_m, num_experts)
     gate_up = torch.empty((num_pairs, w13.shape[1]), dtype=hidden_states.dtype, device=hidden_states.device)
     _grouped_gemm(hidden_states, w13, w13_bias, gate_up, None, alignment, top_k, config)
-    intermediate = apply_activation(gate_up, activation)
+    if activation == "silu":  # one launch, rounded as the torch ops round (kvllm/layers/ops/activation.py)
+        intermediate = silu_and_mul(gate_up)
+    else:
+        intermediate = apply_activation(gate_up, activation)
     down = torch.empty((num_pairs, hidden), dtype=hidden_states.dtype, device=hidden_states.device)
     weights = topk_weights.reshape(-1).float().contiguous()
     _grouped_gemm(intermediate, w2, w2_bias, down, weights, alignment, 1, config)

@@ -71,8 +71,29 @@ class MLAMetadata:
     prefill: MLAPrefillMetadata | None
 
 
+@dataclass
+class _GraphBuffers:
+    """The decode metadata CUDA graphs read, at fixed addresses (allocated on first capture)."""
+
+    seq_lens: torch.Tensor  # int32 [max_num_reqs]
+    block_table: torch.Tensor  # int32 [max_num_reqs, max_blocks]
+    slot_mapping: torch.Tensor  # int64 [max_num_reqs]
+
+    @classmethod
+    def allocate(cls, max_num_reqs: int, max_blocks: int, device: torch.device) -> _GraphBuffers:
+        return cls(
+            torch.zeros(max_num_reqs, dtype=torch.int32, device=device),
+            torch.zeros(max_num_reqs, max_blocks, dtype=torch.int32, device=device),
+            torch.full((max_num_reqs,), -1, dtype=torch.int64, device=device),
+        )
+
+
 class MLAMetadataBuilder(AttentionMetadataBuilder):
     """Splits a step into its decode and prefill parts (decodes come first in the batch)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._graph: _GraphBuffers | None = None
 
     def build(self, common: CommonAttentionMetadata) -> MLAMetadata:
         if not common.causal:
@@ -99,29 +120,78 @@ class MLAMetadataBuilder(AttentionMetadataBuilder):
         """Backend-specific decode state (override); None by default."""
         return None
 
+    # ---- CUDA graphs (backends declaring cudagraph_support="decode_only") -----------------------
+    # A graph reads its metadata from buffers at fixed addresses, and every launch decision in it
+    # depends on the padded batch size only: max_seq_len is max_model_len, never the step's.
+    # Padded requests have sequence length 0 and slot -1 (no write, zero attention output).
+
+    def prepare_for_capture(self, common: CommonAttentionMetadata) -> MLAMetadata:
+        return self._build_static(common)
+
+    def prepare_for_replay(self, common: CommonAttentionMetadata) -> MLAMetadata:
+        return self._build_static(common)
+
+    def build_graph_decode_extra(self, decode: MLADecodeMetadata) -> Any:
+        """Backend-specific decode state of a graph step (override); None by default."""
+        return None
+
+    def _build_static(self, common: CommonAttentionMetadata) -> MLAMetadata:
+        n, num_tokens = common.num_reqs, common.num_actual_tokens
+        if common.max_query_len > 1 or num_tokens != n or not common.causal:
+            raise ValueError(
+                f"an MLA graph step is a uniform decode batch (one token per request), got {n} requests, "
+                f"{num_tokens} tokens, max query length {common.max_query_len}"
+            )
+        if n > self.max_num_reqs:
+            raise ValueError(f"graph batch of {n} requests exceeds max_num_reqs={self.max_num_reqs}")
+        if self._graph is None:
+            max_blocks = -(-self.max_model_len // self.kv_cache_spec.block_size)
+            self._graph = _GraphBuffers.allocate(self.max_num_reqs, max_blocks, torch.device(self.device))
+        buffers = self._graph
+        cols = common.block_table.shape[1]
+        if cols > buffers.block_table.shape[1]:
+            raise ValueError(f"block table has {cols} columns, more than max_model_len allows")
+        buffers.seq_lens[:n].copy_(common.seq_lens[:n], non_blocking=True)
+        buffers.block_table[:n, :cols].copy_(common.block_table[:n], non_blocking=True)
+        buffers.slot_mapping[:n].copy_(common.slot_mapping[:n], non_blocking=True)
+        decode = MLADecodeMetadata(
+            num_decodes=n,
+            block_table=buffers.block_table[:n],
+            seq_lens=buffers.seq_lens[:n],
+            seq_lens_cpu=common.seq_lens_cpu[:n],
+            max_seq_len=self.max_model_len,
+        )
+        decode.extra = self.build_graph_decode_extra(decode)
+        return MLAMetadata(n, n, buffers.slot_mapping[:n], decode, None)
+
     def _build_prefill(self, common: CommonAttentionMetadata) -> MLAPrefillMetadata:
+        """Every key's cache slot from host-side (request, position) arrays and one device gather of the
+        block table: no device-to-host copy, so the step does not wait for the previous one."""
         nd, block_size = common.num_decodes, self.kv_cache_spec.block_size
         qsl = common.query_start_loc_cpu[nd:].long()
         token_start = int(qsl[0])
         seq_lens = common.seq_lens_cpu[nd : common.num_reqs].long()
-        table = common.block_table[nd : common.num_reqs].long().cpu()
-        slots = []
-        for row, seq_len in zip(table, seq_lens.tolist()):
-            pos = torch.arange(seq_len)
-            slots.append(row[pos // block_size] * block_size + pos % block_size)
-        kv_start = [0]
-        for seq_len in seq_lens.tolist():
-            kv_start.append(kv_start[-1] + seq_len)
+        kv_start = torch.zeros(seq_lens.numel() + 1, dtype=torch.long)
+        torch.cumsum(seq_lens, 0, out=kv_start[1:])
+        total = int(kv_start[-1])
+        req = torch.repeat_interleave(torch.arange(seq_lens.numel()), seq_lens, output_size=total)
+        pos = torch.arange(total) - kv_start[req]
         device = common.slot_mapping.device
+        table = common.block_table.reshape(-1)
+        cols = common.block_table.shape[1]
+        index = ((req + nd) * cols + pos // block_size).to(device, non_blocking=True)
+        pos_dev = pos.to(device, non_blocking=True)
+        kv_slots = table[index].long() * block_size + pos_dev % block_size
         q_start = (qsl - token_start).tolist()
+        kv_start_list = kv_start.tolist()
         return MLAPrefillMetadata(
             token_start=token_start,
             query_start_loc_cpu=q_start,
             seq_lens_cpu=seq_lens.tolist(),
-            kv_slots=torch.cat(slots).to(device),
-            kv_start_loc_cpu=kv_start,
-            query_start_loc=torch.tensor(q_start, dtype=torch.int32, device=device),
-            kv_start_loc=torch.tensor(kv_start, dtype=torch.int32, device=device),
+            kv_slots=kv_slots,
+            kv_start_loc_cpu=kv_start_list,
+            query_start_loc=torch.tensor(q_start, dtype=torch.int32).to(device, non_blocking=True),
+            kv_start_loc=kv_start.to(torch.int32).to(device, non_blocking=True),
         )
 
 
@@ -246,13 +316,16 @@ class MLAAttentionImpl(ABC):
         P, V = self.qk_nope_head_dim, self.v_head_dim
         w = kv_b_weight.view(H, P + V, self.kv_lora_rank)
         w_uk, w_uv = w[:, :P], w[:, P:]  # [H, P, L], [H, V, L]
-        output = torch.zeros(num_tokens, H, V, dtype=q.dtype, device=q.device)
+        output = torch.empty(num_tokens, H, V, dtype=q.dtype, device=q.device)
+        covered = 0  # decodes, then prefill tokens; anything after them (padding) is zeroed
         if md.decode is not None:
             nd = md.num_decode_tokens
             q_nope, q_pe = q[:nd].split([P, self.qk_rope_head_dim], dim=-1)
             ql_nope = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [B, H, L]
             latent_out = self.forward_decode(torch.cat([ql_nope, q_pe], dim=-1), kv_cache, md.decode, layer)
-            output[:nd] = torch.bmm(latent_out.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+            # Straight into the [B, H, V] rows (a head-major view: cuBLAS writes it with ldc = H * V).
+            torch.bmm(latent_out.transpose(0, 1), w_uv.transpose(1, 2), out=output[:nd].transpose(0, 1))
+            covered = nd
         if md.prefill is not None:
             if self.prefill_impl is None:
                 raise RuntimeError(
@@ -268,4 +341,7 @@ class MLAAttentionImpl(ABC):
             output[pf.token_start : end] = self.prefill_impl.forward(
                 q[pf.token_start : end], k, v.contiguous(), pf, self.scale
             )
+            covered = end
+        if covered < num_tokens:
+            output[covered:].zero_()
         return output.view(num_tokens, H * V)

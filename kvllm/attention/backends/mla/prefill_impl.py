@@ -25,8 +25,11 @@ class TorchSDPAPrefill(MLAPrefillImpl):
             k_r = k[ks[r] : ks[r + 1]].transpose(0, 1)
             v_r = v[ks[r] : ks[r + 1]].transpose(0, 1)
             n, s = q_r.shape[1], k_r.shape[1]
-            q_pos = torch.arange(s - n, s, device=q.device)[:, None]
-            mask = torch.arange(s, device=q.device)[None, :] <= q_pos
-            o = F.scaled_dot_product_attention(q_r, k_r, v_r, attn_mask=mask, scale=scale)
+            if n == s:  # no context: plain causal, no mask tensor (and torch's fused kernels)
+                o = F.scaled_dot_product_attention(q_r, k_r, v_r, is_causal=True, scale=scale)
+            else:
+                q_pos = torch.arange(s - n, s, device=q.device)[:, None]
+                mask = torch.arange(s, device=q.device)[None, :] <= q_pos
+                o = F.scaled_dot_product_attention(q_r, k_r, v_r, attn_mask=mask, scale=scale)
             out[qs[r] : qs[r + 1]] = o.transpose(0, 1)
         return out
