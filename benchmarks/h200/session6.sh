@@ -90,11 +90,16 @@ final)
   gpu_info
   bench kvllm 150 --engine kvllm --backend TRITON_ATTN --only latency,ttft,nano,bs256 --iters 3 --warmups 1 --step-log
   bench kvllm-fp8 70 --engine kvllm --backend TRITON_ATTN --only nano --kv-cache-dtype fp8
-  timeout 95 python3 benchmarks/h200/spec_decode_bench.py --out "$d" > "$d/spec-decode.log" 2>&1
+  timeout 80 python3 benchmarks/h200/spec_decode_bench.py --out "$d" > "$d/spec-decode.log" 2>&1
   since "spec decode bench (exit $?)"; tail -n 9 "$d/spec-decode.log"
+  timeout 55 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/gpu/test_fused_moe_gpu.py \
+    tests/gpu/test_quant_gpu.py -k "fused_moe or moe or quantized_model" > "$d/pytest-moe-quant.log" 2>&1
+  since "MoE + quantized-model GPU tests: $(tail -n 1 "$d/pytest-moe-quant.log")"
+  grep -E "^(FAILED|ERROR)" "$d/pytest-moe-quant.log" | head -8
+  tar czf "$out/final.tgz" -C /tmp final
   timeout 58 python3 benchmarks/h200/prefill_sweep.py --quick --out-dir "$d" --budget-s 50 --compile-timeout-s 40 \
     --rep-ms 25 > "$d/prefill-sweep.log" 2>&1
-  since "prefill sweep (exit $?)"; tail -n 20 "$d/prefill-sweep.log"
+  since "prefill sweep (exit $?)"; tail -n 16 "$d/prefill-sweep.log"
   tar czf "$out/final.tgz" -C /tmp final
   since "done"
   ;;
