@@ -115,3 +115,33 @@ def test_malformed_inputs_are_refused() -> None:
     entries[0] = {k: v for k, v in entries[0].items() if k != tokens[0]}
     with pytest.raises(ValueError, match="lack its token"):
         judge(5, tokens, entries, fp32, fp32)
+
+
+def test_the_engines_bf16_cpu_run_passes_the_judge(tmp_path) -> None:
+    """The judge on a real engine run (kvllm Logprob entries, HF run by judge_against_hf): gpt-oss in bf16
+    on CPU_ATTN, with sinks, a window and MoE routing that bf16 can flip."""
+    import random
+
+    from kvllm import LLM, SamplingParams
+    from tests import model_factory
+    from tests.gpu.bf16_judge import TOP_LOGPROBS, failure_summary, judge_against_hf
+
+    path = str(model_factory.make_tiny_gpt_oss(tmp_path))
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 400) for _ in range(n)] for n in (1, 30)]
+    llm = LLM(
+        path,
+        dtype="bfloat16",
+        attention_backend="CPU_ATTN",
+        kv_cache_memory_bytes=2**24,
+        max_model_len=64,
+        max_num_seqs=2,
+    )
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=TOP_LOGPROBS)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    judged = [
+        judge_against_hf(path, p, o.outputs[0].token_ids, o.outputs[0].logprobs, "cpu")
+        for p, o in zip(prompts, outs)
+    ]
+    assert all(j.ok for j in judged), failure_summary(judged)
+    assert all(j.steps == 8 and j.hf_bf16_error > 0 for j in judged)
