@@ -1,4 +1,6 @@
-"""One line per judged prompt from the bf16 GPU tests' JSON reports (tests/gpu/bf16_judge.py).
+"""One line per judged prompt from the bf16 GPU tests' JSON reports (tests/gpu/bf16_judge.py): the
+engine's and HF bf16's max |logprob - fp32 logprob|, the allowed error, the near-tie bound, the smallest
+fp32 router gap (MoE models) and the flips (`!`: not a near-tie).
 
 Usage: python3 benchmarks/h200/bf16_judge_report.py DIR   (the tests' $KVLLM_GPU_REPORT_DIR)
 """
@@ -34,9 +36,11 @@ def main(directory: str) -> int:
     )
     for label, j in rows:
         flips = " ".join(f"{f['step']}:{f['fp32_gap']:.3f}{'' if f['near_tie'] else '!'}" for f in j["flips"])
+        margins = j.get("fp32_router_margins") or []
+        router = f"{margins[0]['margin']:7.4f}" if margins else f"{'-':>7}"  # the smallest; MoE models only
         print(
             f"{label:48} {j['prompt_len']:>6} {j['engine_error']:7.4f} {j['hf_bf16_error']:7.4f} "
-            f"{j['allowed_error']:7.4f} {j['tie_bound']:6.3f}  {flips}{'' if j['ok'] else '  FAIL'}"
+            f"{j['allowed_error']:7.4f} {j['tie_bound']:6.3f} {router}  {flips}{'' if j['ok'] else '  FAIL'}"
         )
     failed = sum(not j["ok"] for _, j in rows)
     print(f"{len(rows)} prompts judged, {failed} failed")

@@ -62,6 +62,8 @@ class Bf16Judgement:
     flips: list[Flip] = field(default_factory=list)
     hf_bf16_flips: list[int] = field(default_factory=list)  # steps where HF bf16's argmax is not fp32's
     failures: list[str] = field(default_factory=list)
+    # MoE models, as a diagnosis (not a rule): where HF float32's expert choice is closest to flipping.
+    fp32_router_margins: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -159,6 +161,54 @@ def hf_logprobs(
     return torch.log_softmax(logits, -1).cpu()
 
 
+_ROUTER_SUFFIXES = (".mlp.router", ".mlp.gate", ".block_sparse_moe.gate")  # gpt-oss, Qwen3-MoE / Mixtral
+
+
+@torch.inference_mode()
+def fp32_router_margins(
+    path: str, prompt: Sequence[int], tokens: Sequence[int], device: str, count: int = 5
+) -> list[dict[str, Any]]:
+    """The `count` smallest gaps between HF float32's k-th and (k+1)-th router logit over prompt + tokens
+    (empty for a dense model): a gap of a few bf16 steps is an expert choice bf16 can flip, and a flip
+    moves every later logprob. `first_step` is the first generated step whose logits it reaches."""
+    from tests.hf_reference import _hf_model
+
+    model = _hf_model(path, torch.float32, device)
+    top_k = getattr(model.config, "num_experts_per_tok", None)
+    routers = [(n, m) for n, m in model.named_modules() if n.endswith(_ROUTER_SUFFIXES)]
+    if not top_k or not routers:
+        return []
+    captured: list[tuple[str, torch.Tensor]] = []
+
+    def hook(name: str):
+        def record(module: torch.nn.Module, inputs: Any, output: Any) -> None:
+            logits = output[0] if isinstance(output, tuple) else output
+            captured.append((name, logits.reshape(-1, logits.shape[-1]).float().cpu()))
+
+        return record
+
+    handles = [module.register_forward_hook(hook(name)) for name, module in routers]
+    try:
+        model(torch.tensor([list(prompt) + list(tokens[:-1])], device=device))
+    finally:
+        for handle in handles:
+            handle.remove()
+    margins = []
+    for name, logits in captured:
+        ordered = logits.sort(-1, descending=True).values
+        for position, gap in enumerate((ordered[:, top_k - 1] - ordered[:, top_k]).tolist()):
+            margins.append((gap, position, name))
+    return [
+        {
+            "margin": gap,
+            "position": position,
+            "first_step": max(0, position - len(prompt) + 1),
+            "router": name,
+        }
+        for gap, position, name in sorted(margins)[:count]
+    ]
+
+
 def judge_against_hf(
     path: str,
     prompt: Sequence[int],
@@ -169,7 +219,9 @@ def judge_against_hf(
     """`judge` one engine completion against HF float32, with HF bf16 as the yardstick."""
     fp32 = hf_logprobs(path, prompt, tokens, torch.float32, device)
     bf16 = hf_logprobs(path, prompt, tokens, torch.bfloat16, device)
-    return judge(len(prompt), tokens, logprobs, fp32, bf16)
+    judgement = judge(len(prompt), tokens, logprobs, fp32, bf16)
+    judgement.fp32_router_margins = fp32_router_margins(path, prompt, tokens, device)
+    return judgement
 
 
 def failure_summary(judgements: Sequence[Bf16Judgement]) -> str:

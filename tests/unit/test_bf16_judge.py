@@ -119,7 +119,7 @@ def test_malformed_inputs_are_refused() -> None:
 
 def test_the_engines_bf16_cpu_run_passes_the_judge(tmp_path) -> None:
     """The judge on a real engine run (kvllm Logprob entries, HF run by judge_against_hf): gpt-oss in bf16
-    on CPU_ATTN, with sinks, a window and MoE routing that bf16 can flip."""
+    on CPU_ATTN, with sinks, a window and MoE routing that bf16 can flip (its router margins recorded)."""
     import random
 
     from kvllm import LLM, SamplingParams
@@ -145,3 +145,9 @@ def test_the_engines_bf16_cpu_run_passes_the_judge(tmp_path) -> None:
     ]
     assert all(j.ok for j in judged), failure_summary(judged)
     assert all(j.steps == 8 and j.hf_bf16_error > 0 for j in judged)
+    for j, prompt in zip(judged, prompts):  # the routing diagnosis: smallest fp32 router gaps first
+        margins = j.fp32_router_margins
+        assert len(margins) == 5 and [m["margin"] for m in margins] == sorted(m["margin"] for m in margins)
+        assert all(
+            m["router"].endswith(".mlp.router") and 0 <= m["position"] < len(prompt) + 7 for m in margins
+        )
