@@ -31,9 +31,10 @@ def main(directory: str) -> int:
     rows = []
     for path in sorted(Path(directory).glob("*.json")):
         rows += judgements(json.loads(path.read_text()), path.stem)
-    print(
-        f"{'report':48} {'prompt':>6} {'engine':>7} {'hf_bf16':>7} {'allowed':>7} {'tie':>6}  flips (step:fp32 gap)"
+    header = (
+        f"{'report':48} {'prompt':>6} {'engine':>7} {'hf_bf16':>7} {'allowed':>7} {'tie':>6} {'router':>7}"
     )
+    print(f"{header}  flips (step:fp32 gap)")
     for label, j in rows:
         flips = " ".join(f"{f['step']}:{f['fp32_gap']:.3f}{'' if f['near_tie'] else '!'}" for f in j["flips"])
         margins = j.get("fp32_router_margins") or []
