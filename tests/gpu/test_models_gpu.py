@@ -77,7 +77,7 @@ def free_gpu_memory():
 
 
 @pytest.mark.parametrize(("name", "backend"), CASES, ids=[f"{m}-{b}" for m, b in CASES])
-def test_greedy_matches_hf_bf16(tiny_models, name, backend):
+def test_greedy_bf16_matches_hf_fp32(tiny_models, name, backend):
     path = tiny_models(name)
     reasons = _selection_reasons(path, backend)
     if reasons is not None:
