@@ -96,6 +96,19 @@ def test_a_flip_beyond_both_bf16_errors_fails() -> None:
     assert any("not a near-tie" in f for f in result.failures), result.failures
 
 
+def test_an_exact_fp32_tie_broken_the_other_way_is_a_near_tie() -> None:
+    logits = _logits(16)
+    a, b = logits[3].topk(2).indices.tolist()
+    logits[3, b] = logits[3, a]
+    fp32 = torch.log_softmax(logits, -1)
+    tokens, entries = _engine(logits)
+    tokens[3] = a if tokens[3] == b else b  # the tie's other token, with exactly fp32's logprobs
+    entries[3][tokens[3]] = float(fp32[3, tokens[3]])
+    result = judge(5, tokens, entries, fp32, fp32)
+    assert result.tie_bound == 0 and result.ok, result.failures
+    assert [(f.step, f.fp32_gap, f.near_tie) for f in result.flips] == [(3, 0.0, True)]
+
+
 def test_a_greedy_token_that_is_not_the_engines_own_top_fails() -> None:
     logits = _logits(14)
     tokens, entries = _engine(logits)
