@@ -154,7 +154,8 @@ def test_quantize_fp8_kernel_is_exact(group) -> None:
 )
 def test_quantized_model_on_gpu_matches_cpu_path(fmt, tmp_path) -> None:
     """The engine's model on CUDA (Triton / _scaled_mm, bf16) against the same checkpoint on the CPU
-    path in float32: logits within bf16 noise of the float32 ones (2% of their range)."""
+    path in float32: logits within bf16 noise of the float32 ones (2% of their range; for fp8, 1.5x
+    the CPU path's own bf16-against-float32 difference, see below)."""
     from kvllm.config.engine import EngineArgs
     from kvllm.forward_context import set_forward_context
     from kvllm.models.loader import load_model
@@ -188,4 +189,13 @@ def test_quantized_model_on_gpu_matches_cpu_path(fmt, tmp_path) -> None:
 
     expected = logits(torch.device("cpu"), "float32")
     got = logits(CUDA, "bfloat16")
-    assert_close_scaled(got, expected, 2e-2)
+    if not fmt.startswith("fp8"):
+        assert_close_scaled(got, expected, 2e-2)
+        return
+    # W8A8 quantizes the activations dynamically: bf16 activations round to other fp8 values than
+    # float32 ones wherever they sit near a boundary, which moves these logits by 10-13% of their
+    # range on the CPU path alone (bf16 against float32, measured; 1.5% without quantization). The
+    # GPU run is judged against that noise of the same arithmetic, not against a fixed 2%.
+    noise = (logits(torch.device("cpu"), "bfloat16") - expected).abs().max().item()
+    err = (got - expected).abs().max().item()
+    assert err <= max(2e-2 * expected.abs().max().item(), 1.5 * noise), (err, noise)
