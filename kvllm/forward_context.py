@@ -11,7 +11,7 @@ from typing import Any
 @dataclass
 class ForwardContext:
     attn_metadata: Any  # None during profiling / dummy runs: layers then attend within the batch only
-    # Set by the piecewise CUDA-graph runner: attention layers hand (layer, q, k, v) to it instead of
+    # Set by the piecewise CUDA-graph runner: attention layers hand (layer, q, k, v, kv_written) to it instead of
     # calling their backend, and take its [T, H, D] result (kvllm/worker/piecewise_graph.py).
     attention_hook: Callable[..., Any] | None = None
 
