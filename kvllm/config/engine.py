@@ -197,7 +197,7 @@ class EngineArgs:
         metadata=_help(
             "Tensor-parallel degree: the model's attention heads, MLP and vocabulary split over this many "
             "worker processes (GPUs, or CPU processes over gloo), one per rank. Llama, Mistral, Qwen2, "
-            "Qwen3, Qwen3-MoE, Mixtral, Gemma 2/3 and DeepSeek-V2/V3 families.",
+            "Qwen3, Qwen3-MoE, Mixtral, Gemma 2/3, Phi-3 and DeepSeek-V2/V3 families.",
             aliases=("-tp",),
         ),
     )

@@ -18,7 +18,7 @@ def check_tensor_parallel_support(args: EngineArgs, model_config: ModelConfig) -
     if not getattr(model_cls, "supports_tensor_parallel", False):
         raise ValueError(
             f"{model_config.architecture} does not run with tensor parallel in kvllm yet "
-            f"(tensor_parallel_size={tp}); the families that do: Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral, Gemma 2/3 and DeepSeek-V2/V3. "
+            f"(tensor_parallel_size={tp}); the families that do: Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral, Gemma 2/3, Phi-3 and DeepSeek-V2/V3. "
             "Use tensor_parallel_size=1"
         )
     if args.speculative_config is not None:

@@ -9,7 +9,7 @@ attention backend, through the forward context.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -404,8 +404,34 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
 
 class Phi3ForCausalLM(LlamaForCausalLM):
     """Phi-3: Llama whose checkpoint already fuses q/k/v (`qkv_proj`, rows q then k then v) and gate/up
-    (`gate_up_proj`, rows gate then up), which is kvllm's own layout, so those tensors load as they are.
+    (`gate_up_proj`, rows gate then up). They load as the separate tensors they fuse, so each goes
+    through its shard's weight loader (and, under tensor parallel, is cut to the rank's part).
     LongRoPE (the 128k variants) is rejected by `unsupported_config_reason`."""
 
     supports_quantization = False  # its fused checkpoint names have no quantized-shard mapping yet
-    supports_tensor_parallel = False  # its fused q/k/v and gate/up tensors are not split at load yet
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return super().load_weights(self._unfused(weights))
+
+    def _unfused(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The fused tensors as the q/k/v and gate/up tensors of a Llama checkpoint (split by rows)."""
+        config = self.config
+        head_size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        q_rows = config.num_attention_heads * head_size
+        kv_rows = config.num_key_value_heads * head_size
+        for name, tensor in weights:
+            if ".qkv_proj." in name:
+                if tensor.shape[0] != q_rows + 2 * kv_rows:
+                    raise ValueError(
+                        f"{name}: {tensor.shape[0]} rows, expected q + k + v = {q_rows + 2 * kv_rows}"
+                    )
+                q, k, v = tensor.split([q_rows, kv_rows, kv_rows])
+                yield name.replace(".qkv_proj.", ".q_proj."), q
+                yield name.replace(".qkv_proj.", ".k_proj."), k
+                yield name.replace(".qkv_proj.", ".v_proj."), v
+            elif ".gate_up_proj." in name:
+                gate, up = tensor.chunk(2)
+                yield name.replace(".gate_up_proj.", ".gate_proj."), gate
+                yield name.replace(".gate_up_proj.", ".up_proj."), up
+            else:
+                yield name, tensor

@@ -55,10 +55,12 @@ def _wait_gone(pids: list[int], timeout_s: float = 60.0) -> list[int]:
     return [pid for pid in pids if _alive(pid)]
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3", "deepseek_v3", "phi3"])
 def test_tp2_over_gloo_matches_tp1_and_its_workers_exit(family: str, tmp_path: Path) -> None:
     if family == "llama":  # 4 query / 2 KV heads: each rank holds 2 and 1, untied LM head
         path = model_factory.make_tiny_llama(tmp_path / family)
+    elif family == "phi3":  # fused qkv_proj / gate_up_proj checkpoint tensors, cut per rank at load
+        path = model_factory.make_tiny_phi3(tmp_path / family)
     elif family == "qwen3":  # 4 query heads / 1 KV head (replicated on both ranks), QK-norm, tied embeddings
         path = model_factory.make_tiny_qwen3(tmp_path / family, num_key_value_heads=1, vocab_size=511)
     elif family == "gemma3":  # scaled embedding, GeGLU, QK-norm, sliding window, soft-capped logits
@@ -69,7 +71,7 @@ def test_tp2_over_gloo_matches_tp1_and_its_workers_exit(family: str, tmp_path: P
     expected = _generate(tp1)
     llm = LLM(str(path), tensor_parallel_size=2, **ENGINE)
     # A rank caches its own KV heads: half of Llama's two, Qwen3's one replicated, MLA's whole latent.
-    share = {"llama": 2, "qwen3": 1, "gemma3": 2, "deepseek_v3": 1}[family]
+    share = {"llama": 2, "qwen3": 1, "gemma3": 2, "deepseek_v3": 1, "phi3": 2}[family]
     assert llm.llm_engine.executor.bytes_per_block() * share == tp1.llm_engine.executor.bytes_per_block()
     pids = llm.llm_engine.executor.worker_pids
     assert len(pids) == 2 and all(_alive(pid) for pid in pids)
@@ -102,6 +104,6 @@ def test_ray_executor_on_a_local_head_matches_tp1(local_ray, tiny_llama_path: Pa
 
 
 def test_a_family_not_split_yet_is_refused_before_any_worker_starts(tmp_path: Path) -> None:
-    path = model_factory.make_tiny_phi3(tmp_path / "phi3")
-    with pytest.raises(ValueError, match=r"Phi3ForCausalLM does not run with tensor parallel"):
+    path = model_factory.make_tiny_gpt_oss(tmp_path / "gpt_oss")
+    with pytest.raises(ValueError, match=r"GptOssForCausalLM does not run with tensor parallel"):
         LLM(str(path), tensor_parallel_size=2, **ENGINE)
