@@ -194,7 +194,7 @@ def test_quantized_model_on_gpu_matches_cpu_path(fmt, tmp_path) -> None:
         return
     # W8A8 quantizes the activations dynamically: bf16 activations round to other fp8 values than
     # float32 ones wherever they sit near a boundary, which moves these logits by 10-13% of their
-    # range on the CPU path alone (bf16 against float32, measured; 1.5% without quantization). The
+    # range on the CPU path alone (benchmarks/fp8_activation_noise.py; 1.5% without quantization). The
     # GPU run is judged against that noise of the same arithmetic, not against a fixed 2%.
     noise = (logits(torch.device("cpu"), "bfloat16") - expected).abs().max().item()
     err = (got - expected).abs().max().item()
