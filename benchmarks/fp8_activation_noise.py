@@ -46,8 +46,9 @@ def main() -> None:
         ref = logits(folder, "float32", quantization)
         err = (logits(folder, "bfloat16", quantization) - ref).abs().max().item()
         span = ref.abs().max().item()
+        label = "unquantized" if fmt == "none" else f"fp8-{fmt}"
         print(
-            f"fp8-{fmt:<7} bf16 vs float32 on the CPU path: max |diff| {err:.3f}, range {span:.2f}, {err / span:.1%}"
+            f"{label:<12} bf16 vs float32 on the CPU path: max |diff| {err:.3f}, range {span:.2f}, {err / span:.1%}"
         )
 
 
