@@ -138,6 +138,16 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+def sm_clock_mhz() -> int | None:
+    """The GPU's current SM clock (NVML through torch), or None where NVML is not importable."""
+    try:
+        import torch
+
+        return int(torch.cuda.clock_rate())
+    except Exception:  # no CUDA, no pynvml: the clock is simply not recorded
+        return None
+
+
 def timed(engine: Any, requests: list[BenchRequest], temperature: float) -> tuple[float, int]:
     _sync()
     start = time.perf_counter()
@@ -158,7 +168,9 @@ def main() -> int:
         "--kv-cache-dtype", default="auto", help="auto (the model dtype) or fp8, both engines"
     )
     parser.add_argument("--out", required=True)
-    parser.add_argument("--only", default="latency,latency-long,ttft,nano,bs256")
+    parser.add_argument(
+        "--only", default="latency,latency-long,ttft,nano,bs256", help="comma list; also latency-late"
+    )
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--warmups", type=int, default=2)
     parser.add_argument(
@@ -211,26 +223,33 @@ def main() -> int:
     emit({"bench": "startup", "seconds": engine.startup_s})
     seed = iter(range(1000, 100000))
     engine.generate(random_requests(1, 16, 16, vocab, seed=next(seed)), 1.0)  # warm-up
+
+    def latency(bench: str, bs: int) -> None:
+        for _ in range(args.warmups):
+            engine.generate(random_requests(bs, 32, 128, vocab, seed=next(seed)), 1.0)
+        runs, started, clocks = [], [], []
+        for _ in range(args.iters):
+            started.append(time.time())
+            runs.append(timed(engine, random_requests(bs, 32, 128, vocab, seed=next(seed)), 1.0)[0])
+            clocks.append(sm_clock_mhz())
+        mean = sum(runs) / len(runs)
+        emit(
+            {
+                "bench": bench,
+                "batch_size": bs,
+                "input_len": 32,
+                "output_len": 128,
+                "latencies_s": runs,
+                "mean_s": mean,
+                "ms_per_output_token": mean / 128 * 1e3,
+                "started_unix": started,
+                "sm_clock_mhz_after": clocks,
+            }
+        )
+
     if "latency" in which:
         for bs in LATENCY_BATCHES:
-            for _ in range(args.warmups):
-                engine.generate(random_requests(bs, 32, 128, vocab, seed=next(seed)), 1.0)
-            runs = [
-                timed(engine, random_requests(bs, 32, 128, vocab, seed=next(seed)), 1.0)[0]
-                for _ in range(args.iters)
-            ]
-            mean = sum(runs) / len(runs)
-            emit(
-                {
-                    "bench": "latency",
-                    "batch_size": bs,
-                    "input_len": 32,
-                    "output_len": 128,
-                    "latencies_s": runs,
-                    "mean_s": mean,
-                    "ms_per_output_token": mean / 128 * 1e3,
-                }
-            )
+            latency("latency", bs)
     if "latency" in which and args.step_log and args.engine == "kvllm":
         # Where one batch-1 latency run's wall time goes: inside engine steps (prefill, decodes) or
         # around them (adding the request, collecting outputs).
@@ -290,6 +309,10 @@ def main() -> int:
     if "bs256" in which:
         warmup = random_requests(256, 128, 128, vocab, seed=1)
         throughput("bs256", random_requests(256, 128, 128, vocab, seed=0), warmup, 1.0)
+    if "latency-late" in which:
+        # Batch 1 again after the heavy runs: the first latency runs follow start-up directly, and
+        # their steps have measured slower than later ones (a warm-up or clock effect, or the host).
+        latency("latency_late", 1)
     if args.profile_batches and args.engine == "kvllm":
         from benchmarks.h200.step_profile import profile_one
 

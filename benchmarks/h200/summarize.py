@@ -13,9 +13,12 @@ def describe(r: dict) -> str:
     kind = r["bench"]
     if kind == "startup":
         return f"{r['seconds']:.1f} s"
-    if kind == "latency":
+    if kind in ("latency", "latency_late"):
         ctx = f" in{r['input_len']}" if r.get("input_len", 32) != 32 else ""
-        return f"bs{r['batch_size']}{ctx}: {r['ms_per_output_token']:.3f} ms per output token"
+        runs = ", ".join(f"{s * 1e3:.1f}" for s in r["latencies_s"])
+        late = " (after the heavy runs)" if kind == "latency_late" else ""
+        clocks = f", SM MHz {r['sm_clock_mhz_after']}" if any(r.get("sm_clock_mhz_after") or []) else ""
+        return f"bs{r['batch_size']}{ctx}{late}: {r['ms_per_output_token']:.3f} ms per output token (runs {runs} ms{clocks})"
     if kind == "ttft":
         return f"1k-token prompt: {r['mean_ms']:.1f} ms"
     if kind == "step_profile":

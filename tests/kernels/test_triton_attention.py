@@ -4,6 +4,8 @@ Tolerances (relative L2 error of the whole output, and max abs error; values are
 - float32: the kernel computes in float32 with IEEE dots, only the summation order differs: 1e-5.
 - float16: inputs are the same fp16 values the reference upcasts; the kernel rounds P to fp16 for the
   P.V dot and the output to fp16 (each 2^-11 relative, about 5e-4), so 2e-3 relative / 1e-2 absolute.
+- bfloat16 queries (fp8 caches only, whose dots run in fp16): the output is rounded to bf16 (2^-8
+  relative) and P to fp16: 1e-2 / 3e-2.
 - fp8 caches: the reference reads the same fp8-rounded K/V (stored = value / scale), so fp8 adds no
   error of its own and the tolerances are those of the compute dtype.
 """
@@ -18,11 +20,11 @@ import torch
 from kvllm.attention.backends.triton_attn import TritonAttentionBackend
 from kvllm.attention.backends.triton_attn_impl import TritonAttentionImpl, TritonAttentionMetadataBuilder
 from kvllm.attention.metadata import CommonAttentionMetadata, KVCacheSpec
-from kvllm.attention.ops.triton_unified_attention import KernelConfig
+from kvllm.attention.ops.triton_unified_attention import KernelConfig, fp8_dot_mode
 from kvllm.attention.reference import make_paged_batch
 from kvllm.attention.testing import run_triton_case
 
-TOLERANCE = {torch.float32: (1e-5, 1e-4), torch.float16: (2e-3, 1e-2)}
+TOLERANCE = {torch.float32: (1e-5, 1e-4), torch.float16: (2e-3, 1e-2), torch.bfloat16: (1e-2, 3e-2)}
 # Small tiles: many q-blocks and KV tiles per request, so the binary search, tile loops crossing
 # page boundaries and the masked/unmasked tile split are all exercised on tiny shapes.
 SMALL = KernelConfig(block_m=16, tile_n=16, num_warps=4, num_stages=1)
@@ -80,6 +82,25 @@ def test_fp8_kv_cache(kv_cache_dtype, dtype) -> None:
         decode_config=SMALL, prefill_config=SMALL,
     )  # fmt: skip
     check(case, dtype)
+
+
+def test_fp8_kv_cache_bf16_query(monkeypatch) -> None:
+    """bf16 queries over an fp8 cache run their dots in fp16 (KVLLM_FP8_ATTENTION_DOT's default).
+
+    Only this mode runs here: the interpreter's bf16 dots are wrong by orders of magnitude (bf16 queries
+    over a bf16 cache fail the same way), so the bf16-dot mode is checked on the GPU alone."""
+    monkeypatch.delenv("KVLLM_FP8_ATTENTION_DOT", raising=False)
+    case = run_triton_case(
+        MIXED_QUERY_LENS, MIXED_CONTEXT_LENS, 8, 2, 64, 16, torch.bfloat16,
+        kv_cache_dtype="fp8_e4m3", k_scale=0.37, v_scale=1.7, decode_config=SMALL, prefill_config=SMALL,
+    )  # fmt: skip
+    check(case, torch.bfloat16)
+
+
+def test_fp8_dot_mode_rejects_unknown(monkeypatch) -> None:
+    monkeypatch.setenv("KVLLM_FP8_ATTENTION_DOT", "fp4")
+    with pytest.raises(ValueError, match="KVLLM_FP8_ATTENTION_DOT='fp4'.*bf16"):
+        fp8_dot_mode()
 
 
 @pytest.mark.parametrize("num_splits", [2, 8])

@@ -38,6 +38,14 @@ LOG2E = 1.4426950408889634
 # (masked) segments whatever the step uses, so a new split count never compiles a variant mid-serving.
 MAX_SEGMENTS = 64
 
+# The dtype the dots of an fp8-cache launch run in (KVLLM_FP8_ATTENTION_DOT): "bf16" casts every K/V
+# value to bf16 (fp8 -> fp16 -> bf16 on Hopper: two conversions and register moves per value), "fp16"
+# to fp16 (one exact conversion per pair of values; q is cast to fp16 once per program). fp8 dots
+# would skip the casts, but with 16-row decode tiles Triton lowers them to fp16 mma anyway.
+FP8_DOT_BF16 = tl.constexpr(0)
+FP8_DOT_FP16 = tl.constexpr(1)
+FP8_DOT_MODES = {"bf16": 0, "fp16": 1}
+
 
 @dataclass(frozen=True)
 class KernelConfig:
@@ -47,6 +55,14 @@ class KernelConfig:
     tile_n: int  # KV tokens per inner-loop tile, power of two >= 16
     num_warps: int
     num_stages: int
+
+
+def fp8_dot_mode() -> int:
+    """The FP8_DOT of an fp8-cache launch: KVLLM_FP8_ATTENTION_DOT, fp16 unless set."""
+    name = os.environ.get("KVLLM_FP8_ATTENTION_DOT", "fp16")
+    if name not in FP8_DOT_MODES:
+        raise ValueError(f"KVLLM_FP8_ATTENTION_DOT={name!r}: expected one of {sorted(FP8_DOT_MODES)}")
+    return FP8_DOT_MODES[name]
 
 
 def is_interpreter() -> bool:
@@ -106,7 +122,9 @@ def _attend_tiles(
     USE_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """Online-softmax over KV tiles [tile_lo, tile_hi); MASKED=False only for tiles every row sees whole."""
+    """Online-softmax over KV tiles [tile_lo, tile_hi); MASKED=False only for tiles every row sees whole.
+
+    The dots run in q's dtype: the K/V tiles and P are cast to it."""
     dim_ok = offs_d < HEAD_SIZE
     for tile in range(tile_lo, tile_hi):
         offs_n = tile * TILE_N + tl.arange(0, TILE_N)
@@ -206,6 +224,7 @@ def _unified_attention_kernel(
     USE_SOFT_CAP: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     IS_FP8: tl.constexpr,
+    FP8_DOT: tl.constexpr,  # fp8 caches: the dots' dtype, FP8_DOT_BF16 / FP8_DOT_FP16 / FP8_DOT_FP8
     DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -283,6 +302,9 @@ def _unified_attention_kernel(
     if IS_FP8:
         k_scale = tl.load(k_scale_ptr)
         v_scale = tl.load(v_scale_ptr)
+        if FP8_DOT == FP8_DOT_FP16 and q.dtype.is_bf16():
+            # The dots take q's dtype; fp16 holds every |q| below 65504 more finely than bf16.
+            q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
     if USE_SOFT_CAP:
         cap_scale = scale * k_scale / soft_cap
         qk_scale = soft_cap * 1.4426950408889634
@@ -512,6 +534,7 @@ def unified_attention(
         USE_SOFT_CAP=bool(logits_soft_cap),
         USE_WINDOW=sliding_window is not None,
         IS_FP8=is_fp8,
+        FP8_DOT=fp8_dot_mode() if is_fp8 else FP8_DOT_MODES["bf16"],
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         USE_PDL=use_pdl,
     )
