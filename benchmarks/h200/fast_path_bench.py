@@ -227,10 +227,12 @@ def main() -> int:
     def latency(bench: str, bs: int) -> None:
         for _ in range(args.warmups):
             engine.generate(random_requests(bs, 32, 128, vocab, seed=next(seed)), 1.0)
-        runs, started, clocks = [], [], []
+        runs, started, clocks, cpu = [], [], [], []
         for _ in range(args.iters):
             started.append(time.time())
+            cpu_before = time.process_time()
             runs.append(timed(engine, random_requests(bs, 32, 128, vocab, seed=next(seed)), 1.0)[0])
+            cpu.append(time.process_time() - cpu_before)  # all threads: near the wall time = host-bound
             clocks.append(sm_clock_mhz())
         mean = sum(runs) / len(runs)
         emit(
@@ -243,6 +245,7 @@ def main() -> int:
                 "mean_s": mean,
                 "ms_per_output_token": mean / 128 * 1e3,
                 "started_unix": started,
+                "process_cpu_s": cpu,
                 "sm_clock_mhz_after": clocks,
             }
         )
