@@ -1,0 +1,108 @@
+#!/usr/bin/env bash
+# The seventh session's H200 calls, one phase per call. Raw results go under /tmp/<phase>/ as they come
+# and are tarred into $OUT/<phase>.tgz at the end (and after every step, so a call cut short still
+# returns what it did); a short table goes to stdout. Every step has its own time cap, clipped so the
+# whole call ends before BUDGET_S (default 570 s, under the device tool's 600 s per call).
+#   measure  carry [".fi", ".so-bench"]: the fp8-cache decode kernel (bf16 dots against fp16 dots, beside
+#            a bf16 cache, with a tile sweep), structured outputs at batch 64 (issue 19), the bf16 judge
+#            over the model families and FLASHINFER (issue 24).
+#   check    carry [".fi"] (and [".gpu-branches"] when helpers left checkpoint commands): MLA with
+#            FlashInfer beside Triton (issue 18), then GPU tests of code not yet run on a GPU (TRITON_MLA
+#            as handed in, fp8 attention, the prefill kernel, quantized models), then each helper's
+#            checkpoint command from its snapshot folder.
+#   final    carry [".vllm/part1"]: vLLM's part 1 onto the machine, then kvllm's fast path (latency,
+#            batch 1 again after the heavy runs, TTFT, nano-vllm bf16 and fp8 KV, 256 x 128/128), the
+#            speculative-decoding bench and W4A16 end to end.
+#   final-vllm  carry [".vllm/part2"], sent within 30 s of `final`: vLLM 0.22 through the same benches.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+phase=${1:?usage: session7.sh measure|check|final|final-vllm}
+out=${OUT:-gpu-out}; d=/tmp/$phase; mkdir -p "$out" "$d"
+export PYTHONUNBUFFERED=1 PYTHONPATH=.
+started=$(date +%s); end=$(( started + ${BUDGET_S:-570} ))
+since() { echo "[$(( $(date +%s) - started )) s] $*"; }
+cap() { local want=$1 left=$(( end - $(date +%s) - 15 )); (( left < want )) && want=$left; (( want < 1 )) && want=1; echo "$want"; }
+save() { tar czf "$out/$phase.tgz" -C /tmp "$phase"; }
+run_step() {  # name cap command...: run with its cap, log to $d/name.log, report the exit status
+  local name=$1 limit; limit=$(cap "$2"); shift 2
+  timeout "$limit" "$@" > "$d/$name.log" 2>&1
+  since "$name (exit $?, cap ${limit}s): $(tail -n 1 "$d/$name.log" | cut -c1-150)"
+  save
+}
+bench() {  # label cap fast_path_bench arguments...
+  local label=$1 limit=$2; shift 2
+  run_step "bench-$label" "$limit" python3 benchmarks/h200/fast_path_bench.py --out "$d" "$@"
+  grep -h '^{' "$d/bench-$label.log" > "$d/bench-$label.jsonl"; python3 benchmarks/h200/summarize.py "$d/bench-$label.jsonl"
+}
+attention() {  # label cap attention-benchmark arguments...: the TRITON_ATTN kernel alone on decode shapes
+  local label=$1 limit=$2; shift 2
+  run_step "attn-$label" "$limit" python3 -m kvllm.benchmarks.attention --backends TRITON_ATTN --peers triton \
+    --shape decode256:256x1@1024 --only-shapes --output-json "$d/attn-$label.json" "$@"
+  grep -E "TRITON_ATTN " "$d/attn-$label.log" | grep -v skipped | head -n 4
+}
+nvidia-smi --query-gpu=name,compute_cap,driver_version,clocks.max.sm --format=csv,noheader | tee "$d/gpu.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$d/gpu.txt"
+nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,utilization.gpu --format=csv -lms 250 \
+  > "$d/clocks.csv" 2>/dev/null &
+clocks_pid=$!
+
+case "$phase" in
+measure)
+  attention bf16-cache 30 --shape decode64:64x1@2048
+  KVLLM_FP8_ATTENTION_DOT=bf16 attention fp8-bf16dots 30 --kv-cache-dtype fp8_e4m3 --shape decode64:64x1@2048
+  KVLLM_FP8_ATTENTION_DOT=fp16 attention fp8-fp16dots 30 --kv-cache-dtype fp8_e4m3 --shape decode64:64x1@2048
+  KVLLM_FP8_ATTENTION_DOT=fp16 attention fp8-fp16dots-sweep 70 --kv-cache-dtype fp8_e4m3 --sweep
+  # Structured outputs (issue 19): xgrammar and the Qwen3 tokenizer from .so-bench.
+  if [ -d .so-bench/wheels ]; then
+    mkdir -p /tmp/so-site && for w in .so-bench/wheels/*.whl; do python3 -m zipfile -e "$w" /tmp/so-site; done
+    (export PYTHONPATH=.:/tmp/so-site KVLLM_QWEN3_TOKENIZER=$PWD/.so-bench/qwen3-tokenizer
+     run_step so-tests 50 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/gpu/test_structured_outputs_gpu.py
+     run_step so-bench 70 python3 benchmarks/h200/structured_outputs_bench.py --tokenizer .so-bench/qwen3-tokenizer \
+       --out "$d/structured_outputs.json"
+     tail -n 6 "$d/so-bench.log")
+  fi
+  # The bf16 judge (issue 24): three pytest processes side by side, its own tarball.
+  (export OUT=$d/judge; run_step bf16-judge 230 bash benchmarks/h200/bf16_judge_session.sh)
+  tail -n 25 "$d/bf16-judge.log"
+  ;;
+check)
+  # MLA (issue 18) with FlashInfer beside Triton (carry .fi), then TRITON_MLA's own tests.
+  (export OUT=$d/mla MLA_MODE=flashinfer; run_step mla 230 bash benchmarks/h200/mla_session.sh)
+  tail -n 16 "$d/mla.log"
+  run_step tests-triton-mla 60 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/gpu/test_mla_gpu.py \
+    -k "TRITON_MLA or split_counts or deepseek"
+  run_step tests-fp8-attention 60 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
+    tests/gpu/test_triton_attention_gpu.py -k "fp8 or kv_write"
+  run_step tests-prefill 60 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/gpu/test_triton_prefill_gpu.py
+  run_step tests-quant 45 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/gpu/test_quant_gpu.py -k quantized_model
+  grep -hE "^(FAILED|ERROR)" "$d"/tests-*.log | head -n 12
+  for cmd in .gpu-branches/*.cmd; do
+    [ -f "$cmd" ] || continue
+    name=$(basename "$cmd" .cmd); mkdir -p "$d/$name"
+    (cd ".gpu-branches/$name" && OUT=$d/$name PYTHONPATH=. timeout "$(cap "${HELPER_CAP:-150}")" bash -c "$(cat "../$name.cmd")" \
+      > "$d/$name/stdout.log" 2>&1)
+    since "$name (exit $?)"; tail -n 25 "$d/$name/stdout.log"; save
+  done
+  ;;
+final)
+  run_step vllm-stage1 60 bash .vllm/part1/remote-stage.sh 1
+  bench kvllm 170 --engine kvllm --backend TRITON_ATTN --only latency,ttft,nano,bs256,latency-late --iters 3 \
+    --warmups 1 --step-log
+  bench kvllm-fp8 60 --engine kvllm --backend TRITON_ATTN --only nano,bs256 --kv-cache-dtype fp8
+  run_step spec-decode 160 python3 benchmarks/h200/spec_decode_bench.py --out "$d"
+  tail -n 9 "$d/spec-decode.log"
+  [ -n "${FINAL_EXTRA:-}" ] && run_step extra "$(cap 150)" bash -c "$FINAL_EXTRA"
+  ;;
+final-vllm)
+  bash .vllm/part2/remote-stage.sh 2 > "$d/vllm-stage2.log" 2>&1 || { tail -n 5 "$d/vllm-stage2.log"; exit 3; }
+  tail -n 3 "$d/vllm-stage2.log"
+  (export PYTHONPATH=.:/tmp/site-vllm
+   bench vllm 230 --engine vllm --only latency,nano,bs256,latency-late --iters 3 --warmups 2
+   bench vllm-fp8 80 --engine vllm --only nano --kv-cache-dtype fp8
+   run_step spec-decode-vllm 200 python3 benchmarks/h200/spec_decode_bench.py --out "$d" --vllm
+   tail -n 6 "$d/spec-decode-vllm.log")
+  ;;
+esac
+kill "$clocks_pid" 2>/dev/null
+save
+since "done"
