@@ -80,7 +80,13 @@ class LLMEngine:
         self.input_processor = InputProcessor(self.tokenizer, self.model_config)
         self.output_processor = OutputProcessor(self.tokenizer, self.model_config.max_model_len)
         self.structured_output_manager = StructuredOutputManager(
-            self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids
+            self.tokenizer,
+            self.model_config.vocab_size,
+            self.model_config.eos_token_ids,
+            # In-process GPU workers only: other executors send the masks to their workers by value.
+            pin_memory=self.device.type == "cuda"
+            and args.tensor_parallel_size == 1
+            and args.distributed_executor_backend in (None, "uni"),
         )
         self.executor = make_executor(args, self.model_config, self.device, max_batched)
         num_blocks = self.executor.determine_num_blocks()

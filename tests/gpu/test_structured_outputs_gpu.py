@@ -60,6 +60,13 @@ def test_json_schema_on_the_gpu_with_graphs_and_overlap(tiny_qwen3_real_tokenize
             async_scheduling=async_scheduling,
         )
         assert llm.llm_engine.executor.worker.model_runner.graph_runner is not None  # graphs are on
+        manager = llm.llm_engine.structured_output_manager
+        assert manager.pin_memory
+        probe = manager.make_request(StructuredOutputsParams(regex=REGEX))
+        probe.wait(30.0)
+        assert probe.is_ready() and probe.error is None
+        # Pinned, so the copy to the GPU does not wait for the forward pass it overlaps.
+        assert manager.grammar_bitmask([probe, None]).is_pinned()
         params = [
             SamplingParams(
                 temperature=1.0,
