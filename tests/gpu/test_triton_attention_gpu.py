@@ -93,7 +93,7 @@ def test_features(dtype, sliding_window, logits_soft_cap, use_sinks) -> None:
     ],
     ids=["bf16-e4m3-d128", "bf16-e5m2-d80", "fp16-e4m3-d80", "fp16-e5m2-d128"],
 )
-@pytest.mark.parametrize("dot", ["fp16", "bf16"])
+@pytest.mark.parametrize("dot", ["fp16", "bf16", "fp16_registers"])
 def test_fp8_kv_cache(dtype, kv_cache_dtype, head_size, dot, monkeypatch) -> None:
     """Both dot dtypes of an fp8 cache (KVLLM_FP8_ATTENTION_DOT); fp16 queries run fp16 dots in both."""
     monkeypatch.setenv("KVLLM_FP8_ATTENTION_DOT", dot)

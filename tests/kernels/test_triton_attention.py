@@ -20,7 +20,7 @@ import torch
 from kvllm.attention.backends.triton_attn import TritonAttentionBackend
 from kvllm.attention.backends.triton_attn_impl import TritonAttentionImpl, TritonAttentionMetadataBuilder
 from kvllm.attention.metadata import CommonAttentionMetadata, KVCacheSpec
-from kvllm.attention.ops.triton_unified_attention import KernelConfig, fp8_dot_mode
+from kvllm.attention.ops.triton_unified_attention import FP8_DOT_MODES, KernelConfig, fp8_dot_mode
 from kvllm.attention.reference import make_paged_batch
 from kvllm.attention.testing import run_triton_case
 
@@ -95,6 +95,15 @@ def test_fp8_kv_cache_bf16_query(monkeypatch) -> None:
         kv_cache_dtype="fp8_e4m3", k_scale=0.37, v_scale=1.7, decode_config=SMALL, prefill_config=SMALL,
     )  # fmt: skip
     check(case, torch.bfloat16)
+
+
+def test_fp8_dot_mode_in_the_interpreter(monkeypatch) -> None:
+    """fp16_registers needs inline assembly, which the interpreter lacks: there it is fp16's arithmetic."""
+    monkeypatch.setenv("KVLLM_FP8_ATTENTION_DOT", "fp16_registers")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert fp8_dot_mode() == FP8_DOT_MODES["fp16"]
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert fp8_dot_mode() == FP8_DOT_MODES["fp16_registers"]
 
 
 def test_fp8_dot_mode_rejects_unknown(monkeypatch) -> None:

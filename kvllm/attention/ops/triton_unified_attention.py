@@ -38,13 +38,17 @@ LOG2E = 1.4426950408889634
 # (masked) segments whatever the step uses, so a new split count never compiles a variant mid-serving.
 MAX_SEGMENTS = 64
 
-# The dtype the dots of an fp8-cache launch run in (KVLLM_FP8_ATTENTION_DOT): "bf16" casts every K/V
-# value to bf16 (fp8 -> fp16 -> bf16 on Hopper: two conversions and register moves per value), "fp16"
-# to fp16 (one exact conversion per pair of values; q is cast to fp16 once per program). fp8 dots
-# would skip the casts, but with 16-row decode tiles Triton lowers them to fp16 mma anyway.
+# How an fp8-cache launch feeds its dots (KVLLM_FP8_ATTENTION_DOT). "bf16" casts every K/V value to
+# bf16 (fp8 -> fp16 -> bf16 on Hopper: two conversions and register moves per value). "fp16" casts to
+# fp16 (one exact conversion per pair of values; q is cast to fp16 once per program), but Triton moves
+# the cast after the tile's shared-memory layout change, which then reads it a byte at a time.
+# "fp16_registers" casts in registers first (behind an opaque move, so the cast stays there) and the
+# fp16 tile takes the 16-bit path through shared memory (vector stores, ldmatrix). fp8 dots would skip
+# the casts, but with 16-row decode tiles Triton lowers them to fp16 mma anyway.
 FP8_DOT_BF16 = tl.constexpr(0)
 FP8_DOT_FP16 = tl.constexpr(1)
-FP8_DOT_MODES = {"bf16": 0, "fp16": 1}
+FP8_DOT_FP16_REGISTERS = tl.constexpr(2)
+FP8_DOT_MODES = {"bf16": 0, "fp16": 1, "fp16_registers": 2}
 
 
 @dataclass(frozen=True)
@@ -58,11 +62,13 @@ class KernelConfig:
 
 
 def fp8_dot_mode() -> int:
-    """The FP8_DOT of an fp8-cache launch: KVLLM_FP8_ATTENTION_DOT, fp16 unless set."""
+    """The FP8_DOT of an fp8-cache launch: KVLLM_FP8_ATTENTION_DOT, fp16 unless set. The interpreter
+    runs no inline assembly, so there fp16_registers is fp16 (the same arithmetic)."""
     name = os.environ.get("KVLLM_FP8_ATTENTION_DOT", "fp16")
     if name not in FP8_DOT_MODES:
         raise ValueError(f"KVLLM_FP8_ATTENTION_DOT={name!r}: expected one of {sorted(FP8_DOT_MODES)}")
-    return FP8_DOT_MODES[name]
+    mode = FP8_DOT_MODES[name]
+    return FP8_DOT_MODES["fp16"] if mode == FP8_DOT_FP16_REGISTERS and is_interpreter() else mode
 
 
 def is_interpreter() -> bool:
@@ -90,6 +96,12 @@ def prefill_config(head_size: int, queries_per_kv: int, dtype: torch.dtype) -> K
     else:  # 4 warps: 1.23x / 1.28x the 8-warp config at 8 x 2k and 16 x 512 over 512 on an H200
         block_m, tile_n, warps, stages = 128, 64, 4, 3
     return KernelConfig(max(block_m, triton.next_power_of_2(queries_per_kv)), tile_n, warps, stages)
+
+
+@triton.jit
+def _in_registers(x):
+    """fp16 x through an opaque register move: the compiler cannot move the cast that made x past it."""
+    return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=tl.float16, is_pure=False, pack=2)
 
 
 @triton.jit
@@ -121,6 +133,7 @@ def _attend_tiles(
     USE_SOFT_CAP: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    CAST_IN_REGISTERS: tl.constexpr,
 ):
     """Online-softmax over KV tiles [tile_lo, tile_hi); MASKED=False only for tiles every row sees whole.
 
@@ -151,6 +164,9 @@ def _attend_tiles(
                 k = tl.load(k_ptrs, mask=dim_ok[:, None], other=0.0)
                 v = tl.load(v_ptrs, mask=dim_ok[None, :], other=0.0)
 
+        if CAST_IN_REGISTERS:  # fp8 tiles, fp16 dots
+            k = _in_registers(k.to(tl.float16))
+            v = _in_registers(v.to(tl.float16))
         s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION)  # [BLOCK_M, TILE_N] fp32
         if USE_SOFT_CAP:
             # cap * tanh(x / cap), in log2 units: tanh(y) = 1 - 2 / (exp(2y) + 1)
@@ -224,7 +240,7 @@ def _unified_attention_kernel(
     USE_SOFT_CAP: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     IS_FP8: tl.constexpr,
-    FP8_DOT: tl.constexpr,  # fp8 caches: the dots' dtype, FP8_DOT_BF16 / FP8_DOT_FP16 / FP8_DOT_FP8
+    FP8_DOT: tl.constexpr,  # fp8 caches: FP8_DOT_BF16 / FP8_DOT_FP16 / FP8_DOT_FP16_REGISTERS
     DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -302,7 +318,7 @@ def _unified_attention_kernel(
     if IS_FP8:
         k_scale = tl.load(k_scale_ptr)
         v_scale = tl.load(v_scale_ptr)
-        if FP8_DOT == FP8_DOT_FP16 and q.dtype.is_bf16():
+        if FP8_DOT != FP8_DOT_BF16 and q.dtype.is_bf16():
             # The dots take q's dtype; fp16 holds every |q| below 65504 more finely than bf16.
             q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
     if USE_SOFT_CAP:
@@ -352,6 +368,7 @@ def _unified_attention_kernel(
         USE_SOFT_CAP,
         USE_WINDOW,
         DOT_PRECISION,
+        IS_FP8 and FP8_DOT == FP8_DOT_FP16_REGISTERS,
     )
     acc, m_i, l_i = _attend_tiles(
         acc,
@@ -381,6 +398,7 @@ def _unified_attention_kernel(
         USE_SOFT_CAP,
         USE_WINDOW,
         DOT_PRECISION,
+        IS_FP8 and FP8_DOT == FP8_DOT_FP16_REGISTERS,
     )
     acc, m_i, l_i = _attend_tiles(
         acc,
@@ -410,6 +428,7 @@ def _unified_attention_kernel(
         USE_SOFT_CAP,
         USE_WINDOW,
         DOT_PRECISION,
+        IS_FP8 and FP8_DOT == FP8_DOT_FP16_REGISTERS,
     )
     acc = acc * v_scale
 
