@@ -13,7 +13,8 @@
 #   final    carry [".vllm/part1"]: vLLM's part 1 onto the machine, then kvllm's fast path (latency,
 #            batch 1 again after the heavy runs, TTFT, nano-vllm bf16 and fp8 KV, 256 x 128/128), the
 #            speculative-decoding bench and W4A16 end to end.
-#   final-vllm  carry [".vllm/part2"], sent within 30 s of `final`: vLLM 0.22 through the same benches.
+#   final-vllm  carry [".vllm/part2", ".so-lite"], sent within 30 s of `final`: structured outputs at
+#            batch 64 again (the pinned masks), then vLLM 0.22 through the same benches.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 phase=${1:?usage: session7.sh measure|check|final|final-vllm}
@@ -40,6 +41,25 @@ attention() {  # label cap attention-benchmark arguments...: the TRITON_ATTN ker
     --shape decode256:256x1@1024 --only-shapes --output-json "$d/attn-$label.json" "$@"
   grep -E "TRITON_ATTN " "$d/attn-$label.log" | grep -v skipped | head -n 4
 }
+structured_outputs() {  # issue 19: xgrammar and the real Qwen3 tokenizer from .so-bench or .so-lite
+  local tok=/tmp/so-tok
+  mkdir -p /tmp/so-site "$tok"
+  if [ -d .so-bench/wheels ]; then
+    for w in .so-bench/wheels/*.whl; do python3 -m zipfile -e "$w" /tmp/so-site; done
+    cp .so-bench/qwen3-tokenizer/* "$tok"/
+  elif [ -d .so-lite ]; then  # the same, the tokenizer gzipped (to fit beside vLLM's part 2)
+    for w in .so-lite/*.whl; do python3 -m zipfile -e "$w" /tmp/so-site; done
+    gunzip -c .so-lite/tokenizer.json.gz > "$tok/tokenizer.json"; cp .so-lite/tokenizer_config.json "$tok"/
+  else
+    since "structured outputs: skipped (carry .so-bench or .so-lite)"; return
+  fi
+  (export PYTHONPATH=.:/tmp/so-site KVLLM_QWEN3_TOKENIZER=$tok
+   run_step so-bench 70 python3 benchmarks/h200/structured_outputs_bench.py --tokenizer "$tok" \
+     --out "$d/structured_outputs.json"
+   tail -n 1 "$d/so-bench.log"
+   run_step so-tests "${SO_TESTS_CAP:-50}" python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
+     tests/gpu/test_structured_outputs_gpu.py)
+}
 nvidia-smi --query-gpu=name,compute_cap,driver_version,clocks.max.sm --format=csv,noheader | tee "$d/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$d/gpu.txt"
 nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,utilization.gpu --format=csv -lms 250 \
@@ -52,15 +72,7 @@ measure)
   KVLLM_FP8_ATTENTION_DOT=bf16 attention fp8-bf16dots 30 --kv-cache-dtype fp8_e4m3 --shape decode64:64x1@2048
   KVLLM_FP8_ATTENTION_DOT=fp16 attention fp8-fp16dots 30 --kv-cache-dtype fp8_e4m3 --shape decode64:64x1@2048
   KVLLM_FP8_ATTENTION_DOT=fp16 attention fp8-fp16dots-sweep 70 --kv-cache-dtype fp8_e4m3 --sweep
-  # Structured outputs (issue 19): xgrammar and the Qwen3 tokenizer from .so-bench.
-  if [ -d .so-bench/wheels ]; then
-    mkdir -p /tmp/so-site && for w in .so-bench/wheels/*.whl; do python3 -m zipfile -e "$w" /tmp/so-site; done
-    (export PYTHONPATH=.:/tmp/so-site KVLLM_QWEN3_TOKENIZER=$PWD/.so-bench/qwen3-tokenizer
-     run_step so-tests 50 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/gpu/test_structured_outputs_gpu.py
-     run_step so-bench 70 python3 benchmarks/h200/structured_outputs_bench.py --tokenizer .so-bench/qwen3-tokenizer \
-       --out "$d/structured_outputs.json"
-     tail -n 6 "$d/so-bench.log")
-  fi
+  structured_outputs
   # The bf16 judge (issue 24): three pytest processes side by side, its own tarball.
   (export OUT=$d/judge; run_step bf16-judge 230 bash benchmarks/h200/bf16_judge_session.sh)
   tail -n 25 "$d/bf16-judge.log"
@@ -86,14 +98,37 @@ check)
   ;;
 final)
   run_step vllm-stage1 60 bash .vllm/part1/remote-stage.sh 1
+  # The fp8 cache's two fp16 dot feeds (kvllm/attention/ops/triton_unified_attention.py), then the
+  # faster of them (checked against float32 by the bench before it times) for the fp8 engine runs.
+  KVLLM_FP8_ATTENTION_DOT=fp16 attention fp8-fp16 30 --kv-cache-dtype fp8_e4m3 --shape decode64:64x1@2048
+  KVLLM_FP8_ATTENTION_DOT=fp16_registers attention fp8-fp16-registers 30 --kv-cache-dtype fp8_e4m3 \
+    --shape decode64:64x1@2048
+  fp8_dot=$(python3 - "$d" <<'PY'
+import json, sys
+best = {}
+for mode, label in (("fp16", "fp8-fp16"), ("fp16_registers", "fp8-fp16-registers")):
+    try:
+        rows = json.load(open(f"{sys.argv[1]}/attn-{label}.json"))["rows"]
+        best[mode] = sum(r["ms"] for r in rows if r["status"] == "ok") if all(r["status"] == "ok" for r in rows) and rows else None
+    except (OSError, ValueError, KeyError):
+        best[mode] = None
+ok = {m: t for m, t in best.items() if t}
+print(min(ok, key=ok.get) if ok else "fp16")
+PY
+)
+  since "fp8 dots for the engine runs: $fp8_dot"
   bench kvllm 170 --engine kvllm --backend TRITON_ATTN --only latency,ttft,nano,bs256,latency-late --iters 3 \
     --warmups 1 --step-log
-  bench kvllm-fp8 60 --engine kvllm --backend TRITON_ATTN --only nano,bs256 --kv-cache-dtype fp8
+  KVLLM_FP8_ATTENTION_DOT=$fp8_dot bench kvllm-fp8 60 --engine kvllm --backend TRITON_ATTN --only nano,bs256 \
+    --kv-cache-dtype fp8 --step-log
+  run_step tests-fp8-dots 45 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/gpu/test_triton_attention_gpu.py \
+    -k "fp8 and fp16_registers"
   run_step spec-decode 160 python3 benchmarks/h200/spec_decode_bench.py --out "$d"
   tail -n 9 "$d/spec-decode.log"
   [ -n "${FINAL_EXTRA:-}" ] && run_step extra "$(cap 150)" bash -c "$FINAL_EXTRA"
   ;;
 final-vllm)
+  SO_TESTS_CAP=90 structured_outputs
   bash .vllm/part2/remote-stage.sh 2 > "$d/vllm-stage2.log" 2>&1 || { tail -n 5 "$d/vllm-stage2.log"; exit 3; }
   tail -n 3 "$d/vllm-stage2.log"
   (export PYTHONPATH=.:/tmp/site-vllm
