@@ -163,7 +163,8 @@ class Sampler:
             if md.is_greedy is not None:
                 token_ids = torch.where(md.is_greedy, work.argmax(dim=-1), token_ids)
         out = SampledTokens(token_ids=token_ids, sampled_logprobs=None)
-        raw = raw.float()
+        if md.num_logprobs is not None or md.need_sampled_logprobs:
+            raw = raw.float()  # only then: a float32 copy of [rows, vocab] costs a pass over the logits
         if md.num_logprobs is not None:
             t = logprob_tensors(raw.log_softmax(dim=-1), token_ids, max((k or 0) for k in md.num_logprobs))
             out.sampled_logprobs, out.ranks, out.top_values, out.top_ids = (

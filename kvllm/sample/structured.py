@@ -1,7 +1,8 @@
 """The structured-output hook of the sampler: the grammar's token bitmask applied to the logits.
 
 Runs on the logits' device after the model (and outside its CUDA graph), before every other logits
-processor, so reported logprobs are those of the constrained distribution, as in vLLM.
+processor, so reported logprobs are those of the constrained distribution, as in vLLM. On CUDA the
+mask is xgrammar's own kernel (its Triton backend: one launch that writes only the forbidden entries).
 """
 
 from __future__ import annotations
@@ -43,7 +44,18 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 
 def apply_grammar_bitmask(logits: torch.Tensor, grammar: GrammarBitmaskInputs) -> torch.Tensor:
-    """float32 logits with -inf wherever a row's grammar forbids the token, in one pass over the
-    logits (a new tensor: the model's logits are left as they were)."""
+    """The logits with -inf wherever a row's grammar forbids the token (a new tensor: the model's
+    logits are left as they were). Tokens past the grammar's vocabulary are forbidden.
+
+    On CUDA: a copy in the logits' dtype masked by xgrammar's Triton kernel, which reads the packed
+    bits and writes only the forbidden entries; elsewhere float32 logits through a bool mask."""
+    if logits.is_cuda:
+        import xgrammar as xgr
+
+        masked = logits.clone()
+        grammar_vocab = min(grammar.bitmask.shape[1] * 32, logits.shape[-1])
+        xgr.apply_token_bitmask_inplace(masked, grammar.bitmask, vocab_size=grammar_vocab, backend="triton")
+        masked[:, grammar_vocab:] = float("-inf")
+        return masked
     disallowed = ~unpack_bitmask(grammar.bitmask, logits.shape[-1])
     return logits.float().masked_fill(disallowed, float("-inf"))

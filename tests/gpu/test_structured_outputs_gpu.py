@@ -89,3 +89,20 @@ def test_json_schema_on_the_gpu_with_graphs_and_overlap(tiny_qwen3_real_tokenize
     assert all(re.fullmatch(REGEX, t) for t in texts[True][1::3])
     assert not any(_valid_json(t) for t in texts[True][2::3])
     json.dumps(texts)  # text, not bytes
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("width", [1000, 1000 + 37])  # logits as wide as the grammar, and wider
+def test_cuda_mask_equals_the_torch_mask(dtype, width):
+    """xgrammar's kernel (the CUDA path) bans exactly what the torch path bans, past the grammar's
+    vocabulary included, and leaves the input logits as they were."""
+    from kvllm.sample.structured import GrammarBitmaskInputs, apply_grammar_bitmask
+
+    gen = torch.Generator().manual_seed(width)
+    logits = torch.randn(5, width, generator=gen).to(dtype)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (5, (1000 + 31) // 32), generator=gen, dtype=torch.int32)
+    expected = apply_grammar_bitmask(logits, GrammarBitmaskInputs(bitmask))  # the CPU path
+    cuda_logits = logits.cuda()
+    got = apply_grammar_bitmask(cuda_logits, GrammarBitmaskInputs(bitmask.cuda()))
+    assert torch.equal(cuda_logits.cpu(), logits)
+    assert torch.equal(got.float().cpu(), expected)
