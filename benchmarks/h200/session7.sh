@@ -41,6 +41,19 @@ attention() {  # label cap attention-benchmark arguments...: the TRITON_ATTN ker
     --shape decode256:256x1@1024 --only-shapes --output-json "$d/attn-$label.json" "$@"
   grep -E "TRITON_ATTN " "$d/attn-$label.log" | grep -v skipped | head -n 4
 }
+parallel_tests() {  # cap "name|pytest args" ...: GPU test files side by side, one log each
+  local limit; limit=$(cap "$1"); shift
+  local spec
+  for spec in "$@"; do
+    local name=${spec%%|*} args=${spec#*|}
+    (KVLLM_GPU_REPORT_DIR=$d timeout "$limit" bash -c "python3 -m pytest -q -p no:cacheprovider -m gpu -rfE $args" \
+      > "$d/tests-$name.log" 2>&1) &
+  done
+  wait
+  for spec in "$@"; do since "tests ${spec%%|*}: $(tail -n 1 "$d/tests-${spec%%|*}.log")"; done
+  grep -hE "^(FAILED|ERROR)" "$d"/tests-*.log | head -n 20
+  save
+}
 structured_outputs() {  # issue 19: xgrammar and the real Qwen3 tokenizer from .so-bench or .so-lite
   local tok=/tmp/so-tok
   mkdir -p /tmp/so-site "$tok"
@@ -121,11 +134,16 @@ PY
     --warmups 1 --step-log
   KVLLM_FP8_ATTENTION_DOT=$fp8_dot bench kvllm-fp8 60 --engine kvllm --backend TRITON_ATTN --only nano,bs256 \
     --kv-cache-dtype fp8 --step-log
-  run_step tests-fp8-dots 45 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/gpu/test_triton_attention_gpu.py \
-    -k "fp8 and fp16_registers"
+  # The new prefill kernel on the nano-vllm workload (opt-in until its GPU tests pass, run below).
+  KVLLM_TRITON_PREFILL_KERNEL=1 bench kvllm-prefill-kernel 50 --engine kvllm --backend TRITON_ATTN --only nano
   run_step spec-decode 160 python3 benchmarks/h200/spec_decode_bench.py --out "$d"
   tail -n 9 "$d/spec-decode.log"
-  [ -n "${FINAL_EXTRA:-}" ] && run_step extra "$(cap 150)" bash -c "$FINAL_EXTRA"
+  # GPU tests side by side (correctness only: nothing is timed while they run), then any extra step.
+  parallel_tests "${TESTS_CAP:-120}" \
+    "fp8-dots|tests/gpu/test_triton_attention_gpu.py -k fp8" \
+    "prefill|tests/gpu/test_triton_prefill_gpu.py" \
+    ${FINAL_TESTS:-}
+  [ -n "${FINAL_EXTRA:-}" ] && run_step extra 150 bash -c "$FINAL_EXTRA"
   ;;
 final-vllm)
   SO_TESTS_CAP=90 structured_outputs
