@@ -147,12 +147,12 @@ PY
   ;;
 final-vllm)
   SO_TESTS_CAP=90 structured_outputs
-  bash .vllm/part2/remote-stage.sh 2 > "$d/vllm-stage2.log" 2>&1 || { tail -n 5 "$d/vllm-stage2.log"; exit 3; }
+  bash .vllm/part2/remote-stage.sh 2 > "$d/vllm-stage2.log" 2>&1 || { tail -n 5 "$d/vllm-stage2.log"; save; exit 3; }
   tail -n 3 "$d/vllm-stage2.log"
   (export PYTHONPATH=.:/tmp/site-vllm
-   bench vllm 230 --engine vllm --only latency,nano,bs256,latency-late --iters 3 --warmups 2
+   bench vllm 200 --engine vllm --only latency,nano,bs256 --iters 2 --warmups 1
+   run_step spec-decode-vllm 220 python3 benchmarks/h200/spec_decode_bench.py --out "$d" --vllm
    bench vllm-fp8 80 --engine vllm --only nano --kv-cache-dtype fp8
-   run_step spec-decode-vllm 200 python3 benchmarks/h200/spec_decode_bench.py --out "$d" --vllm
    tail -n 6 "$d/spec-decode-vllm.log")
   ;;
 esac
