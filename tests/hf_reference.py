@@ -7,11 +7,29 @@ from functools import cache
 import torch
 
 
+def reference_attn_implementation(path: str) -> str | None:
+    """The HF attention implementation the reference must run: "eager" for models with attention
+    logit soft-capping (Gemma 2), None (transformers' default) otherwise.
+
+    transformers' default (sdpa where a model allows it) cannot soft-cap, and some releases let Gemma 2
+    take it anyway: on the H200 machine (transformers 5.17) HF float32 and bfloat16 both ran Gemma 2
+    uncapped, agreeing with each other and not with the engine. Eager applies the cap in every release.
+    """
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    config = getattr(config, "text_config", None) or config
+    return "eager" if getattr(config, "attn_logit_softcapping", None) else None
+
+
 @cache
 def _hf_model(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu"):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    kwargs = {}
+    if implementation := reference_attn_implementation(path):
+        kwargs["attn_implementation"] = implementation
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs).to(device).eval()
 
 
 @torch.inference_mode()

@@ -107,6 +107,14 @@ def test_greedy_bf16_matches_hf_fp32(tiny_models, name, backend):
     ]
     if out_dir := os.environ.get("KVLLM_GPU_REPORT_DIR"):
         with open(os.path.join(out_dir, f"models_bf16_{name}_{backend}.json"), "w") as f:
-            report = {"model": name, "backend": backend, "prompts": [j.to_dict() for j in judgements]}
+            from tests.hf_reference import _hf_model
+
+            hf_attention = _hf_model(path, torch.float32, "cuda").config._attn_implementation
+            report = {
+                "model": name,
+                "backend": backend,
+                "hf_attn_implementation": hf_attention,
+                "prompts": [j.to_dict() for j in judgements],
+            }
             json.dump(report, f, indent=1)
     assert all(j.ok for j in judgements), failure_summary(judgements)
