@@ -278,6 +278,9 @@ def _priority_section() -> list[str]:
             lines.append("")
     lines += [
         "On CPU, `FLEX_ATTENTION` also runs when selected by name; it is not chosen automatically.",
+        "On CUDA it runs every step through its general kernel; `KVLLM_FLEX_SPLIT_PATH=1` opts in to its split",
+        "path (decodes through FlexAttention's decoding kernel, fresh prefills over their own K/V), which no",
+        "GPU run has passed yet.",
         "",
         *_mla_priority_lines(),
     ]

@@ -8,6 +8,8 @@ batches: decodes first, a fresh prompt and chunked prefills, scrambled block tab
 slots no request owns hold large finite garbage, so reading past a sequence shows up.
 Compile-failure state is reset before every test, so one configuration's failure cannot fail
 the tests after it.
+The split path (off by default on CUDA) is opted in for every test here (KVLLM_FLEX_SPLIT_PATH=1), so
+decode-only and fresh-prefill steps take it; the general path is checked on those steps too.
 Run on the H200: `pytest -m gpu tests/gpu/test_flex_attention_gpu.py`.
 """
 
@@ -44,8 +46,10 @@ WINDOW, SOFT_CAP = 24, 5.0
 
 @pytest.fixture(autouse=True)
 def compiled(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Compile requested, and no compile failure (nor one-time log) left over from earlier tests."""
+    """Compile requested, the split path (decoding kernel, fresh prefills) opted in, and no compile
+    failure (nor one-time log) left over from earlier tests."""
     monkeypatch.setenv(flex.COMPILE_ENV, "1")
+    monkeypatch.setenv(flex.SPLIT_PATH_ENV, "1")
     monkeypatch.setattr(flex, "_compile_failures", {})
     monkeypatch.setattr(flex, "_decode_failures", {})
     monkeypatch.setattr(flex, "_announced", set())
@@ -225,3 +229,22 @@ def test_compile_count_over_decode_steps() -> None:
             check(out, batch.reference(head_size**-0.5, sliding_window=WINDOW), torch.bfloat16)
     assert not flex.compile_failures(), flex.compile_failures()
     assert flex.flex_compile_count() - before <= len(buckets), buckets
+
+
+@pytest.mark.parametrize("split_path", ["0", "1"])
+def test_decode_steps_many_pages_either_path(split_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode-only batch of long sequences (tens of full pages each, over more KV splits than one) on
+    the default general path and on the split path: every request must read its own pages."""
+    monkeypatch.setenv(flex.SPLIT_PATH_ENV, split_path)
+    contexts = [3, 700, 1000, 257, 40, 500, 128, 33]
+    batch = make_paged_batch([1] * len(contexts), contexts, 8, 8, 128, 16, torch.bfloat16, DEVICE, seed=9)
+    builder = make_builder(Backend, batch, torch.bfloat16, "auto", (MAX_NUM_REQS, 2048, 2048))
+    impl = make_impl(Backend, 8, 128, 8)
+    meta = builder.build(batch.metadata)
+    assert impl._use_split_path(meta, DEVICE) == (split_path == "1" and DEVICE.type == "cuda")
+    shape = Backend.get_kv_cache_shape(batch.num_blocks, batch.block_size, 8, 128)
+    kv_cache = (torch.randn(shape, device=DEVICE) * 100).to(torch.bfloat16)
+    batch.fill_cache(kv_cache[0], kv_cache[1])
+    out = impl.forward(None, batch.query, batch.new_keys, batch.new_values, kv_cache, meta)
+    assert not flex.compile_failures(), flex.compile_failures()
+    check(out, batch.reference(128**-0.5), torch.bfloat16)

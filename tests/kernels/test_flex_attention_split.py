@@ -6,6 +6,8 @@ the decode masks reused across steps."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch.nn.attention.flex_attention import create_mask
@@ -60,6 +62,21 @@ def test_prefills_with_cached_context_take_the_general_path() -> None:
     batch = make_paged_batch([1, 1, 7], [5, 40, 3], 4, 2, 32, 16, seed=0)
     case = prepare_backend_case(FlexAttentionBackend, batch, impl_attrs={"decode_path_eager": True})
     assert case.metadata.decode_masks is None and case.metadata.fresh_prefill_from is None
+
+
+def test_cuda_takes_the_split_path_only_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Until a GPU run passes the split path, CUDA steps take the general kernel unless
+    KVLLM_FLEX_SPLIT_PATH=1 (read when the layer is built)."""
+    batch = make_paged_batch([1, 1, 9], [5, 40, 0], 4, 2, 32, 16, seed=0)
+    cuda = torch.device("cuda")
+    monkeypatch.delenv(flex.SPLIT_PATH_ENV, raising=False)
+    case = prepare_backend_case(FlexAttentionBackend, batch)
+    assert case.metadata.decode_masks is not None  # a split-shaped step
+    assert not case.impl._use_split_path(case.metadata, cuda)
+    monkeypatch.setenv(flex.SPLIT_PATH_ENV, "1")
+    opted_in = prepare_backend_case(FlexAttentionBackend, batch)
+    assert opted_in.impl._use_split_path(opted_in.metadata, cuda)
+    assert not opted_in.impl._use_split_path(opted_in.metadata, torch.device("cpu"))
 
 
 @pytest.mark.parametrize("window", [None, 1, 100, 128, 300])
@@ -128,3 +145,72 @@ def test_masks_are_reused_across_steps_and_follow_the_new_batch() -> None:
     bm = masks.block_mask(meta.block_table, seq, 4, second.num_blocks, None)
     counts = (bm.kv_num_blocks[:4, 0, 0] + bm.full_kv_num_blocks[:4, 0, 0]).tolist()
     assert counts == [-(-s // 16) for s in second.seq_lens]
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _decoding_kernel_walk(bm, b: int, split_kv: int, block_n: int, full: bool) -> list[int]:
+    """The pages torch's compiled decoding kernel visits for batch row `b`, partial or full blocks,
+    addressed as torch/_inductor/kernel/flex/templates/flex_decode.py.jinja (torch 2.11-2.13) does:
+    both index tensors offset with KV_IDX's strides, each split's first index wrapped at KV_IDX's
+    width, KV splits of the whole KV length (the BlockMask has full blocks), full blocks assigned
+    from the last split."""
+    sparse = bm.BLOCK_SIZE[1]
+    kv_len = bm.seq_lengths[1]
+    multiple = sparse // block_n
+    stride_z = bm.kv_indices.stride(0)  # KV_IDX's, for FULL_KV_IDX too
+    max_kv_idx = bm.kv_indices.shape[-1]
+    source = bm.full_kv_indices if full else bm.kv_indices
+    num = bm.full_kv_num_blocks if full else bm.kv_num_blocks
+    flat = source.flatten()  # contiguous int32 buffers (the builder's)
+    base = b * stride_z
+    total = int(num.flatten()[b * num.stride(0)])
+    tile_multiple = _cdiv(_cdiv(kv_len, split_kv), block_n)
+    pages = []
+    for t in range(split_kv):
+        start = ((split_kv - t - 1) if full else t) * tile_multiple
+        last_valid = min(total * multiple, max(_cdiv(kv_len, block_n), 1))
+        end = min(start + tile_multiple, last_valid)
+        off_n = int(flat[base + (start // multiple) % max_kv_idx]) * sparse + (start % multiple) * block_n
+        for n in range(start, end):
+            pages.append(off_n // sparse)
+            cur_idx = n // multiple
+            cur = int(flat[base + cur_idx])
+            nxt = int(flat[base + cur_idx + 1]) if cur_idx + 1 < total else 0
+            if (n + 1) % multiple == 0:
+                off_n += (nxt - cur) * sparse - (multiple - 1) * block_n
+            else:
+                off_n += block_n
+    return pages
+
+
+@pytest.mark.parametrize("window", [None, 24])
+@pytest.mark.parametrize(("block_size", "split_kv"), [(16, 1), (16, 4), (16, 64), (32, 8), (128, 3)])
+def test_compiled_decoding_kernel_reads_each_requests_own_pages(
+    window: int | None, block_size: int, split_kv: int
+) -> None:
+    """The decode BlockMask as torch's decoding kernel reads it (not as eager flex does): every row's
+    full and partial pages are its own. A partial index tensor narrower than the full one made rows
+    past the first read another row's full pages on the H200."""
+    contexts = [0, 15, 31, 63, 64, 130, 7, 300, 47]
+    batch = make_paged_batch([1] * len(contexts), contexts, 2, 2, 16, block_size, seed=2)
+    masks = FlexDecodeMasks(block_size, batch.block_table.shape[1], torch.device("cpu"))
+    seq_lens = batch.metadata.seq_lens.to(torch.int32)
+    bm = masks.block_mask(batch.block_table, seq_lens, len(contexts), batch.num_blocks, window)
+    assert bm.kv_indices.shape == bm.full_kv_indices.shape  # the kernel's assumption, stated
+    block_n = math.gcd(block_size, 64)  # the BLOCK_N flex_attention_impl passes the kernel
+    for b in range(decode_bucket(len(contexts))):
+        partial = _decoding_kernel_walk(bm, b, split_kv, block_n, full=False)
+        full = _decoding_kernel_walk(bm, b, split_kv, block_n, full=True)
+        expected_full = bm.full_kv_indices[b, 0, 0, : bm.full_kv_num_blocks[b, 0, 0]].tolist()
+        expected_partial = bm.kv_indices[b, 0, 0, : bm.kv_num_blocks[b, 0, 0]].tolist()
+        multiple = block_size // block_n
+        assert sorted(set(full)) == sorted(expected_full) and len(full) == multiple * len(expected_full), b
+        assert sorted(set(partial)) == sorted(expected_partial), b
+        if b < len(contexts):
+            pages = -(-int(seq_lens[b]) // block_size)
+            first = max(0, int(seq_lens[b]) - window) // block_size if window else 0
+            own = set(batch.block_table[b, first:pages].tolist())
+            assert set(full) | set(partial) == own, (b, full, partial, own)

@@ -7,6 +7,14 @@ before the last (after the window's first, with a sliding window) as *full* bloc
 kernel reads without evaluating the mask, and the last (and window-first) page as partial blocks,
 where the mask cuts at seq_len (and at the window's edge).
 
+torch's decoding kernel (torch/_inductor/kernel/flex/templates/flex_decode.py.jinja) assumes the
+partial and the full index tensors have one shape: it offsets FULL_KV_IDX by a batch row computed
+with KV_IDX's strides, and wraps each split's first index at KV_IDX's width. So `kv_indices` is as
+wide as `full_kv_indices` (its two partial pages first, zeros after), though at most two are live;
+with a narrower `kv_indices` every request but the first read another row's full pages (H200: bf16
+logprob errors of 10-25 once decodes had a full page). Eager flex evaluates the mask everywhere and
+cannot show this; tests/kernels/test_flex_attention_split.py checks the layout that kernel reads.
+
 Everything is computed on the device from the device block table and seq_lens (no host sync),
 into buffers this object owns: one set per padded batch size and window, rewritten in place each
 step, with one BlockMask object over them. So every layer of a step and every later step reuse
@@ -29,9 +37,9 @@ DECODE_Q_BLOCK = 128
 @dataclass
 class _DecodeBuffers:
     kv_num_blocks: torch.Tensor  # int32 [B, 1, 1]: partial blocks per request (last, window-first)
-    kv_indices: torch.Tensor  # int32 [B, 1, 1, 2]
+    kv_indices: torch.Tensor  # int32 [B, 1, 1, width]: those two, then zeros (see the module docstring)
     full_kv_num_blocks: torch.Tensor  # int32 [B, 1, 1]
-    full_kv_indices: torch.Tensor  # int32 [B, 1, 1, max_blocks]
+    full_kv_indices: torch.Tensor  # int32 [B, 1, 1, width]
     block_table: torch.Tensor  # int32 [B, max_blocks]: the step's rows, zero past num_reqs
     seq_lens: torch.Tensor  # int32 [B]; 0 past num_reqs
     kv_logical: torch.Tensor  # int32 [num_blocks]: logical index of each physical page, -1 = unused
@@ -49,6 +57,8 @@ class FlexDecodeMasks:
     def __init__(self, block_size: int, max_blocks: int, device: torch.device) -> None:
         self.block_size = block_size
         self.max_blocks = max_blocks
+        # Both index tensors' last dimension (torch's decoding kernel needs them to match).
+        self.index_width = max(2, max_blocks)
         self.device = device
         self._buffers: dict[tuple[int, int, int | None], _DecodeBuffers] = {}
 
@@ -75,9 +85,9 @@ class FlexDecodeMasks:
 
         parts = {
             "kv_num_blocks": zeros(batch, 1, 1),
-            "kv_indices": zeros(batch, 1, 1, 2),
+            "kv_indices": zeros(batch, 1, 1, self.index_width),
             "full_kv_num_blocks": zeros(batch, 1, 1),
-            "full_kv_indices": zeros(batch, 1, 1, self.max_blocks),
+            "full_kv_indices": zeros(batch, 1, 1, self.index_width),
             "block_table": zeros(batch, self.max_blocks),
             "seq_lens": zeros(batch),
             "kv_logical": torch.full((num_blocks,), -1, dtype=torch.int32, device=self.device),
@@ -122,7 +132,7 @@ class FlexDecodeMasks:
         # Full pages: [first + 1, last) with a window (first is partial), [0, last) without.
         start = first + 1 if sliding_window else first
         full = torch.where(live, (last - start).clamp(min=0), torch.zeros_like(last))
-        cols = (start[:, None] + torch.arange(width, device=self.device)).clamp(max=width - 1)
+        cols = (start[:, None] + torch.arange(self.index_width, device=self.device)).clamp(max=width - 1)
         buf.full_kv_indices[:, 0, 0] = rows.gather(1, cols).to(torch.int32)
         buf.full_kv_num_blocks[:, 0, 0] = full.to(torch.int32)
         buf.kv_logical.copy_(logical_pages(buf.block_table, buf.seq_lens, bs, buf.kv_logical.shape[0]))

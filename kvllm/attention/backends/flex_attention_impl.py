@@ -13,6 +13,14 @@ configuration. KVLLM_FLEX_COMPILE=0 selects eager flex_attention everywhere; a f
 selects it for that kernel configuration only (`CompileKey`: device, head size, dtype, head
 counts, mask flags), logged once per configuration, so other configurations stay compiled.
 Eager materializes scores, so it attends over a compact copy of the pages the step reads.
+
+Split path (KVLLM_FLEX_SPLIT_PATH=1, CUDA only; off by default). Steps whose prefills have nothing
+cached can run in two calls: decodes through FlexAttention's decoding kernel over a persistent
+decode-shaped BlockMask (flex_attention_decode), fresh prefills over the step's own K/V with large
+tiles (flex_attention_prefill). Its first H200 run (a kv_indices narrower than full_kv_indices, fixed
+since) gave garbage decodes, and no GPU run has passed it yet, so CUDA takes the general path unless
+the variable is 1; tests/gpu/test_flex_attention_gpu.py opts in. On the CPU the split path runs only
+when a test sets `decode_path_eager`.
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ __all__ = ["FlexAttentionImpl", "FlexAttentionMetadata", "FlexAttentionMetadataB
 logger = logging.getLogger(__name__)
 
 COMPILE_ENV = "KVLLM_FLEX_COMPILE"
+SPLIT_PATH_ENV = "KVLLM_FLEX_SPLIT_PATH"
 # Dynamo's default (8) is below buckets x layer configurations; past it dynamo silently runs
 # eager, which on the physical layout materializes query x whole-cache scores.
 RECOMPILE_LIMIT = 64
@@ -126,6 +135,11 @@ def compile_requested(key: CompileKey | None = None) -> bool:
     if key is not None and key in _compile_failures:
         return False
     return os.environ.get(COMPILE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def split_path_requested() -> bool:
+    """True when KVLLM_FLEX_SPLIT_PATH is 1/true/yes/on: CUDA steps may take the split path."""
+    return os.environ.get(SPLIT_PATH_ENV, "0").strip().lower() in ("1", "true", "yes", "on")
 
 
 def _disable_compile(key: CompileKey, exc: Exception) -> None:
@@ -232,6 +246,7 @@ class FlexAttentionImpl(AttentionImpl):
             )
         self.score_mod = _soft_cap_score_mod(self.logits_soft_cap) if self.logits_soft_cap else None
         self.use_compile = compile_requested()
+        self.split_path = split_path_requested()
         if self.use_compile:
             _announce_once(
                 "compiled",
@@ -297,7 +312,7 @@ class FlexAttentionImpl(AttentionImpl):
         return (
             (meta.decode_masks is not None or meta.fresh_prefill_from is not None)
             and self.attn_type == "decoder"
-            and (device.type == "cuda" or self.decode_path_eager)
+            and ((device.type == "cuda" and self.split_path) or self.decode_path_eager)
         )
 
     def _attend_split(
