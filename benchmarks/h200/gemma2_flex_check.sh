@@ -22,6 +22,10 @@ pytest_gpu() {  # $1 label, rest: pytest arguments
 nvidia-smi --query-gpu=name,compute_cap,driver_version --format=csv,noheader > "$d/gpu.txt"
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" >> "$d/gpu.txt"
 git log --oneline -1 >> "$d/gpu.txt" 2>/dev/null
+# What transformers' default picks for Gemma 2 here (the reference now asks for eager explicitly).
+python3 -c "from pathlib import Path; from tests import model_factory; from transformers import AutoModelForCausalLM
+m = AutoModelForCausalLM.from_pretrained(str(model_factory.make_tiny_gemma2(Path('/tmp/gemma2_default'))))
+print('HF default attn_implementation for Gemma 2:', m.config._attn_implementation)" 2>&1 | tail -n 1 >> "$d/gpu.txt"
 cat "$d/gpu.txt"
 pytest_gpu models tests/gpu/test_models_gpu.py -k gemma2 &
 pytest_gpu engine tests/gpu/test_engine_cuda.py -k FLEX &
