@@ -158,18 +158,41 @@ class InputBatch:
             self.remove(req_id)
         for request in step.preempted:
             self.remove(request.request_id)
+        self._num_drafts = None
+        self._drafts = []
+        if self.counts_from_requests:  # speculative decoding: drafts, and counts that roll back
+            return self._update_spec_states(step)
+        scheduled = step.scheduled
+        states = self.states
+        row_list: list[int] = []
+        num_new: list[int] = []
+        num_block_ids: list[int] = []
+        for item in scheduled:
+            state = states.get(item.request.request_id)
+            if state is None:
+                state = self._add(item.request, item.num_new_tokens)
+            row_list.append(state.row)
+            num_new.append(item.num_new_tokens)
+            num_block_ids.append(len(item.block_ids))
+        rows = np.array(row_list, dtype=np.int64)
+        # Blocks are appended only where the scheduler added some (a decode: once per block_size steps).
+        for i in np.flatnonzero(np.array(num_block_ids, dtype=np.int64) > self.num_blocks[rows]).tolist():
+            self._append_blocks(row_list[i], scheduled[i].block_ids)
+        return rows, np.array(num_new, dtype=np.int64)
+
+    def _update_spec_states(self, step: SchedulerOutput) -> tuple[np.ndarray, np.ndarray]:
+        """update_states with speculative decoding: the counts are read from the requests (rejected
+        drafts roll them back), and the drafts to verify are written to the token table."""
         num_reqs = len(step.scheduled)
         rows = np.empty(num_reqs, dtype=np.int64)
         query_lens = np.empty(num_reqs, dtype=np.int64)
         states = self.states
-        self._num_drafts = None
-        self._drafts = []
         for i, item in enumerate(step.scheduled):
             request = item.request
             state = states.get(request.request_id)
             if state is None:
                 state = self._add(request, item.num_new_tokens)
-            elif self.counts_from_requests:
+            else:
                 self.num_tokens[state.row] = request.num_tokens
                 self.num_computed[state.row] = request.num_computed_tokens - item.num_new_tokens
             row = state.row
