@@ -8,7 +8,8 @@ hidden 64, the tests' model factory) on the CPU. For each batch size the batch i
 128-token prompts, then `--steps` pure decode steps are timed in the main thread's CPU time (ignore_eos, detokenize off unless
 `--detokenize`) with step_profile.py's phase split: schedule, prepare (input batch), forward, logits,
 sample, and "engine" (everything else in LLMEngine.step: output processing, stop checks, scheduler
-bookkeeping), of which "outputs" is OutputProcessor.process_step. The model's phases are what the tiny model costs here, not a GPU's; the other phases
+bookkeeping), of which "outputs" is OutputProcessor.process_step; "rows" is the part of prepare
+that passes over the step's requests (InputBatch.update_states). The model's phases are what the tiny model costs here, not a GPU's; the other phases
 are the host work a GPU step waits for or overlaps.
 """
 
@@ -36,9 +37,36 @@ def _phase_timer_class():
     return module.PhaseTimer
 
 
+# Parts of a phase, reported beside it: the engine's output processing (OutputProcessor.process_step)
+# and the input batch's per-request pass (InputBatch.update_states, inside prepare).
+SUBPHASES = ("outputs", "rows")
+
+
+class EagerDecodeReplay:
+    """Stands in for the CUDA-graph runner on the CPU (`--graph-path`): graph-sized decode steps
+    take the GPU's host path (InputBatch's decode fast path, decode_advance.py) and `replay` runs
+    the model eagerly on the same input buffers. Sizes are the batch sizes, so nothing is padded."""
+
+    def __init__(self, runner, sizes: list[int]) -> None:
+        self.runner = runner
+        self.sizes = sorted(sizes)
+        self.max_size = self.sizes[-1]
+
+    def padded_size(self, num_reqs: int) -> int | None:
+        return next((s for s in self.sizes if s >= num_reqs), None)
+
+    def replay(self, common, num_real_tokens: int):
+        from kvllm.forward_context import set_forward_context
+
+        batch = self.runner.input_batch
+        n = common.num_actual_tokens
+        with set_forward_context(self.runner.metadata_builder.build(common)):
+            return self.runner.model(batch.input_ids[:n], batch.positions[:n])
+
+
 def _host_ms(phases: dict[str, float]) -> float:
     """The host work a GPU step waits for or overlaps: everything but the model and the wait."""
-    return sum(v for k, v in phases.items() if k not in ("forward", "logits", "wait", "outputs"))
+    return sum(v for k, v in phases.items() if k not in ("forward", "logits", "wait", *SUBPHASES))
 
 
 def profile_batch(
@@ -73,17 +101,19 @@ def profile_batch(
     runner = engine.executor.worker.model_runner
     timer.wrap(engine.scheduler, "schedule", "schedule")
     timer.wrap(runner.input_batch, "prepare", "prepare")
-    if runner.graph_runner is not None:
+    if runner.graph_runner is not None:  # every decode step replays (the model inside it)
         timer.wrap(runner.graph_runner, "replay", "forward")
-    timer.wrap(runner.model, "forward", "forward")
-    # The attention backend's metadata: the CPU backend's, eager here; on a GPU with graphs it is
-    # part of the replay, so it counts as the forward's.
-    timer.wrap(runner.metadata_builder, "build", "forward")
+    else:
+        timer.wrap(runner.model, "forward", "forward")
+        # The attention backend's metadata: on a GPU with graphs it is part of the replay.
+        timer.wrap(runner.metadata_builder, "build", "forward")
     timer.wrap(runner.model, "compute_logits", "logits")
     timer.wrap(runner.sampler, "sample", "sample")
     timer.wrap(sampler_module.HostCopy, "wait", "wait")
+    timer.wrap(runner.input_batch, "update_states", "rows")
     timer.wrap(engine.output_processor, "process_step", "outputs")
     timer.wrap(engine, "step", "step")
+    advanced = runner.input_batch.num_advanced_steps
     if profiler is not None:
         profiler.enable()
     start = time.thread_time()
@@ -94,9 +124,10 @@ def profile_batch(
         profiler.disable()
     phases = {k: v / steps * 1e3 for k, v in timer.totals.items()}
     timer.unwrap()
+    advanced = runner.input_batch.num_advanced_steps - advanced
     step = phases.pop("step", 0.0)
     # "engine": all of LLMEngine.step outside the other phases, output processing ("outputs") included.
-    phases["engine"] = step - sum(v for k, v in phases.items() if k != "outputs")
+    phases["engine"] = step - sum(v for k, v in phases.items() if k not in SUBPHASES)
     while engine.has_unfinished_requests():
         engine.step()
     return {
@@ -105,6 +136,8 @@ def profile_batch(
         "steps": steps,
         "detokenize": detokenize,
         "output_kind": output_kind,
+        "graph_path": runner.graph_runner is not None,
+        "decode_fast_path_steps": advanced,  # steps InputBatch advanced on the device
         "thread_cpu_ms_per_step": cpu / steps * 1e3,
         "host_ms_per_step_by_phase": phases,
         "host_ms_without_model": _host_ms(phases),
@@ -120,6 +153,11 @@ def main() -> int:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=5, help="each phase's best of this many runs")
     parser.add_argument("--detokenize", action="store_true")
+    parser.add_argument(
+        "--graph-path",
+        action="store_true",
+        help="decode steps take the CUDA-graph host path (the model still runs eagerly): what a GPU runs",
+    )
     parser.add_argument(
         "--output-kind",
         default="final_only",
@@ -143,6 +181,9 @@ def main() -> int:
         str(model), device="cpu", dtype="float32", max_model_len=1024, enable_prefix_caching=False, seed=0
     )
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    if args.graph_path:
+        runner = llm.llm_engine.executor.worker.model_runner
+        runner.graph_runner = EagerDecodeReplay(runner, batch_sizes)
     rows = []
     for bs in batch_sizes:
         runs = [
@@ -167,10 +208,11 @@ def main() -> int:
             stats = pstats.Stats(profiler, stream=f)
             stats.sort_stats("tottime").print_stats(50)
             stats.sort_stats("cumulative").print_stats(60)
-    names = ["schedule", "prepare", "forward", "logits", "sample", "wait", "engine", "outputs"]
+    names = ["schedule", "prepare", "rows", "forward", "logits", "sample", "wait", "engine", "outputs"]
     detok = "on" if args.detokenize else "off"
+    path = "graph decode path" if args.graph_path else "eager path"
     print(
-        f"host ms per decode step ({args.output_kind} outputs, detokenize {detok}; each phase's best of {args.repeats} runs)"
+        f"host ms per decode step ({path}, {args.output_kind} outputs, detokenize {detok}; each phase's best of {args.repeats} runs)"
     )
     print(f"{'bs':>4} {'cpu':>7} " + " ".join(f"{n:>8}" for n in names) + f" {'host*':>7}")
     for r in rows:
