@@ -46,6 +46,8 @@ class SequenceState:
     may_stop_ids: frozenset[int] = frozenset()  # stop_token_ids, and the EOS ids unless ignore_eos
     min_tokens: int = 0
     detokenize: bool = True
+    # No text, no grammar, no logprobs: a token is appended and checked against the ids and lengths.
+    token_only: bool = False
     _text: str = ""
     _pieces: list[str] = field(default_factory=list)
     _unreported: list[str] = field(default_factory=list)
@@ -118,6 +120,11 @@ class OutputProcessor:
                     may_stop_ids=may_stop,
                     min_tokens=params.min_tokens,
                     detokenize=params.detokenize,
+                    token_only=(
+                        not params.detokenize
+                        and params.logprobs is None
+                        and request.structured_output_request is None
+                    ),
                 )
             )
         parent.streams = parent.output_kind is not RequestOutputKind.FINAL_ONLY
@@ -164,7 +171,22 @@ class OutputProcessor:
                 request.first_token_time = now
             request.last_token_time = now
             run = spec_runs.get(index) if spec_runs else None
-            if run is None:
+            if run is None and seq.token_only and top_logprobs[row] is None:
+                # _append_token for a request that needs no text, grammar or logprobs, inlined: the
+                # common case of a throughput run, where this loop is most of the engine's step.
+                out_ids = request.output_token_ids
+                out_ids.append(token_id)
+                request.all_token_ids.append(token_id)
+                if logprobs is not None and logprobs[row] is not None:
+                    request.cumulative_logprob += logprobs[row]
+                num_out = len(out_ids)
+                if token_id in seq.may_stop_ids and num_out >= seq.min_tokens:
+                    request.finish_reason = "stop"
+                    request.stop_reason = token_id if token_id in seq.stop_token_ids else None
+                elif num_out >= request.max_tokens or len(request.all_token_ids) >= self.max_model_len:
+                    request.finish_reason = "length"
+                    request.stop_reason = None
+            elif run is None:
                 self._append_token(
                     seq,
                     token_id,
