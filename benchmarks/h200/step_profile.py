@@ -1,6 +1,7 @@
 """Where a decode step goes: kernels per step and per decoder layer, GPU time, and host time by phase.
 
     PYTHONPATH=. python3 benchmarks/h200/step_profile.py --out DIR [--enforce-eager] [--backend NAME]
+        [--output-kinds cumulative,final_only]
 
 Qwen3-0.6B shapes, dummy bf16 weights. For each batch size, the batch is prefilled (in 128 tokens
 each), then `--steps` pure decode steps are timed: wall time, and the host time of each engine phase
@@ -31,21 +32,24 @@ NUM_LAYERS = 28
 
 
 class PhaseTimer:
-    """Wraps methods so each call adds its host time to a named phase."""
+    """Wraps methods so each call adds its host time to a named phase (wall time by default; a CPU
+    benchmark on a shared machine passes time.thread_time)."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock=time.perf_counter) -> None:
+        self.clock = clock
         self.totals: dict[str, float] = defaultdict(float)
         self._restore: list[tuple[object, str, object]] = []
 
     def wrap(self, owner: object, name: str, phase: str) -> None:
         original = getattr(owner, name)
+        clock = self.clock
 
         def timed(*args, **kwargs):
-            start = time.perf_counter()
+            start = clock()
             try:
                 return original(*args, **kwargs)
             finally:
-                self.totals[phase] += time.perf_counter() - start
+                self.totals[phase] += clock() - start
 
         setattr(owner, name, timed)
         self._restore.append((owner, name, original))
@@ -73,16 +77,26 @@ def decode_steps(engine, num_steps: int) -> float:
     return time.perf_counter() - start
 
 
-def profile_one(llm: LLM, batch_size: int, steps: int, input_len: int) -> dict:
+def profile_one(
+    llm: LLM, batch_size: int, steps: int, input_len: int, output_kind: str = "cumulative"
+) -> dict:
+    """`output_kind`: cumulative (the engine's default: every step builds every request's output),
+    final_only (what LLM.generate asks for: an output only when a request finishes) or delta."""
     import random
 
     from kvllm.sample import sampler as sampler_module
+    from kvllm.sampling_params import RequestOutputKind
 
     engine = llm.llm_engine
     rng = random.Random(0)
     bound = min(10000, engine.model_config.vocab_size)
     prompts = [[rng.randrange(bound) for _ in range(input_len)] for _ in range(batch_size)]
-    params = SamplingParams(temperature=0.6, max_tokens=3 * steps + 8, ignore_eos=True)
+    params = SamplingParams(
+        temperature=0.6,
+        max_tokens=3 * steps + 8,
+        ignore_eos=True,
+        output_kind=RequestOutputKind[output_kind.upper()],
+    )
     for i, p in enumerate(prompts):
         engine.add_request(f"p{batch_size}-{i}", {"prompt_token_ids": p}, params)
     # Prefill (and any chunking) until every request decodes.
@@ -130,6 +144,7 @@ def profile_one(llm: LLM, batch_size: int, steps: int, input_len: int) -> dict:
     return {
         "batch_size": batch_size,
         "input_len": input_len,
+        "output_kind": output_kind,
         "steps": steps,
         "wall_ms_per_step": wall / steps * 1e3,
         "host_ms_per_step_by_phase": phases,
@@ -152,6 +167,11 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument(
+        "--output-kinds",
+        default="cumulative",
+        help="comma-separated: cumulative (the engine's default), final_only (LLM.generate's), delta",
+    )
     parser.add_argument("--label", default=None)
     parser.add_argument(
         "--model", default=None, help="A model folder instead of Qwen3-0.6B's shapes (CPU checks)"
@@ -172,19 +192,20 @@ def main() -> int:
     label = args.label or f"{args.backend}-{'eager' if args.enforce_eager else 'graphs'}"
     rows = []
     with open(out / f"step_profile-{label}.jsonl", "w") as f:
-        for bs in [int(x) for x in args.batch_sizes.split(",")]:
-            row = {"label": label, **profile_one(llm, bs, args.steps, args.input_len)}
-            f.write(json.dumps(row) + "\n")
-            f.flush()
-            rows.append(row)
+        for kind in args.output_kinds.split(","):
+            for bs in [int(x) for x in args.batch_sizes.split(",")]:
+                row = {"label": label, **profile_one(llm, bs, args.steps, args.input_len, kind)}
+                f.write(json.dumps(row) + "\n")
+                f.flush()
+                rows.append(row)
     print(f"\n{label}: per decode step")
     print(
-        f"{'bs':>4} {'wall ms':>8} {'GPU busy ms':>11} {'busy':>5} {'kernels':>8} {'/layer':>7}  host ms by phase"
+        f"{'kind':>10} {'bs':>4} {'wall ms':>8} {'GPU busy ms':>11} {'busy':>5} {'kernels':>8} {'/layer':>7}  host ms by phase"
     )
     for r in rows:
         phases = ", ".join(f"{k} {v:.2f}" for k, v in r["host_ms_per_step_by_phase"].items() if k != "step")
         print(
-            f"{r['batch_size']:>4} {r['wall_ms_per_step']:>8.3f} {r['gpu_busy_ms_per_step']:>11.3f} "
+            f"{r['output_kind']:>10} {r['batch_size']:>4} {r['wall_ms_per_step']:>8.3f} {r['gpu_busy_ms_per_step']:>11.3f} "
             f"{r['gpu_busy_fraction']:>5.0%} {r['cuda_kernels_per_step']:>8.0f} {r['cuda_kernels_per_layer']:>7.1f}  {phases}"
         )
     return 0

@@ -81,29 +81,42 @@ class Scheduler:
         prefills: list[ScheduledRequest] = []
         block_size = self.kv.block_size
 
+        # The tokens the whole cache holds: a request with more can never run (see _can_never_fit).
+        cache_tokens = self.kv.num_blocks * block_size
+        lookahead = self.num_lookahead_tokens
+        req_blocks = self.kv.req_blocks
+        to_advance: list[ScheduledRequest] = []  # items whose counts the loop at the end advances
+        running = self.running
         i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            if self._can_never_fit(request):
-                if not request.num_output_placeholders:
+        while i < len(running) and budget > 0:
+            request = running[i]
+            pending = request.num_output_placeholders
+            num_tokens = len(request.all_token_ids)
+            if num_tokens + pending > cache_tokens:
+                if not pending:
                     self._fail(request, out)  # leaves self.running: i is the next request now
                 else:
                     i += 1  # failed once its tokens in flight arrive, as without overlap
                 continue
-            pending = request.num_output_placeholders
-            if pending and request.num_output_tokens + pending >= request.max_tokens:
+            if pending and len(request.output_token_ids) + pending >= request.max_tokens:
                 i += 1  # its last token is already being sampled
                 continue
-            n = min(request.num_tokens + pending - request.num_computed_tokens, budget)
-            drafts, request.spec_token_ids = request.spec_token_ids, []
+            computed = request.num_computed_tokens
+            n = min(num_tokens + pending - computed, budget)
+            drafts = request.spec_token_ids
             if drafts:  # a decode verifies its drafts as extra query tokens, as the budget allows
+                request.spec_token_ids = []
                 drafts = drafts[: budget - 1] if n == 1 and not pending else []
                 n += len(drafts)
-            blocks = self.kv.get_block_ids(request.request_id)
-            end = request.num_computed_tokens + n
-            # Decode fast path: the slot exists and no block becomes full (nothing to allocate or hash).
-            if n == 1 and end + self.num_lookahead_tokens <= len(blocks) * block_size and end % block_size:
-                decodes.append(ScheduledRequest(request, 1, blocks))
+            blocks = req_blocks.get(request.request_id, ())
+            end = computed + n
+            # Decode fast path: the slot exists and no block becomes full (nothing to allocate or
+            # hash), and the step samples its next token (the counts the loop below would advance).
+            if n == 1 and end + lookahead <= len(blocks) * block_size and end % block_size:
+                decodes.append(ScheduledRequest(request, 1, blocks, drafts))
+                request.num_computed_tokens = end
+                if end == num_tokens + pending:
+                    request.num_output_placeholders = pending + 1
                 budget -= 1
                 i += 1
                 continue
@@ -119,6 +132,7 @@ class Scheduler:
                 self.kv.allocate(request, n + self._lookahead(request, n))
                 item = ScheduledRequest(request, n, self.kv.get_block_ids(request.request_id), drafts)
                 (decodes if n == 1 else prefills).append(item)
+                to_advance.append(item)
                 budget -= n
                 i += 1
                 continue
@@ -162,13 +176,14 @@ class Scheduler:
             self.running.append(request)
             item = ScheduledRequest(request, n, self.kv.get_block_ids(request.request_id))
             (decodes if n == 1 else prefills).append(item)
+            to_advance.append(item)
             budget -= n
 
         self.waiting.extendleft(reversed(compiling))
 
         # Decodes first, as the attention backends expect; order is otherwise kept.
         out.scheduled = decodes + prefills
-        for item in out.scheduled:
+        for item in to_advance:
             request = item.request
             request.num_computed_tokens += item.num_new_tokens
             num_known = request.num_tokens + request.num_output_placeholders + len(item.spec_token_ids)

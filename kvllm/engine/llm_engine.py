@@ -120,6 +120,7 @@ class LLMEngine:
                 )
                 self.async_scheduling = False
         self._in_flight: tuple[SchedulerOutput, PendingStep] | None = None
+        self._grammar_requests: list[Request] = []  # with structured outputs, until they finish
         # During step(): the step launched by the previous call, until its tokens are taken.
         self._previous: tuple[SchedulerOutput, PendingStep] | None = None
         self.sleep_level = 0  # 0: awake; else the level of the last sleep() until wake_up() ends it
@@ -210,6 +211,7 @@ class LLMEngine:
                 request.structured_output_request = self.structured_output_manager.make_request(
                     params.structured_outputs
                 )
+                self._grammar_requests.append(request)
             if arrival_time is not None:
                 request.arrival_time = arrival_time
             requests.append(request)
@@ -299,7 +301,9 @@ class LLMEngine:
         if plan.is_empty and self._previous is None:
             self._wait_for_grammar()
         if not plan.is_empty:
-            if any(item.request.structured_output_request is not None for item in plan.scheduled):
+            if self._has_grammar_requests() and any(
+                item.request.structured_output_request is not None for item in plan.scheduled
+            ):
                 pending = self.executor.execute_model_async(plan, self._grammar_bitmask_fn(plan, outputs))
             else:
                 pending = self.executor.execute_model_async(plan)
@@ -315,6 +319,13 @@ class LLMEngine:
             done, self._in_flight = self._in_flight, None
             outputs += self._update(*done)
         return outputs
+
+    def _has_grammar_requests(self) -> bool:
+        """Whether an unfinished request has structured outputs (a step without one skips the
+        per-request check for grammars). O(requests with grammars): finished ones are dropped here."""
+        if self._grammar_requests:
+            self._grammar_requests = [r for r in self._grammar_requests if not r.is_finished]
+        return bool(self._grammar_requests)
 
     def _wait_for_grammar(self, timeout: float = 0.01) -> None:
         """Nothing to run: block briefly on a waiting request's grammar instead of spinning."""

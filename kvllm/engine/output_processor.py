@@ -41,6 +41,13 @@ class SequenceState:
     index: int
     request: Request
     detokenizer: IncrementalDetokenizer
+    # The request's stop conditions, read once (the per-token checks touch only these):
+    stop_token_ids: frozenset[int] = frozenset()
+    may_stop_ids: frozenset[int] = frozenset()  # stop_token_ids, and the EOS ids unless ignore_eos
+    min_tokens: int = 0
+    detokenize: bool = True
+    # No text, no grammar, no logprobs: a token is appended and checked against the ids and lengths.
+    token_only: bool = False
     _text: str = ""
     _pieces: list[str] = field(default_factory=list)
     _unreported: list[str] = field(default_factory=list)
@@ -73,8 +80,13 @@ class ParentRequest:
     prompt_token_ids: list[int]
     sequences: list[SequenceState] = field(default_factory=list)
 
+    # Whether each step that touches it reports an output (CUMULATIVE, DELTA), or only its end.
+    streams: bool = True
+
     @property
     def finished(self) -> bool:
+        if len(self.sequences) == 1:
+            return self.sequences[0].request.finish_reason is not None
         return all(s.request.finish_reason is not None for s in self.sequences)
 
     @property
@@ -95,8 +107,27 @@ class OutputProcessor:
     ) -> None:
         parent = ParentRequest(request_id, prompt, prompt_token_ids)
         for request in requests:
-            detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, request.sampling_params)
-            parent.sequences.append(SequenceState(request.index, request, detokenizer))
+            params = request.sampling_params
+            detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
+            stop_ids = frozenset(params.stop_token_ids or ())
+            may_stop = stop_ids if params.ignore_eos else stop_ids | frozenset(request.eos_token_ids)
+            parent.sequences.append(
+                SequenceState(
+                    request.index,
+                    request,
+                    detokenizer,
+                    stop_token_ids=stop_ids,
+                    may_stop_ids=may_stop,
+                    min_tokens=params.min_tokens,
+                    detokenize=params.detokenize,
+                    token_only=(
+                        not params.detokenize
+                        and params.logprobs is None
+                        and request.structured_output_request is None
+                    ),
+                )
+            )
+        parent.streams = parent.output_kind is not RequestOutputKind.FINAL_ONLY
         self.parents[request_id] = parent
 
     def process_failed(self, plan: SchedulerOutput) -> list[RequestOutput]:
@@ -123,32 +154,55 @@ class OutputProcessor:
         finished: list[Request] = []
         sampled = result.sampler_output
         logprobs = sampled.sampled_logprobs
-        for row, index in enumerate(result.request_indices):
-            request = plan.scheduled[index].request
-            request.resolve_placeholder()
+        top_logprobs = sampled.logprobs
+        spec_runs = result.spec_token_ids
+        scheduled = plan.scheduled
+        parents = self.parents
+        # One pass over the step's requests: this loop is the engine's per-request cost of a step.
+        for row, (index, token_id) in enumerate(zip(result.request_indices, sampled.token_ids, strict=True)):
+            request = scheduled[index].request
+            request.num_output_placeholders -= 1  # its token arrived (appended, or dropped below)
+            assert request.num_output_placeholders >= 0, f"{request.request_id}: no token was in flight"
             if request.finish_reason is not None:
                 continue  # stopped or aborted after this step was launched
-            parent = self.parents[request.parent_id]
+            parent = parents[request.parent_id]
             seq = parent.sequences[request.index]
             if request.first_token_time is None:
                 request.first_token_time = now
             request.last_token_time = now
-            run = result.spec_token_ids.get(index)
-            if run is None:
+            run = spec_runs.get(index) if spec_runs else None
+            if run is None and seq.token_only and top_logprobs[row] is None:
+                # _append_token for a request that needs no text, grammar or logprobs, inlined: the
+                # common case of a throughput run, where this loop is most of the engine's step.
+                out_ids = request.output_token_ids
+                out_ids.append(token_id)
+                request.all_token_ids.append(token_id)
+                if logprobs is not None and logprobs[row] is not None:
+                    request.cumulative_logprob += logprobs[row]
+                num_out = len(out_ids)
+                if token_id in seq.may_stop_ids and num_out >= seq.min_tokens:
+                    request.finish_reason = "stop"
+                    request.stop_reason = token_id if token_id in seq.stop_token_ids else None
+                elif num_out >= request.max_tokens or len(request.all_token_ids) >= self.max_model_len:
+                    request.finish_reason = "length"
+                    request.stop_reason = None
+            elif run is None:
                 self._append_token(
                     seq,
-                    sampled.token_ids[row],
+                    token_id,
                     None if logprobs is None else logprobs[row],
-                    sampled.logprobs[row],
+                    top_logprobs[row],
                 )
             else:  # verified drafts (no logprobs: requests asking for them do not speculate)
-                for token_id in run:
-                    self._append_token(seq, token_id, None, None)
+                for draft_id in run:
+                    self._append_token(seq, draft_id, None, None)
                     if request.finish_reason is not None:
                         break  # a stop inside the run: nothing after it is emitted
             if request.finish_reason is not None:
                 finished.append(request)
-            touched[parent.request_id] = parent
+                touched[parent.request_id] = parent
+            elif parent.streams:
+                touched[parent.request_id] = parent
         return self._collect_outputs(touched), finished
 
     def _process_pooled(
@@ -171,14 +225,13 @@ class OutputProcessor:
         return self._collect_outputs(touched), finished
 
     def _collect_outputs(self, touched: dict[str, ParentRequest]) -> list[RequestOutput]:
-        outputs = [
-            self._make_output(p)
-            for p in touched.values()
-            if p.finished or p.output_kind is not RequestOutputKind.FINAL_ONLY
-        ]
+        outputs = []
         for parent in touched.values():
             if parent.finished:
+                outputs.append(self._make_output(parent, True))
                 del self.parents[parent.request_id]
+            elif parent.streams:
+                outputs.append(self._make_output(parent, False))
         return outputs
 
     def _record_prompt_logprobs(
@@ -194,23 +247,22 @@ class OutputProcessor:
         self, seq: SequenceState, token_id: int, logprob: float | None, top_logprobs: PositionLogprobs | None
     ) -> None:
         request = seq.request
-        params = request.sampling_params
-        request.append_output_token(token_id)
+        request.output_token_ids.append(token_id)  # Request.append_output_token, inlined
+        request.all_token_ids.append(token_id)
         if request.structured_output_request is not None:
             request.structured_output_request.accept_token(token_id)
         if logprob is not None:  # computed only for requests that report logprobs
             request.cumulative_logprob += logprob
         if top_logprobs is not None:
             request.logprobs.append(decode_logprobs(self.tokenizer, top_logprobs))
-        num_out = request.num_output_tokens
-        may_stop = num_out >= params.min_tokens
-        stop_token = may_stop and token_id in (params.stop_token_ids or ())
-        eos = may_stop and not params.ignore_eos and token_id in request.eos_token_ids
-        # A stop token ends the request without appearing in its text.
+        num_out = len(request.output_token_ids)
+        # A stop token ends the request without appearing in its text; it wins over EOS.
+        stop_token = eos = False
+        if token_id in seq.may_stop_ids and num_out >= seq.min_tokens:
+            stop_token = token_id in seq.stop_token_ids
+            eos = not stop_token
         stop_string = (
-            seq.detokenizer.update([token_id], stop_terminated=stop_token or eos)
-            if params.detokenize
-            else None
+            seq.detokenizer.update([token_id], stop_terminated=stop_token or eos) if seq.detokenize else None
         )
         if stop_token:
             self._finish(seq, "stop", token_id)
@@ -218,9 +270,9 @@ class OutputProcessor:
             self._finish(seq, "stop", None)
         elif stop_string is not None:
             self._finish(seq, "stop", stop_string)
-        elif num_out >= request.max_tokens or request.num_tokens >= self.max_model_len:
+        elif num_out >= request.max_tokens or len(request.all_token_ids) >= self.max_model_len:
             self._finish(seq, "length", None)
-        if params.detokenize:
+        if seq.detokenize:
             seq.add_text(seq.detokenizer.get_next_delta_text())
 
     def _finish(self, seq: SequenceState, reason: str, stop_reason: int | str | None) -> None:
@@ -229,7 +281,7 @@ class OutputProcessor:
         if seq.request.sampling_params.detokenize:
             seq.detokenizer.finish()
 
-    def _make_output(self, parent: ParentRequest) -> RequestOutput | PoolingRequestOutput:
+    def _make_output(self, parent: ParentRequest, finished: bool) -> RequestOutput | PoolingRequestOutput:
         first = parent.sequences[0].request
         if first.pooling_params is not None:
             return PoolingRequestOutput(
@@ -237,7 +289,7 @@ class OutputProcessor:
                 PoolingOutput(first.pooled_data),
                 parent.prompt_token_ids,
                 first.num_cached_prompt_tokens,
-                parent.finished,
+                finished,
                 _request_metrics(parent),
                 prompt=parent.prompt,
             )
@@ -271,7 +323,7 @@ class OutputProcessor:
             parent.prompt,
             parent.prompt_token_ids,
             outputs,
-            parent.finished,
+            finished,
             _request_metrics(parent),
             prompt_logprobs=prompt_logprobs,
         )

@@ -24,7 +24,7 @@ import torch
 
 from kvllm.attention.metadata import CommonAttentionMetadata
 from kvllm.core.request import Request
-from kvllm.core.sched_output import SchedulerOutput
+from kvllm.core.sched_output import ScheduledRequest, SchedulerOutput
 from kvllm.sample.metadata import (
     AllowedTokenInputs,
     BadWordInputs,
@@ -138,6 +138,10 @@ class InputBatch:
         # The previous step, when it was a graph decode the next one may advance (decode_advance.py).
         self._last_decode: DecodeStepMemory | None = None
         self.num_advanced_steps = 0  # steps prepared by the fast path (tests and benchmarks read it)
+        # The previous step's requests (the live objects, in step order) and their rows: a step of the
+        # same requests (every decode step between joins and finishes) reuses the rows as they are.
+        self._last_requests: list[Request] = []
+        self._last_rows = np.empty(0, dtype=np.int64)
         # Speculative decoding (scheduled without overlap): how many tokens a step adds is known
         # only after verification, so each step takes its rows' counts from the requests.
         self.counts_from_requests = False
@@ -158,18 +162,52 @@ class InputBatch:
             self.remove(req_id)
         for request in step.preempted:
             self.remove(request.request_id)
+        self._num_drafts = None
+        self._drafts = []
+        if self.counts_from_requests:  # speculative decoding: drafts, and counts that roll back
+            return self._update_spec_states(step)
+        scheduled = step.scheduled
+        requests = [item.request for item in scheduled]
+        if requests == self._last_requests:  # identity: Request compares by identity
+            rows = self._last_rows
+        else:
+            rows = np.array([self._row_of(request, item) for request, item in zip(requests, scheduled)])
+            self._last_requests, self._last_rows = requests, rows
+        num_block_ids = np.array([len(item.block_ids) for item in scheduled], dtype=np.int64)
+        # Blocks are appended only where the scheduler added some (a decode: once per block_size steps).
+        grew = np.flatnonzero(num_block_ids > self.num_blocks[rows])
+        if grew.size:
+            have = self.num_blocks[rows[grew]]
+            if (num_block_ids[grew] == have + 1).all():  # one block each, the decode case: at once
+                grown_rows = rows[grew]
+                new = [scheduled[i].block_ids[-1] for i in grew.tolist()]
+                self.block_table.np[grown_rows, have] = new
+                self._block_updates.append((grown_rows * self.max_blocks_per_req + have, new))
+                self.num_blocks[grown_rows] = have + 1
+            else:
+                for i in grew.tolist():
+                    self._append_blocks(int(rows[i]), scheduled[i].block_ids)
+        return rows, np.array([item.num_new_tokens for item in scheduled], dtype=np.int64)
+
+    def _row_of(self, request: Request, item: ScheduledRequest) -> int:
+        state = self.states.get(request.request_id)
+        if state is None:
+            state = self._add(request, item.num_new_tokens)
+        return state.row
+
+    def _update_spec_states(self, step: SchedulerOutput) -> tuple[np.ndarray, np.ndarray]:
+        """update_states with speculative decoding: the counts are read from the requests (rejected
+        drafts roll them back), and the drafts to verify are written to the token table."""
         num_reqs = len(step.scheduled)
         rows = np.empty(num_reqs, dtype=np.int64)
         query_lens = np.empty(num_reqs, dtype=np.int64)
         states = self.states
-        self._num_drafts = None
-        self._drafts = []
         for i, item in enumerate(step.scheduled):
             request = item.request
             state = states.get(request.request_id)
             if state is None:
                 state = self._add(request, item.num_new_tokens)
-            elif self.counts_from_requests:
+            else:
                 self.num_tokens[state.row] = request.num_tokens
                 self.num_computed[state.row] = request.num_computed_tokens - item.num_new_tokens
             row = state.row
@@ -247,6 +285,7 @@ class InputBatch:
         if state is None:
             return
         self._last_decode = None
+        self._last_requests = []
         row = state.row
         self.row_states[row] = None
         self.block_table.np[row, : self.num_blocks[row]] = 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import operator
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,6 +42,8 @@ from kvllm.worker.pooler import Pooler
 from kvllm.worker.sleep_mode import SleepState, empty_device_cache, offload_weights, restore_weights
 
 logger = logging.getLogger(__name__)
+
+_NUM_NEW_TOKENS = operator.attrgetter("num_new_tokens")
 GiB = 1 << 30
 
 
@@ -589,7 +592,8 @@ class ModelRunner:
         runner = self.graph_runner
         if runner is None or len(step.scheduled) > runner.max_size:
             return None
-        if any(item.num_new_tokens != 1 for item in step.scheduled):
+        # Every request has at least one token, so all of them have one when the total is the count.
+        if sum(map(_NUM_NEW_TOKENS, step.scheduled)) != len(step.scheduled):
             return None
         return runner.padded_size(len(step.scheduled))
 
