@@ -91,8 +91,8 @@ def _weights(qw_ptrs, s_ptrs, z_ptrs, w_mask, g_mask, PER_NIBBLE: tl.constexpr):
     """A tile's words and, unless groups are smaller than a block, each block's scale and zero."""
     words = _load(qw_ptrs, w_mask)
     if PER_NIBBLE:  # loaded per nibble in _tile_sum
-        s = tl.zeros((words.shape[0], words.shape[1]), dtype=tl.float32)
-        z = tl.zeros((words.shape[0], words.shape[1]), dtype=tl.float32)
+        s = tl.zeros((words.shape[0], words.shape[1], words.shape[2]), dtype=tl.float32)
+        z = tl.zeros((words.shape[0], words.shape[1], words.shape[2]), dtype=tl.float32)
     else:
         s = _load(s_ptrs, g_mask).to(tl.float32)
         z = _load(z_ptrs, g_mask).to(tl.float32)
@@ -106,18 +106,19 @@ def _sum_block(t):
 
 
 @triton.jit
-def _tile_sum(words, hi, x_ptrs, x_mask, s, z, s_ptrs, z_ptrs, g_mask,
+def _tile_sum(words, hi, x_ptrs, x_mask, su, sz, s_ptrs, z_ptrs, g_mask,
               BW: tl.constexpr, GROUP_SIZE: tl.constexpr, PER_NIBBLE: tl.constexpr):  # fmt: skip
-    """sum over the tile's values of (q - zero) * scale * x -> [BLOCK_N, blocks], for one row of x.
+    """sum over the tile's values of (q - zero) * scale * x, for one row of x: [BLOCK_N, blocks, BW / V],
+    each thread's part (summed over its V words, not across threads: that is done once, at the end).
 
     x_ptrs [1, blocks, BW / V, V] point at nibble 0's activations of each block; nibble j's are j * BW
     further. The zero is taken out of the sum: sum (q - z) x = sum q x - z sum x. Without PER_NIBBLE a
-    block lies in one group: `s` and `z` [BLOCK_N, blocks] are its scale and zero. With it (groups
-    smaller than a block) nibble j of a block is in the group `(j * BW) // GROUP_SIZE` after the
-    block's first, loaded here from s_ptrs / z_ptrs."""
+    block lies in one group: `su` [BLOCK_N, blocks, 1] is its scale times UNSCALE, `sz` its scale
+    times its zero. With it (groups smaller than a block) nibble j of a block is in the group
+    `(j * BW) // GROUP_SIZE` after the block's first, loaded here from s_ptrs / z_ptrs."""
     acc = tl.zeros(words.shape, dtype=tl.float32)
     x_sum = tl.zeros(x_ptrs.shape, dtype=tl.float32)
-    out = tl.zeros((words.shape[0], words.shape[1]), dtype=tl.float32)  # [BLOCK_N, blocks]
+    out = tl.zeros((words.shape[0], words.shape[1], words.shape[2]), dtype=tl.float32)
     for j in tl.static_range(8):
         x = _load(x_ptrs + j * BW, x_mask).to(tl.float32)
         if j <= 4:
@@ -127,31 +128,58 @@ def _tile_sum(words, hi, x_ptrs, x_mask, s, z, s_ptrs, z_ptrs, g_mask,
         if PER_NIBBLE:
             zj = _load(z_ptrs + (j * BW) // GROUP_SIZE, g_mask).to(tl.float32)
             sj = _load(s_ptrs + (j * BW) // GROUP_SIZE, g_mask).to(tl.float32)
-            qx = _sum_block(q * (x * _x_scale(j)))
-            out += (qx * UNSCALE - zj * _sum_block(x)) * sj
+            qx = tl.sum(q * (x * _x_scale(j)), axis=3)
+            out += (qx * UNSCALE - zj * tl.sum(x, axis=3)) * sj
         else:
             acc += q * (x * _x_scale(j))
             x_sum += x
     if not PER_NIBBLE:
-        out = (_sum_block(acc) * UNSCALE - z * _sum_block(x_sum)) * s
+        out = tl.sum(acc, axis=3) * su - sz * tl.sum(x_sum, axis=3)
     return out
 
 
 @triton.jit
 def _store_row(acc, acc_up, bias_ptr, out_ptr, offs_n, cols, N, M, ROW: tl.constexpr,
                HAS_BIAS: tl.constexpr, GATED: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
-    y = tl.sum(acc, axis=1)
+    y = tl.sum(tl.sum(acc, axis=2), axis=1)
     if HAS_BIAS:
         y += tl.load(bias_ptr + offs_n).to(tl.float32)
     dtype = out_ptr.dtype.element_ty
     if GATED:
-        up = tl.sum(acc_up, axis=1)
+        up = tl.sum(tl.sum(acc_up, axis=2), axis=1)
         if HAS_BIAS:
             up += tl.load(bias_ptr + N + offs_n).to(tl.float32)
         gate = round_to(y, dtype, INTERPRET)
         up = round_to(up, dtype, INTERPRET)
         y = round_to(tl.math.div_rn(gate, 1.0 + exp_f32(-gate, INTERPRET)), dtype, INTERPRET) * up
     tl.store(out_ptr + cols, cast_to(y, dtype, INTERPRET), mask=(cols < N) & (cols * 0 + ROW < M))
+
+
+@triton.jit
+def _rows_sum(words, x0, x1, x2, x3, x_mask, su, sz, s_ptrs, z_ptrs, g_mask, a0, a1, a2, a3,
+              BLOCK_M: tl.constexpr, BW: tl.constexpr, GROUP_SIZE: tl.constexpr,
+              PER_NIBBLE: tl.constexpr):  # fmt: skip
+    """One tile of one weight stream against every row of x: the rows' accumulators, updated."""
+    hi = words >> 12
+    a0 += _tile_sum(words, hi, x0, x_mask, su, sz, s_ptrs, z_ptrs, g_mask, BW, GROUP_SIZE, PER_NIBBLE)
+    if BLOCK_M > 1:
+        a1 += _tile_sum(words, hi, x1, x_mask, su, sz, s_ptrs, z_ptrs, g_mask, BW, GROUP_SIZE, PER_NIBBLE)
+    if BLOCK_M > 2:
+        a2 += _tile_sum(words, hi, x2, x_mask, su, sz, s_ptrs, z_ptrs, g_mask, BW, GROUP_SIZE, PER_NIBBLE)
+        a3 += _tile_sum(words, hi, x3, x_mask, su, sz, s_ptrs, z_ptrs, g_mask, BW, GROUP_SIZE, PER_NIBBLE)
+    return a0, a1, a2, a3
+
+
+@triton.jit
+def _group_factors(s, z, PER_NIBBLE: tl.constexpr):
+    """A tile's scales and zeros -> (scale * UNSCALE, scale * zero)."""
+    if PER_NIBBLE:  # unused: _tile_sum loads each nibble's group
+        su = s
+        sz = z
+    else:
+        su = s * UNSCALE
+        sz = s * z
+    return su, sz
 
 
 @triton.jit(do_not_specialize=["M", "num_groups"])
@@ -169,7 +197,6 @@ def _w4a16_gemv_kernel(
     HAS_BIAS: tl.constexpr,
     GATED: tl.constexpr,
     USE_PDL: tl.constexpr,
-    PRELOAD: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):  # fmt: skip
     # GATED: N is the output width d; the weight has 2d rows (gate, then up), out gets silu(gate) * up.
@@ -198,80 +225,75 @@ def _w4a16_gemv_kernel(
     x1 = x_ptrs + tl.minimum(1, M - 1) * stride_xm
     x2 = x_ptrs + tl.minimum(2, M - 1) * stride_xm
     x3 = x_ptrs + tl.minimum(3, M - 1) * stride_xm
-    g_ptrs = offs_n[:, None] * num_groups + blk_k[None, :] // GROUP_SIZE
+    # Scales and zeros as [BLOCK_N, blocks, BW / V] (each thread's block's, repeated across its words'
+    # dimension): the shape of the per-thread partial sums, so Triton gives them its layout and the
+    # group factors apply without a layout conversion.
+    g_ptrs = (offs_n[:, None] * num_groups + blk_k[None, :] // GROUP_SIZE)[:, :, None] + tl.zeros(
+        (1, 1, BW // V), dtype=tl.int32
+    )
     up_words = N.to(tl.int64) * stride_wn  # GATED: the up half's rows follow the gate half's
     up_groups = N * num_groups
-    acc0 = tl.zeros((BLOCK_N, NBT), dtype=tl.float32)
-    acc1 = tl.zeros((BLOCK_N, NBT), dtype=tl.float32)
-    acc2 = tl.zeros((BLOCK_N, NBT), dtype=tl.float32)
-    acc3 = tl.zeros((BLOCK_N, NBT), dtype=tl.float32)
-    up0 = tl.zeros((BLOCK_N, NBT), dtype=tl.float32)
-    up1 = tl.zeros((BLOCK_N, NBT), dtype=tl.float32)
-    up2 = tl.zeros((BLOCK_N, NBT), dtype=tl.float32)
-    up3 = tl.zeros((BLOCK_N, NBT), dtype=tl.float32)
+    shape: tl.constexpr = (BLOCK_N, NBT, BW // V)
+    acc0 = tl.zeros(shape, dtype=tl.float32)
+    acc1 = tl.zeros(shape, dtype=tl.float32)
+    acc2 = tl.zeros(shape, dtype=tl.float32)
+    acc3 = tl.zeros(shape, dtype=tl.float32)
+    up0 = tl.zeros(shape, dtype=tl.float32)
+    up1 = tl.zeros(shape, dtype=tl.float32)
+    up2 = tl.zeros(shape, dtype=tl.float32)
+    up3 = tl.zeros(shape, dtype=tl.float32)
     # Masks of a K tile: None for whole tiles; K is a multiple of the block, so the blocks of a
     # partial tile are whole or absent.
     w_mask = None
     g_mask = None
-    if PRELOAD:  # one K tile under PDL: its weights load while the previous kernel finishes
-        if not EVEN_K:
-            w_mask = (blk_k < K)[None, :, None, None]
-            g_mask = (blk_k < K)[None, :]
-        words_p, s_p, z_p = _weights(qw_ptrs, s_ptr + g_ptrs, z_ptr + g_ptrs, w_mask, g_mask, PER_NIBBLE)
-        if GATED:
-            wu_p, su_p, zu_p = _weights(qw_ptrs + up_words, s_ptr + g_ptrs + up_groups, z_ptr + g_ptrs + up_groups,
-                                        w_mask, g_mask, PER_NIBBLE)  # fmt: skip
+    if not EVEN_K:
+        w_mask = (blk_k < K)[None, :, None, None]
+        g_mask = (blk_k < K)[None, :, None]
+    # Software pipelining by hand: tile t + 1's weights, scales and zeros are loaded before tile t is
+    # decoded, so every program has two tiles in flight. The first tile's loads come before the PDL
+    # wait (weights are constant: they overlap the previous kernel's tail).
+    words, s, z = _weights(qw_ptrs, s_ptr + g_ptrs, z_ptr + g_ptrs, w_mask, g_mask, PER_NIBBLE)
+    if GATED:
+        wu, su_, zu = _weights(qw_ptrs + up_words, s_ptr + g_ptrs + up_groups, z_ptr + g_ptrs + up_groups,
+                               w_mask, g_mask, PER_NIBBLE)  # fmt: skip
+    else:
+        wu, su_, zu = words, s, z
     wait_for_previous_kernel(USE_PDL)  # nothing above reads an activation or writes
-    # PRELOAD: K <= BLOCK_K, and a constant trip count of one keeps the loop from hoisting the decode
-    k_end = BLOCK_K if PRELOAD else K
-    for k0 in range(0, k_end, BLOCK_K):
+    for k0 in range(0, K, BLOCK_K):
+        # The next tile (past K: masked off, nothing read).
+        k1 = k0 + BLOCK_K
+        if EVEN_K:
+            nw_mask = (blk_k * 0 + k1 < K)[None, :, None, None]
+            ng_mask = (blk_k * 0 + k1 < K)[None, :, None]
+        else:
+            nw_mask = ((k1 + blk_k) < K)[None, :, None, None]
+            ng_mask = ((k1 + blk_k) < K)[None, :, None]
+        next_ptrs = qw_ptrs + BLOCK_K // 8
+        ns_ptrs = s_ptr + g_ptrs + k1 // GROUP_SIZE
+        nz_ptrs = z_ptr + g_ptrs + k1 // GROUP_SIZE
+        words_n, s_n, z_n = _weights(next_ptrs, ns_ptrs, nz_ptrs, nw_mask, ng_mask, PER_NIBBLE)
+        if GATED:
+            wu_n, su_n, zu_n = _weights(next_ptrs + up_words, ns_ptrs + up_groups, nz_ptrs + up_groups,
+                                        nw_mask, ng_mask, PER_NIBBLE)  # fmt: skip
         if not EVEN_K:
             w_mask = ((k0 + blk_k) < K)[None, :, None, None]
-            g_mask = ((k0 + blk_k) < K)[None, :]
+            g_mask = ((k0 + blk_k) < K)[None, :, None]
         s_ptrs = s_ptr + g_ptrs + k0 // GROUP_SIZE
         z_ptrs = z_ptr + g_ptrs + k0 // GROUP_SIZE
-        if PRELOAD:
-            words, s, z = words_p, s_p, z_p
-        else:
-            words, s, z = _weights(qw_ptrs, s_ptrs, z_ptrs, w_mask, g_mask, PER_NIBBLE)
-        hi = words >> 12
-        acc0 += _tile_sum(
-            words, hi, x_ptrs + k0, w_mask, s, z, s_ptrs, z_ptrs, g_mask, BW, GROUP_SIZE, PER_NIBBLE
-        )
-        if BLOCK_M > 1:
-            acc1 += _tile_sum(
-                words, hi, x1 + k0, w_mask, s, z, s_ptrs, z_ptrs, g_mask, BW, GROUP_SIZE, PER_NIBBLE
-            )
-        if BLOCK_M > 2:
-            acc2 += _tile_sum(
-                words, hi, x2 + k0, w_mask, s, z, s_ptrs, z_ptrs, g_mask, BW, GROUP_SIZE, PER_NIBBLE
-            )
-            acc3 += _tile_sum(
-                words, hi, x3 + k0, w_mask, s, z, s_ptrs, z_ptrs, g_mask, BW, GROUP_SIZE, PER_NIBBLE
-            )
+        f_s, f_z = _group_factors(s, z, PER_NIBBLE)
+        acc0, acc1, acc2, acc3 = _rows_sum(
+            words, x_ptrs + k0, x1 + k0, x2 + k0, x3 + k0, w_mask, f_s, f_z, s_ptrs, z_ptrs, g_mask,
+            acc0, acc1, acc2, acc3, BLOCK_M, BW, GROUP_SIZE, PER_NIBBLE,
+        )  # fmt: skip
         if GATED:
-            su_ptrs = s_ptrs + up_groups
-            zu_ptrs = z_ptrs + up_groups
-            if PRELOAD:
-                wu, su, zu = wu_p, su_p, zu_p
-            else:
-                wu, su, zu = _weights(qw_ptrs + up_words, su_ptrs, zu_ptrs, w_mask, g_mask, PER_NIBBLE)
-            hu = wu >> 12
-            up0 += _tile_sum(
-                wu, hu, x_ptrs + k0, w_mask, su, zu, su_ptrs, zu_ptrs, g_mask, BW, GROUP_SIZE, PER_NIBBLE
-            )
-            if BLOCK_M > 1:
-                up1 += _tile_sum(
-                    wu, hu, x1 + k0, w_mask, su, zu, su_ptrs, zu_ptrs, g_mask, BW, GROUP_SIZE, PER_NIBBLE
-                )
-            if BLOCK_M > 2:
-                up2 += _tile_sum(
-                    wu, hu, x2 + k0, w_mask, su, zu, su_ptrs, zu_ptrs, g_mask, BW, GROUP_SIZE, PER_NIBBLE
-                )
-                up3 += _tile_sum(
-                    wu, hu, x3 + k0, w_mask, su, zu, su_ptrs, zu_ptrs, g_mask, BW, GROUP_SIZE, PER_NIBBLE
-                )
-        qw_ptrs += BLOCK_K // 8
+            fu_s, fu_z = _group_factors(su_, zu, PER_NIBBLE)
+            up0, up1, up2, up3 = _rows_sum(
+                wu, x_ptrs + k0, x1 + k0, x2 + k0, x3 + k0, w_mask, fu_s, fu_z, s_ptrs + up_groups,
+                z_ptrs + up_groups, g_mask, up0, up1, up2, up3, BLOCK_M, BW, GROUP_SIZE, PER_NIBBLE,
+            )  # fmt: skip
+            wu, su_, zu = wu_n, su_n, zu_n
+        words, s, z = words_n, s_n, z_n
+        qw_ptrs = next_ptrs
     _store_row(acc0, up0, bias_ptr, out_ptr, offs_n, cols, N, M, 0, HAS_BIAS, GATED, INTERPRET)
     if BLOCK_M > 1:
         _store_row(acc1, up1, bias_ptr, out_ptr + stride_om, offs_n, cols, N, M, 1, HAS_BIAS, GATED,
@@ -294,15 +316,15 @@ class W4A16GemvConfig:
 
 
 def default_config(m: int, n: int, k: int, gated: bool = False) -> W4A16GemvConfig:
-    """The H200 sweep's choice (benchmarks/h200/quant_bench.py --sweep, Llama-3-8B qkv / o / gate_up,
-    docs/benchmarks.md): one-warp programs over K tiles of 1024 values, two columns at 1-2 rows (one
-    for gate_up with the SiLU epilogue: a gate and an up row), four at 4 rows (two gated). Larger K
-    tiles and more warps per program measured 1.3-2x slower."""
+    """One-warp programs over K tiles of 1024 values (two in flight: the prefetch), eight columns at one
+    row (four gated: a gate and an up stream each), fewer at more rows (the rows' activations and sums
+    take the registers). A first choice from the offline sm_90 compile (168 registers, no spills at 8
+    columns); benchmarks/h200/w4a16_gemv_m1.py sweeps the rest."""
     block_k = PACK * block_words(k)
     while block_k < 1024 and k % (2 * block_k) == 0:
         block_k *= 2
-    block_n = 4 if m > 2 else 2
-    return W4A16GemvConfig(block_n=block_n // 2 if gated else block_n, block_k=block_k, num_warps=1)
+    block_n = 8 if m == 1 else 4 if m == 2 else 2
+    return W4A16GemvConfig(block_n=max(1, block_n // 2) if gated else block_n, block_k=block_k, num_warps=1)
 
 
 def block_m_for(m: int) -> int:
@@ -397,7 +419,6 @@ def _launch(
         EVEN_N=n % bn == 0,
         EVEN_K=k % bk == 0,
         USE_PDL=use_pdl,
-        PRELOAD=use_pdl and k <= bk and m == 1,  # more rows: the early loads spill registers
         HAS_BIAS=bias is not None,
         GATED=gated,
         INTERPRET=interpreting(),
