@@ -3,7 +3,7 @@
     PYTHONPATH=. python3 benchmarks/h200/w4a16_gemv_m1.py --out DIR [--budget-s 60]
 
 For qkv (6144 x 4096), o (4096 x 4096), gate_up (28672 x 4096; also fused with SiLU) and down
-(4096 x 14336), M = 1, group 128: each (block_n, block_k, warps) candidate is first checked against
+(4096 x 14336), M = 1, group 128: each (block_n, block_k, warps, stages) candidate is first checked against
 x @ dequantize(W)^T in float32 on one weight copy (a failing config is recorded, not timed), then
 timed as quant_bench.graph_us does (a CUDA graph of 20 calls over cold weight copies, median per call).
 The candidates compile first in a process pool. Writes DIR/w4a16_gemv_m1.jsonl (one line per config
@@ -26,17 +26,29 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 GROUP = 128
-CANDIDATES = [
-    (bn, bk, w)
-    for bn in (2, 4, 8, 16)
-    for bk in (1024, 2048, 4096)
-    for w in (1, 2, 4)
-    if 4 <= bn * bk // (256 * w) <= 32 and bk >= 1024 * w
+# (block_n, block_k, warps, stages): 1024 K values per warp (fewer put threads across columns, and the
+# activations in another register layout than the weights: shuffles every tile, by the sm_90 SASS),
+# 2 to 16 columns, 1 to 4 pipeline stages (Triton's cp.async pipeliner).
+CANDIDATES = [(8, 1024, 1, s) for s in (1, 2, 3, 4)] + [(16, 1024, 1, s) for s in (2, 3)]
+CANDIDATES += [(4, 1024, 1, s) for s in (2, 3, 4)] + [(8, 2048, 2, s) for s in (2, 3, 4)]
+CANDIDATES += [
+    (4, 2048, 2, 3),
+    (16, 2048, 2, 3),
+    (8, 4096, 4, 3),
+    (4, 4096, 4, 3),
+    (2, 1024, 1, 3),
+    (2, 2048, 2, 3),
 ]
-GATED = [(bn, bk, w) for bn, bk, w in CANDIDATES if bn <= 8]
+GATED = [(4, 1024, 1, s) for s in (2, 3, 4)] + [
+    (8, 1024, 1, 3),
+    (2, 1024, 1, 3),
+    (4, 2048, 2, 3),
+    (2, 2048, 2, 3),
+]
+GATED += [(8, 2048, 2, 3)]
 
 
-def _compile(job: tuple[tuple[int, int, int], int, bool]) -> str:
+def _compile(job: tuple[tuple[int, int, int, int], int, bool]) -> str:
     """Compile one config for one K / gating in a worker (a CPU-side launch on a tiny weight)."""
     import torch
 
@@ -143,7 +155,7 @@ def main() -> int:
             gated = kind == "gemv+silu"
             conf = W4A16GemvConfig(*cfg) if cfg else default_config(1, n, k, gated)
             fn = w4a16_gemv_silu_and_mul if gated else w4a16_gemv
-            rec = base | {"impl": f"w4a16 {kind}", "config": [conf.block_n, conf.block_k, conf.num_warps],
+            rec = base | {"impl": f"w4a16 {kind}", "config": [conf.block_n, conf.block_k, conf.num_warps, conf.num_stages],
                           "default": cfg is None}  # fmt: skip
             try:
                 got = fn(x, *w4[0], GROUP, config=conf).float()

@@ -3,8 +3,8 @@
 Reference: `dequantize` (int4_layout.py) and a float32 matmul. At these row counts the layer is a read
 of its packed weight, and with 4-bit values the CUDA cores' instruction issue, not the FMAs, is what
 keeps a kernel off HBM bandwidth: a bfloat16 stream delivers one weight per 2 bytes, this one per half
-byte, so each value gets a quarter of the instructions. The kernel spends about three on it (SASS
-for sm_90, 8 columns per program; 4.7 at 2 columns):
+byte, so each value gets a quarter of the instructions. The kernel spends about 3.4 SASS instructions
+on a value at one row (sm_90, 8 columns per program; 3.0 at 16), 1.1 of them outside the decode and FMA:
 
 - a program owns BLOCK_N output columns and the whole of K (as kvllm/layers/ops/gemv.py's bf16 GEMV:
   small programs, enough of them for any width, no split-K reduce);
@@ -12,15 +12,21 @@ for sm_90, 8 columns per program; 4.7 at 2 columns):
   word in place: `w & (0xF << 4p)` viewed as a float32 is the subnormal q * 2^(4p - 149), one logic
   op per value, and the FMA with x * 2^(100 - 4p) (scaled once per activation, shared by the
   columns) adds q * x * 2^-49 (p = j, or j - 3 in the word shifted by 12 for j >= 5);
-- the zero point leaves the sum: sum (q - z) x = sum q x - z sum x, and the group scale multiplies a
-  block's sum, not each value (a block lies in one group when the group size is a multiple of its
-  8 * B values; otherwise each nibble's group is scaled apart);
+- the zero point leaves the sum: sum (q - z) x = sum q x - z sum x, and the group scale multiplies
+  each thread's part of a block's sum, in registers (a block lies in one group when the group size
+  is a multiple of its 8 * B values; otherwise each nibble's group is scaled apart); the sum across
+  threads runs once, after the loop;
 - in the kvllm layout (int4_layout.py) nibble j of a block's B words meets B consecutive activations:
   x is a vector load in the same register layout as the words (the [.., 4] last dimension makes
-  Triton pick it for both), so nothing is converted between layouts in the loop.
+  Triton pick it for both), and the scales and zeros are loaded in the shape of the per-thread sums
+  ([BLOCK_N, blocks, B / 4]), so nothing is converted between layouts in the loop;
+- the K loop is software-pipelined by Triton (`num_stages`: tiles copied into shared memory with
+  cp.async, stages - 1 in flight while one is decoded), which keeps enough of the weight in flight per
+  SM: carried in registers instead, ptxas issued the next tile's loads only after most of the
+  current tile's arithmetic.
 
-Under programmatic dependent launch (kvllm/utils/pdl.py) a one-row call whose K fits one tile loads
-its weights, scales and zeros before waiting for the previous kernel; otherwise it waits first.
+Under programmatic dependent launch (kvllm/utils/pdl.py) the kernel waits for the previous one before
+its first load (the pipeline's first tiles load x too).
 
 Accumulation is in float32 throughout; the dequantized weight is never rounded to 16 bits, so results
 are the float32 product of x with the exact dequantized weight, rounded once.
@@ -97,12 +103,6 @@ def _weights(qw_ptrs, s_ptrs, z_ptrs, w_mask, g_mask, PER_NIBBLE: tl.constexpr):
         s = _load(s_ptrs, g_mask).to(tl.float32)
         z = _load(z_ptrs, g_mask).to(tl.float32)
     return words, s, z
-
-
-@triton.jit
-def _sum_block(t):
-    """[*, blocks, BW / V, V] -> [*, blocks]: the sum over each block's words."""
-    return tl.sum(tl.sum(t, axis=3), axis=2)
 
 
 @triton.jit
@@ -197,6 +197,7 @@ def _w4a16_gemv_kernel(
     HAS_BIAS: tl.constexpr,
     GATED: tl.constexpr,
     USE_PDL: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):  # fmt: skip
     # GATED: N is the output width d; the weight has 2d rows (gate, then up), out gets silu(gate) * up.
@@ -246,54 +247,32 @@ def _w4a16_gemv_kernel(
     # partial tile are whole or absent.
     w_mask = None
     g_mask = None
-    if not EVEN_K:
-        w_mask = (blk_k < K)[None, :, None, None]
-        g_mask = (blk_k < K)[None, :, None]
-    # Software pipelining by hand: tile t + 1's weights, scales and zeros are loaded before tile t is
-    # decoded, so every program has two tiles in flight. The first tile's loads come before the PDL
-    # wait (weights are constant: they overlap the previous kernel's tail).
-    words, s, z = _weights(qw_ptrs, s_ptr + g_ptrs, z_ptr + g_ptrs, w_mask, g_mask, PER_NIBBLE)
-    if GATED:
-        wu, su_, zu = _weights(qw_ptrs + up_words, s_ptr + g_ptrs + up_groups, z_ptr + g_ptrs + up_groups,
-                               w_mask, g_mask, PER_NIBBLE)  # fmt: skip
-    else:
-        wu, su_, zu = words, s, z
     wait_for_previous_kernel(USE_PDL)  # nothing above reads an activation or writes
-    for k0 in range(0, K, BLOCK_K):
-        # The next tile (past K: masked off, nothing read).
-        k1 = k0 + BLOCK_K
-        if EVEN_K:
-            nw_mask = (blk_k * 0 + k1 < K)[None, :, None, None]
-            ng_mask = (blk_k * 0 + k1 < K)[None, :, None]
-        else:
-            nw_mask = ((k1 + blk_k) < K)[None, :, None, None]
-            ng_mask = ((k1 + blk_k) < K)[None, :, None]
-        next_ptrs = qw_ptrs + BLOCK_K // 8
-        ns_ptrs = s_ptr + g_ptrs + k1 // GROUP_SIZE
-        nz_ptrs = z_ptr + g_ptrs + k1 // GROUP_SIZE
-        words_n, s_n, z_n = _weights(next_ptrs, ns_ptrs, nz_ptrs, nw_mask, ng_mask, PER_NIBBLE)
-        if GATED:
-            wu_n, su_n, zu_n = _weights(next_ptrs + up_words, ns_ptrs + up_groups, nz_ptrs + up_groups,
-                                        nw_mask, ng_mask, PER_NIBBLE)  # fmt: skip
+    # Triton's software pipeliner keeps NUM_STAGES - 1 tiles in flight (cp.async into shared memory)
+    # while one is decoded. Loaded into registers instead (a prefetch carried by the loop), ptxas
+    # sinks the next tile's loads below most of the current tile's arithmetic to save registers, so
+    # nothing stays in flight (sm_90 SASS).
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         if not EVEN_K:
             w_mask = ((k0 + blk_k) < K)[None, :, None, None]
             g_mask = ((k0 + blk_k) < K)[None, :, None]
         s_ptrs = s_ptr + g_ptrs + k0 // GROUP_SIZE
         z_ptrs = z_ptr + g_ptrs + k0 // GROUP_SIZE
+        words, s, z = _weights(qw_ptrs, s_ptrs, z_ptrs, w_mask, g_mask, PER_NIBBLE)
         f_s, f_z = _group_factors(s, z, PER_NIBBLE)
         acc0, acc1, acc2, acc3 = _rows_sum(
             words, x_ptrs + k0, x1 + k0, x2 + k0, x3 + k0, w_mask, f_s, f_z, s_ptrs, z_ptrs, g_mask,
             acc0, acc1, acc2, acc3, BLOCK_M, BW, GROUP_SIZE, PER_NIBBLE,
         )  # fmt: skip
         if GATED:
-            fu_s, fu_z = _group_factors(su_, zu, PER_NIBBLE)
+            wu, su, zu = _weights(qw_ptrs + up_words, s_ptrs + up_groups, z_ptrs + up_groups, w_mask, g_mask,
+                                  PER_NIBBLE)  # fmt: skip
+            fu_s, fu_z = _group_factors(su, zu, PER_NIBBLE)
             up0, up1, up2, up3 = _rows_sum(
                 wu, x_ptrs + k0, x1 + k0, x2 + k0, x3 + k0, w_mask, fu_s, fu_z, s_ptrs + up_groups,
                 z_ptrs + up_groups, g_mask, up0, up1, up2, up3, BLOCK_M, BW, GROUP_SIZE, PER_NIBBLE,
             )  # fmt: skip
-            wu, su_, zu = wu_n, su_n, zu_n
-        words, s, z = words_n, s_n, z_n
-        qw_ptrs = next_ptrs
+        qw_ptrs += BLOCK_K // 8
     _store_row(acc0, up0, bias_ptr, out_ptr, offs_n, cols, N, M, 0, HAS_BIAS, GATED, INTERPRET)
     if BLOCK_M > 1:
         _store_row(acc1, up1, bias_ptr, out_ptr + stride_om, offs_n, cols, N, M, 1, HAS_BIAS, GATED,
@@ -307,7 +286,8 @@ def _w4a16_gemv_kernel(
 
 @dataclass(frozen=True)
 class W4A16GemvConfig:
-    """Columns per program, K values per loop iteration (a power of two, at least one block), warps."""
+    """Columns per program, K values per loop iteration (a power of two, at least one block), warps, and
+    pipeline stages (tiles in flight: stages - 1)."""
 
     block_n: int
     block_k: int
@@ -316,15 +296,17 @@ class W4A16GemvConfig:
 
 
 def default_config(m: int, n: int, k: int, gated: bool = False) -> W4A16GemvConfig:
-    """One-warp programs over K tiles of 1024 values (two in flight: the prefetch), eight columns at one
-    row (four gated: a gate and an up stream each), fewer at more rows (the rows' activations and sums
-    take the registers). A first choice from the offline sm_90 compile (168 registers, no spills at 8
-    columns); benchmarks/h200/w4a16_gemv_m1.py sweeps the rest."""
+    """One-warp programs over K tiles of 1024 values with three pipeline stages (two tiles in flight
+    while one is decoded), eight columns at one row (four gated: a gate and an up stream each), fewer
+    at more rows (the rows' activations and sums take the registers). First choices from the offline
+    sm_90 compile (about 3.4 SASS instructions per weight value, 156 registers, no spills);
+    benchmarks/h200/w4a16_gemv_m1.py sweeps the rest on the H200."""
     block_k = PACK * block_words(k)
     while block_k < 1024 and k % (2 * block_k) == 0:
         block_k *= 2
     block_n = 8 if m == 1 else 4 if m == 2 else 2
-    return W4A16GemvConfig(block_n=max(1, block_n // 2) if gated else block_n, block_k=block_k, num_warps=1)
+    block_n = max(1, block_n // 2) if gated else block_n
+    return W4A16GemvConfig(block_n=block_n, block_k=block_k, num_warps=1, num_stages=3)
 
 
 def block_m_for(m: int) -> int:
@@ -423,6 +405,7 @@ def _launch(
         GATED=gated,
         INTERPRET=interpreting(),
         num_warps=config.num_warps,
+        NUM_STAGES=config.num_stages,
         num_stages=config.num_stages,
         **pdl_launch_options(use_pdl),
     )  # fmt: skip
