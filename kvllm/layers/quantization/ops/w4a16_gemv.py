@@ -57,6 +57,7 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # any |x| > 2^-77 (smaller ones contribute below 2^-126), and x * 2^100 stays finite for |x| < 2^27.
 # FMAs take subnormal inputs at full rate; Triton compiles them without flush-to-zero.
 UNSCALE: tl.constexpr = tl.constexpr(2.0**49)
+RESCALE: tl.constexpr = tl.constexpr(2.0**-49)
 
 
 @triton.jit
@@ -106,15 +107,29 @@ def _weights(qw_ptrs, s_ptrs, z_ptrs, w_mask, g_mask, PER_NIBBLE: tl.constexpr):
 
 
 @triton.jit
-def _tile_sum(words, hi, x_ptrs, x_mask, su, sz, s_ptrs, z_ptrs, g_mask,
+def _prefetch_rows_l2(ptrs, nbytes):
+    """Ask the L2 for `nbytes` bytes at each of `ptrs` (sm_90's bulk prefetch: fire and forget, no
+    register holds the data, nothing waits for it). `nbytes` and the addresses are multiples of 16."""
+    return tl.inline_asm_elementwise(
+        "cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;",
+        "=r,l,r",
+        [ptrs, nbytes],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@triton.jit
+def _tile_sum(words, hi, x_ptrs, x_mask, s, z, s_ptrs, z_ptrs, g_mask,
               BW: tl.constexpr, GROUP_SIZE: tl.constexpr, PER_NIBBLE: tl.constexpr):  # fmt: skip
-    """sum over the tile's values of (q - zero) * scale * x, for one row of x: [BLOCK_N, blocks, BW / V],
-    each thread's part (summed over its V words, not across threads: that is done once, at the end).
+    """sum over the tile's values of (q - zero) * scale * x * 2^-49, for one row of x: [BLOCK_N, blocks,
+    BW / V], each thread's part (summed over its V words, not across threads: that and the factor 2^49
+    come once, at the end).
 
     x_ptrs [1, blocks, BW / V, V] point at nibble 0's activations of each block; nibble j's are j * BW
     further. The zero is taken out of the sum: sum (q - z) x = sum q x - z sum x. Without PER_NIBBLE a
-    block lies in one group: `su` [BLOCK_N, blocks, 1] is its scale times UNSCALE, `sz` its scale
-    times its zero. With it (groups smaller than a block) nibble j of a block is in the group
+    block lies in one group: `s` and `z` [BLOCK_N, blocks, BW / V] are its scale and zero. With it (groups smaller than a block) nibble j of a block is in the group
     `(j * BW) // GROUP_SIZE` after the block's first, loaded here from s_ptrs / z_ptrs."""
     acc = tl.zeros(words.shape, dtype=tl.float32)
     x_sum = tl.zeros(x_ptrs.shape, dtype=tl.float32)
@@ -129,24 +144,24 @@ def _tile_sum(words, hi, x_ptrs, x_mask, su, sz, s_ptrs, z_ptrs, g_mask,
             zj = _load(z_ptrs + (j * BW) // GROUP_SIZE, g_mask).to(tl.float32)
             sj = _load(s_ptrs + (j * BW) // GROUP_SIZE, g_mask).to(tl.float32)
             qx = tl.sum(q * (x * _x_scale(j)), axis=3)
-            out += (qx * UNSCALE - zj * tl.sum(x, axis=3)) * sj
+            out += (qx - zj * (tl.sum(x, axis=3) * RESCALE)) * sj
         else:
             acc += q * (x * _x_scale(j))
             x_sum += x
     if not PER_NIBBLE:
-        out = tl.sum(acc, axis=3) * su - sz * tl.sum(x_sum, axis=3)
+        out = (tl.sum(acc, axis=3) - z * (tl.sum(x_sum, axis=3) * RESCALE)) * s
     return out
 
 
 @triton.jit
 def _store_row(acc, acc_up, bias_ptr, out_ptr, offs_n, cols, N, M, ROW: tl.constexpr,
                HAS_BIAS: tl.constexpr, GATED: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
-    y = tl.sum(tl.sum(acc, axis=2), axis=1)
+    y = tl.sum(tl.sum(acc, axis=2), axis=1) * UNSCALE
     if HAS_BIAS:
         y += tl.load(bias_ptr + offs_n).to(tl.float32)
     dtype = out_ptr.dtype.element_ty
     if GATED:
-        up = tl.sum(tl.sum(acc_up, axis=2), axis=1)
+        up = tl.sum(tl.sum(acc_up, axis=2), axis=1) * UNSCALE
         if HAS_BIAS:
             up += tl.load(bias_ptr + N + offs_n).to(tl.float32)
         gate = round_to(y, dtype, INTERPRET)
@@ -156,30 +171,18 @@ def _store_row(acc, acc_up, bias_ptr, out_ptr, offs_n, cols, N, M, ROW: tl.const
 
 
 @triton.jit
-def _rows_sum(words, x0, x1, x2, x3, x_mask, su, sz, s_ptrs, z_ptrs, g_mask, a0, a1, a2, a3,
+def _rows_sum(words, x0, x1, x2, x3, x_mask, s, z, s_ptrs, z_ptrs, g_mask, a0, a1, a2, a3,
               BLOCK_M: tl.constexpr, BW: tl.constexpr, GROUP_SIZE: tl.constexpr,
               PER_NIBBLE: tl.constexpr):  # fmt: skip
     """One tile of one weight stream against every row of x: the rows' accumulators, updated."""
     hi = words >> 12
-    a0 += _tile_sum(words, hi, x0, x_mask, su, sz, s_ptrs, z_ptrs, g_mask, BW, GROUP_SIZE, PER_NIBBLE)
+    a0 += _tile_sum(words, hi, x0, x_mask, s, z, s_ptrs, z_ptrs, g_mask, BW, GROUP_SIZE, PER_NIBBLE)
     if BLOCK_M > 1:
-        a1 += _tile_sum(words, hi, x1, x_mask, su, sz, s_ptrs, z_ptrs, g_mask, BW, GROUP_SIZE, PER_NIBBLE)
+        a1 += _tile_sum(words, hi, x1, x_mask, s, z, s_ptrs, z_ptrs, g_mask, BW, GROUP_SIZE, PER_NIBBLE)
     if BLOCK_M > 2:
-        a2 += _tile_sum(words, hi, x2, x_mask, su, sz, s_ptrs, z_ptrs, g_mask, BW, GROUP_SIZE, PER_NIBBLE)
-        a3 += _tile_sum(words, hi, x3, x_mask, su, sz, s_ptrs, z_ptrs, g_mask, BW, GROUP_SIZE, PER_NIBBLE)
+        a2 += _tile_sum(words, hi, x2, x_mask, s, z, s_ptrs, z_ptrs, g_mask, BW, GROUP_SIZE, PER_NIBBLE)
+        a3 += _tile_sum(words, hi, x3, x_mask, s, z, s_ptrs, z_ptrs, g_mask, BW, GROUP_SIZE, PER_NIBBLE)
     return a0, a1, a2, a3
-
-
-@triton.jit
-def _group_factors(s, z, PER_NIBBLE: tl.constexpr):
-    """A tile's scales and zeros -> (scale * UNSCALE, scale * zero)."""
-    if PER_NIBBLE:  # unused: _tile_sum loads each nibble's group
-        su = s
-        sz = z
-    else:
-        su = s * UNSCALE
-        sz = s * z
-    return su, sz
 
 
 @triton.jit(do_not_specialize=["M", "num_groups"])
@@ -197,6 +200,7 @@ def _w4a16_gemv_kernel(
     HAS_BIAS: tl.constexpr,
     GATED: tl.constexpr,
     USE_PDL: tl.constexpr,
+    PREFETCH: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):  # fmt: skip
@@ -247,6 +251,14 @@ def _w4a16_gemv_kernel(
     # partial tile are whole or absent.
     w_mask = None
     g_mask = None
+    if PREFETCH:
+        # Each column's whole packed row into the L2 at once (one instruction per column), before the
+        # PDL wait (weights are constant): the loop's copies then find it there, however few programs
+        # an SM holds, and with PDL the fetch overlaps the previous kernel.
+        rows = qw_ptr + offs_n.to(tl.int64) * stride_wn
+        _prefetch_rows_l2(rows, (offs_n * 0 + K // 2).to(tl.int32))
+        if GATED:
+            _prefetch_rows_l2(rows + up_words, (offs_n * 0 + K // 2).to(tl.int32))
     wait_for_previous_kernel(USE_PDL)  # nothing above reads an activation or writes
     # Triton's software pipeliner keeps NUM_STAGES - 1 tiles in flight (cp.async into shared memory)
     # while one is decoded. Loaded into registers instead (a prefetch carried by the loop), ptxas
@@ -259,17 +271,15 @@ def _w4a16_gemv_kernel(
         s_ptrs = s_ptr + g_ptrs + k0 // GROUP_SIZE
         z_ptrs = z_ptr + g_ptrs + k0 // GROUP_SIZE
         words, s, z = _weights(qw_ptrs, s_ptrs, z_ptrs, w_mask, g_mask, PER_NIBBLE)
-        f_s, f_z = _group_factors(s, z, PER_NIBBLE)
         acc0, acc1, acc2, acc3 = _rows_sum(
-            words, x_ptrs + k0, x1 + k0, x2 + k0, x3 + k0, w_mask, f_s, f_z, s_ptrs, z_ptrs, g_mask,
+            words, x_ptrs + k0, x1 + k0, x2 + k0, x3 + k0, w_mask, s, z, s_ptrs, z_ptrs, g_mask,
             acc0, acc1, acc2, acc3, BLOCK_M, BW, GROUP_SIZE, PER_NIBBLE,
         )  # fmt: skip
         if GATED:
             wu, su, zu = _weights(qw_ptrs + up_words, s_ptrs + up_groups, z_ptrs + up_groups, w_mask, g_mask,
                                   PER_NIBBLE)  # fmt: skip
-            fu_s, fu_z = _group_factors(su, zu, PER_NIBBLE)
             up0, up1, up2, up3 = _rows_sum(
-                wu, x_ptrs + k0, x1 + k0, x2 + k0, x3 + k0, w_mask, fu_s, fu_z, s_ptrs + up_groups,
+                wu, x_ptrs + k0, x1 + k0, x2 + k0, x3 + k0, w_mask, su, zu, s_ptrs + up_groups,
                 z_ptrs + up_groups, g_mask, up0, up1, up2, up3, BLOCK_M, BW, GROUP_SIZE, PER_NIBBLE,
             )  # fmt: skip
         qw_ptrs += BLOCK_K // 8
@@ -293,6 +303,7 @@ class W4A16GemvConfig:
     block_k: int
     num_warps: int = 1
     num_stages: int = 1
+    prefetch: bool = True  # each program's weight rows into the L2 first (CUDA, K a multiple of 32)
 
 
 def default_config(m: int, n: int, k: int, gated: bool = False) -> W4A16GemvConfig:
@@ -401,6 +412,7 @@ def _launch(
         EVEN_N=n % bn == 0,
         EVEN_K=k % bk == 0,
         USE_PDL=use_pdl,
+        PREFETCH=config.prefetch and x.is_cuda and not interpreting() and k % 32 == 0 and qweight.data_ptr() % 16 == 0,
         HAS_BIAS=bias is not None,
         GATED=gated,
         INTERPRET=interpreting(),
