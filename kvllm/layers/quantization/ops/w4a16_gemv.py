@@ -121,6 +121,35 @@ def _prefetch_rows_l2(ptrs, nbytes):
 
 
 @triton.jit
+def _split4(t):
+    """[..., 4] (held by one thread) -> its four [...] slices (for V < 4: the V slices, repeated)."""
+    if t.shape[3] == 4:
+        a, b = tl.split(tl.reshape(t, (t.shape[0], t.shape[1], t.shape[2], 2, 2)))
+        t0, t2 = tl.split(a)
+        t1, t3 = tl.split(b)
+    elif t.shape[3] == 2:
+        t0, t1 = tl.split(t)
+        t2 = tl.zeros_like(t0)
+        t3 = tl.zeros_like(t0)
+    else:
+        t0 = tl.reshape(t, (t.shape[0], t.shape[1], t.shape[2]))
+        t1 = tl.zeros_like(t0)
+        t2 = tl.zeros_like(t0)
+        t3 = tl.zeros_like(t0)
+    return t0, t1, t2, t3
+
+
+@triton.jit
+def _fma4(w0, w1, w2, w3, x0, x1, x2, x3, acc, P: tl.constexpr):
+    """acc + the four words' nibbles at 4P (as subnormals) times their activations, one FMA chain."""
+    acc = tl.fma(_nibble(w0, P), x0, acc)
+    acc = tl.fma(_nibble(w1, P), x1, acc)
+    acc = tl.fma(_nibble(w2, P), x2, acc)
+    acc = tl.fma(_nibble(w3, P), x3, acc)
+    return acc
+
+
+@triton.jit
 def _tile_sum(words, hi, x_ptrs, x_mask, s, z, s_ptrs, z_ptrs, g_mask,
               BW: tl.constexpr, GROUP_SIZE: tl.constexpr, PER_NIBBLE: tl.constexpr):  # fmt: skip
     """sum over the tile's values of (q - zero) * scale * x * 2^-49, for one row of x: [BLOCK_N, blocks,
@@ -131,25 +160,34 @@ def _tile_sum(words, hi, x_ptrs, x_mask, s, z, s_ptrs, z_ptrs, g_mask,
     further. The zero is taken out of the sum: sum (q - z) x = sum q x - z sum x. Without PER_NIBBLE a
     block lies in one group: `s` and `z` [BLOCK_N, blocks, BW / V] are its scale and zero. With it (groups smaller than a block) nibble j of a block is in the group
     `(j * BW) // GROUP_SIZE` after the block's first, loaded here from s_ptrs / z_ptrs."""
-    acc = tl.zeros(words.shape, dtype=tl.float32)
-    x_sum = tl.zeros(x_ptrs.shape, dtype=tl.float32)
     out = tl.zeros((words.shape[0], words.shape[1], words.shape[2]), dtype=tl.float32)
-    for j in tl.static_range(8):
-        x = _load(x_ptrs + j * BW, x_mask).to(tl.float32)
-        if j <= 4:
-            q = _nibble(words, j)
-        else:
-            q = _nibble(hi, j - 3)
-        if PER_NIBBLE:
+    if PER_NIBBLE:
+        for j in tl.static_range(8):
+            x = _load(x_ptrs + j * BW, x_mask).to(tl.float32)
+            if j <= 4:
+                q = _nibble(words, j)
+            else:
+                q = _nibble(hi, j - 3)
             zj = _load(z_ptrs + (j * BW) // GROUP_SIZE, g_mask).to(tl.float32)
             sj = _load(s_ptrs + (j * BW) // GROUP_SIZE, g_mask).to(tl.float32)
             qx = tl.sum(q * (x * _x_scale(j)), axis=3)
             out += (qx - zj * (tl.sum(x, axis=3) * RESCALE)) * sj
-        else:
-            acc += q * (x * _x_scale(j))
-            x_sum += x
-    if not PER_NIBBLE:
-        out = (tl.sum(acc, axis=3) - z * (tl.sum(x_sum, axis=3) * RESCALE)) * s
+    else:
+        # The V words of a thread as V tensors of one register each: one FMA chain per column and
+        # block carries the sum over the words and nibbles, with no sum over V afterwards.
+        w0, w1, w2, w3 = _split4(words)
+        h0, h1, h2, h3 = _split4(hi)
+        acc = tl.zeros(out.shape, dtype=tl.float32)
+        x_sum = tl.zeros((1, words.shape[1], words.shape[2]), dtype=tl.float32)
+        for j in tl.static_range(8):
+            x0, x1, x2, x3 = _split4(_load(x_ptrs + j * BW, x_mask).to(tl.float32))
+            x_sum += (x0 + x1) + (x2 + x3)
+            c = _x_scale(j)
+            if j <= 4:
+                acc = _fma4(w0, w1, w2, w3, x0 * c, x1 * c, x2 * c, x3 * c, acc, j)
+            else:
+                acc = _fma4(h0, h1, h2, h3, x0 * c, x1 * c, x2 * c, x3 * c, acc, j - 3)
+        out = (acc - z * (x_sum * RESCALE)) * s
     return out
 
 
@@ -306,18 +344,27 @@ class W4A16GemvConfig:
     prefetch: bool = True  # each program's weight rows into the L2 first (CUDA, K a multiple of 32)
 
 
+MIN_WARPS = 8 * 132  # eight warps per SM of an H200: fewer leave its four schedulers short of work
+
+
 def default_config(m: int, n: int, k: int, gated: bool = False) -> W4A16GemvConfig:
-    """One-warp programs over K tiles of 1024 values with three pipeline stages (two tiles in flight
-    while one is decoded), eight columns at one row (four gated: a gate and an up stream each), fewer
-    at more rows (the rows' activations and sums take the registers). First choices from the offline
-    sm_90 compile (about 3.4 SASS instructions per weight value, 156 registers, no spills);
-    benchmarks/h200/w4a16_gemv_m1.py sweeps the rest on the H200."""
+    """Programs of eight columns at one row (gated: four of each stream), four at two, two at four
+    (the rows' activations and sums take the registers), over K tiles of 1024 values per warp with
+    three pipeline stages. Narrow outputs give too few programs for the SMs: there each program splits
+    its K tile over two or four warps (while K stays a whole number of tiles), for at least MIN_WARPS
+    warps. From the offline sm_90 compile (3.1 SASS instructions per weight value at one row, 128
+    registers, no spills); benchmarks/h200/w4a16_gemv_m1.py sweeps the alternatives on the H200."""
     block_k = PACK * block_words(k)
     while block_k < 1024 and k % (2 * block_k) == 0:
         block_k *= 2
     block_n = 8 if m == 1 else 4 if m == 2 else 2
-    block_n = max(1, block_n // 2) if gated else block_n
-    return W4A16GemvConfig(block_n=block_n, block_k=block_k, num_warps=1, num_stages=3)
+    if gated:  # two weight streams per program
+        block_n = max(1, block_n // 2)
+    programs = triton.cdiv(n // 2 if gated else n, block_n)
+    warps = 1
+    while warps < 4 and programs * warps < MIN_WARPS and k % (2 * warps * block_k) == 0:
+        warps *= 2
+    return W4A16GemvConfig(block_n=block_n, block_k=block_k * warps, num_warps=warps, num_stages=3)
 
 
 def block_m_for(m: int) -> int:
