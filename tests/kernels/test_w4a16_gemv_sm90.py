@@ -31,7 +31,7 @@ from kvllm.layers.quantization.ops.w4a16_gemv import _w4a16_gemv_kernel as kerne
 
 def compile_(block_n, gated, stages):
     constexprs = dict(GROUP_SIZE=128, BW=16, BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=1024, PER_NIBBLE=False,
-                      EVEN_N=True, EVEN_K=True, HAS_BIAS=False, GATED=gated, USE_PDL=True, PREFETCH=True,
+                      EVEN_N=True, EVEN_K=True, HAS_BIAS=False, GATED=gated, USE_PDL=True, PREFETCH=True, PREFETCH_GROUPS=True,
                       NUM_STAGES=stages, INTERPRET=False)
     signature, attrs = {}, {}
     for i, name in enumerate(kernel.arg_names):

@@ -239,6 +239,7 @@ def _w4a16_gemv_kernel(
     GATED: tl.constexpr,
     USE_PDL: tl.constexpr,
     PREFETCH: tl.constexpr,
+    PREFETCH_GROUPS: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):  # fmt: skip
@@ -297,6 +298,14 @@ def _w4a16_gemv_kernel(
         _prefetch_rows_l2(rows, (offs_n * 0 + K // 2).to(tl.int32))
         if GATED:
             _prefetch_rows_l2(rows + up_words, (offs_n * 0 + K // 2).to(tl.int32))
+        if PREFETCH_GROUPS:  # and the scales and zeros, loaded in the loop without cp.async (16 bits)
+            g_bytes = (offs_n * 0 + num_groups * 2).to(tl.int32)
+            g_rows = offs_n.to(tl.int64) * num_groups
+            _prefetch_rows_l2(s_ptr + g_rows, g_bytes)
+            _prefetch_rows_l2(z_ptr + g_rows, g_bytes)
+            if GATED:
+                _prefetch_rows_l2(s_ptr + up_groups + g_rows, g_bytes)
+                _prefetch_rows_l2(z_ptr + up_groups + g_rows, g_bytes)
     wait_for_previous_kernel(USE_PDL)  # nothing above reads an activation or writes
     # Triton's software pipeliner keeps NUM_STAGES - 1 tiles in flight (cp.async into shared memory)
     # while one is decoded. Loaded into registers instead (a prefetch carried by the loop), ptxas
@@ -445,6 +454,9 @@ def _launch(
             f"block_k must be a power of two and a multiple of the layout's block ({PACK * bw} values for "
             f"K = {k}), block_n a power of two; got {config}"
         )
+    prefetch = (
+        config.prefetch and x.is_cuda and not interpreting() and k % 32 == 0 and qweight.data_ptr() % 16 == 0
+    )
     _w4a16_gemv_kernel[(triton.cdiv(n, bn),)](
         x, qweight, scales, zeros, bias if bias is not None else scales, out,
         m, n, k, qweight.stride(0), scales.shape[1],
@@ -459,7 +471,13 @@ def _launch(
         EVEN_N=n % bn == 0,
         EVEN_K=k % bk == 0,
         USE_PDL=use_pdl,
-        PREFETCH=config.prefetch and x.is_cuda and not interpreting() and k % 32 == 0 and qweight.data_ptr() % 16 == 0,
+        PREFETCH=prefetch,
+        PREFETCH_GROUPS=prefetch
+        and scales.element_size() == 2
+        and (scales.shape[1] * 2) % 16 == 0
+        and scales.data_ptr() % 16 == 0
+        and zeros.data_ptr() % 16 == 0
+        and zeros.dtype == scales.dtype,
         HAS_BIAS=bias is not None,
         GATED=gated,
         INTERPRET=interpreting(),
