@@ -25,8 +25,10 @@ on a value at one row (sm_90, 8 columns per program; 3.0 at 16), 1.1 of them out
   SM: carried in registers instead, ptxas issued the next tile's loads only after most of the
   current tile's arithmetic.
 
-Under programmatic dependent launch (kvllm/utils/pdl.py) the kernel waits for the previous one before
-its first load (the pipeline's first tiles load x too).
+Before anything else each program asks the L2 for its columns' whole weight, scale and zero rows
+(sm_90's bulk prefetch, one instruction per row: fire and forget, no registers); under programmatic
+dependent launch (kvllm/utils/pdl.py) that comes before the wait for the previous kernel, whose tail
+it overlaps, and every load comes after it (the pipeline's first tiles load x too).
 
 Accumulation is in float32 throughout; the dequantized weight is never rounded to 16 bits, so results
 are the float32 product of x with the exact dequantized weight, rounded once.
