@@ -14,9 +14,10 @@ kernels  Llama-3-8B's four projections (qkv, o, gate_up, down). Decode rows (M =
 e2e      Llama-3-8B-shaped model, dummy weights generated on the GPU, bf16 activations, CUDA graphs, one
          engine per subprocess: bf16, awq (W4A16 from a config with AWQ's quantization_config), fp8
          (online per-channel from the bf16 dummy weights), fp8-block (quantization_config with
-         weight_block_size [128, 128]). Batch 1: 32 random prompt tokens, 128 output tokens, EOS ignored,
-         ms per output token = wall time / 128 (median of 3 after a warm-up). Batch 256: 256 x 128 in /
-         128 out, output tokens per second (after a warm-up batch).
+         weight_block_size [128, 128]), fp8-tensor (a per-tensor fp8 checkpoint's quantization_config).
+         Batch 1: 32 random prompt tokens, 128 output tokens, EOS ignored, ms per output token = wall
+         time / 128 (median of 3 after a warm-up). Batch 256: 256 x 128 in / 128 out, output tokens per
+         second (after a warm-up batch).
 fp8probe torch's blockwise-scaled F.scaled_mm (1x128 x 128x128) on Llama-3-8B shapes at M = 256: which
          scale layouts run, error against float32, time beside the block-fp8 Triton GEMM.
 --sweep  the W4A16 launch-config sweep of benchmarks/h200/w4a16_sweep.py (after e2e; GEMV at M = 1, 2, 4,
@@ -56,6 +57,7 @@ ENGINES = {
         {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
         None,
     ),
+    "fp8-tensor": ({"quant_method": "fp8", "activation_scheme": "dynamic"}, None),
 }
 
 

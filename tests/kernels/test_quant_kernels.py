@@ -178,6 +178,8 @@ GEMV_CASES = [
     ),  # N not a multiple of block_n; groups shorter than a block
     (1, 20, 192, 64, False, (4, 64, 1), torch.float16),  # K not a multiple of 128: 8-word blocks
     (2, 16, 256, 256, False, (1, 128, 1), torch.float32),  # one group per column (group = K)
+    (1, 12, 80, 80, True, None, torch.float32),  # 2-word blocks: each thread holds 2 words
+    (3, 12, 40, 40, False, None, torch.bfloat16),  # 1-word blocks
 ]
 
 

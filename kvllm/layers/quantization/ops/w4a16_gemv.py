@@ -3,8 +3,8 @@
 Reference: `dequantize` (int4_layout.py) and a float32 matmul. At these row counts the layer is a read
 of its packed weight, and with 4-bit values the CUDA cores' instruction issue, not the FMAs, is what
 keeps a kernel off HBM bandwidth: a bfloat16 stream delivers one weight per 2 bytes, this one per half
-byte, so each value gets a quarter of the instructions. The kernel spends about three on it (SASS
-for sm_90, 8 columns per program; 4.7 at 2 columns):
+byte, so each value gets a quarter of the instructions. The kernel spends about 3.4 SASS instructions
+on a value at one row (sm_90, 8 columns per program; 3.0 at 16), 1.1 of them outside the decode and FMA:
 
 - a program owns BLOCK_N output columns and the whole of K (as kvllm/layers/ops/gemv.py's bf16 GEMV:
   small programs, enough of them for any width, no split-K reduce);
@@ -12,15 +12,23 @@ for sm_90, 8 columns per program; 4.7 at 2 columns):
   word in place: `w & (0xF << 4p)` viewed as a float32 is the subnormal q * 2^(4p - 149), one logic
   op per value, and the FMA with x * 2^(100 - 4p) (scaled once per activation, shared by the
   columns) adds q * x * 2^-49 (p = j, or j - 3 in the word shifted by 12 for j >= 5);
-- the zero point leaves the sum: sum (q - z) x = sum q x - z sum x, and the group scale multiplies a
-  block's sum, not each value (a block lies in one group when the group size is a multiple of its
-  8 * B values; otherwise each nibble's group is scaled apart);
+- the zero point leaves the sum: sum (q - z) x = sum q x - z sum x, and the group scale multiplies
+  each thread's part of a block's sum, in registers (a block lies in one group when the group size
+  is a multiple of its 8 * B values; otherwise each nibble's group is scaled apart); the sum across
+  threads runs once, after the loop;
 - in the kvllm layout (int4_layout.py) nibble j of a block's B words meets B consecutive activations:
   x is a vector load in the same register layout as the words (the [.., 4] last dimension makes
-  Triton pick it for both), so nothing is converted between layouts in the loop.
+  Triton pick it for both), and the scales and zeros are loaded in the shape of the per-thread sums
+  ([BLOCK_N, blocks, B / 4]), so nothing is converted between layouts in the loop;
+- the K loop is software-pipelined by Triton (`num_stages`: tiles copied into shared memory with
+  cp.async, stages - 1 in flight while one is decoded), which keeps enough of the weight in flight per
+  SM: carried in registers instead, ptxas issued the next tile's loads only after most of the
+  current tile's arithmetic.
 
-Under programmatic dependent launch (kvllm/utils/pdl.py) a one-row call whose K fits one tile loads
-its weights, scales and zeros before waiting for the previous kernel; otherwise it waits first.
+Before anything else each program asks the L2 for its columns' whole weight, scale and zero rows
+(sm_90's bulk prefetch, one instruction per row: fire and forget, no registers); under programmatic
+dependent launch (kvllm/utils/pdl.py) that comes before the wait for the previous kernel, whose tail
+it overlaps, and every load comes after it (the pipeline's first tiles load x too).
 
 Accumulation is in float32 throughout; the dequantized weight is never rounded to 16 bits, so results
 are the float32 product of x with the exact dequantized weight, rounded once.
@@ -51,6 +59,7 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # any |x| > 2^-77 (smaller ones contribute below 2^-126), and x * 2^100 stays finite for |x| < 2^27.
 # FMAs take subnormal inputs at full rate; Triton compiles them without flush-to-zero.
 UNSCALE: tl.constexpr = tl.constexpr(2.0**49)
+RESCALE: tl.constexpr = tl.constexpr(2.0**-49)
 
 
 @triton.jit
@@ -91,8 +100,8 @@ def _weights(qw_ptrs, s_ptrs, z_ptrs, w_mask, g_mask, PER_NIBBLE: tl.constexpr):
     """A tile's words and, unless groups are smaller than a block, each block's scale and zero."""
     words = _load(qw_ptrs, w_mask)
     if PER_NIBBLE:  # loaded per nibble in _tile_sum
-        s = tl.zeros((words.shape[0], words.shape[1]), dtype=tl.float32)
-        z = tl.zeros((words.shape[0], words.shape[1]), dtype=tl.float32)
+        s = tl.zeros((words.shape[0], words.shape[1], words.shape[2]), dtype=tl.float32)
+        z = tl.zeros((words.shape[0], words.shape[1], words.shape[2]), dtype=tl.float32)
     else:
         s = _load(s_ptrs, g_mask).to(tl.float32)
         z = _load(z_ptrs, g_mask).to(tl.float32)
@@ -100,58 +109,120 @@ def _weights(qw_ptrs, s_ptrs, z_ptrs, w_mask, g_mask, PER_NIBBLE: tl.constexpr):
 
 
 @triton.jit
-def _sum_block(t):
-    """[*, blocks, BW / V, V] -> [*, blocks]: the sum over each block's words."""
-    return tl.sum(tl.sum(t, axis=3), axis=2)
+def _prefetch_rows_l2(ptrs, nbytes):
+    """Ask the L2 for `nbytes` bytes at each of `ptrs` (sm_90's bulk prefetch: fire and forget, no
+    register holds the data, nothing waits for it). `nbytes` and the addresses are multiples of 16."""
+    return tl.inline_asm_elementwise(
+        "cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;",
+        "=r,l,r",
+        [ptrs, nbytes],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@triton.jit
+def _split4(t):
+    """[..., 4] (held by one thread) -> its four [...] slices (for V < 4: the V slices, repeated)."""
+    if t.shape[3] == 4:
+        a, b = tl.split(tl.reshape(t, (t.shape[0], t.shape[1], t.shape[2], 2, 2)))
+        t0, t2 = tl.split(a)
+        t1, t3 = tl.split(b)
+    elif t.shape[3] == 2:
+        t0, t1 = tl.split(t)
+        t2 = tl.zeros_like(t0)
+        t3 = tl.zeros_like(t0)
+    else:
+        t0 = tl.reshape(t, (t.shape[0], t.shape[1], t.shape[2]))
+        t1 = tl.zeros_like(t0)
+        t2 = tl.zeros_like(t0)
+        t3 = tl.zeros_like(t0)
+    return t0, t1, t2, t3
+
+
+@triton.jit
+def _fma4(w0, w1, w2, w3, x0, x1, x2, x3, acc, P: tl.constexpr):
+    """acc + the four words' nibbles at 4P (as subnormals) times their activations, one FMA chain."""
+    acc = tl.fma(_nibble(w0, P), x0, acc)
+    acc = tl.fma(_nibble(w1, P), x1, acc)
+    acc = tl.fma(_nibble(w2, P), x2, acc)
+    acc = tl.fma(_nibble(w3, P), x3, acc)
+    return acc
 
 
 @triton.jit
 def _tile_sum(words, hi, x_ptrs, x_mask, s, z, s_ptrs, z_ptrs, g_mask,
               BW: tl.constexpr, GROUP_SIZE: tl.constexpr, PER_NIBBLE: tl.constexpr):  # fmt: skip
-    """sum over the tile's values of (q - zero) * scale * x -> [BLOCK_N, blocks], for one row of x.
+    """sum over the tile's values of (q - zero) * scale * x * 2^-49, for one row of x: [BLOCK_N, blocks,
+    BW / V], each thread's part (summed over its V words, not across threads: that and the factor 2^49
+    come once, at the end).
 
     x_ptrs [1, blocks, BW / V, V] point at nibble 0's activations of each block; nibble j's are j * BW
     further. The zero is taken out of the sum: sum (q - z) x = sum q x - z sum x. Without PER_NIBBLE a
-    block lies in one group: `s` and `z` [BLOCK_N, blocks] are its scale and zero. With it (groups
-    smaller than a block) nibble j of a block is in the group `(j * BW) // GROUP_SIZE` after the
-    block's first, loaded here from s_ptrs / z_ptrs."""
-    acc = tl.zeros(words.shape, dtype=tl.float32)
-    x_sum = tl.zeros(x_ptrs.shape, dtype=tl.float32)
-    out = tl.zeros((words.shape[0], words.shape[1]), dtype=tl.float32)  # [BLOCK_N, blocks]
-    for j in tl.static_range(8):
-        x = _load(x_ptrs + j * BW, x_mask).to(tl.float32)
-        if j <= 4:
-            q = _nibble(words, j)
-        else:
-            q = _nibble(hi, j - 3)
-        if PER_NIBBLE:
+    block lies in one group: `s` and `z` [BLOCK_N, blocks, BW / V] are its scale and zero. With it (groups smaller than a block) nibble j of a block is in the group
+    `(j * BW) // GROUP_SIZE` after the block's first, loaded here from s_ptrs / z_ptrs."""
+    out = tl.zeros((words.shape[0], words.shape[1], words.shape[2]), dtype=tl.float32)
+    if PER_NIBBLE:
+        for j in tl.static_range(8):
+            x = _load(x_ptrs + j * BW, x_mask).to(tl.float32)
+            if j <= 4:
+                q = _nibble(words, j)
+            else:
+                q = _nibble(hi, j - 3)
             zj = _load(z_ptrs + (j * BW) // GROUP_SIZE, g_mask).to(tl.float32)
             sj = _load(s_ptrs + (j * BW) // GROUP_SIZE, g_mask).to(tl.float32)
-            qx = _sum_block(q * (x * _x_scale(j)))
-            out += (qx * UNSCALE - zj * _sum_block(x)) * sj
-        else:
-            acc += q * (x * _x_scale(j))
-            x_sum += x
-    if not PER_NIBBLE:
-        out = (_sum_block(acc) * UNSCALE - z * _sum_block(x_sum)) * s
+            qx = tl.sum(q * (x * _x_scale(j)), axis=3)
+            out += (qx - zj * (tl.sum(x, axis=3) * RESCALE)) * sj
+    else:
+        # The V words of a thread as V tensors of one register each: one FMA chain per column and
+        # block carries the sum over the words and nibbles, with no sum over V afterwards.
+        w0, w1, w2, w3 = _split4(words)
+        h0, h1, h2, h3 = _split4(hi)
+        acc = tl.zeros(out.shape, dtype=tl.float32)
+        x_sum = tl.zeros((1, words.shape[1], words.shape[2]), dtype=tl.float32)
+        for j in tl.static_range(8):
+            x0, x1, x2, x3 = _split4(_load(x_ptrs + j * BW, x_mask).to(tl.float32))
+            x_sum += (x0 + x1) + (x2 + x3)
+            c = _x_scale(j)
+            if j <= 4:
+                acc = _fma4(w0, w1, w2, w3, x0 * c, x1 * c, x2 * c, x3 * c, acc, j)
+            else:
+                acc = _fma4(h0, h1, h2, h3, x0 * c, x1 * c, x2 * c, x3 * c, acc, j - 3)
+        out = (acc - z * (x_sum * RESCALE)) * s
     return out
 
 
 @triton.jit
 def _store_row(acc, acc_up, bias_ptr, out_ptr, offs_n, cols, N, M, ROW: tl.constexpr,
                HAS_BIAS: tl.constexpr, GATED: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
-    y = tl.sum(acc, axis=1)
+    y = tl.sum(tl.sum(acc, axis=2), axis=1) * UNSCALE
     if HAS_BIAS:
         y += tl.load(bias_ptr + offs_n).to(tl.float32)
     dtype = out_ptr.dtype.element_ty
     if GATED:
-        up = tl.sum(acc_up, axis=1)
+        up = tl.sum(tl.sum(acc_up, axis=2), axis=1) * UNSCALE
         if HAS_BIAS:
             up += tl.load(bias_ptr + N + offs_n).to(tl.float32)
         gate = round_to(y, dtype, INTERPRET)
         up = round_to(up, dtype, INTERPRET)
         y = round_to(tl.math.div_rn(gate, 1.0 + exp_f32(-gate, INTERPRET)), dtype, INTERPRET) * up
     tl.store(out_ptr + cols, cast_to(y, dtype, INTERPRET), mask=(cols < N) & (cols * 0 + ROW < M))
+
+
+@triton.jit
+def _rows_sum(words, x0, x1, x2, x3, x_mask, s, z, s_ptrs, z_ptrs, g_mask, a0, a1, a2, a3,
+              BLOCK_M: tl.constexpr, BW: tl.constexpr, GROUP_SIZE: tl.constexpr,
+              PER_NIBBLE: tl.constexpr):  # fmt: skip
+    """One tile of one weight stream against every row of x: the rows' accumulators, updated."""
+    hi = words >> 12
+    a0 += _tile_sum(words, hi, x0, x_mask, s, z, s_ptrs, z_ptrs, g_mask, BW, GROUP_SIZE, PER_NIBBLE)
+    if BLOCK_M > 1:
+        a1 += _tile_sum(words, hi, x1, x_mask, s, z, s_ptrs, z_ptrs, g_mask, BW, GROUP_SIZE, PER_NIBBLE)
+    if BLOCK_M > 2:
+        a2 += _tile_sum(words, hi, x2, x_mask, s, z, s_ptrs, z_ptrs, g_mask, BW, GROUP_SIZE, PER_NIBBLE)
+        a3 += _tile_sum(words, hi, x3, x_mask, s, z, s_ptrs, z_ptrs, g_mask, BW, GROUP_SIZE, PER_NIBBLE)
+    return a0, a1, a2, a3
 
 
 @triton.jit(do_not_specialize=["M", "num_groups"])
@@ -169,7 +240,9 @@ def _w4a16_gemv_kernel(
     HAS_BIAS: tl.constexpr,
     GATED: tl.constexpr,
     USE_PDL: tl.constexpr,
-    PRELOAD: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    PREFETCH_GROUPS: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):  # fmt: skip
     # GATED: N is the output width d; the weight has 2d rows (gate, then up), out gets silu(gate) * up.
@@ -198,79 +271,66 @@ def _w4a16_gemv_kernel(
     x1 = x_ptrs + tl.minimum(1, M - 1) * stride_xm
     x2 = x_ptrs + tl.minimum(2, M - 1) * stride_xm
     x3 = x_ptrs + tl.minimum(3, M - 1) * stride_xm
-    g_ptrs = offs_n[:, None] * num_groups + blk_k[None, :] // GROUP_SIZE
+    # Scales and zeros as [BLOCK_N, blocks, BW / V] (each thread's block's, repeated across its words'
+    # dimension): the shape of the per-thread partial sums, so Triton gives them its layout and the
+    # group factors apply without a layout conversion.
+    g_ptrs = (offs_n[:, None] * num_groups + blk_k[None, :] // GROUP_SIZE)[:, :, None] + tl.zeros(
+        (1, 1, BW // V), dtype=tl.int32
+    )
     up_words = N.to(tl.int64) * stride_wn  # GATED: the up half's rows follow the gate half's
     up_groups = N * num_groups
-    acc0 = tl.zeros((BLOCK_N, NBT), dtype=tl.float32)
-    acc1 = tl.zeros((BLOCK_N, NBT), dtype=tl.float32)
-    acc2 = tl.zeros((BLOCK_N, NBT), dtype=tl.float32)
-    acc3 = tl.zeros((BLOCK_N, NBT), dtype=tl.float32)
-    up0 = tl.zeros((BLOCK_N, NBT), dtype=tl.float32)
-    up1 = tl.zeros((BLOCK_N, NBT), dtype=tl.float32)
-    up2 = tl.zeros((BLOCK_N, NBT), dtype=tl.float32)
-    up3 = tl.zeros((BLOCK_N, NBT), dtype=tl.float32)
+    shape: tl.constexpr = (BLOCK_N, NBT, BW // V)
+    acc0 = tl.zeros(shape, dtype=tl.float32)
+    acc1 = tl.zeros(shape, dtype=tl.float32)
+    acc2 = tl.zeros(shape, dtype=tl.float32)
+    acc3 = tl.zeros(shape, dtype=tl.float32)
+    up0 = tl.zeros(shape, dtype=tl.float32)
+    up1 = tl.zeros(shape, dtype=tl.float32)
+    up2 = tl.zeros(shape, dtype=tl.float32)
+    up3 = tl.zeros(shape, dtype=tl.float32)
     # Masks of a K tile: None for whole tiles; K is a multiple of the block, so the blocks of a
     # partial tile are whole or absent.
     w_mask = None
     g_mask = None
-    if PRELOAD:  # one K tile under PDL: its weights load while the previous kernel finishes
-        if not EVEN_K:
-            w_mask = (blk_k < K)[None, :, None, None]
-            g_mask = (blk_k < K)[None, :]
-        words_p, s_p, z_p = _weights(qw_ptrs, s_ptr + g_ptrs, z_ptr + g_ptrs, w_mask, g_mask, PER_NIBBLE)
+    if PREFETCH:
+        # Each column's whole packed row into the L2 at once (one instruction per column), before the
+        # PDL wait (weights are constant): the loop's copies then find it there, however few programs
+        # an SM holds, and with PDL the fetch overlaps the previous kernel.
+        rows = qw_ptr + offs_n.to(tl.int64) * stride_wn
+        _prefetch_rows_l2(rows, (offs_n * 0 + K // 2).to(tl.int32))
         if GATED:
-            wu_p, su_p, zu_p = _weights(qw_ptrs + up_words, s_ptr + g_ptrs + up_groups, z_ptr + g_ptrs + up_groups,
-                                        w_mask, g_mask, PER_NIBBLE)  # fmt: skip
+            _prefetch_rows_l2(rows + up_words, (offs_n * 0 + K // 2).to(tl.int32))
+        if PREFETCH_GROUPS:  # and the scales and zeros, loaded in the loop without cp.async (16 bits)
+            g_bytes = (offs_n * 0 + num_groups * 2).to(tl.int32)
+            g_rows = offs_n.to(tl.int64) * num_groups
+            _prefetch_rows_l2(s_ptr + g_rows, g_bytes)
+            _prefetch_rows_l2(z_ptr + g_rows, g_bytes)
+            if GATED:
+                _prefetch_rows_l2(s_ptr + up_groups + g_rows, g_bytes)
+                _prefetch_rows_l2(z_ptr + up_groups + g_rows, g_bytes)
     wait_for_previous_kernel(USE_PDL)  # nothing above reads an activation or writes
-    # PRELOAD: K <= BLOCK_K, and a constant trip count of one keeps the loop from hoisting the decode
-    k_end = BLOCK_K if PRELOAD else K
-    for k0 in range(0, k_end, BLOCK_K):
+    # Triton's software pipeliner keeps NUM_STAGES - 1 tiles in flight (cp.async into shared memory)
+    # while one is decoded. Loaded into registers instead (a prefetch carried by the loop), ptxas
+    # sinks the next tile's loads below most of the current tile's arithmetic to save registers, so
+    # nothing stays in flight (sm_90 SASS).
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         if not EVEN_K:
             w_mask = ((k0 + blk_k) < K)[None, :, None, None]
-            g_mask = ((k0 + blk_k) < K)[None, :]
+            g_mask = ((k0 + blk_k) < K)[None, :, None]
         s_ptrs = s_ptr + g_ptrs + k0 // GROUP_SIZE
         z_ptrs = z_ptr + g_ptrs + k0 // GROUP_SIZE
-        if PRELOAD:
-            words, s, z = words_p, s_p, z_p
-        else:
-            words, s, z = _weights(qw_ptrs, s_ptrs, z_ptrs, w_mask, g_mask, PER_NIBBLE)
-        hi = words >> 12
-        acc0 += _tile_sum(
-            words, hi, x_ptrs + k0, w_mask, s, z, s_ptrs, z_ptrs, g_mask, BW, GROUP_SIZE, PER_NIBBLE
-        )
-        if BLOCK_M > 1:
-            acc1 += _tile_sum(
-                words, hi, x1 + k0, w_mask, s, z, s_ptrs, z_ptrs, g_mask, BW, GROUP_SIZE, PER_NIBBLE
-            )
-        if BLOCK_M > 2:
-            acc2 += _tile_sum(
-                words, hi, x2 + k0, w_mask, s, z, s_ptrs, z_ptrs, g_mask, BW, GROUP_SIZE, PER_NIBBLE
-            )
-            acc3 += _tile_sum(
-                words, hi, x3 + k0, w_mask, s, z, s_ptrs, z_ptrs, g_mask, BW, GROUP_SIZE, PER_NIBBLE
-            )
+        words, s, z = _weights(qw_ptrs, s_ptrs, z_ptrs, w_mask, g_mask, PER_NIBBLE)
+        acc0, acc1, acc2, acc3 = _rows_sum(
+            words, x_ptrs + k0, x1 + k0, x2 + k0, x3 + k0, w_mask, s, z, s_ptrs, z_ptrs, g_mask,
+            acc0, acc1, acc2, acc3, BLOCK_M, BW, GROUP_SIZE, PER_NIBBLE,
+        )  # fmt: skip
         if GATED:
-            su_ptrs = s_ptrs + up_groups
-            zu_ptrs = z_ptrs + up_groups
-            if PRELOAD:
-                wu, su, zu = wu_p, su_p, zu_p
-            else:
-                wu, su, zu = _weights(qw_ptrs + up_words, su_ptrs, zu_ptrs, w_mask, g_mask, PER_NIBBLE)
-            hu = wu >> 12
-            up0 += _tile_sum(
-                wu, hu, x_ptrs + k0, w_mask, su, zu, su_ptrs, zu_ptrs, g_mask, BW, GROUP_SIZE, PER_NIBBLE
-            )
-            if BLOCK_M > 1:
-                up1 += _tile_sum(
-                    wu, hu, x1 + k0, w_mask, su, zu, su_ptrs, zu_ptrs, g_mask, BW, GROUP_SIZE, PER_NIBBLE
-                )
-            if BLOCK_M > 2:
-                up2 += _tile_sum(
-                    wu, hu, x2 + k0, w_mask, su, zu, su_ptrs, zu_ptrs, g_mask, BW, GROUP_SIZE, PER_NIBBLE
-                )
-                up3 += _tile_sum(
-                    wu, hu, x3 + k0, w_mask, su, zu, su_ptrs, zu_ptrs, g_mask, BW, GROUP_SIZE, PER_NIBBLE
-                )
+            wu, su, zu = _weights(qw_ptrs + up_words, s_ptrs + up_groups, z_ptrs + up_groups, w_mask, g_mask,
+                                  PER_NIBBLE)  # fmt: skip
+            up0, up1, up2, up3 = _rows_sum(
+                wu, x_ptrs + k0, x1 + k0, x2 + k0, x3 + k0, w_mask, su, zu, s_ptrs + up_groups,
+                z_ptrs + up_groups, g_mask, up0, up1, up2, up3, BLOCK_M, BW, GROUP_SIZE, PER_NIBBLE,
+            )  # fmt: skip
         qw_ptrs += BLOCK_K // 8
     _store_row(acc0, up0, bias_ptr, out_ptr, offs_n, cols, N, M, 0, HAS_BIAS, GATED, INTERPRET)
     if BLOCK_M > 1:
@@ -285,24 +345,37 @@ def _w4a16_gemv_kernel(
 
 @dataclass(frozen=True)
 class W4A16GemvConfig:
-    """Columns per program, K values per loop iteration (a power of two, at least one block), warps."""
+    """Columns per program, K values per loop iteration (a power of two, at least one block), warps, and
+    pipeline stages (tiles in flight: stages - 1)."""
 
     block_n: int
     block_k: int
     num_warps: int = 1
     num_stages: int = 1
+    prefetch: bool = True  # each program's weight rows into the L2 first (CUDA, K a multiple of 32)
+
+
+MIN_WARPS = 8 * 132  # eight warps per SM of an H200: fewer leave its four schedulers short of work
 
 
 def default_config(m: int, n: int, k: int, gated: bool = False) -> W4A16GemvConfig:
-    """The H200 sweep's choice (benchmarks/h200/quant_bench.py --sweep, Llama-3-8B qkv / o / gate_up,
-    docs/benchmarks.md): one-warp programs over K tiles of 1024 values, two columns at 1-2 rows (one
-    for gate_up with the SiLU epilogue: a gate and an up row), four at 4 rows (two gated). Larger K
-    tiles and more warps per program measured 1.3-2x slower."""
+    """Programs of eight columns at one row (gated: four of each stream), four at two, two at four
+    (the rows' activations and sums take the registers), over K tiles of 1024 values per warp with
+    three pipeline stages. Narrow outputs give too few programs for the SMs: there each program splits
+    its K tile over two or four warps (while K stays a whole number of tiles), for at least MIN_WARPS
+    warps. From the offline sm_90 compile (3.1 SASS instructions per weight value at one row, 128
+    registers, no spills); benchmarks/h200/w4a16_gemv_m1.py sweeps the alternatives on the H200."""
     block_k = PACK * block_words(k)
     while block_k < 1024 and k % (2 * block_k) == 0:
         block_k *= 2
-    block_n = 4 if m > 2 else 2
-    return W4A16GemvConfig(block_n=block_n // 2 if gated else block_n, block_k=block_k, num_warps=1)
+    block_n = 8 if m == 1 else 4 if m == 2 else 2
+    if gated:  # two weight streams per program
+        block_n = max(1, block_n // 2)
+    programs = triton.cdiv(n // 2 if gated else n, block_n)
+    warps = 1
+    while warps < 4 and programs * warps < MIN_WARPS and k % (2 * warps * block_k) == 0:
+        warps *= 2
+    return W4A16GemvConfig(block_n=block_n, block_k=block_k * warps, num_warps=warps, num_stages=3)
 
 
 def block_m_for(m: int) -> int:
@@ -383,6 +456,9 @@ def _launch(
             f"block_k must be a power of two and a multiple of the layout's block ({PACK * bw} values for "
             f"K = {k}), block_n a power of two; got {config}"
         )
+    prefetch = (
+        config.prefetch and x.is_cuda and not interpreting() and k % 32 == 0 and qweight.data_ptr() % 16 == 0
+    )
     _w4a16_gemv_kernel[(triton.cdiv(n, bn),)](
         x, qweight, scales, zeros, bias if bias is not None else scales, out,
         m, n, k, qweight.stride(0), scales.shape[1],
@@ -397,11 +473,18 @@ def _launch(
         EVEN_N=n % bn == 0,
         EVEN_K=k % bk == 0,
         USE_PDL=use_pdl,
-        PRELOAD=use_pdl and k <= bk and m == 1,  # more rows: the early loads spill registers
+        PREFETCH=prefetch,
+        PREFETCH_GROUPS=prefetch
+        and scales.element_size() == 2
+        and (scales.shape[1] * 2) % 16 == 0
+        and scales.data_ptr() % 16 == 0
+        and zeros.data_ptr() % 16 == 0
+        and zeros.dtype == scales.dtype,
         HAS_BIAS=bias is not None,
         GATED=gated,
         INTERPRET=interpreting(),
         num_warps=config.num_warps,
+        NUM_STAGES=config.num_stages,
         num_stages=config.num_stages,
         **pdl_launch_options(use_pdl),
     )  # fmt: skip

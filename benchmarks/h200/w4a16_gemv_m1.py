@@ -1,0 +1,200 @@
+"""The W4A16 GEMV at batch 1 on Llama-3-8B's projections, beside kvllm's bf16 GEMV: a bounded config sweep.
+
+    PYTHONPATH=. python3 benchmarks/h200/w4a16_gemv_m1.py --out DIR [--budget-s 60]
+
+For qkv (6144 x 4096), o (4096 x 4096), gate_up (28672 x 4096; also fused with SiLU) and down
+(4096 x 14336), M = 1, group 128: each (block_n, block_k, warps, stages) candidate is first checked against
+x @ dequantize(W)^T in float32 on one weight copy (a failing config is recorded, not timed), then
+timed as quant_bench.graph_us does (a CUDA graph of 20 calls over cold weight copies, median per call).
+The candidates compile first in a process pool. Writes DIR/w4a16_gemv_m1.jsonl (one line per config
+and shape: us, TB/s of the int4 weight bytes with scales and zeros, error) and prints the best config
+per shape with its speed against bf16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+GROUP = 128
+# (block_n, block_k, warps, stages): 1024 K values per warp (fewer put threads across columns, and the
+# activations in another register layout than the weights: shuffles every tile, by the sm_90 SASS),
+# 2 to 16 columns, 1 to 4 pipeline stages (Triton's cp.async pipeliner).
+CANDIDATES = [(8, 1024, 1, s) for s in (1, 2, 3, 4)] + [(16, 1024, 1, s) for s in (2, 3)]
+CANDIDATES += [(4, 1024, 1, s) for s in (2, 3, 4)] + [(8, 2048, 2, s) for s in (2, 3, 4)]
+CANDIDATES += [
+    (4, 2048, 2, 3),
+    (16, 2048, 2, 3),
+    (8, 4096, 4, 3),
+    (4, 4096, 4, 3),
+    (2, 1024, 1, 3),
+    (2, 2048, 2, 3),
+]
+GATED = [(4, 1024, 1, s) for s in (2, 3, 4)] + [
+    (8, 1024, 1, 3),
+    (2, 1024, 1, 3),
+    (4, 2048, 2, 3),
+    (2, 2048, 2, 3),
+]
+GATED += [(8, 2048, 2, 3)]
+
+
+def _compile(job: tuple[tuple[int, int, int, int], int, bool]) -> str:
+    """Compile one config for one K / gating in a worker (a CPU-side launch on a tiny weight)."""
+    import torch
+
+    from kvllm.layers.quantization.ops.int4_layout import pack_kernel_layout
+    from kvllm.layers.quantization.ops.w4a16_gemv import W4A16GemvConfig, w4a16_gemv, w4a16_gemv_silu_and_mul
+
+    cfg, k, gated = job
+    n = 2 * cfg[0]
+    q = pack_kernel_layout(torch.randint(0, 16, (n, k), device="cuda"))
+    s = torch.rand(n, k // GROUP, device="cuda").bfloat16()
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    fn = w4a16_gemv_silu_and_mul if gated else w4a16_gemv
+    try:
+        fn(x, q, s, s, GROUP, config=W4A16GemvConfig(*cfg))
+        torch.cuda.synchronize()
+        return ""
+    except Exception as e:  # recorded by the timing pass
+        return repr(e)[:200]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", default="gpu-out")
+    parser.add_argument("--budget-s", type=float, default=60.0)
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    jobs = [(c, k, False) for c in CANDIDATES for k in (4096, 14336)] + [(c, 4096, True) for c in GATED]
+    import multiprocessing
+
+    with ProcessPoolExecutor(
+        min(16, os.cpu_count() or 4), mp_context=multiprocessing.get_context("spawn")
+    ) as pool:
+        list(pool.map(_compile, jobs))
+    print(f"compiled {len(jobs)} variants in {time.perf_counter() - start:.1f} s", flush=True)
+
+    import torch
+
+    from benchmarks.h200.quant_bench import copies, graph_us
+    from kvllm.layers.ops.gemv import gemv, gemv_silu_and_mul
+    from kvllm.layers.quantization.ops.int4_layout import dequantize, pack_kernel_layout
+    from kvllm.layers.quantization.ops.w4a16_gemv import (
+        W4A16GemvConfig,
+        default_config,
+        w4a16_gemv,
+        w4a16_gemv_silu_and_mul,
+    )
+
+    dev = torch.device("cuda")
+    records: list[dict[str, Any]] = []
+    log = open(out / "w4a16_gemv_m1.jsonl", "w")
+
+    def emit(rec: dict[str, Any]) -> None:
+        records.append(rec)
+        line = json.dumps(rec)
+        print(line, flush=True)
+        log.write(line + "\n")
+        log.flush()
+
+    for shape, (n, k) in SHAPES.items():
+
+        def make_w4(n: int = n, k: int = k) -> tuple:
+            q = pack_kernel_layout(torch.randint(0, 16, (n, k), device=dev))
+            s = (torch.rand(n, k // GROUP, device=dev) * 0.003 + 0.001).bfloat16()
+            z = torch.randint(0, 16, (n, k // GROUP), device=dev).bfloat16()
+            return q, s, z
+
+        w4_bytes = n * k // 2 + 2 * 2 * n * (k // GROUP)
+        bf16 = copies(
+            lambda n=n, k=k: (torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02,), n * k * 2
+        )
+        w4 = copies(make_w4, w4_bytes)
+        x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
+        ref = x.float() @ dequantize(*w4[0], GROUP).T
+        d = n // 2
+        act = (
+            torch.nn.functional.silu(ref[:, :d].bfloat16().float()).bfloat16().float()
+            * ref[:, d:].bfloat16().float()
+        )
+        base = {"shape": shape, "m": 1, "n": n, "k": k}
+        bf16_us = graph_us(lambda i, x=x, w=bf16: gemv(x, w[i % len(w)][0]))
+        emit(
+            base | {"impl": "bf16 GEMV", "us": round(bf16_us, 2), "tbps": round(n * k * 2 / bf16_us / 1e6, 3)}
+        )
+        if shape == "gate_up":
+            us = graph_us(lambda i, x=x, w=bf16: gemv_silu_and_mul(x, w[i % len(w)][0]))
+            emit(
+                base | {"impl": "bf16 GEMV+silu", "us": round(us, 2), "tbps": round(n * k * 2 / us / 1e6, 3)}
+            )
+        # The defaults first (and without the L2 prefetch), so the budget never cuts them.
+        variants = [("gemv", None), ("gemv", "no-prefetch")]
+        if shape == "gate_up":
+            variants += [("gemv+silu", None), ("gemv+silu", "no-prefetch")]
+        variants += [("gemv", c) for c in CANDIDATES] + (
+            [("gemv+silu", c) for c in GATED] if shape == "gate_up" else []
+        )
+        for kind, cfg in variants:
+            if time.perf_counter() - start > args.budget_s and cfg not in (None, "no-prefetch"):
+                emit(base | {"impl": kind, "skipped": "budget"})
+                break
+            gated = kind == "gemv+silu"
+            if cfg == "no-prefetch":  # the default without the L2 prefetch of the weight rows
+                conf = dataclasses.replace(default_config(1, n, k, gated), prefetch=False)
+            else:
+                conf = W4A16GemvConfig(*cfg) if cfg else default_config(1, n, k, gated)
+            fn = w4a16_gemv_silu_and_mul if gated else w4a16_gemv
+            rec = base | {"impl": f"w4a16 {kind}", "config": [conf.block_n, conf.block_k, conf.num_warps, conf.num_stages],
+                          "prefetch": conf.prefetch, "default": cfg is None}  # fmt: skip
+            try:
+                got = fn(x, *w4[0], GROUP, config=conf).float()
+                expected = act if gated else ref
+                err = ((got - expected).abs().max() / expected.abs().max()).item()
+                rec["max_rel_err"] = round(err, 5)
+                if err > 2e-2:
+                    rec["error"] = "wrong result"
+                else:
+                    us = graph_us(lambda i, f=fn, x=x, w=w4, c=conf: f(x, *w[i % len(w)], GROUP, config=c))
+                    rec |= {
+                        "us": round(us, 2),
+                        "tbps": round(w4_bytes / us / 1e6, 3),
+                        "vs_bf16": round(bf16_us / us, 2),
+                    }
+            except Exception as e:  # a config that does not compile or run: recorded
+                rec["error"] = repr(e)[:300]
+            emit(rec)
+        bf16 = w4 = None
+        torch.cuda.empty_cache()
+    log.close()
+    print("\nbest per shape (M = 1):")
+    for shape in SHAPES:
+        for kind in ("w4a16 gemv", "w4a16 gemv+silu"):
+            timed = [r for r in records if r.get("shape") == shape and r.get("impl") == kind and "us" in r]
+            bf = [
+                r for r in records if r.get("shape") == shape and r.get("impl") == "bf16 GEMV" and "us" in r
+            ]
+            if timed:
+                best = min(timed, key=lambda r: r["us"])
+                dflt = [r for r in timed if r.get("default")]
+                print(f"{shape:8} {kind:16} best {best['config']} {best['us']} us ({best['tbps']} TB/s) "
+                      f"default {dflt[0]['us'] if dflt else '-'} us; bf16 {bf[0]['us'] if bf else '-'} us")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

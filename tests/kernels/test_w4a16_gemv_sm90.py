@@ -1,0 +1,116 @@
+"""The W4A16 GEMV as compiled for SM 9.0 (this CPU machine compiles for it without a GPU): the
+structure its speed rests on (kvllm/layers/quantization/ops/w4a16_gemv.py's docstring), checked in
+the PTX and the SASS so that a change that loses it fails here rather than only on an H200.
+
+- The K loop is software-pipelined: its weight tiles are copied with cp.async (shared memory), not
+  loaded into registers in the iteration that decodes them.
+- The weight rows' L2 prefetch and nothing else that reads memory come before `griddepcontrol.wait`.
+- The loop body has no layout conversion through shared memory besides the pipeline's, no local
+  memory (spills), and at most 3.5 SASS instructions per weight value at one row (8 columns, one
+  warp: 3.2 as written; the FMA and the nibble's mask are 2 of them).
+
+Run in a fresh interpreter without TRITON_INTERPRET, where the decorators build real JITFunctions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+SCRIPT = r"""
+import json, os, re, subprocess, tempfile
+from collections import Counter
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kvllm.layers.quantization.ops.w4a16_gemv import _w4a16_gemv_kernel as kernel
+
+def compile_(block_n, gated, stages):
+    constexprs = dict(GROUP_SIZE=128, BW=16, BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=1024, PER_NIBBLE=False,
+                      EVEN_N=True, EVEN_K=True, HAS_BIAS=False, GATED=gated, USE_PDL=True, PREFETCH=True, PREFETCH_GROUPS=True,
+                      NUM_STAGES=stages, INTERPRET=False)
+    signature, attrs = {}, {}
+    for i, name in enumerate(kernel.arg_names):
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            signature[name] = "*i32" if name == "qw_ptr" else "*bf16"
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            signature[name] = "i32"
+            if name in ("N", "K", "stride_wn", "stride_xm", "stride_om"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1, "num_stages": stages})
+
+def loop_body(sass):
+    lines = sass.splitlines()
+    labels = {l.strip()[:-1]: j for j, l in enumerate(lines) if re.match(r"\s*\.L_x_\d+:", l)}
+    body = []
+    for i, l in enumerate(lines):
+        m = re.search(r"BRA\s+`\((\.L_x_\d+)\)", l)
+        if m and labels.get(m.group(1), 1 << 30) < i and i - labels[m.group(1)] > len(body):
+            body = lines[labels[m.group(1)]:i + 1]
+    ops = Counter()
+    for l in body:
+        m = re.search(r"/\*[0-9a-f]{4,}\*/\s+(.*?);", l)
+        if m:
+            ops[re.sub(r"^@!?U?P\w+\s+", "", m.group(1)).split()[0].split(".")[0]] += 1
+    return ops
+
+def facts(block_n, gated, stages):
+    c = compile_(block_n, gated, stages)
+    ptx = c.asm["ptx"]
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(c.asm["cubin"])
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    sass = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
+    os.unlink(f.name)
+    wait = ptx.index("griddepcontrol.wait")
+    ops = loop_body(sass)
+    values_per_thread = block_n * 1024 * (2 if gated else 1) // 32
+    return {
+        "cp_async": ptx.count("cp.async.cg") + ptx.count("cp.async.ca"),
+        "before_wait": [op for op in ("ld.global", "cp.async.cg", "cp.async.ca", "cp.async.bulk.prefetch", "st.global")
+                        if op in ptx[:wait]],
+        "loop_ops": dict(ops),
+        "per_value": sum(ops.values()) / values_per_thread,
+    }
+
+print(json.dumps({"gemv": facts(8, False, 3), "gated": facts(4, True, 3)}))
+"""
+
+
+@pytest.fixture(scope="module")
+def compiled() -> dict[str, dict]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=600, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("kind", ["gemv", "gated"])
+def test_loop_is_pipelined_with_cp_async(compiled, kind) -> None:
+    facts = compiled[kind]
+    assert facts["cp_async"] > 0
+    assert facts["loop_ops"].get("LDGSTS", 0) > 0  # the copies are issued in the loop, for later tiles
+
+
+@pytest.mark.parametrize("kind", ["gemv", "gated"])
+def test_only_the_weight_prefetch_precedes_the_pdl_wait(compiled, kind) -> None:
+    assert compiled[kind]["before_wait"] == ["cp.async.bulk.prefetch"]
+
+
+@pytest.mark.parametrize("kind", ["gemv", "gated"])
+def test_loop_has_no_spills_no_conversions_and_few_instructions_per_value(compiled, kind) -> None:
+    ops = compiled[kind]["loop_ops"]
+    assert ops.get("LDL", 0) == 0 and ops.get("STL", 0) == 0, ops
+    assert ops.get("STS", 0) == 0 and ops.get("SHFL", 0) == 0, ops  # no register-layout conversion
+    assert compiled[kind]["per_value"] <= 3.5, (compiled[kind]["per_value"], ops)
