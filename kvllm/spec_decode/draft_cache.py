@@ -64,22 +64,29 @@ class DraftKVCache:
         rows: np.ndarray,
         block_table: np.ndarray,
         block_table_gpu: torch.Tensor,
+        pad_to: int | None = None,
     ) -> CommonAttentionMetadata:
         """One query token per request: request i's token sits at `positions[i]` of token-table row
-        `rows[i]` and attends to everything before it (its slots must be allocated)."""
+        `rows[i]` and attends to everything before it (its slots must be allocated). With `pad_to`
+        (a CUDA-graph size) requests n..pad_to-1 are padding: no token, sequence length 0, slot -1."""
         n = len(rows)
+        size = n if pad_to is None else pad_to
         block_size = self.spec.block_size
-        slots = (
+        slots = np.full(size, -1, dtype=np.int64)
+        slots[:n] = (
             block_table[rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
         )
-        seq_lens = (positions + 1).astype(np.int32)
-        qsl = torch.arange(n + 1, dtype=torch.int32)
+        seq_lens = np.zeros(size, dtype=np.int32)
+        seq_lens[:n] = positions + 1
+        qsl = torch.from_numpy(np.minimum(np.arange(size + 1), n).astype(np.int32))
+        table_rows = np.full(size, rows[0], dtype=np.int64)
+        table_rows[:n] = rows
         device = self.device
         return CommonAttentionMetadata(
-            num_reqs=n,
-            num_actual_tokens=n,
-            num_decodes=n,
-            num_decode_tokens=n,
+            num_reqs=size,
+            num_actual_tokens=size,
+            num_decodes=size,
+            num_decode_tokens=size,
             query_start_loc=qsl.to(device),
             query_start_loc_cpu=qsl,
             seq_lens=torch.from_numpy(seq_lens).to(device),
@@ -87,7 +94,16 @@ class DraftKVCache:
             max_query_len=1,
             max_seq_len=int(seq_lens.max()),
             block_table=block_table_gpu[
-                torch.from_numpy(rows).to(device), : int(positions.max()) // block_size + 1
+                torch.from_numpy(table_rows).to(device), : int(positions.max()) // block_size + 1
             ],
             slot_mapping=torch.from_numpy(slots).to(device),
         )
+
+    def capture_metadata(self, num_reqs: int) -> CommonAttentionMetadata:
+        """A dummy decode batch of `num_reqs` requests for a CUDA-graph capture: each has one token
+        at position 0 that reads block 0 and writes nothing (slot -1)."""
+        zeros = np.zeros(num_reqs, dtype=np.int64)
+        table = torch.zeros((1, 1), dtype=torch.int32, device=self.device)
+        common = self.decode_metadata(zeros, zeros, np.zeros((1, 1), dtype=np.int32), table)
+        common.slot_mapping.fill_(-1)
+        return common

@@ -8,12 +8,13 @@ target's), then, for every request that sampled, k greedy decode steps from the 
 emitted give the next drafts. Greedy drafts are deterministic, so the rejection sampler verifies
 them with q one-hot: the output stays exactly the target's distribution. The scheduler allocates
 k lookahead slots per request for these steps when the cache has room; a request without them
-drafts fewer tokens.
+drafts fewer tokens. With CUDA graphs on, both passes replay graphs (draft_graph.py).
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import numpy as np
 import torch
@@ -26,6 +27,7 @@ from kvllm.forward_context import set_forward_context
 from kvllm.models.loader import load_model
 from kvllm.models.model_config import ModelConfig
 from kvllm.spec_decode.draft_cache import DraftKVCache
+from kvllm.spec_decode.draft_graph import DraftModelGraphs
 from kvllm.utils.dtypes import kv_cache_torch_dtype
 
 logger = logging.getLogger(__name__)
@@ -79,6 +81,7 @@ class DraftModelProposer:
             lambda layer: layer.bind_backend(attn_backend, args.kv_cache_dtype),
             device,
         )
+        self.graphs: DraftModelGraphs | None = None
         logger.info(
             "Draft model %s (%d layers) proposes %d tokens per step",
             self.model_config.model,
@@ -90,12 +93,34 @@ class DraftModelProposer:
         return self.cache.bytes_per_block()
 
     def initialize_kv_cache(self, num_blocks: int, max_num_reqs: int, max_num_tokens: int) -> None:
+        self.graphs = None
         self.cache.initialize(num_blocks, max_num_reqs, max_num_tokens, self.model_config.max_model_len)
 
-    def run_step_tokens(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, common: CommonAttentionMetadata
+    def capture_graphs(
+        self, input_batch: Any, capture_sizes: list[int], spec_query_len: int, pool: Any = None
     ) -> None:
-        """The step's own tokens through the draft model: its KV cache follows the target's."""
+        """Capture the draft model's graphs (after initialize_kv_cache; the target's input batch)."""
+        self.graphs = DraftModelGraphs(
+            self.model, self.cache, input_batch, capture_sizes, spec_query_len, pool
+        )
+        self.graphs.capture()
+
+    def graph_replay_counts(self) -> dict[str, dict[int, int]]:
+        return self.graphs.replay_counts() if self.graphs is not None else {}
+
+    def run_step_tokens(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        common: CommonAttentionMetadata,
+        graphed: bool = False,
+        num_tokens: int | None = None,
+    ) -> None:
+        """The step's own tokens through the draft model: its KV cache follows the target's. `graphed`:
+        the target replayed a full graph of this padded batch, so the draft model replays its own."""
+        if graphed and self.graphs is not None:
+            if self.graphs.run_step_tokens(common, num_tokens or common.num_actual_tokens):
+                return
         with set_forward_context(self.cache.build(common)):
             self.model(input_ids, positions)
 
@@ -125,9 +150,13 @@ class DraftModelProposer:
                 break
             n = len(active)
             pos = positions[active] + j
-            common = self.cache.decode_metadata(pos, rows[active], block_table, block_table_gpu)
-            with set_forward_context(self.cache.build(common)):
-                hidden = self.model(ids, torch.from_numpy(pos.astype(np.int32)).to(self.device))
+            hidden = None
+            if self.graphs is not None:
+                hidden = self.graphs.decode(ids, pos, rows[active], block_table, block_table_gpu)
+            if hidden is None:
+                common = self.cache.decode_metadata(pos, rows[active], block_table, block_table_gpu)
+                with set_forward_context(self.cache.build(common)):
+                    hidden = self.model(ids, torch.from_numpy(pos.astype(np.int32)).to(self.device))
             ids = self.model.compute_logits(hidden[:n]).argmax(dim=-1)
             out[torch.from_numpy(active).to(self.device), j] = ids
             counts[active] += 1

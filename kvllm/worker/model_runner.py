@@ -39,6 +39,7 @@ from kvllm.worker.input_batch import InputBatch, ModelInputs
 from kvllm.worker.piecewise_graph import PiecewiseGraphRunner, default_token_buckets
 from kvllm.worker.pooler import Pooler
 from kvllm.worker.sleep_mode import SleepState, empty_device_cache, offload_weights, restore_weights
+from kvllm.worker.uniform_graph import UniformDecodeGraphs
 
 logger = logging.getLogger(__name__)
 GiB = 1 << 30
@@ -139,7 +140,8 @@ class ModelRunner:
         self.attention_layers: list[Attention | MLAAttention] = []
         self.metadata_builder = None
         self.input_batch: InputBatch | None = None
-        self.graph_runner: CudaGraphRunner | None = None
+        self.graph_runner: CudaGraphRunner | None = None  # one-token decode graphs
+        self.decode_graphs: UniformDecodeGraphs | None = None  # those and the k + 1 verification graphs
         self.piecewise: PiecewiseGraphRunner | None = None
         self.num_blocks = 0
         self.max_num_reqs = 0
@@ -242,18 +244,27 @@ class ModelRunner:
             self.drafter.initialize_kv_cache(num_blocks, max_num_reqs, max_num_tokens)
         if self.eagle is not None:
             self.eagle.initialize_kv_cache(num_blocks, max_num_reqs, max_num_tokens)
+        self.graph_runner = self.decode_graphs = None
         if capture_sizes:
-            self.graph_runner = CudaGraphRunner(
+            spec = self.args.speculative_config
+            spec_query_len = 1 + spec.num_speculative_tokens if spec is not None else 1
+            self.decode_graphs = UniformDecodeGraphs(
                 self.model,
                 self.metadata_builder,
                 self.input_batch.input_ids,
                 self.input_batch.positions,
                 capture_sizes,
                 self.input_batch.capture_metadata,
+                spec_query_len,
             )
+            self.graph_runner = self.decode_graphs.single
             try:
                 with torch.inference_mode():
-                    stats = self.graph_runner.capture()
+                    stats = self.decode_graphs.capture()
+                    if self.drafter is not None:
+                        self.drafter.capture_graphs(
+                            self.input_batch, capture_sizes, spec_query_len, self.decode_graphs.pool
+                        )
             except Exception as exc:
                 raise RuntimeError(
                     f"Capturing CUDA graphs with the {self.attn_backend.name} attention backend failed "
@@ -336,7 +347,7 @@ class ModelRunner:
         assert self.sleep_state is None and self.model is not None
         for layer in self.attention_layers:
             layer.kv_cache = torch.empty(0)
-        self.graph_runner = None
+        self.graph_runner = self.decode_graphs = None
         self.piecewise = None
         self.metadata_builder = None
         self.input_batch = None
@@ -382,9 +393,6 @@ class ModelRunner:
         if self.pooler is not None:
             logger.info("CUDA graphs off: the pooling runner runs prefill steps only, which run eagerly")
             return []
-        if self.drafter is not None:
-            logger.info("CUDA graphs off: the draft model runs on every step's tokens, eagerly")
-            return []
         if self.eagle is not None:
             logger.info(
                 "CUDA graphs off: the %s head runs on every step's tokens, eagerly", self.eagle.method
@@ -419,13 +427,15 @@ class ModelRunner:
         `grammar_bitmask` is called once the forward pass and logits are queued, so the host fills the
         grammar masks (and may first take the previous step's tokens) while the device computes."""
         assert self.input_batch is not None and self.metadata_builder is not None
-        pad_to = self._graph_size(step)
-        inputs = self.input_batch.prepare(step, pad_to)
+        graph = self._graph_for(step)
+        if graph is None:
+            inputs = self.input_batch.prepare(step)
+        else:
+            inputs = self.input_batch.prepare(step, graph[1], graph[0].query_len)
         if self.model_config.is_encoder_only:
             inputs.attn_metadata.causal = False  # every token of a prompt attends to all of it
-        if pad_to is not None:
-            assert self.graph_runner is not None
-            hidden = self.graph_runner.replay(inputs.attn_metadata, inputs.num_tokens)
+        if graph is not None:
+            hidden = graph[0].replay(inputs.attn_metadata, inputs.num_tokens)
         elif self.piecewise is not None and self.piecewise.can_replay(inputs.num_tokens):
             hidden = self.piecewise.replay(inputs.attn_metadata, inputs.num_tokens)
         else:
@@ -437,7 +447,9 @@ class ModelRunner:
             pooled = self.pooler.pool(step, token_starts, inputs.query_starts.tolist(), hidden)
             return PendingStepResult([], None, {}, pooled)
         if self.drafter is not None:
-            self.drafter.run_step_tokens(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+            self.drafter.run_step_tokens(
+                inputs.input_ids, inputs.positions, inputs.attn_metadata, graphed=graph is not None
+            )
         prompt_logprobs = self._prompt_logprobs(step, inputs, hidden)
         if inputs.sampling_metadata is None:
             if self.eagle is not None:  # prompt chunks only: the head's cache follows the target's
@@ -584,14 +596,23 @@ class ModelRunner:
         )
         return dict(zip(indices, drafts))
 
-    def _graph_size(self, step: SchedulerOutput) -> int | None:
-        """The CUDA-graph size to pad this step to, or None to run it eagerly."""
-        runner = self.graph_runner
-        if runner is None or len(step.scheduled) > runner.max_size:
+    def _graph_for(self, step: SchedulerOutput) -> tuple[CudaGraphRunner, int] | None:
+        """The full CUDA graph (runner, padded size) this step replays, or None to run it otherwise:
+        one-token decodes, or with speculative decoding up to k + 1 tokens per request."""
+        graphs = self.decode_graphs
+        if graphs is None or not step.scheduled:
             return None
-        if any(item.num_new_tokens != 1 for item in step.scheduled):
-            return None
-        return runner.padded_size(len(step.scheduled))
+        max_query_len = max(item.num_new_tokens for item in step.scheduled)
+        return graphs.select(len(step.scheduled), max_query_len)
+
+    def graph_replay_counts(self) -> dict[str, dict[int, int]]:
+        """Full-graph replays so far by model and query tokens per request (benchmarks report them)."""
+        counts = {}
+        if self.decode_graphs is not None:
+            counts["target"] = self.decode_graphs.replay_counts()
+        if self.drafter is not None:
+            counts.update(self.drafter.graph_replay_counts())
+        return counts
 
     def _prompt_logprobs(
         self, step: SchedulerOutput, inputs: ModelInputs, hidden: torch.Tensor

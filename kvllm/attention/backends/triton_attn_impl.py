@@ -46,8 +46,11 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
     take their launch decisions from the batch's padded sizes only, never from sequence lengths, so a
     replay launches exactly what was captured. They expect the batch padded to the captured size:
     padded tokens have slot -1, padded requests query length 0. A uniform-decode capture (every
-    query length <= 1) must be replayed with uniform-decode batches.
+    query length <= 1, or <= decode_query_len for a speculative verification) must be replayed with
+    uniform-decode batches of the same bound.
     """
+
+    uniform_batch_graphs: ClassVar[bool] = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -1,0 +1,101 @@
+"""CUDA graphs of the draft model: its pass over each step's tokens, and its k greedy decode steps.
+
+Per verification step the draft model runs 1 + k forward passes: one over the step's tokens (so its
+KV cache follows the target's), then k one-token steps that propose the drafts. Eager, each is
+hundreds of kernel launches: at batch 1 they, not the GPU, set the step time. So:
+- the pass over the step's tokens replays a graph of the target step's own shape (one token per
+  request, or k + 1 for a verification: uniform_graph.py), reading the same input buffers the
+  target's graph read; steps the target ran piecewise or eagerly (prompt chunks) run eagerly here;
+- each proposal step copies its token ids and positions into this module's buffers and replays the
+  one-token graph of its padded batch size (requests that run out of slots drop out, so later steps
+  may take smaller graphs); the LM head and argmax run after the graph.
+
+The draft model's attention builder holds the graphs' metadata buffers; every replay refills them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvllm.attention.metadata import CommonAttentionMetadata
+from kvllm.spec_decode.draft_cache import DraftKVCache
+from kvllm.worker.cuda_graph import CudaGraphRunner
+from kvllm.worker.input_batch import InputBatch
+from kvllm.worker.uniform_graph import UniformDecodeGraphs
+
+
+class DraftModelGraphs:
+    """The draft model's step-token graphs (shared shapes with the target's) and proposal graphs."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        cache: DraftKVCache,
+        input_batch: InputBatch,
+        capture_sizes: list[int],
+        spec_query_len: int,
+        pool: Any = None,
+    ) -> None:
+        assert cache.builder is not None, "initialize the draft KV cache first"
+        self.cache = cache
+        self.step = UniformDecodeGraphs(
+            model,
+            cache.builder,
+            input_batch.input_ids,
+            input_batch.positions,
+            capture_sizes,
+            input_batch.capture_metadata,
+            spec_query_len,
+            pool=pool,
+        )
+        size = max(capture_sizes)
+        device = cache.device
+        self.input_ids = torch.zeros(size, dtype=torch.int32, device=device)
+        self.positions = torch.zeros(size, dtype=torch.int32, device=device)
+        self.propose = CudaGraphRunner(
+            model,
+            cache.builder,
+            self.input_ids,
+            self.positions,
+            capture_sizes,
+            cache.capture_metadata,
+            pool=self.step.pool,
+        )
+
+    def capture(self) -> None:
+        self.step.capture()
+        self.propose.capture()
+
+    def run_step_tokens(self, common: CommonAttentionMetadata, num_tokens: int) -> bool:
+        """Replay the step-token graph of this padded batch (its inputs are in the target's buffers);
+        False when none has its shape."""
+        runner = self.step.runner_for(common)
+        if runner is None:
+            return False
+        runner.replay(common, num_tokens)
+        return True
+
+    def decode(
+        self,
+        token_ids: torch.Tensor,
+        positions: np.ndarray,
+        rows: np.ndarray,
+        block_table: np.ndarray,
+        block_table_gpu: torch.Tensor,
+    ) -> torch.Tensor | None:
+        """One proposal step of n requests in a graph: hidden states [n, H], or None when n exceeds
+        the largest graph."""
+        n = len(rows)
+        size = self.propose.padded_size(n)
+        if size is None:
+            return None
+        self.input_ids[:n].copy_(token_ids)
+        self.positions[:n].copy_(torch.from_numpy(positions.astype(np.int32)))
+        common = self.cache.decode_metadata(positions, rows, block_table, block_table_gpu, pad_to=size)
+        return self.propose.replay(common, n)
+
+    def replay_counts(self) -> dict[str, dict[int, int]]:
+        return {"draft_step": self.step.replay_counts(), "draft_propose": {1: self.propose.num_replays}}
