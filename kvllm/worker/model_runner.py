@@ -142,6 +142,8 @@ class ModelRunner:
         self.input_batch: InputBatch | None = None
         self.graph_runner: CudaGraphRunner | None = None  # one-token decode graphs
         self.decode_graphs: UniformDecodeGraphs | None = None  # those and the k + 1 verification graphs
+        self.num_verify_steps = 0  # steps that verified drafts, and those of them in a full graph
+        self.num_verify_steps_graphed = 0
         self.piecewise: PiecewiseGraphRunner | None = None
         self.num_blocks = 0
         self.max_num_reqs = 0
@@ -434,6 +436,9 @@ class ModelRunner:
             inputs = self.input_batch.prepare(step, graph[1], graph[0].query_len)
         if self.model_config.is_encoder_only:
             inputs.attn_metadata.causal = False  # every token of a prompt attends to all of it
+        if inputs.spec is not None:
+            self.num_verify_steps += 1
+            self.num_verify_steps_graphed += graph is not None
         if graph is not None:
             hidden = graph[0].replay(inputs.attn_metadata, inputs.num_tokens)
         elif self.piecewise is not None and self.piecewise.can_replay(inputs.num_tokens):

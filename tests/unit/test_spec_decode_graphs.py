@@ -83,7 +83,8 @@ def test_greedy_ids_with_graphed_verification_equal_plain_decoding(
     assert stats.num_accepted_tokens > 0
     counts = runner.graph_replay_counts()
     # Every verification step (its batch <= 4 requests, <= k + 1 tokens each) replayed the k + 1 graph.
-    assert counts["target"][K + 1] >= 1
+    assert runner.num_verify_steps > 0 and runner.num_verify_steps_graphed == runner.num_verify_steps
+    assert counts["target"][K + 1] >= runner.num_verify_steps
     assert all(len(lens) in (1, 2, 4) and max(lens) <= K + 1 for lens in seen)
     assert any(sum(lens) < len(lens) * (K + 1) for lens in seen)  # padded requests or fewer drafts
     if method == "draft_model":
