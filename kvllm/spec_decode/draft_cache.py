@@ -18,6 +18,7 @@ from kvllm.attention.backend import AttentionBackend
 from kvllm.attention.metadata import CommonAttentionMetadata, KVCacheSpec
 from kvllm.layers.attention import Attention
 from kvllm.layers.mla_attention import MLAAttention
+from kvllm.worker.buffers import upload_from_host
 
 
 class DraftKVCache:
@@ -82,21 +83,23 @@ class DraftKVCache:
         table_rows = np.full(size, rows[0], dtype=np.int64)
         table_rows[:n] = rows
         device = self.device
+        # Uploads through pinned memory: a proposal step never waits for the previous one to finish.
         return CommonAttentionMetadata(
             num_reqs=size,
             num_actual_tokens=size,
             num_decodes=size,
             num_decode_tokens=size,
-            query_start_loc=qsl.to(device),
+            query_start_loc=upload_from_host(qsl, device),
             query_start_loc_cpu=qsl,
-            seq_lens=torch.from_numpy(seq_lens).to(device),
+            seq_lens=upload_from_host(torch.from_numpy(seq_lens), device),
             seq_lens_cpu=torch.from_numpy(seq_lens),
             max_query_len=1,
             max_seq_len=int(seq_lens.max()),
             block_table=block_table_gpu[
-                torch.from_numpy(table_rows).to(device), : int(positions.max()) // block_size + 1
+                upload_from_host(torch.from_numpy(table_rows), device),
+                : int(positions.max()) // block_size + 1,
             ],
-            slot_mapping=torch.from_numpy(slots).to(device),
+            slot_mapping=upload_from_host(torch.from_numpy(slots), device),
         )
 
     def capture_metadata(self, num_reqs: int) -> CommonAttentionMetadata:

@@ -22,6 +22,7 @@ import torch
 
 from kvllm.attention.metadata import CommonAttentionMetadata
 from kvllm.spec_decode.draft_cache import DraftKVCache
+from kvllm.worker.buffers import upload_from_host
 from kvllm.worker.cuda_graph import CudaGraphRunner
 from kvllm.worker.input_batch import InputBatch
 from kvllm.worker.uniform_graph import UniformDecodeGraphs
@@ -93,7 +94,9 @@ class DraftModelGraphs:
         if size is None:
             return None
         self.input_ids[:n].copy_(token_ids)
-        self.positions[:n].copy_(torch.from_numpy(positions.astype(np.int32)))
+        self.positions[:n].copy_(
+            upload_from_host(torch.from_numpy(positions.astype(np.int32)), self.cache.device)
+        )
         common = self.cache.decode_metadata(positions, rows, block_table, block_table_gpu, pad_to=size)
         return self.propose.replay(common, n)
 

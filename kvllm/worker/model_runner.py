@@ -350,6 +350,8 @@ class ModelRunner:
         for layer in self.attention_layers:
             layer.kv_cache = torch.empty(0)
         self.graph_runner = self.decode_graphs = None
+        if self.drafter is not None:
+            self.drafter.graphs = None
         self.piecewise = None
         self.metadata_builder = None
         self.input_batch = None

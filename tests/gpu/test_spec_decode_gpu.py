@@ -50,8 +50,9 @@ def test_verification_and_drafting_replay_full_cuda_graphs(tiny_qwen3_path, meth
         if method == "ngram"
         else {"model": str(tiny_qwen3_path)}
     )
-    reference, _ = _run(tiny_qwen3_path, params, attention_backend="TRITON_ATTN")
-    ours, llm = _run(tiny_qwen3_path, params, attention_backend="TRITON_ATTN", speculative_config=config)
+    engine = {"attention_backend": "TRITON_ATTN", "max_num_seqs": 8}  # graphs of 1, 2, 4, 8 requests
+    reference, _ = _run(tiny_qwen3_path, params, **engine)
+    ours, llm = _run(tiny_qwen3_path, params, speculative_config=config, **engine)
     assert ours == reference
     runner = llm.llm_engine.executor.worker.model_runner
     counts = runner.graph_replay_counts()
