@@ -16,8 +16,9 @@ each configuration in its own process (so each engine gets the whole GPU):
                    running the head (eagerly: no CUDA graphs with EAGLE yet) and verifying its drafts
 For each: 1 warm-up request, then REPEATS requests of OUTPUT_LEN tokens; ms per output token = wall
 time / output tokens; acceptance counts from the engine. kvllm records also say which steps replayed
-full CUDA graphs: `graph_replays` by model ("target", "draft_step": the draft model's pass over the
-step's tokens, "draft_propose": its k decode steps) and query tokens per request (1, or k + 1 for a
+full CUDA graphs: `graph_replays` by model ("target"; "draft_step": the draft model's pass over a
+step's tokens, which decode-only steps skip; "draft_propose": its proposal steps, the first of two
+tokens per request after a decode-only step) and query tokens per request (1, 2, or k + 1 for a
 verification), and `verify_steps` / `verify_steps_graphed` (steps with drafts / those in a full graph).
 With --vllm the first three run on vLLM (its defaults: torch.compile, CUDA graphs; `none` first, so
 the other two reuse its compile cache); vLLM has no forced-rejection mode. One JSON line per

@@ -9,6 +9,15 @@ emitted give the next drafts. Greedy drafts are deterministic, so the rejection 
 them with q one-hot: the output stays exactly the target's distribution. The scheduler allocates
 k lookahead slots per request for these steps when the cache has room; a request without them
 drafts fewer tokens. With CUDA graphs on, both passes replay graphs (draft_graph.py).
+
+A step of decodes only (every request verifies its drafts, or has none, and samples) skips the
+pass over its tokens: the first proposal step runs two tokens per request instead, the token before
+the emitted one and the emitted one, so the draft model makes k passes per step, not k + 1. Invariant
+behind it: after each step the draft cache holds every position up to the emitted token p. The
+accepted drafts d_1..d_a sit at n..n+a-1 (n: the tokens known before the step); d_j was the draft
+model's own input at proposal step j of the step before (its greedy output of step j - 1), so d_1 ..
+d_{a-1} are cached already, d_a (never an input when a = k) and p are the two tokens of the first
+step. Rejected positions hold stale K/V past p, overwritten before any step reads that far.
 """
 
 from __future__ import annotations
@@ -27,10 +36,16 @@ from kvllm.forward_context import set_forward_context
 from kvllm.models.loader import load_model
 from kvllm.models.model_config import ModelConfig
 from kvllm.spec_decode.draft_cache import DraftKVCache
-from kvllm.spec_decode.draft_graph import DraftModelGraphs
+from kvllm.spec_decode.draft_graph import DraftModelGraphs, pair_layout
 from kvllm.utils.dtypes import kv_cache_torch_dtype
 
 logger = logging.getLogger(__name__)
+
+
+def needs_step_tokens(step_requests: int, sampling_requests: int, decode_only: bool) -> bool:
+    """Whether the draft model runs over the step's own tokens: yes, unless every one of the step's
+    requests is a decode (its query is its last token and its drafts) that samples."""
+    return not (decode_only and sampling_requests == step_requests)
 
 
 class DraftModelProposer:
@@ -114,12 +129,11 @@ class DraftModelProposer:
         positions: torch.Tensor,
         common: CommonAttentionMetadata,
         graphed: bool = False,
-        num_tokens: int | None = None,
     ) -> None:
         """The step's own tokens through the draft model: its KV cache follows the target's. `graphed`:
         the target replayed a full graph of this padded batch, so the draft model replays its own."""
         if graphed and self.graphs is not None:
-            if self.graphs.run_step_tokens(common, num_tokens or common.num_actual_tokens):
+            if self.graphs.run_step_tokens(common):
                 return
         with set_forward_context(self.cache.build(common)):
             self.model(input_ids, positions)
@@ -132,16 +146,33 @@ class DraftModelProposer:
         limits: np.ndarray,
         block_table: np.ndarray,
         block_table_gpu: torch.Tensor,
+        pair_token_ids: torch.Tensor | None = None,
     ) -> list[list[int]]:
         """Up to k greedy drafts per request: request r's token `last_token_ids[r]` sits at position
         `positions[r]` of its row; its slots end before position `limits[r]` (allocated blocks and
-        max_model_len), so it drafts at most limits[r] - positions[r] tokens."""
+        max_model_len), so it drafts at most limits[r] - positions[r] tokens.
+
+        `pair_token_ids` (int [num, 2] on the device: each request's tokens at positions[r] - 1 and
+        positions[r]) is given when the step's own tokens did not run through the draft model: the
+        first step then runs both (see the module docstring)."""
         num = len(rows)
         out = torch.full((num, self.k), -1, dtype=torch.int64, device=self.device)
         counts = np.zeros(num, dtype=np.int64)
         active = np.arange(num)
         ids = last_token_ids.long()
-        for j in range(self.k):
+        first = 0
+        if pair_token_ids is not None:
+            hidden = self._pair_step(pair_token_ids, positions, rows, limits, block_table, block_table_gpu)
+            keep = np.flatnonzero(positions < limits)
+            if len(keep) < num:
+                hidden = hidden[torch.from_numpy(keep).to(self.device)]
+            active = active[keep]
+            if len(active):
+                ids = self.model.compute_logits(hidden).argmax(dim=-1)
+                out[torch.from_numpy(active).to(self.device), 0] = ids
+                counts[active] += 1
+            first = 1
+        for j in range(first, self.k):
             keep = positions[active] + j < limits[active]
             if not keep.all():
                 ids = ids[torch.from_numpy(np.flatnonzero(keep)).to(self.device)]
@@ -162,3 +193,27 @@ class DraftModelProposer:
             counts[active] += 1
         host = out.tolist()
         return [row[:c] for row, c in zip(host, counts.tolist())]
+
+    def _pair_step(
+        self,
+        pair_token_ids: torch.Tensor,
+        positions: np.ndarray,
+        rows: np.ndarray,
+        limits: np.ndarray,
+        block_table: np.ndarray,
+        block_table_gpu: torch.Tensor,
+    ) -> torch.Tensor:
+        """Hidden states [num, H] at each request's emitted token, after running it and the token
+        before it (in a graph when one holds the batch)."""
+        if self.graphs is not None:
+            hidden = self.graphs.decode_pairs(
+                pair_token_ids, positions, rows, limits, block_table, block_table_gpu
+            )
+            if hidden is not None:
+                return hidden
+        common, last_rows = self.cache.pair_metadata(positions, rows, limits, block_table, block_table_gpu)
+        flat, token_pos = pair_layout(positions, limits)
+        ids = pair_token_ids.reshape(-1)[torch.from_numpy(flat).to(self.device)]
+        with set_forward_context(self.cache.build(common)):
+            hidden = self.model(ids, torch.from_numpy(token_pos).to(self.device))
+        return hidden[torch.from_numpy(last_rows).to(self.device)]

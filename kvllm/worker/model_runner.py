@@ -29,11 +29,12 @@ from kvllm.platforms.interface import DeviceInfo
 from kvllm.sample.logprobs import position_logprobs
 from kvllm.sample.sampler import HostCopy, Sampler
 from kvllm.sample.structured import GrammarBitmaskInputs
-from kvllm.spec_decode.draft_model import DraftModelProposer
+from kvllm.spec_decode.draft_model import DraftModelProposer, needs_step_tokens
 from kvllm.spec_decode.eagle import EagleProposer
 from kvllm.spec_decode.medusa import MedusaProposer
 from kvllm.spec_decode.verify import PendingVerification, verify_drafts
 from kvllm.utils.dtypes import dtype_name, kv_cache_torch_dtype
+from kvllm.worker.buffers import upload_from_host
 from kvllm.worker.cuda_graph import CudaGraphRunner, default_capture_sizes
 from kvllm.worker.input_batch import InputBatch, ModelInputs
 from kvllm.worker.piecewise_graph import PiecewiseGraphRunner, default_token_buckets
@@ -453,7 +454,12 @@ class ModelRunner:
             token_starts = inputs.attn_metadata.query_start_loc_cpu.tolist()
             pooled = self.pooler.pool(step, token_starts, inputs.query_starts.tolist(), hidden)
             return PendingStepResult([], None, {}, pooled)
-        if self.drafter is not None:
+        draft_step_tokens = self.drafter is not None and needs_step_tokens(
+            len(step.scheduled),
+            len(inputs.sampling_request_indices),
+            all(item.num_new_tokens == 1 + len(item.spec_token_ids) for item in step.scheduled),
+        )
+        if draft_step_tokens:
             self.drafter.run_step_tokens(
                 inputs.input_ids, inputs.positions, inputs.attn_metadata, graphed=graph is not None
             )
@@ -483,7 +489,9 @@ class ModelRunner:
             )
         drafts = None
         if self.drafter is not None:
-            drafts = self._propose_drafts(step, inputs, sampled.token_ids, verification)
+            drafts = self._propose_drafts(
+                step, inputs, sampled.token_ids, verification, not draft_step_tokens
+            )
         elif self.medusa is not None:
             drafts = self._propose_medusa(inputs, hidden, verification)
         elif self.eagle is not None:
@@ -580,8 +588,10 @@ class ModelRunner:
         inputs: ModelInputs,
         sampled_token_ids: torch.Tensor,
         verification: PendingVerification | None,
+        with_previous_token: bool = False,
     ) -> dict[int, list[int]]:
-        """The draft model's next drafts for every request that sampled, from the token it emitted."""
+        """The draft model's next drafts for every request that sampled, from the token it emitted
+        (`with_previous_token`: and the token before it, which the draft model has not run yet)."""
         assert self.drafter is not None and self.input_batch is not None
         batch = self.input_batch
         indices = inputs.sampling_request_indices
@@ -598,8 +608,13 @@ class ModelRunner:
         # The emitted token's position: after the request's known tokens and its accepted drafts.
         positions = np.array([r.num_tokens for r in requests], dtype=np.int64) + accepted
         limits = np.minimum(batch.num_blocks[rows] * self.block_size, self.model_config.max_model_len)
+        pairs = None
+        if with_previous_token:  # the token table holds both: verification wrote the emitted tokens
+            flat = (rows * batch.max_model_len + positions)[:, None] + np.arange(-1, 1)[None, :]
+            index = upload_from_host(torch.from_numpy(flat.reshape(-1)), self.device)
+            pairs = batch.token_ids.view(-1).index_select(0, index).view(len(rows), 2)
         drafts = self.drafter.propose(
-            last, positions, rows, limits, batch.block_table.np, batch.block_table.gpu
+            last, positions, rows, limits, batch.block_table.np, batch.block_table.gpu, pairs
         )
         return dict(zip(indices, drafts))
 

@@ -62,7 +62,9 @@ def test_verification_and_drafting_replay_full_cuda_graphs(tiny_qwen3_path, meth
     assert runner.num_verify_steps > 0 and runner.num_verify_steps_graphed == runner.num_verify_steps
     assert counts["target"][4] >= runner.num_verify_steps
     if method == "draft_model":
-        assert counts["draft_step"][4] == counts["target"][4]
+        # Decode-only steps: the first proposal step (two tokens per request) replaces the pass over
+        # the step's tokens.
+        assert counts["draft_propose"][2] >= runner.num_verify_steps
         assert counts["draft_propose"][1] > 0
 
 
