@@ -38,6 +38,7 @@ from kvllm.models.model_config import ModelConfig
 from kvllm.spec_decode.draft_cache import DraftKVCache
 from kvllm.spec_decode.draft_graph import DraftModelGraphs, pair_layout
 from kvllm.utils.dtypes import kv_cache_torch_dtype
+from kvllm.worker.buffers import upload_from_host
 
 logger = logging.getLogger(__name__)
 
@@ -165,17 +166,17 @@ class DraftModelProposer:
             hidden = self._pair_step(pair_token_ids, positions, rows, limits, block_table, block_table_gpu)
             keep = np.flatnonzero(positions < limits)
             if len(keep) < num:
-                hidden = hidden[torch.from_numpy(keep).to(self.device)]
+                hidden = hidden[self._upload(keep)]
             active = active[keep]
             if len(active):
                 ids = self.model.compute_logits(hidden).argmax(dim=-1)
-                out[torch.from_numpy(active).to(self.device), 0] = ids
+                out[self._upload(active), 0] = ids
                 counts[active] += 1
             first = 1
         for j in range(first, self.k):
             keep = positions[active] + j < limits[active]
             if not keep.all():
-                ids = ids[torch.from_numpy(np.flatnonzero(keep)).to(self.device)]
+                ids = ids[self._upload(np.flatnonzero(keep))]
                 active = active[keep]
             if not len(active):
                 break
@@ -189,10 +190,14 @@ class DraftModelProposer:
                 with set_forward_context(self.cache.build(common)):
                     hidden = self.model(ids, torch.from_numpy(pos.astype(np.int32)).to(self.device))
             ids = self.model.compute_logits(hidden[:n]).argmax(dim=-1)
-            out[torch.from_numpy(active).to(self.device), j] = ids
+            out[self._upload(active), j] = ids
             counts[active] += 1
         host = out.tolist()
         return [row[:c] for row, c in zip(host, counts.tolist())]
+
+    def _upload(self, index: np.ndarray) -> torch.Tensor:
+        # Through pinned memory: a synchronous copy would wait for the queued proposal steps.
+        return upload_from_host(torch.from_numpy(index), self.device)
 
     def _pair_step(
         self,
