@@ -73,8 +73,13 @@ def test_greedy_ids_with_graphed_verification_equal_plain_decoding(
     replay = CudaGraphRunner.replay
 
     def recording_replay(self, common, num_real_tokens):
-        if self.query_len > 1:
-            seen.append(common.query_lens_cpu.tolist())
+        if self.query_len > 1 and common.num_actual_tokens == common.num_reqs * (K + 1):  # the target's
+            lens = common.query_lens_cpu.tolist()
+            seen.append(lens)
+            # Real tokens packed first; every padded token row writes no KV.
+            assert sum(lens) == num_real_tokens and common.num_decodes == common.num_reqs
+            assert (common.slot_mapping[num_real_tokens:] == -1).all()
+            assert (common.slot_mapping[:num_real_tokens] >= 0).all()
         return replay(self, common, num_real_tokens)
 
     monkeypatch.setattr(CudaGraphRunner, "replay", recording_replay)
