@@ -13,7 +13,7 @@ each configuration in its own process (so each engine gets the whole GPU):
                    place of the lookup's): the overhead of verifying k = 3 drafts per step
   eagle_random     an EAGLE head with random weights (SafeAILab's format, one Llama layer, the
                    target's embedding and LM head), k = 3: acceptance about 0, so this is the cost of
-                   running the head (eagerly: no CUDA graphs with EAGLE yet) and verifying its drafts
+                   running the head (eagerly; the target's steps in CUDA graphs) and verifying its drafts
 For each: 1 warm-up request, then REPEATS requests of OUTPUT_LEN tokens; ms per output token = wall
 time / output tokens; acceptance counts from the engine. kvllm records also say which steps replayed
 full CUDA graphs: `graph_replays` by model ("target"; "draft_step": the draft model's pass over a

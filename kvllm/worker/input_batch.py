@@ -64,7 +64,9 @@ class ModelInputs:
     query_starts: np.ndarray  # per scheduled request: the position of its first token this step
     prompt_logprob_indices: list[int]  # scheduled requests that asked for prompt logprobs
     spec: SpecInputs | None = None  # the drafts to verify (speculative decoding), if any
-    token_index: torch.Tensor | None = None  # int64 [T]: each token's flat slot in the token table
+    # int64 [T] (padded as input_ids): each token's flat slot in the token table; None on the decode
+    # fast path
+    token_index: torch.Tensor | None = None
 
 
 class InputBatch:
@@ -418,7 +420,7 @@ class InputBatch:
             query_starts=starts,
             prompt_logprob_indices=np.flatnonzero(self.wants_prompt_logprobs[rows]).tolist(),
             spec=spec,
-            token_index=dev64["token_index"][:num_tokens],
+            token_index=dev64["token_index"][:num_inputs],  # padded rows (graph batches): index 0
         )
 
     def _spec_inputs(

@@ -243,6 +243,8 @@ class ModelRunner:
         )
         # Speculative decoding schedules without overlap: rows take their counts from the requests.
         self.input_batch.counts_from_requests = self.args.speculative_config is not None
+        if self.eagle is not None:  # the head reads each step's token index, which the fast path skips
+            self.input_batch.decode_fast_path = False
         if self.drafter is not None:
             self.drafter.initialize_kv_cache(num_blocks, max_num_reqs, max_num_tokens)
         if self.eagle is not None:
@@ -398,7 +400,7 @@ class ModelRunner:
         if self.pooler is not None:
             logger.info("CUDA graphs off: the pooling runner runs prefill steps only, which run eagerly")
             return []
-        if self.eagle is not None:
+        if self.eagle is not None and (self.eagle.method != "eagle" or self.kv_cache_spec.use_mla):
             logger.info(
                 "CUDA graphs off: the %s head runs on every step's tokens, eagerly", self.eagle.method
             )
@@ -443,13 +445,17 @@ class ModelRunner:
             self.num_verify_steps += 1
             self.num_verify_steps_graphed += graph is not None
         if graph is not None:
-            hidden = graph[0].replay(inputs.attn_metadata, inputs.num_tokens)
+            # All of the graph's rows: the EAGLE head runs over the padded batch as the graph did.
+            head_hidden = graph[0].replay(inputs.attn_metadata, inputs.attn_metadata.num_actual_tokens)
+            hidden = head_hidden[: inputs.num_tokens]
         elif self.piecewise is not None and self.piecewise.can_replay(inputs.num_tokens):
             hidden = self.piecewise.replay(inputs.attn_metadata, inputs.num_tokens)
         else:
             attn_metadata = self.metadata_builder.build(inputs.attn_metadata)
             with set_forward_context(attn_metadata):
                 hidden = self.model(inputs.input_ids, inputs.positions)
+        if graph is None:
+            head_hidden = hidden
         if self.pooler is not None:
             token_starts = inputs.attn_metadata.query_start_loc_cpu.tolist()
             pooled = self.pooler.pool(step, token_starts, inputs.query_starts.tolist(), hidden)
@@ -466,7 +472,7 @@ class ModelRunner:
         prompt_logprobs = self._prompt_logprobs(step, inputs, hidden)
         if inputs.sampling_metadata is None:
             if self.eagle is not None:  # prompt chunks only: the head's cache follows the target's
-                self._run_eagle(inputs, hidden)
+                self._run_eagle(inputs, head_hidden)
             return PendingStepResult([], None, prompt_logprobs)
         if inputs.logits_indices is None:
             sampled_hidden = hidden[: inputs.num_tokens]
@@ -495,7 +501,7 @@ class ModelRunner:
         elif self.medusa is not None:
             drafts = self._propose_medusa(inputs, hidden, verification)
         elif self.eagle is not None:
-            drafts = self._propose_eagle(step, inputs, hidden, verification)
+            drafts = self._propose_eagle(step, inputs, head_hidden, verification)
         return PendingStepResult(
             inputs.sampling_request_indices,
             sampled.copy_to_host(),
