@@ -18,7 +18,7 @@ from kvllm.attention.backend import AttentionBackend
 from kvllm.attention.metadata import CommonAttentionMetadata, KVCacheSpec
 from kvllm.layers.attention import Attention
 from kvllm.layers.mla_attention import MLAAttention
-from kvllm.worker.buffers import upload_from_host
+from kvllm.utils.host_copy import upload_from_host
 
 
 class DraftKVCache:
@@ -178,3 +178,13 @@ class DraftKVCache:
         )
         common.slot_mapping.fill_(-1)
         return common
+
+
+def pair_layout(positions: np.ndarray, limits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The packed tokens of a two-token proposal step: each one's flat index into the [n, 2] token
+    pairs, and its position (int64, int32). A request whose emitted token has no slot keeps one."""
+    query_lens = np.where(positions < limits, 2, 1)
+    starts = np.cumsum(query_lens) - query_lens
+    req = np.repeat(np.arange(len(positions)), query_lens)
+    within = np.arange(int(query_lens.sum())) - starts[req]
+    return req * 2 + within, (positions[req] - 1 + within).astype(np.int32)

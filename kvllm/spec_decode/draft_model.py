@@ -8,7 +8,8 @@ target's), then, for every request that sampled, k greedy decode steps from the 
 emitted give the next drafts. Greedy drafts are deterministic, so the rejection sampler verifies
 them with q one-hot: the output stays exactly the target's distribution. The scheduler allocates
 k lookahead slots per request for these steps when the cache has room; a request without them
-drafts fewer tokens. With CUDA graphs on, both passes replay graphs (draft_graph.py).
+drafts fewer tokens. With CUDA graphs on, both passes replay graphs (kvllm/worker/draft_graph.py,
+handed in by the model runner as `graphs`).
 
 A step of decodes only (every request verifies its drafts, or has none, and samples) skips the
 pass over its tokens: the first proposal step runs two tokens per request instead, the token before
@@ -23,7 +24,7 @@ step. Rejected positions hold stale K/V past p, overwritten before any step read
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -35,12 +36,39 @@ from kvllm.config.speculative import SpeculativeConfig
 from kvllm.forward_context import set_forward_context
 from kvllm.models.loader import load_model
 from kvllm.models.model_config import ModelConfig
-from kvllm.spec_decode.draft_cache import DraftKVCache
-from kvllm.spec_decode.draft_graph import DraftModelGraphs, pair_layout
+from kvllm.spec_decode.draft_cache import DraftKVCache, pair_layout
 from kvllm.utils.dtypes import kv_cache_torch_dtype
-from kvllm.worker.buffers import upload_from_host
+from kvllm.utils.host_copy import upload_from_host
 
 logger = logging.getLogger(__name__)
+
+
+class DraftGraphs(Protocol):
+    """The draft model's CUDA graphs (kvllm/worker/draft_graph.py: DraftModelGraphs); each call
+    returns False / None when no graph holds the batch, and the proposer runs it eagerly."""
+
+    def run_step_tokens(self, common: CommonAttentionMetadata) -> bool: ...
+
+    def decode(
+        self,
+        token_ids: torch.Tensor,
+        positions: np.ndarray,
+        rows: np.ndarray,
+        block_table: np.ndarray,
+        block_table_gpu: torch.Tensor,
+    ) -> torch.Tensor | None: ...
+
+    def decode_pairs(
+        self,
+        pair_token_ids: torch.Tensor,
+        positions: np.ndarray,
+        rows: np.ndarray,
+        limits: np.ndarray,
+        block_table: np.ndarray,
+        block_table_gpu: torch.Tensor,
+    ) -> torch.Tensor | None: ...
+
+    def replay_counts(self) -> dict[str, dict[int, int]]: ...
 
 
 def needs_step_tokens(step_requests: int, sampling_requests: int, decode_only: bool) -> bool:
@@ -97,7 +125,7 @@ class DraftModelProposer:
             lambda layer: layer.bind_backend(attn_backend, args.kv_cache_dtype),
             device,
         )
-        self.graphs: DraftModelGraphs | None = None
+        self.graphs: DraftGraphs | None = None  # set by the model runner once captured
         logger.info(
             "Draft model %s (%d layers) proposes %d tokens per step",
             self.model_config.model,
@@ -111,15 +139,6 @@ class DraftModelProposer:
     def initialize_kv_cache(self, num_blocks: int, max_num_reqs: int, max_num_tokens: int) -> None:
         self.graphs = None
         self.cache.initialize(num_blocks, max_num_reqs, max_num_tokens, self.model_config.max_model_len)
-
-    def capture_graphs(
-        self, input_batch: Any, capture_sizes: list[int], spec_query_len: int, pool: Any = None
-    ) -> None:
-        """Capture the draft model's graphs (after initialize_kv_cache; the target's input batch)."""
-        self.graphs = DraftModelGraphs(
-            self.model, self.cache, input_batch, capture_sizes, spec_query_len, pool
-        )
-        self.graphs.capture()
 
     def graph_replay_counts(self) -> dict[str, dict[int, int]]:
         return self.graphs.replay_counts() if self.graphs is not None else {}

@@ -36,6 +36,7 @@ from kvllm.spec_decode.verify import PendingVerification, verify_drafts
 from kvllm.utils.dtypes import dtype_name, kv_cache_torch_dtype
 from kvllm.worker.buffers import upload_from_host
 from kvllm.worker.cuda_graph import CudaGraphRunner, default_capture_sizes
+from kvllm.worker.draft_graph import DraftModelGraphs
 from kvllm.worker.input_batch import InputBatch, ModelInputs
 from kvllm.worker.piecewise_graph import PiecewiseGraphRunner, default_token_buckets
 from kvllm.worker.pooler import Pooler
@@ -267,9 +268,16 @@ class ModelRunner:
                 with torch.inference_mode():
                     stats = self.decode_graphs.capture()
                     if self.drafter is not None:
-                        self.drafter.capture_graphs(
-                            self.input_batch, capture_sizes, spec_query_len, self.decode_graphs.pool
+                        draft_graphs = DraftModelGraphs(
+                            self.drafter.model,
+                            self.drafter.cache,
+                            self.input_batch,
+                            capture_sizes,
+                            spec_query_len,
+                            self.decode_graphs.pool,
                         )
+                        draft_graphs.capture()
+                        self.drafter.graphs = draft_graphs
             except Exception as exc:
                 raise RuntimeError(
                     f"Capturing CUDA graphs with the {self.attn_backend.name} attention backend failed "

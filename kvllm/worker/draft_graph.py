@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from kvllm.attention.metadata import CommonAttentionMetadata
-from kvllm.spec_decode.draft_cache import DraftKVCache
+from kvllm.spec_decode.draft_cache import DraftKVCache, pair_layout
 from kvllm.worker.buffers import upload_from_host
 from kvllm.worker.cuda_graph import CudaGraphRunner
 from kvllm.worker.input_batch import InputBatch
@@ -149,13 +149,3 @@ class DraftModelGraphs:
         if self.pairs is not None:
             counts[2] = self.pairs.num_replays
         return {"draft_step": self.step.replay_counts(), "draft_propose": counts}
-
-
-def pair_layout(positions: np.ndarray, limits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The packed tokens of a two-token proposal step: each one's flat index into the [n, 2] token
-    pairs, and its position (int64, int32). A request whose emitted token has no slot keeps one."""
-    query_lens = np.where(positions < limits, 2, 1)
-    starts = np.cumsum(query_lens) - query_lens
-    req = np.repeat(np.arange(len(positions)), query_lens)
-    within = np.arange(int(query_lens.sum())) - starts[req]
-    return req * 2 + within, (positions[req] - 1 + within).astype(np.int32)
