@@ -1,6 +1,6 @@
 """Speculative decoding at batch 1 on one GPU: ms per output token with and without drafts.
 
-    PYTHONPATH=. python3 benchmarks/h200/spec_decode_bench.py --out $OUT          # kvllm, 4 configs
+    PYTHONPATH=. python3 benchmarks/h200/spec_decode_bench.py --out $OUT          # kvllm, 5 configs
     PYTHONPATH=.:/tmp/site-vllm python3 benchmarks/h200/spec_decode_bench.py --out $OUT --vllm
 
 Qwen3-0.6B shapes with dummy bf16 weights, greedy, EOS ignored, one request at a time (batch 1),
@@ -13,10 +13,15 @@ each configuration in its own process (so each engine gets the whole GPU):
                    place of the lookup's): the overhead of verifying k = 3 drafts per step
   eagle_random     an EAGLE head with random weights (SafeAILab's format, one Llama layer, the
                    target's embedding and LM head), k = 3: acceptance about 0, so this is the cost of
-                   running the head (eagerly: no CUDA graphs with EAGLE yet) and verifying its drafts
+                   running the head (eagerly; the target's steps in CUDA graphs) and verifying its drafts
 For each: 1 warm-up request, then REPEATS requests of OUTPUT_LEN tokens; ms per output token = wall
-time / output tokens; acceptance counts from the engine. With --vllm the first three run on vLLM
-(its defaults: torch.compile, CUDA graphs); vLLM has no forced-rejection mode. One JSON line per
+time / output tokens; acceptance counts from the engine. kvllm records also say which steps replayed
+full CUDA graphs: `graph_replays` by model ("target"; "draft_step": the draft model's pass over a
+step's tokens, which decode-only steps skip; "draft_propose": its proposal steps, the first of two
+tokens per request after a decode-only step) and query tokens per request (1, 2, or k + 1 for a
+verification), and `verify_steps` / `verify_steps_graphed` (steps with drafts / those in a full graph).
+With --vllm the first three run on vLLM (its defaults: torch.compile, CUDA graphs; `none` first, so
+the other two reuse its compile cache); vLLM has no forced-rejection mode. One JSON line per
 configuration goes to stdout and to OUT/spec_decode.jsonl; a table is printed last.
 """
 
@@ -152,6 +157,7 @@ def run_one(name: str, engine: str, model: str, output_len: int) -> dict[str, An
             # Batch 1 only: a small batch keeps start-up (graph capture, warm-up) short.
             max_num_seqs=4,
             cudagraph_capture_sizes=[1, 2, 4],
+            max_num_batched_tokens=1024,  # the 512-token prompt in one step; fewer piecewise graphs
         )
         version = "kvllm"
     startup_s = time.perf_counter() - start
@@ -181,7 +187,14 @@ def run_one(name: str, engine: str, model: str, output_len: int) -> dict[str, An
     if engine == "kvllm":
         eng = llm.llm_engine
         record["attention_backend"] = eng.attention_backend_name
-        record["cuda_graphs"] = eng.executor.worker.model_runner.graph_runner is not None
+        runner = eng.executor.worker.model_runner
+        record["cuda_graphs"] = runner.graph_runner is not None
+        record["graph_replays"] = {
+            name: {str(q): n for q, n in by_len.items()}
+            for name, by_len in runner.graph_replay_counts().items()
+        }
+        record["verify_steps"] = runner.num_verify_steps
+        record["verify_steps_graphed"] = runner.num_verify_steps_graphed
         if eng.spec_decode is not None:
             s = eng.spec_decode.stats
             record.update(
@@ -223,7 +236,10 @@ def main() -> int:
     write_random_eagle_head(model, EAGLE_DIR)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    runs = [(c, "vllm") for c in CONFIGS[:3]] if args.vllm else [(c, "kvllm") for c in CONFIGS]
+    # vLLM: the plain target first, so the speculative configurations reuse its compile cache.
+    vllm_order = ("none", "ngram", "draft_is_target")
+    runs = [(c, "vllm") for c in vllm_order] if args.vllm else [(c, "kvllm") for c in CONFIGS]
+    bench_start = time.perf_counter()
     records = []
     results = out / ("spec_decode-vllm.jsonl" if args.vllm else "spec_decode.jsonl")
     results.write_text("")  # one line per configuration as it finishes: a timeout keeps the earlier ones
@@ -244,18 +260,21 @@ def main() -> int:
             if lines
             else {"engine": engine, "config": name, "error": f"exit {proc.returncode}, see {log.name}"}
         )
+        record["process_s"] = round(time.perf_counter() - bench_start, 1)  # cumulative wall time
         records.append(record)
         print(json.dumps(record), flush=True)
         with open(results, "a") as f:
             f.write(json.dumps(record) + "\n")
-    print(f"\n{'engine':>8} {'config':>16} {'ms/token':>9} {'accept':>7} {'tok/verify':>10}")
+    print(f"\n{'engine':>8} {'config':>16} {'ms/token':>9} {'accept':>7} {'tok/verify':>10} {'graphed':>9}")
     for r in records:
         rate = r.get("acceptance_rate")
         per = r.get("mean_tokens_per_verification")
+        graphed = f"{r['verify_steps_graphed']}/{r['verify_steps']}" if r.get("verify_steps") else ""
         print(
             f"{r['engine']:>8} {r['config']:>16} {r.get('ms_per_output_token', float('nan')):9.2f} "
-            f"{'' if rate is None else f'{rate:.2f}':>7} {'' if per is None else f'{per:.2f}':>10}"
+            f"{'' if rate is None else f'{rate:.2f}':>7} {'' if per is None else f'{per:.2f}':>10} {graphed:>9}"
         )
+    print(f"total {time.perf_counter() - bench_start:.0f} s")
     return 0
 
 

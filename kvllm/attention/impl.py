@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 
@@ -87,7 +87,11 @@ class AttentionMetadataBuilder(ABC):
 
     CUDA-graph hooks: the graph runner calls `prepare_for_capture` once per captured batch size
     and `prepare_for_replay` before each replay; builders that keep fixed-size buffers override them.
+    `uniform_batch_graphs` (vLLM's UNIFORM_BATCH graph support): the hooks also take uniform decode
+    batches of several query tokens per request (`decode_query_len` > 1: speculative verification).
     """
+
+    uniform_batch_graphs: ClassVar[bool] = False
 
     def __init__(
         self,

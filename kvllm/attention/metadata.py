@@ -11,9 +11,9 @@ import torch
 class CommonAttentionMetadata:
     """One step's batch, as every attention backend sees it.
 
-    Requests are ordered decodes first: the first `num_decodes` requests have exactly
-    `decode_query_len` query tokens each (one today; speculative decoding verifies several, so
-    the decode part stays uniform); the rest ("prefills") have any number >= 1 of query tokens,
+    Requests are ordered decodes first: the first `num_decodes` requests have
+    `decode_query_len` query tokens each (one, or k + 1 in a full-graph speculative verification,
+    where it is a bound: a request with fewer drafts has fewer, a padding request none); the rest ("prefills") have any number >= 1 of query tokens,
     which attend causally to their own earlier tokens and to everything already in the cache for
     that request. Token i of request r sits at absolute position seq_lens[r] - query_len[r] + i.
     """

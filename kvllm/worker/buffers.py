@@ -7,6 +7,10 @@ from typing import Any
 
 import torch
 
+from kvllm.utils.host_copy import upload_from_host
+
+__all__ = ["CpuGpuBuffer", "Layout", "StagingBuffer", "upload_from_host"]
+
 
 class CpuGpuBuffer:
     """A host array (numpy) and its device twin, for state written rarely (rows' parameters, blocks).
@@ -71,13 +75,6 @@ class StagingBuffer:
             event.record()
             self._uploaded[self._current] = event
         return self.gpu
-
-
-def upload_from_host(values: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on the device without a synchronous copy (through pinned memory on a GPU)."""
-    if device.type == "cpu":
-        return values
-    return values.pin_memory().to(device, non_blocking=True)
 
 
 class Layout:

@@ -11,6 +11,12 @@ Padding convention (the input batch writes it): a batch of R requests replayed i
 size B >= R has requests R..B-1 with query length 0 and sequence length 0, and tokens R..B-1 with
 slot -1, so padded rows write no KV and attend to nothing; their hidden states are ignored.
 
+With speculative decoding a second runner captures `query_len` = k + 1 tokens per request (vLLM's
+uniform_decode_query_len): B requests, B * (k + 1) token rows. A verification step replays it when
+every request has at most k + 1 query tokens: a request with fewer drafts (or none) simply has a
+shorter query, its tokens packed after the previous request's; the token rows after the last real
+token are padding (slot -1). So mixed draft counts hit the same graph and stay exact.
+
 `graph_factory` is `torch.cuda.CUDAGraph` on a GPU; tests pass `EagerGraph`, which replays by
 calling the forward again on the same buffers, so the runner's logic runs without a GPU.
 """
@@ -84,11 +90,13 @@ class CaptureStats:
 
 
 class CudaGraphRunner:
-    """Captures `forward(input_ids[:B], positions[:B])` for each bucket size B and replays it.
+    """Captures `forward(input_ids[:B * q], positions[:B * q])` for each bucket size B and replays it
+    (q = `query_len` tokens per request: 1, or k + 1 to verify k drafts).
 
-    `input_ids` / `positions` are the model's input buffers (at least max(capture_sizes) long);
+    `input_ids` / `positions` are the model's input buffers (at least max(capture_sizes) * q long);
     `make_capture_metadata(B)` returns a padded uniform-decode CommonAttentionMetadata of B
-    requests over buffers that stay valid (the input batch's), used once per capture.
+    requests of q tokens over buffers that stay valid (the input batch's), used once per capture.
+    `pool` shares another runner's graph memory pool.
     """
 
     def __init__(
@@ -100,15 +108,19 @@ class CudaGraphRunner:
         capture_sizes: list[int],
         make_capture_metadata: Callable[[int], CommonAttentionMetadata],
         graph_factory: Callable[[], Any] | None = None,
+        query_len: int = 1,
+        pool: Any = None,
     ) -> None:
+        if query_len < 1:
+            raise ValueError(f"query_len must be >= 1, got {query_len}")
         if not capture_sizes:
             raise ValueError("capture_sizes is empty: pass at least one batch size, or run eagerly")
         if sorted(set(capture_sizes)) != sorted(capture_sizes) or min(capture_sizes) < 1:
             raise ValueError(f"capture_sizes must be distinct positive sizes, got {capture_sizes}")
-        if max(capture_sizes) > min(input_ids.shape[0], positions.shape[0]):
+        if max(capture_sizes) * query_len > min(input_ids.shape[0], positions.shape[0]):
             raise ValueError(
-                f"the largest capture size {max(capture_sizes)} exceeds the input buffers "
-                f"({input_ids.shape[0]} tokens)"
+                f"the largest capture size {max(capture_sizes)} x {query_len} tokens exceeds the input "
+                f"buffers ({input_ids.shape[0]} tokens)"
             )
         self.forward = forward
         self.builder = builder
@@ -120,8 +132,11 @@ class CudaGraphRunner:
         self.graph_factory = graph_factory or (
             torch.cuda.CUDAGraph if self.device.type == "cuda" else EagerGraph
         )
+        self.query_len = query_len
         self.graphs: dict[int, _Graph] = {}
-        self.pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
+        if pool is None and self.device.type == "cuda":
+            pool = torch.cuda.graph_pool_handle()
+        self.pool = pool
         self.num_replays = 0
 
     @property
@@ -150,10 +165,13 @@ class CudaGraphRunner:
 
     def _capture_one(self, size: int) -> _Graph:
         common = self.make_capture_metadata(size)
-        if common.num_reqs != size or common.num_actual_tokens != size or common.max_query_len > 1:
-            raise ValueError(f"capture metadata for size {size} is not a uniform decode batch of {size}")
+        if not self._fits(common) or common.num_reqs != size:
+            raise ValueError(
+                f"capture metadata for size {size} is not a uniform decode batch of {size} x {self.query_len}"
+            )
         attn_metadata = self.builder.prepare_for_capture(common)
-        ids, pos = self.input_ids[:size], self.positions[:size]
+        num_tokens = size * self.query_len
+        ids, pos = self.input_ids[:num_tokens], self.positions[:num_tokens]
 
         def run() -> torch.Tensor:
             with set_forward_context(attn_metadata):
@@ -171,13 +189,17 @@ class CudaGraphRunner:
                 hidden = run()
         return _Graph(graph=graph, hidden=hidden, attn_metadata=attn_metadata)
 
-    def can_replay(self, common: CommonAttentionMetadata) -> bool:
-        """A padded uniform-decode batch whose size has a graph."""
+    def _fits(self, common: CommonAttentionMetadata) -> bool:
+        q = self.query_len
         return (
-            common.max_query_len <= 1
-            and common.num_reqs in self.graphs
-            and (common.num_actual_tokens == common.num_reqs)
+            common.max_query_len <= q
+            and common.num_actual_tokens == common.num_reqs * q
+            and (q == 1 or (common.decode_query_len == q and common.num_decodes == common.num_reqs))
         )
+
+    def can_replay(self, common: CommonAttentionMetadata) -> bool:
+        """A padded uniform-decode batch (at most query_len tokens per request) whose size has a graph."""
+        return common.num_reqs in self.graphs and self._fits(common)
 
     def replay(self, common: CommonAttentionMetadata, num_real_tokens: int) -> torch.Tensor:
         """Run the graph of `common.num_reqs` (already padded, inputs already in the buffers).
@@ -188,7 +210,8 @@ class CudaGraphRunner:
         if entry is None or not self.can_replay(common):
             raise ValueError(
                 f"no graph for a batch of {common.num_reqs} requests / {common.num_actual_tokens} tokens "
-                f"(max query length {common.max_query_len}); captured: {self.capture_sizes}"
+                f"(max query length {common.max_query_len}); captured: {self.capture_sizes} "
+                f"x {self.query_len} tokens"
             )
         self.builder.prepare_for_replay(common)
         entry.graph.replay()

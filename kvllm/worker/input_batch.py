@@ -64,7 +64,9 @@ class ModelInputs:
     query_starts: np.ndarray  # per scheduled request: the position of its first token this step
     prompt_logprob_indices: list[int]  # scheduled requests that asked for prompt logprobs
     spec: SpecInputs | None = None  # the drafts to verify (speculative decoding), if any
-    token_index: torch.Tensor | None = None  # int64 [T]: each token's flat slot in the token table
+    # int64 [T] (padded as input_ids): each token's flat slot in the token table; None on the decode
+    # fast path
+    token_index: torch.Tensor | None = None
 
 
 class InputBatch:
@@ -328,15 +330,16 @@ class InputBatch:
 
     # ---- one step -------------------------------------------------------------------------------
 
-    def prepare(self, step: SchedulerOutput, pad_to: int | None = None) -> ModelInputs:
+    def prepare(self, step: SchedulerOutput, pad_to: int | None = None, query_len: int = 1) -> ModelInputs:
         """The step's flat inputs (requests already ordered decodes first by the scheduler).
 
-        With `pad_to` (a CUDA-graph size >= the number of requests, uniform decode only) the
-        metadata covers `pad_to` requests and tokens, the extra ones padding (query length 0,
-        sequence length 0, slot -1).
+        With `pad_to` (a CUDA-graph size >= the number of requests, each with at most `query_len`
+        tokens: 1, or k + 1 for a speculative verification) the metadata covers `pad_to` requests
+        and `pad_to * query_len` tokens, the extra ones padding (query length 0, sequence length 0,
+        slot -1); the real tokens stay packed at the front.
         """
         rows, query_lens = self.update_states(step)
-        advanced = self._advance(rows, query_lens, pad_to)
+        advanced = self._advance(rows, query_lens, pad_to if query_len == 1 else None)
         if advanced is not None:
             return advanced
         self._last_decode = None
@@ -347,9 +350,14 @@ class InputBatch:
         num_tokens = int(query_lens.sum())
         max_query_len = int(query_lens.max())
         is_uniform_decode = max_query_len == 1
-        if pad_to is not None and (not is_uniform_decode or pad_to < num_reqs):
-            raise ValueError(f"pad_to={pad_to} needs a uniform decode batch of at most {pad_to} requests")
+        if pad_to is not None and (max_query_len > query_len or pad_to < num_reqs):
+            raise ValueError(
+                f"pad_to={pad_to} needs a uniform decode batch of at most {pad_to} requests of at most "
+                f"{query_len} tokens (got {num_reqs} requests, up to {max_query_len} tokens)"
+            )
         padded = pad_to if pad_to is not None else num_reqs
+        padded_tokens = padded * query_len if pad_to is not None else num_tokens
+        multi_token_graph = pad_to is not None and query_len > 1
 
         i32 = self._i32_layout.views(self.step_i32.next_host_numpy())
         i64 = self._i64_layout.views(self.step_i64.next_host_numpy())
@@ -375,9 +383,10 @@ class InputBatch:
             cu[num_reqs + 1 : padded + 1] = num_tokens
             i32["seq_lens"][num_reqs:padded] = 0
             i64["rows"][num_reqs:padded] = rows[0]
-            slots[num_tokens:padded] = -1
-            i64["token_index"][num_tokens:padded] = 0
-            i32["positions"][num_tokens:padded] = 0
+        if padded_tokens > num_tokens:
+            slots[num_tokens:padded_tokens] = -1
+            i64["token_index"][num_tokens:padded_tokens] = 0
+            i32["positions"][num_tokens:padded_tokens] = 0
 
         # Only requests whose chunk reaches their last known token produce a next token.
         num_drafts = self._num_drafts
@@ -394,18 +403,19 @@ class InputBatch:
 
         dev32 = self._i32_layout.views(self.step_i32.upload())
         dev64 = self._i64_layout.views(self.step_i64.upload())
-        num_inputs = max(num_tokens, padded)
+        num_inputs = max(num_tokens, padded_tokens)
         torch.index_select(
             self.token_ids.view(-1), 0, dev64["token_index"][:num_inputs], out=self.input_ids[:num_inputs]
         )
         max_cols = int(self.num_blocks[rows].max())
         block_table = self.block_table.gpu[dev64["rows"][:padded], :max_cols]
         cpu32 = self._i32_layout.views(self.step_i32.host)
+        num_decodes = padded if is_uniform_decode or multi_token_graph else _leading_ones(query_lens)
         metadata = CommonAttentionMetadata(
             num_reqs=padded,
-            num_actual_tokens=max(num_tokens, padded),
-            num_decodes=padded if is_uniform_decode else _leading_ones(query_lens),
-            num_decode_tokens=padded if is_uniform_decode else _leading_ones(query_lens),
+            num_actual_tokens=num_inputs,
+            num_decodes=num_decodes,
+            num_decode_tokens=num_inputs if multi_token_graph else num_decodes,
             query_start_loc=dev32["query_start_loc"][: padded + 1],
             query_start_loc_cpu=cpu32["query_start_loc"][: padded + 1],
             seq_lens=dev32["seq_lens"][:padded],
@@ -413,7 +423,8 @@ class InputBatch:
             max_query_len=max_query_len,
             max_seq_len=int(seq_lens.max()),
             block_table=block_table,
-            slot_mapping=dev64["slots"][: max(num_tokens, padded)],
+            slot_mapping=dev64["slots"][:num_inputs],
+            decode_query_len=query_len if multi_token_graph else 1,
         )
         self._pending = _PendingStep(sample_rows, dev64["sample_slots"][:num_samples])
         sampling_metadata = None
@@ -428,7 +439,7 @@ class InputBatch:
         self.num_computed[rows] += query_lens
         self.num_tokens[sample_rows] += 1
         sampling_request_indices = samples.tolist()
-        if pad_to is not None and all_sample:
+        if pad_to is not None and all_sample and query_len == 1:
             self._last_decode = DecodeStepMemory(
                 rows=rows,
                 pad_to=pad_to,
@@ -448,7 +459,7 @@ class InputBatch:
             query_starts=starts,
             prompt_logprob_indices=np.flatnonzero(self.wants_prompt_logprobs[rows]).tolist(),
             spec=spec,
-            token_index=dev64["token_index"][:num_tokens],
+            token_index=dev64["token_index"][:num_inputs],  # padded rows (graph batches): index 0
         )
 
     def _spec_inputs(
@@ -554,35 +565,42 @@ class InputBatch:
         num_output = self.num_tokens[sample_rows] - self.num_prompt_tokens[sample_rows]
         return not (num_output < self.min_tokens[sample_rows] + 1).any()
 
-    def capture_metadata(self, num_reqs: int) -> CommonAttentionMetadata:
-        """A uniform-decode batch of `num_reqs` dummy requests for CUDA-graph capture: each has one
-        token at position 0 that reads block 0 and writes nothing (slot -1)."""
-        if num_reqs > min(self.max_num_reqs, self.max_num_tokens):
-            raise ValueError(f"cannot capture {num_reqs} requests: the batch holds {self.max_num_reqs}")
+    def capture_metadata(self, num_reqs: int, query_len: int = 1) -> CommonAttentionMetadata:
+        """A uniform-decode batch of `num_reqs` dummy requests for CUDA-graph capture: each has
+        `query_len` tokens at positions 0.. that read block 0 and write nothing (slot -1)."""
+        num_tokens = num_reqs * query_len
+        if num_reqs > self.max_num_reqs or num_tokens > self.max_num_tokens:
+            raise ValueError(
+                f"cannot capture {num_reqs} requests of {query_len} tokens: the batch holds "
+                f"{self.max_num_reqs} requests, {self.max_num_tokens} tokens"
+            )
         i32 = self._i32_layout.views(self.step_i32.next_host_numpy())
         i64 = self._i64_layout.views(self.step_i64.next_host_numpy())
-        self.input_ids[:num_reqs] = 0
-        i32["positions"][:num_reqs] = 0
-        i32["query_start_loc"][: num_reqs + 1] = np.arange(num_reqs + 1)
-        i32["seq_lens"][:num_reqs] = 1
-        i64["slots"][:num_reqs] = -1
+        self.input_ids[:num_tokens] = 0
+        i32["positions"][:num_tokens] = np.tile(np.arange(query_len), num_reqs)
+        i32["query_start_loc"][: num_reqs + 1] = np.arange(num_reqs + 1) * query_len
+        i32["seq_lens"][:num_reqs] = query_len
+        i64["slots"][:num_tokens] = -1
         i64["rows"][:num_reqs] = 0
         dev32 = self._i32_layout.views(self.step_i32.upload())
         dev64 = self._i64_layout.views(self.step_i64.upload())
         cpu32 = self._i32_layout.views(self.step_i32.host)
         return CommonAttentionMetadata(
             num_reqs=num_reqs,
-            num_actual_tokens=num_reqs,
+            num_actual_tokens=num_tokens,
             num_decodes=num_reqs,
-            num_decode_tokens=num_reqs,
+            num_decode_tokens=num_tokens,
             query_start_loc=dev32["query_start_loc"][: num_reqs + 1],
             query_start_loc_cpu=cpu32["query_start_loc"][: num_reqs + 1],
             seq_lens=dev32["seq_lens"][:num_reqs],
             seq_lens_cpu=cpu32["seq_lens"][:num_reqs],
-            max_query_len=1,
-            max_seq_len=1,
-            block_table=torch.zeros((num_reqs, 1), dtype=torch.int32, device=self.device),
-            slot_mapping=dev64["slots"][:num_reqs],
+            max_query_len=query_len,
+            max_seq_len=query_len,
+            block_table=torch.zeros(
+                (num_reqs, -(-query_len // self.block_size)), dtype=torch.int32, device=self.device
+            ),
+            slot_mapping=dev64["slots"][:num_tokens],
+            decode_query_len=query_len,
         )
 
     def prefill_capture_metadata(self, num_tokens: int) -> CommonAttentionMetadata:

@@ -30,16 +30,19 @@ from kvllm.platforms.interface import DeviceInfo
 from kvllm.sample.logprobs import position_logprobs
 from kvllm.sample.sampler import HostCopy, Sampler
 from kvllm.sample.structured import GrammarBitmaskInputs
-from kvllm.spec_decode.draft_model import DraftModelProposer
+from kvllm.spec_decode.draft_model import DraftModelProposer, needs_step_tokens
 from kvllm.spec_decode.eagle import EagleProposer
 from kvllm.spec_decode.medusa import MedusaProposer
 from kvllm.spec_decode.verify import PendingVerification, verify_drafts
 from kvllm.utils.dtypes import dtype_name, kv_cache_torch_dtype
+from kvllm.worker.buffers import upload_from_host
 from kvllm.worker.cuda_graph import CudaGraphRunner, default_capture_sizes
+from kvllm.worker.draft_graph import DraftModelGraphs
 from kvllm.worker.input_batch import InputBatch, ModelInputs
 from kvllm.worker.piecewise_graph import PiecewiseGraphRunner, default_token_buckets
 from kvllm.worker.pooler import Pooler
 from kvllm.worker.sleep_mode import SleepState, empty_device_cache, offload_weights, restore_weights
+from kvllm.worker.uniform_graph import UniformDecodeGraphs
 
 logger = logging.getLogger(__name__)
 
@@ -142,7 +145,10 @@ class ModelRunner:
         self.attention_layers: list[Attention | MLAAttention] = []
         self.metadata_builder = None
         self.input_batch: InputBatch | None = None
-        self.graph_runner: CudaGraphRunner | None = None
+        self.graph_runner: CudaGraphRunner | None = None  # one-token decode graphs
+        self.decode_graphs: UniformDecodeGraphs | None = None  # those and the k + 1 verification graphs
+        self.num_verify_steps = 0  # steps that verified drafts, and those of them in a full graph
+        self.num_verify_steps_graphed = 0
         self.piecewise: PiecewiseGraphRunner | None = None
         self.num_blocks = 0
         self.max_num_reqs = 0
@@ -241,22 +247,40 @@ class ModelRunner:
         )
         # Speculative decoding schedules without overlap: rows take their counts from the requests.
         self.input_batch.counts_from_requests = self.args.speculative_config is not None
+        if self.eagle is not None:  # the head reads each step's token index, which the fast path skips
+            self.input_batch.decode_fast_path = False
         if self.drafter is not None:
             self.drafter.initialize_kv_cache(num_blocks, max_num_reqs, max_num_tokens)
         if self.eagle is not None:
             self.eagle.initialize_kv_cache(num_blocks, max_num_reqs, max_num_tokens)
+        self.graph_runner = self.decode_graphs = None
         if capture_sizes:
-            self.graph_runner = CudaGraphRunner(
+            spec = self.args.speculative_config
+            spec_query_len = 1 + spec.num_speculative_tokens if spec is not None else 1
+            self.decode_graphs = UniformDecodeGraphs(
                 self.model,
                 self.metadata_builder,
                 self.input_batch.input_ids,
                 self.input_batch.positions,
                 capture_sizes,
                 self.input_batch.capture_metadata,
+                spec_query_len,
             )
+            self.graph_runner = self.decode_graphs.single
             try:
                 with torch.inference_mode():
-                    stats = self.graph_runner.capture()
+                    stats = self.decode_graphs.capture()
+                    if self.drafter is not None:
+                        draft_graphs = DraftModelGraphs(
+                            self.drafter.model,
+                            self.drafter.cache,
+                            self.input_batch,
+                            capture_sizes,
+                            spec_query_len,
+                            self.decode_graphs.pool,
+                        )
+                        draft_graphs.capture()
+                        self.drafter.graphs = draft_graphs
             except Exception as exc:
                 raise RuntimeError(
                     f"Capturing CUDA graphs with the {self.attn_backend.name} attention backend failed "
@@ -339,7 +363,9 @@ class ModelRunner:
         assert self.sleep_state is None and self.model is not None
         for layer in self.attention_layers:
             layer.kv_cache = torch.empty(0)
-        self.graph_runner = None
+        self.graph_runner = self.decode_graphs = None
+        if self.drafter is not None:
+            self.drafter.graphs = None
         self.piecewise = None
         self.metadata_builder = None
         self.input_batch = None
@@ -385,10 +411,7 @@ class ModelRunner:
         if self.pooler is not None:
             logger.info("CUDA graphs off: the pooling runner runs prefill steps only, which run eagerly")
             return []
-        if self.drafter is not None:
-            logger.info("CUDA graphs off: the draft model runs on every step's tokens, eagerly")
-            return []
-        if self.eagle is not None:
+        if self.eagle is not None and (self.eagle.method != "eagle" or self.kv_cache_spec.use_mla):
             logger.info(
                 "CUDA graphs off: the %s head runs on every step's tokens, eagerly", self.eagle.method
             )
@@ -422,29 +445,45 @@ class ModelRunner:
         `grammar_bitmask` is called once the forward pass and logits are queued, so the host fills the
         grammar masks (and may first take the previous step's tokens) while the device computes."""
         assert self.input_batch is not None and self.metadata_builder is not None
-        pad_to = self._graph_size(step)
-        inputs = self.input_batch.prepare(step, pad_to)
+        graph = self._graph_for(step)
+        if graph is None:
+            inputs = self.input_batch.prepare(step)
+        else:
+            inputs = self.input_batch.prepare(step, graph[1], graph[0].query_len)
         if self.model_config.is_encoder_only:
             inputs.attn_metadata.causal = False  # every token of a prompt attends to all of it
-        if pad_to is not None:
-            assert self.graph_runner is not None
-            hidden = self.graph_runner.replay(inputs.attn_metadata, inputs.num_tokens)
+        if inputs.spec is not None:
+            self.num_verify_steps += 1
+            self.num_verify_steps_graphed += graph is not None
+        if graph is not None:
+            # All of the graph's rows: the EAGLE head runs over the padded batch as the graph did.
+            head_hidden = graph[0].replay(inputs.attn_metadata, inputs.attn_metadata.num_actual_tokens)
+            hidden = head_hidden[: inputs.num_tokens]
         elif self.piecewise is not None and self.piecewise.can_replay(inputs.num_tokens):
             hidden = self.piecewise.replay(inputs.attn_metadata, inputs.num_tokens)
         else:
             attn_metadata = self.metadata_builder.build(inputs.attn_metadata)
             with set_forward_context(attn_metadata):
                 hidden = self.model(inputs.input_ids, inputs.positions)
+        if graph is None:
+            head_hidden = hidden
         if self.pooler is not None:
             token_starts = inputs.attn_metadata.query_start_loc_cpu.tolist()
             pooled = self.pooler.pool(step, token_starts, inputs.query_starts.tolist(), hidden)
             return PendingStepResult([], None, {}, pooled)
-        if self.drafter is not None:
-            self.drafter.run_step_tokens(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+        draft_step_tokens = self.drafter is not None and needs_step_tokens(
+            len(step.scheduled),
+            len(inputs.sampling_request_indices),
+            all(item.num_new_tokens == 1 + len(item.spec_token_ids) for item in step.scheduled),
+        )
+        if draft_step_tokens:
+            self.drafter.run_step_tokens(
+                inputs.input_ids, inputs.positions, inputs.attn_metadata, graphed=graph is not None
+            )
         prompt_logprobs = self._prompt_logprobs(step, inputs, hidden)
         if inputs.sampling_metadata is None:
             if self.eagle is not None:  # prompt chunks only: the head's cache follows the target's
-                self._run_eagle(inputs, hidden)
+                self._run_eagle(inputs, head_hidden)
             return PendingStepResult([], None, prompt_logprobs)
         if inputs.logits_indices is None:
             sampled_hidden = hidden[: inputs.num_tokens]
@@ -467,11 +506,13 @@ class ModelRunner:
             )
         drafts = None
         if self.drafter is not None:
-            drafts = self._propose_drafts(step, inputs, sampled.token_ids, verification)
+            drafts = self._propose_drafts(
+                step, inputs, sampled.token_ids, verification, not draft_step_tokens
+            )
         elif self.medusa is not None:
             drafts = self._propose_medusa(inputs, hidden, verification)
         elif self.eagle is not None:
-            drafts = self._propose_eagle(step, inputs, hidden, verification)
+            drafts = self._propose_eagle(step, inputs, head_hidden, verification)
         return PendingStepResult(
             inputs.sampling_request_indices,
             sampled.copy_to_host(),
@@ -564,8 +605,10 @@ class ModelRunner:
         inputs: ModelInputs,
         sampled_token_ids: torch.Tensor,
         verification: PendingVerification | None,
+        with_previous_token: bool = False,
     ) -> dict[int, list[int]]:
-        """The draft model's next drafts for every request that sampled, from the token it emitted."""
+        """The draft model's next drafts for every request that sampled, from the token it emitted
+        (`with_previous_token`: and the token before it, which the draft model has not run yet)."""
         assert self.drafter is not None and self.input_batch is not None
         batch = self.input_batch
         indices = inputs.sampling_request_indices
@@ -582,20 +625,33 @@ class ModelRunner:
         # The emitted token's position: after the request's known tokens and its accepted drafts.
         positions = np.array([r.num_tokens for r in requests], dtype=np.int64) + accepted
         limits = np.minimum(batch.num_blocks[rows] * self.block_size, self.model_config.max_model_len)
+        pairs = None
+        if with_previous_token:  # the token table holds both: verification wrote the emitted tokens
+            flat = (rows * batch.max_model_len + positions)[:, None] + np.arange(-1, 1)[None, :]
+            index = upload_from_host(torch.from_numpy(flat.reshape(-1)), self.device)
+            pairs = batch.token_ids.view(-1).index_select(0, index).view(len(rows), 2)
         drafts = self.drafter.propose(
-            last, positions, rows, limits, batch.block_table.np, batch.block_table.gpu
+            last, positions, rows, limits, batch.block_table.np, batch.block_table.gpu, pairs
         )
         return dict(zip(indices, drafts))
 
-    def _graph_size(self, step: SchedulerOutput) -> int | None:
-        """The CUDA-graph size to pad this step to, or None to run it eagerly."""
-        runner = self.graph_runner
-        if runner is None or len(step.scheduled) > runner.max_size:
+    def _graph_for(self, step: SchedulerOutput) -> tuple[CudaGraphRunner, int] | None:
+        """The full CUDA graph (runner, padded size) this step replays, or None to run it otherwise:
+        one-token decodes, or with speculative decoding up to k + 1 tokens per request."""
+        graphs = self.decode_graphs
+        if graphs is None or not step.scheduled:
             return None
-        # Every request has at least one token, so all of them have one when the total is the count.
-        if sum(map(_NUM_NEW_TOKENS, step.scheduled)) != len(step.scheduled):
-            return None
-        return runner.padded_size(len(step.scheduled))
+        max_query_len = max(map(_NUM_NEW_TOKENS, step.scheduled))
+        return graphs.select(len(step.scheduled), max_query_len)
+
+    def graph_replay_counts(self) -> dict[str, dict[int, int]]:
+        """Full-graph replays so far by model and query tokens per request (benchmarks report them)."""
+        counts = {}
+        if self.decode_graphs is not None:
+            counts["target"] = self.decode_graphs.replay_counts()
+        if self.drafter is not None:
+            counts.update(self.drafter.graph_replay_counts())
+        return counts
 
     def _prompt_logprobs(
         self, step: SchedulerOutput, inputs: ModelInputs, hidden: torch.Tensor

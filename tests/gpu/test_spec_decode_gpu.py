@@ -38,6 +38,36 @@ def test_greedy_ids_equal_plain_decoding_on_the_gpu(tiny_qwen3_path, method):
     assert plain.llm_engine.executor.worker.model_runner.graph_runner is not None
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_verification_and_drafting_replay_full_cuda_graphs(tiny_qwen3_path, method):
+    """With TRITON_ATTN every verification step (k + 1 tokens per request, fewer where fewer drafts)
+    replays a full CUDA graph, the draft model's passes replay their own, and greedy ids stay those
+    of plain decoding."""
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    config = {"method": method, "num_speculative_tokens": 3}
+    config.update(
+        {"prompt_lookup_min": 1, "prompt_lookup_max": 3}
+        if method == "ngram"
+        else {"model": str(tiny_qwen3_path)}
+    )
+    engine = {"attention_backend": "TRITON_ATTN", "max_num_seqs": 8}  # graphs of 1, 2, 4, 8 requests
+    reference, _ = _run(tiny_qwen3_path, params, **engine)
+    ours, llm = _run(tiny_qwen3_path, params, speculative_config=config, **engine)
+    assert ours == reference
+    runner = llm.llm_engine.executor.worker.model_runner
+    counts = runner.graph_replay_counts()
+    stats = llm.llm_engine.spec_decode.stats
+    assert stats.num_accepted_tokens > 0
+    # The batch (4 requests, then fewer) always fits a graph: every step with drafts replayed one.
+    assert runner.num_verify_steps > 0 and runner.num_verify_steps_graphed == runner.num_verify_steps
+    assert counts["target"][4] >= runner.num_verify_steps
+    if method == "draft_model":
+        # Decode-only steps: the first proposal step (two tokens per request) replaces the pass over
+        # the step's tokens.
+        assert counts["draft_propose"][2] >= runner.num_verify_steps
+        assert counts["draft_propose"][1] > 0
+
+
 def test_sampling_with_drafts_runs_on_the_device(tiny_qwen3_path):
     params = SamplingParams(temperature=1.0, max_tokens=32, ignore_eos=True, seed=3)
     config = {"method": "draft_model", "model": str(tiny_qwen3_path), "num_speculative_tokens": 3}

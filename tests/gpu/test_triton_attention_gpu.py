@@ -113,6 +113,23 @@ def test_split_kv_decode(dtype, num_splits, sliding_window, use_sinks) -> None:
 
 
 @DTYPES
+@pytest.mark.parametrize("num_splits", [1, 8])
+@pytest.mark.parametrize("decode_query_len", [4, 8])
+def test_multi_token_decode_launch(dtype, num_splits, decode_query_len) -> None:
+    """A speculative verification batch in the decode launch: up to k + 1 query tokens per request
+    (fewer for some), each program all of its request's rows, split-KV reduced per token."""
+    from kvllm.attention.testing import run_backend_case
+
+    query_lens = [decode_query_len, 1, decode_query_len - 1, decode_query_len]
+    attrs = {"num_decode_reqs": 4, "decode_query_len": decode_query_len, "num_splits": num_splits}
+    case = run_backend_case(
+        TritonAttentionBackend, query_lens, [3000, 17, 700, 64], 16, 8, 128, 16, dtype, "cuda",
+        reference="cache", preallocated_output=True, metadata_attrs=attrs,
+    )  # fmt: skip
+    check(case, dtype)
+
+
+@DTYPES
 def test_large_decode_batch(dtype) -> None:
     check(run([1] * 256, [1024] * 256, 16, 8, 128, 16, dtype), dtype)
 

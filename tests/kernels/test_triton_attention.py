@@ -12,6 +12,7 @@ Tolerances (relative L2 error of the whole output, and max abs error; values are
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import pytest
@@ -215,6 +216,43 @@ def test_graph_hooks(query_lens, context_lens) -> None:
         ref = batch.reference(head_size**-0.5)
         err = ((out[:real].float() - ref).norm() / ref.norm()).item()
         assert err < TOLERANCE[torch.float16][0]
+
+
+@pytest.mark.parametrize("decode_query_len,query_lens", [(4, [4, 2, 4, 1]), (8, [8, 3, 1])])
+def test_graph_hooks_uniform_multi_token_decode(decode_query_len, query_lens) -> None:
+    """A speculative verification batch (up to k + 1 query tokens per request, fewer where a request
+    has fewer drafts, padding requests with none) takes the decode launch, split over KV segments,
+    with the capture's plan, and matches the float32 reference."""
+    num_heads, num_kv_heads, head_size, block_size = 4, 2, 64, 16
+    spec = KVCacheSpec(block_size, num_kv_heads, head_size, torch.float16, "auto")
+    builder = TritonAttentionMetadataBuilder(TritonAttentionBackend, spec, torch.device("cpu"), 8, 64, 1024)
+    impl = TritonAttentionImpl(num_heads, head_size, head_size**-0.5, num_kv_heads)
+    impl.decode_config = SMALL
+    layer = types.SimpleNamespace(k_scale=torch.tensor(1.0), v_scale=torch.tensor(1.0))
+    context_lens = [300, 20, 77, 5][: len(query_lens)]
+    num_reqs = len(query_lens) + 1
+    for seed, hook in enumerate((builder.prepare_for_capture, builder.prepare_for_replay)):
+        batch = make_paged_batch(query_lens, context_lens, num_heads, num_kv_heads, head_size, block_size,
+                                 dtype=torch.float16, seed=seed + 5)  # fmt: skip
+        padded, query, new_kv = _pad(batch, num_reqs, num_reqs * decode_query_len)
+        padded.num_decodes = padded.num_decode_tokens = num_reqs
+        padded.decode_query_len = decode_query_len
+        # The capture sees the bound; a replay its batch's own longest query.
+        padded.max_query_len = decode_query_len if seed == 0 else max(query_lens)
+        md = hook(padded)
+        assert md.num_decode_reqs == num_reqs and md.decode_query_len == decode_query_len
+        assert md.num_splits > 1
+        kv_cache = torch.zeros(2, batch.num_blocks, block_size, num_kv_heads, head_size, dtype=torch.float16)
+        batch.fill_cache(kv_cache[0], kv_cache[1])
+        out = torch.full_like(query, float("nan"))
+        impl.forward(layer, query, new_kv[0], new_kv[1], kv_cache, md, output=out)
+        real = batch.metadata.num_actual_tokens
+        ref = batch.reference(head_size**-0.5)
+        err = ((out[:real].float() - ref).norm() / ref.norm()).item()
+        assert err < TOLERANCE[torch.float16][0]
+    too_long = dataclasses.replace(padded, max_query_len=decode_query_len + 1)
+    with pytest.raises(ValueError, match="more than decode_query_len"):
+        builder.prepare_for_replay(too_long)
 
 
 def test_benchmark_tiny_runs(tmp_path) -> None:

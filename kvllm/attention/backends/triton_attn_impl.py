@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -20,8 +20,9 @@ MIN_SPLIT_TOKENS = 256  # a split-KV segment below this many keys costs more in 
 class TritonAttentionMetadata:
     """One step's launch plan for the Triton kernels.
 
-    Requests [0, num_decode_reqs) go to the decode launch (one query token each, or none for
-    CUDA-graph padding), split over `num_splits` KV segments; the rest go to the general launch.
+    Requests [0, num_decode_reqs) go to the decode launch (at most `decode_query_len` query tokens
+    each: one, or k + 1 in a speculative verification; none for CUDA-graph padding), split over
+    `num_splits` KV segments; the rest go to the general launch.
     """
 
     num_actual_tokens: int
@@ -34,6 +35,7 @@ class TritonAttentionMetadata:
     seq_lens: torch.Tensor  # int32 [num_reqs]
     block_table: torch.Tensor  # int32 [num_reqs, max_blocks]
     slot_mapping: torch.Tensor  # int64 [num_tokens]; -1 = padding, not written
+    decode_query_len: int = 1
 
 
 class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
@@ -44,8 +46,11 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
     take their launch decisions from the batch's padded sizes only, never from sequence lengths, so a
     replay launches exactly what was captured. They expect the batch padded to the captured size:
     padded tokens have slot -1, padded requests query length 0. A uniform-decode capture (every
-    query length <= 1) must be replayed with uniform-decode batches.
+    query length <= 1, or <= decode_query_len for a speculative verification) must be replayed with
+    uniform-decode batches of the same bound.
     """
+
+    uniform_batch_graphs: ClassVar[bool] = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -84,6 +89,7 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
             seq_lens=common.seq_lens,
             block_table=common.block_table,
             slot_mapping=common.slot_mapping,
+            decode_query_len=common.decode_query_len if common.num_decodes else 1,
         )
 
     def prepare_for_capture(self, common: CommonAttentionMetadata) -> TritonAttentionMetadata:
@@ -107,8 +113,17 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
         self.seq_lens[:num_reqs].copy_(common.seq_lens[:num_reqs], non_blocking=True)
         self.block_table[:num_reqs, :cols].copy_(common.block_table[:num_reqs], non_blocking=True)
         self.slot_mapping[:num_tokens].copy_(common.slot_mapping[:num_tokens], non_blocking=True)
-        uniform_decode = common.max_query_len <= 1
-        num_decode_reqs = num_reqs if uniform_decode else 0
+        # The plan follows the batch's shape (B requests of at most q tokens), never its contents.
+        decode_query_len = 1
+        if common.decode_query_len > 1 and common.num_decodes == num_reqs:
+            if common.max_query_len > common.decode_query_len:
+                raise ValueError(
+                    f"a decode request has {common.max_query_len} query tokens, more than "
+                    f"decode_query_len={common.decode_query_len}"
+                )
+            decode_query_len, num_decode_reqs = common.decode_query_len, num_reqs
+        else:
+            num_decode_reqs = num_reqs if common.max_query_len <= 1 else 0
         return TritonAttentionMetadata(
             num_actual_tokens=num_tokens,
             num_reqs=num_reqs,
@@ -120,6 +135,7 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
             seq_lens=self.seq_lens[:num_reqs],
             block_table=self.block_table[:num_reqs],
             slot_mapping=self.slot_mapping[:num_tokens],
+            decode_query_len=decode_query_len,
         )
 
 
@@ -193,6 +209,7 @@ class TritonAttentionImpl(AttentionImpl):
             k_scale=layer.k_scale,
             v_scale=layer.v_scale,
             num_splits=md.num_splits,
+            decode_query_len=md.decode_query_len,
             decode_cfg=self.decode_config,
             prefill_cfg=self.prefill_config,
             key=key,

@@ -75,14 +75,17 @@ def is_interpreter() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def decode_config(head_size: int, queries_per_kv: int, dtype: torch.dtype) -> KernelConfig:
-    """Decode is bandwidth-bound: one request per program, rows = its query heads, wide KV tiles.
+def decode_config(
+    head_size: int, queries_per_kv: int, dtype: torch.dtype, query_len: int = 1
+) -> KernelConfig:
+    """Decode is bandwidth-bound: one request per program, rows = its query tokens (one, or k + 1
+    when speculative decoding verifies k drafts) x its query heads, wide KV tiles.
 
     16-bit, head size <= 128: 2 warps and 2 stages, the fastest of 27 tile configs on an H200 at
     batch 256 x 1k (4.11 TB/s of KV, 1.18x the 4-warp, 3-stage config), batch 64 x 1k (1.41x) and
     batch 16 x 2k (2.2x) (`kvllm.benchmarks.attention --sweep`, docs/benchmarks.md)."""
     head_pad = triton.next_power_of_2(head_size)
-    block_m = max(16, triton.next_power_of_2(queries_per_kv))
+    block_m = max(16, triton.next_power_of_2(query_len * queries_per_kv))
     if dtype == torch.float32 or head_pad > 128:
         return KernelConfig(block_m=block_m, tile_n=32, num_warps=4, num_stages=2)
     return KernelConfig(block_m=block_m, tile_n=64, num_warps=2, num_stages=2)
@@ -447,14 +450,14 @@ def _unified_attention_kernel(
         )
 
 
-@triton.jit(do_not_specialize=["num_tokens", "num_segments"])
+@triton.jit(do_not_specialize=["num_reqs", "num_segments"])
 def _reduce_segments_kernel(
     out_ptr,
     part_out_ptr,
     part_m_ptr,
     part_l_ptr,
     query_start_loc_ptr,
-    num_tokens,
+    num_reqs,
     num_heads,
     num_segments,
     stride_ot,
@@ -467,8 +470,9 @@ def _reduce_segments_kernel(
     wait_for_previous_kernel(USE_PDL)
     token = tl.program_id(0)
     head = tl.program_id(1)
-    # Padded requests (query length 0) own no token; their rows were never computed.
-    if token >= tl.load(query_start_loc_ptr + num_tokens):
+    # The decode requests' tokens are [0, query_start_loc[num_reqs]); the grid's further tokens
+    # (padded requests, requests with fewer than decode_query_len tokens) were never computed.
+    if token >= tl.load(query_start_loc_ptr + num_reqs):
         return
     offs_s = tl.arange(0, SEGMENTS_PAD)
     offs_d = tl.arange(0, HEAD_SIZE_PAD)
@@ -504,7 +508,7 @@ def unified_attention(
     *,
     num_reqs: int,
     num_tokens: int,
-    num_decode_reqs: int,  # requests [0, num_decode_reqs) have one query token each (or 0 if padding)
+    num_decode_reqs: int,  # requests [0, num_decode_reqs) have <= decode_query_len tokens each
     scale: float,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
@@ -512,6 +516,7 @@ def unified_attention(
     k_scale: torch.Tensor | None = None,  # float32 scalar tensors, fp8 caches only
     v_scale: torch.Tensor | None = None,
     num_splits: int = 1,  # KV segments of the decode launch; 1 = no split
+    decode_query_len: int = 1,  # the most query tokens of a decode request (k + 1 when verifying)
     decode_cfg: KernelConfig | None = None,
     prefill_cfg: KernelConfig | PrefillConfig | None = None,
     key: torch.Tensor | None = None,  # the step's K/V [T, num_kv_heads, head_size]: read by a
@@ -520,7 +525,9 @@ def unified_attention(
     """Causal paged attention for a decodes-first mixed batch; returns `out`.
 
     All launch sizes come from the Python ints passed in (no device sync): the decode launch has one
-    program per decode request, the prefill launch an upper bound of q-blocks with early exits.
+    program per decode request (all its query tokens: 1, or up to `decode_query_len`, which a
+    uniform speculative-decoding batch of k + 1 tokens per request uses; padding requests have 0),
+    the prefill launch an upper bound of q-blocks with early exits.
     The prefill requests go to the prefill kernel (`triton_prefill_attention`) when `prefill_cfg` is a
     PrefillConfig, or when it is None and they average MIN_MEAN_QUERY_LEN query tokens or more;
     else to this module's kernel (a KernelConfig, or `prefill_config`'s).
@@ -579,38 +586,45 @@ def unified_attention(
         )  # fmt: skip
 
     if num_decode_reqs > 0:
-        cfg = decode_cfg or decode_config(head_size, g, query.dtype)
+        cfg = decode_cfg or decode_config(head_size, g, query.dtype, decode_query_len)
+        if cfg.block_m < decode_query_len * g:
+            raise ValueError(
+                f"decode block_m={cfg.block_m} is below decode_query_len x queries per KV head "
+                f"({decode_query_len} x {g}): one program holds all of a decode request's rows"
+            )
+        # The decode tokens are at most num_decode_reqs * decode_query_len, packed from token 0.
+        num_decode_tokens = num_decode_reqs * decode_query_len
         if num_splits > 1:
-            # Partial results are indexed by token; decode tokens are tokens 0..num_decode_reqs-1.
+            # Partial results are indexed by token.
             part_out = torch.empty(
-                (num_decode_reqs, num_heads, num_splits, head_pad), dtype=torch.float32, device=query.device
+                (num_decode_tokens, num_heads, num_splits, head_pad), dtype=torch.float32, device=query.device
             )
             part_ml = torch.empty(
-                (2, num_decode_reqs, num_heads, num_splits), dtype=torch.float32, device=query.device
+                (2, num_decode_tokens, num_heads, num_splits), dtype=torch.float32, device=query.device
             )
             launch(
                 (num_decode_reqs, num_kv_heads, num_splits),
                 cfg,
                 0,
                 num_decode_reqs,
-                1,
+                decode_query_len,
                 True,
                 True,
                 part_out,
                 part_ml,
                 num_splits,
             )
-            _reduce_segments_kernel[(num_decode_reqs, num_heads)](
+            _reduce_segments_kernel[(num_decode_tokens, num_heads)](
                 out, part_out, part_ml[0], part_ml[1], query_start_loc, num_decode_reqs, num_heads, num_splits,
                 out.stride(0), out.stride(1),
                 HEAD_SIZE=head_size, HEAD_SIZE_PAD=head_pad, SEGMENTS_PAD=MAX_SEGMENTS, USE_PDL=use_pdl,
                 num_warps=4, **pdl_launch_options(use_pdl),
             )  # fmt: skip
         else:
-            launch((num_decode_reqs, num_kv_heads, 1), cfg, 0, num_decode_reqs, 1, True, False,
+            launch((num_decode_reqs, num_kv_heads, 1), cfg, 0, num_decode_reqs, decode_query_len, True, False,
                    dummy, (dummy, dummy), 1)  # fmt: skip
     if num_reqs > num_decode_reqs:
-        # Tokens of the prefill requests are at most num_tokens - num_decode_reqs.
+        # Tokens of the prefill requests are at most num_tokens - the decodes' (>= num_decode_reqs).
         num_prefill_tokens = num_tokens - num_decode_reqs
         num_prefill_reqs = num_reqs - num_decode_reqs
         long = num_prefill_tokens >= MIN_MEAN_QUERY_LEN * num_prefill_reqs
