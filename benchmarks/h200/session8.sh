@@ -20,10 +20,10 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=.
 started=$(date +%s); end=$(( started + ${BUDGET_S:-480} ))
 since() { echo "[$(( $(date +%s) - started )) s] $*"; }
 cap() { local want=$1 left=$(( end - $(date +%s) - 15 )); (( left < want )) && want=$left; (( want < 1 )) && want=1; echo "$want"; }
-save() { tar czf "$out/$phase.tgz" -C /tmp "$phase"; }
+save() { tar czf "$out/.$phase.$BASHPID.tgz" -C /tmp "$phase" && mv -f "$out/.$phase.$BASHPID.tgz" "$out/$phase.tgz"; }  # atomic: tests save side by side
 run_step() {  # name cap command...: run with its cap, log to $d/name.log, report the exit status
   local name=$1 limit; limit=$(cap "$2"); shift 2
-  timeout "$limit" "$@" > "$d/$name.log" 2>&1
+  timeout -k 10 "$limit" "$@" > "$d/$name.log" 2>&1
   since "$name (exit $?, cap ${limit}s): $(tail -n 1 "$d/$name.log" | cut -c1-150)"
   save
 }
@@ -38,13 +38,14 @@ attention() {  # label cap attention-benchmark arguments...: the TRITON_ATTN ker
     --shape decode256:256x1@1024 --only-shapes --output-json "$d/attn-$label.json" "$@"
   grep -E "TRITON_ATTN " "$d/attn-$label.log" | grep -v skipped | head -n 4
 }
-parallel_tests() {  # cap "name|pytest args" ...: GPU test files side by side, one log each
+parallel_tests() {  # cap "name|pytest args" ...: GPU test files side by side, one log each (saved as each ends;
+  # -k 10: the 2026-12-01 call's tests outlived their TERM and the call, and their logs were lost)
   local limit; limit=$(cap "$1"); shift
   local spec
   for spec in "$@"; do
     local name=${spec%%|*} args=${spec#*|}
-    (KVLLM_GPU_REPORT_DIR=$d timeout "$limit" bash -c "python3 -m pytest -q -p no:cacheprovider -m gpu -rfE $args" \
-      > "$d/tests-$name.log" 2>&1) &
+    (KVLLM_GPU_REPORT_DIR=$d timeout -k 10 "$limit" bash -c "python3 -m pytest -q -p no:cacheprovider -m gpu -rfE $args" \
+      > "$d/tests-$name.log" 2>&1; save) &
   done
   wait
   for spec in "$@"; do since "tests ${spec%%|*}: $(tail -n 1 "$d/tests-${spec%%|*}.log")"; done

@@ -132,6 +132,7 @@ def run_one(name: str, engine: str, model: str, output_len: int) -> dict[str, An
             enable_prefix_caching=False,
             speculative_config=spec,
             max_num_seqs=4,
+            disable_log_stats=False,  # LLM turns stats off by default, and get_metrics() asserts on them
         )
         version = vllm.__version__
     else:
