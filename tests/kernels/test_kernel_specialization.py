@@ -21,7 +21,7 @@ EXPECTED = {
         "window",
         "stride_bt",
     ],
-    "kvllm.attention.ops.triton_unified_attention:_reduce_segments_kernel": ["num_tokens", "num_segments"],
+    "kvllm.attention.ops.triton_unified_attention:_reduce_segments_kernel": ["num_reqs", "num_segments"],
     "kvllm.attention.ops.triton_prefill_attention:_prefill_attention_kernel": [
         "seq_lo",
         "seq_hi",
