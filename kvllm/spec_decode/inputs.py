@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from kvllm.sample.metadata import SamplingMetadata
+from kvllm.spec_decode.rejection_sampler import DraftLayout
 
 
 @dataclass
@@ -32,6 +33,8 @@ class SpecInputs:
     # at positions the next step overwrites before reading).
     table_slots: torch.Tensor  # int64 [D + S]
     output_index: torch.Tensor  # int64 [D + S]
+    layout: DraftLayout  # the drafts' places in the rejection sampler's [S, max_k + 1] output
+    sample_positions_host: np.ndarray  # `sample_positions` as the host built it (no read back)
 
 
 def spec_layout(

@@ -2,7 +2,13 @@
 
 For n from `max_n` down to `min_n`, the last n tokens are looked for earlier in the sequence; at the
 latest earlier occurrence of the longest suffix found that k tokens follow (else the earliest), the
-tokens that followed it are the draft. Vectorized with numpy: each n compares every window at once.
+tokens that followed it are the draft.
+
+The lookup runs after every verification, serialised behind it (speculation schedules without
+overlap), so it is kept to one pass over the sequence: the earlier occurrences of the last token
+are found with one vectorised compare, and only those candidates are extended backwards, token by
+token up to `max_n`, to learn how long a suffix each matches (in place of one compare of every
+window per n, max_n + ... + min_n tokens per position). `num_compared` counts the tokens compared.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ class NgramProposer:
         self.min_n = min_n
         self.max_n = max_n
         self.k = num_speculative_tokens
+        self.num_compared = 0  # tokens compared by all lookups so far (tests pin the work by it)
 
     def propose(self, token_ids: Sequence[int], max_drafts: int | None = None) -> list[int]:
         """The draft for `token_ids` (prompt + output): [] when no suffix of min_n..max_n tokens recurs."""
@@ -29,13 +36,22 @@ class NgramProposer:
         if k <= 0 or num <= self.min_n:
             return []
         tokens = np.asarray(token_ids, dtype=np.int64)
-        head = tokens[:-1]  # occurrences end before the sequence does: never the suffix itself
-        for n in range(min(self.max_n, num - 1), self.min_n - 1, -1):
-            windows = np.lib.stride_tricks.sliding_window_view(head, n)
-            ends = np.flatnonzero((windows == tokens[num - n :]).all(axis=1)) + n
-            if len(ends):
-                # The latest occurrence that k tokens follow (the most recent context), else the earliest.
-                full = ends[ends <= num - k]
-                start = int(full[-1] if len(full) else ends[0])
-                return tokens[start : start + k].tolist()
-        return []
+        # Occurrences end before the sequence does (never the suffix itself): an occurrence of length
+        # n ending at e (exclusive) covers tokens[e - n : e], with n <= e <= num - 1.
+        max_n = min(self.max_n, num - 1)
+        ends = np.flatnonzero(tokens[: num - 1] == tokens[num - 1]) + 1
+        self.num_compared += num - 1
+        best = 1 if len(ends) else 0
+        for n in range(2, max_n + 1):  # keep the candidates that also match the suffix's n-th last token
+            room = ends[ends >= n]
+            self.num_compared += len(room)
+            longer = room[tokens[room - n] == tokens[num - n]]
+            if not len(longer):
+                break
+            ends, best = longer, n
+        if best < self.min_n:
+            return []
+        # The latest occurrence that k tokens follow (the most recent context), else the earliest.
+        full = ends[ends <= num - k]
+        start = int(full[-1] if len(full) else ends[0])
+        return tokens[start : start + k].tolist()

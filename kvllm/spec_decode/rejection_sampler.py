@@ -10,17 +10,22 @@ bonus token follows. This is the standard speculative-sampling construction (Lev
 et al. 2023): each emitted token is distributed as the target samples it without speculation. Greedy
 rows accept while the draft equals the target's argmax and correct with the argmax.
 
-All device work; the host only supplies the per-request draft counts it already knows.
+All device work; the host only supplies the per-request draft counts it already knows, and where
+each draft sits in the [S, max_k + 1] output (`DraftLayout`, uploaded with the step's other inputs:
+built here from the counts, a tensor made from host data would be a blocking copy on a GPU, which
+waits for the forward pass the verification follows).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvllm.sample.metadata import SamplingMetadata
 from kvllm.sample.sampler import draw, random_probs
+from kvllm.utils.host_copy import upload_from_host
 
 
 @dataclass
@@ -29,6 +34,31 @@ class RejectionOutput:
 
     token_ids: torch.Tensor  # int64 [S, max_k + 1]
     num_accepted: torch.Tensor  # int64 [S]
+
+
+@dataclass
+class DraftLayout:
+    """Where the D = sum(num_drafts) flat draft rows go in the [S, max_k + 1] output, on the device."""
+
+    num_drafts: torch.Tensor  # int64 [S]
+    draft_index: torch.Tensor  # int64 [D]: request * (max_k + 1) + the draft's position in its run
+
+
+def draft_layout_host(num_drafts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`DraftLayout`'s two arrays on the host (numpy int64)."""
+    ks = np.asarray(num_drafts, dtype=np.int64)
+    total = int(ks.sum())
+    width = int(ks.max()) + 1
+    req = np.repeat(np.arange(len(ks), dtype=np.int64), ks)
+    within = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(ks) - ks, ks)
+    return ks, req * width + within
+
+
+def draft_layout(num_drafts: list[int], device: torch.device) -> DraftLayout:
+    """The layout of these draft counts, uploaded without blocking (one copy)."""
+    ks, index = draft_layout_host(np.asarray(num_drafts, dtype=np.int64))
+    both = upload_from_host(torch.from_numpy(np.concatenate([ks, index])), device)
+    return DraftLayout(both[: len(ks)], both[len(ks) :])
 
 
 def target_probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
@@ -51,13 +81,15 @@ def rejection_sample(
     num_drafts: list[int],
     bonus_token_ids: torch.Tensor,
     draft_probs: torch.Tensor | None = None,
+    layout: DraftLayout | None = None,
 ) -> RejectionOutput:
     """Verify the drafts of S requests.
 
     draft_logits: [D, V] target logits at the D = sum(num_drafts) draft positions, request-major;
     md: sampling metadata of those D rows (a request's parameters and generator on each of its rows);
     draft_token_ids: int64 [D]; bonus_token_ids: int64 [S], each request's sample at its last position;
-    draft_probs: [D, V] the drafter's distributions, or None for deterministic drafts (one-hot).
+    draft_probs: [D, V] the drafter's distributions, or None for deterministic drafts (one-hot);
+    layout: `num_drafts`' layout on the device (the input batch uploads it with the step), else built.
     """
     device = draft_logits.device
     num_reqs, total = len(num_drafts), sum(num_drafts)
@@ -88,24 +120,23 @@ def rejection_sample(
         # draw() is scale-invariant: no need to normalise. Greedy rows (one-hot p) accept exactly
         # when the draft is the argmax, and their residual is one-hot at the argmax.
         recovered = draw(residual, md)
-    # Scatter the flat draft rows into [S, max_k]; padding counts as rejected.
-    counts = torch.tensor(num_drafts, device=device)
-    req = torch.repeat_interleave(torch.arange(num_reqs, device=device), counts)
-    offsets = torch.cumsum(counts, 0) - counts
-    col = torch.arange(total, device=device) - offsets[req]
-    acc = torch.zeros((num_reqs, max_k), dtype=torch.bool, device=device)
-    acc[req, col] = accepted
-    num_accepted = acc.long().cumprod(dim=1).sum(dim=1)
-    out = torch.full((num_reqs, max_k + 1), -1, dtype=torch.int64, device=device)
-    out[req, col] = drafts
-    rec = torch.full((num_reqs, max_k + 1), -1, dtype=torch.int64, device=device)
-    rec[req, col] = recovered
-    rows = torch.arange(num_reqs, device=device)
+    if layout is None:
+        layout = draft_layout(num_drafts, device)
+    # Scatter the flat draft rows into [S, max_k + 1]; padding (and the last column) counts as rejected.
+    width = max_k + 1
+    index = layout.draft_index
+    acc = torch.zeros(num_reqs * width, dtype=torch.long, device=device).index_copy_(
+        0, index, accepted.long()
+    )
+    num_accepted = acc.view(num_reqs, width).cumprod(dim=1).sum(dim=1)
+    flat = torch.full((2, num_reqs * width), -1, dtype=torch.int64, device=device)
+    flat.index_copy_(1, index, torch.stack([drafts, recovered.long()]))
+    out, rec = flat.view(2, num_reqs, width).unbind(0)
     # The token after the accepted run: the recovered one at the rejection, else the bonus.
-    last = torch.where(num_accepted < counts, rec[rows, num_accepted], bonus_token_ids.long())
-    positions = torch.arange(max_k + 1, device=device).unsqueeze(0)
-    out = torch.where(positions < num_accepted.unsqueeze(1), out, torch.full_like(out, -1))
-    out[rows, num_accepted] = last
+    at = num_accepted.unsqueeze(1)
+    last = torch.where(num_accepted < layout.num_drafts, rec.gather(1, at).squeeze(1), bonus_token_ids.long())
+    positions = torch.arange(width, device=device).unsqueeze(0)
+    out = out.masked_fill(positions >= at, -1).scatter_(1, at, last.unsqueeze(1))
     return RejectionOutput(out, num_accepted)
 
 

@@ -35,6 +35,7 @@ from kvllm.sample.metadata import (
 from kvllm.sample.token_constraints import bad_word_table, logit_bias_arrays, logit_bias_inputs
 from kvllm.sampling_params import SamplingParams
 from kvllm.spec_decode.inputs import SpecInputs, output_slots, spec_layout
+from kvllm.spec_decode.rejection_sampler import DraftLayout, draft_layout_host
 from kvllm.worker.buffers import CpuGpuBuffer, Layout, StagingBuffer, upload_from_host
 from kvllm.worker.decode_advance import DecodeStepMemory, advance_decode
 
@@ -470,18 +471,34 @@ class InputBatch:
         ks = num_drafts[spec]
         spec_rows = rows[spec]
         draft_rows = np.repeat(spec_rows, ks)
-        drafts = np.asarray(self._drafts, dtype=np.int64)
         slots, out_index = output_slots(spec_rows, self.num_tokens[spec_rows], ks, self.max_model_len)
+        counts, draft_index = draft_layout_host(ks)
+        # One upload for all of them (int64, in this order), sliced on the device.
+        parts = [
+            sample_pos,
+            cu[spec],
+            hidden_rows,
+            np.asarray(self._drafts, dtype=np.int64),
+            draft_rows,
+            slots,
+            out_index,
+            counts,
+            draft_index,
+        ]
+        packed = self._upload(np.concatenate([np.asarray(a, dtype=np.int64) for a in parts]))
+        views = packed.split([len(a) for a in parts])
         return SpecInputs(
             scheduled_indices=spec.tolist(),
             num_drafts=ks.tolist(),
-            sample_positions=self._upload(sample_pos.astype(np.int64)),
-            query_starts=self._upload(cu[spec].astype(np.int64)),
-            logits_indices=self._upload(hidden_rows.astype(np.int64)),
-            draft_token_ids=self._upload(drafts),
-            sampling_metadata=self._sampling_metadata(draft_rows, self._upload(draft_rows)),
-            table_slots=self._upload(slots.astype(np.int64)),
-            output_index=self._upload(out_index.astype(np.int64)),
+            sample_positions=views[0],
+            query_starts=views[1],
+            logits_indices=views[2],
+            draft_token_ids=views[3],
+            sampling_metadata=self._sampling_metadata(draft_rows, views[4]),
+            table_slots=views[5],
+            output_index=views[6],
+            layout=DraftLayout(views[7], views[8]),
+            sample_positions_host=sample_pos,
         )
 
     def _advance(self, rows: np.ndarray, query_lens: np.ndarray, pad_to: int | None) -> ModelInputs | None:

@@ -557,9 +557,7 @@ class ModelRunner:
         if verification is not None:
             spec = inputs.spec
             assert spec is not None
-            accepted[spec.sample_positions.cpu().numpy()] = (
-                verification.device_output.num_accepted.cpu().numpy()
-            )
+            accepted[spec.sample_positions_host] = verification.device_output.num_accepted.cpu().numpy()
         return accepted
 
     def _run_eagle(self, inputs: ModelInputs, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
