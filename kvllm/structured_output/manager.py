@@ -93,7 +93,12 @@ class StructuredOutputManager:
             return None
         bitmask = self._take_buffer(len(grammars))
         if len(rows) < len(grammars):
-            bitmask.fill_(-1)  # every bit set on the rows left unconstrained (xgrammar writes the rest)
+            # Every bit set on the rows left unconstrained (xgrammar writes the others), row by row: a
+            # row is under torch's parallel grain, so no intra-op thread pool wakes up on the step path.
+            constrained = set(rows)
+            for i in range(len(grammars)):
+                if i not in constrained:
+                    bitmask[i].fill_(-1)
         if len(matchers) == 1:
             matchers[0].fill_next_token_bitmask(bitmask, rows[0])
         elif len(matchers) < THREADED_FILL_MIN_ROWS or self._fill_threads == 1:
