@@ -21,6 +21,12 @@ if TYPE_CHECKING:
 THREADED_FILL_MIN_ROWS = 128
 
 
+def mask_by_value(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """A step's mask to send to another process: its own compact copy (the manager's buffer is reused
+    two calls later, and pickling a view would carry the whole, possibly larger, buffer)."""
+    return None if mask is None else mask.clone()
+
+
 class StructuredOutputManager:
     """Owns the grammar backend (built on first use, off the step path) and its compile pool.
 
