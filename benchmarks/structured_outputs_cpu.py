@@ -2,11 +2,15 @@
 batched fill), the mask applied to the logits, and the sampler step they sit beside.
 
     PYTHONPATH=. python benchmarks/structured_outputs_cpu.py --tokenizer DIR [--batch 64] [--out FILE]
+        [--schema object|digits] [--fill-only]
 
 DIR holds the real Qwen3 tokenizer (tests fetch it into ~/.cache/kvllm-tests/qwen3-tokenizer-3.7.2).
 Each of `--steps` steps fills the masks of `--batch` JSON-schema matchers, applies them to random
 float32 logits of Qwen3's vocabulary, samples one allowed token per row and advances the matchers;
-the medians are printed and written as JSON.
+the medians are printed and written as JSON. `--schema digits` is the H200 bench's schema
+(structured_outputs_bench.py: an array of at least 256 digits, no free whitespace); `--fill-only` skips
+the logits and the sampler (tokens drawn uniformly from each mask on the host), for the host's mask
+cost alone.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ SCHEMA = {
     },
     "required": ["id", "name", "tags", "score", "active"],
 }
+# benchmarks/h200/structured_outputs_bench.py's schema (with disable_any_whitespace).
+DIGITS_SCHEMA = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 256}
 VOCAB = 151936
 EOS = (151645, 151643)
 
@@ -44,23 +50,31 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--schema", choices=("object", "digits"), default="object")
+    parser.add_argument("--fill-only", action="store_true")
+    parser.add_argument("--fill-threads", type=int, help="xgrammar's fill threads (default: the manager's)")
     args = parser.parse_args()
 
     from transformers import AutoTokenizer
 
     from kvllm.sample.metadata import SamplingMetadata
     from kvllm.sample.sampler import Sampler
-    from kvllm.sample.structured import GrammarBitmaskInputs
+    from kvllm.sample.structured import GrammarBitmaskInputs, unpack_bitmask
     from kvllm.sampling_params import SamplingParams, StructuredOutputsParams
     from kvllm.structured_output import StructuredOutputManager
 
     torch.manual_seed(args.seed)
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     manager = StructuredOutputManager(tokenizer, VOCAB, EOS)
+    if args.fill_threads:
+        manager._fill_threads = args.fill_threads
     t0 = time.perf_counter()
     manager.backend  # noqa: B018 - the tokenizer's xgrammar view, built once per engine
     backend_s = time.perf_counter() - t0
-    params = StructuredOutputsParams(json=SCHEMA)
+    if args.schema == "digits":
+        params = StructuredOutputsParams(json=DIGITS_SCHEMA, disable_any_whitespace=True)
+    else:
+        params = StructuredOutputsParams(json=SCHEMA)
     t0 = time.perf_counter()
     grammars = [manager.make_request(params) for _ in range(args.batch)]
     for g in grammars:
@@ -70,11 +84,22 @@ def main() -> None:
 
     sampler = Sampler(fused=False)
     md_params = [SamplingParams(temperature=1.0)] * args.batch
-    fill, apply, sample, plain = [], [], [], []
+    fill, apply, sample, plain, accept = [], [], [], [], []
     for _ in range(args.steps):
         live = [g if g.constrains else None for g in grammars]
         if not any(live):
             break
+        if args.fill_only:
+            t0 = time.perf_counter()
+            bitmask = manager.grammar_bitmask(live)
+            fill.append(time.perf_counter() - t0)
+            allowed = unpack_bitmask(bitmask, VOCAB)
+            tokens = torch.multinomial(allowed.float(), 1).squeeze(1).tolist()
+            t0 = time.perf_counter()
+            for g, token in zip(grammars, tokens):
+                g.accept_token(token)
+            accept.append(time.perf_counter() - t0)
+            continue
         logits = torch.randn(args.batch, VOCAB)
         md = SamplingMetadata.from_params(md_params, logits.device, VOCAB)
         t0 = time.perf_counter()
@@ -94,14 +119,19 @@ def main() -> None:
         sample.append(time.perf_counter() - t0)
         for g, token in zip(grammars, tokens):
             g.accept_token(token)
-    ms = lambda xs: round(statistics.median(xs) * 1e3, 3)  # noqa: E731
+    ms = lambda xs: round(statistics.median(xs) * 1e3, 3) if xs else None  # noqa: E731
+    p90 = lambda xs: round(sorted(xs)[int(0.9 * len(xs))] * 1e3, 3) if xs else None  # noqa: E731
     result = {
         "batch": args.batch,
         "vocab": VOCAB,
         "steps": len(fill),
         "tokenizer_info_s": round(backend_s, 3),
         "compile_batch_s": round(compile_s, 4),
+        "schema": args.schema,
+        "fill_threads": manager._fill_threads,
         "fill_ms": ms(fill),
+        "fill_p90_ms": p90(fill),
+        "accept_ms": ms(accept),
         "apply_ms": ms(apply),
         "sample_with_mask_ms": ms(sample),
         "sample_without_mask_ms": ms(plain),

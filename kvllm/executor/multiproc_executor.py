@@ -32,6 +32,7 @@ from kvllm.distributed.parallel_state import disable_nvlink_multicast
 from kvllm.executor.executor import Executor
 from kvllm.logger import init_logger
 from kvllm.models.model_config import ModelConfig
+from kvllm.structured_output.manager import mask_by_value
 from kvllm.worker.sleep_mode import SleepState
 from kvllm.worker.worker_proc import WorkerInfo, WorkerStartup, worker_main
 
@@ -244,6 +245,6 @@ class MultiprocExecutor(Executor):
         self._broadcast("execute_model", (self._encoder.encode(plan), grammar_bitmask is not None))
         if grammar_bitmask is not None:
             rows = self._receive("grammar_rows")
-            masks = grammar_bitmask(rows)
+            masks = mask_by_value(grammar_bitmask(rows))
             self._broadcast("grammar_masks", masks)
         return _PendingMultiprocStep(self)

@@ -27,6 +27,7 @@ from kvllm.executor.executor import Executor
 from kvllm.executor.multiproc_executor import free_port
 from kvllm.logger import init_logger
 from kvllm.models.model_config import ModelConfig
+from kvllm.structured_output.manager import mask_by_value
 from kvllm.worker.sleep_mode import SleepState
 from kvllm.worker.worker_proc import WorkerInfo, WorkerProc, WorkerStartup
 
@@ -221,7 +222,7 @@ class RayExecutor(Executor):
         refs = [actor.call.remote("execute_model", payload) for actor in self._actors]
         if grammar_bitmask is not None:
             rows = ray.get(self._actors[0].grammar_rows.options(concurrency_group="grammar").remote())
-            masks = ray.put(grammar_bitmask(rows))
+            masks = ray.put(mask_by_value(grammar_bitmask(rows)))
             ray.get(
                 [a.grammar_masks.options(concurrency_group="grammar").remote(masks) for a in self._actors]
             )

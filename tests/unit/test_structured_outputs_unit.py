@@ -12,7 +12,9 @@ from kvllm.sample.metadata import SamplingMetadata
 from kvllm.sample.sampler import Sampler
 from kvllm.sample.structured import GrammarBitmaskInputs, apply_grammar_bitmask, unpack_bitmask
 from kvllm.sampling_params import SamplingParams, StructuredOutputsParams
+from kvllm.structured_output import StructuredOutputManager
 from kvllm.structured_output.backend_xgrammar import StructuredOutputError, choice_grammar, validate
+from tests.model_factory import EOS_ID, write_tokenizer
 
 
 def _reference_allowed(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -140,3 +142,43 @@ def test_bad_constraints_are_400s_naming_the_field(body, response_format, param,
         structured_outputs_params(body, response_format)
     assert info.value.status == 400 and info.value.param == param
     assert message in info.value.message
+
+
+def test_grammar_bitmask_reuses_two_buffers_and_fills_on_the_calling_thread(tmp_path):
+    """Issue 19: the per-step mask was a fresh [rows, vocab / 32] tensor (pinned on CUDA) and a
+    multi-threaded fill. Counted: two buffers for any number of steps (one more only when the batch
+    grows), no fill through xgrammar's thread pool below THREADED_FILL_MIN_ROWS rows, and every
+    mask exactly the matcher's own (unconstrained rows all ones, whatever the buffer held before)."""
+    import xgrammar as xgr
+    from transformers import AutoTokenizer
+
+    vocab = write_tokenizer(tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    manager = StructuredOutputManager(tokenizer, vocab + 7, (EOS_ID,))
+    manager._fill_threads = 4  # as on a many-core host: small batches must still stay on this thread
+    params = StructuredOutputsParams(regex="(ab|ba)+c")
+    grammars = [manager.make_request(params) for _ in range(6)]
+    for g in grammars:
+        while not g.is_ready():
+            g.wait(1.0)
+    pointers = set()
+    for step in range(6):
+        # A different subset constrained each step, so stale bits of a reused buffer would show.
+        live = [g if (i + step) % 3 else None for i, g in enumerate(grammars)]
+        mask = manager.grammar_bitmask(live)
+        assert mask is not None and mask.shape == tuple(xgr.get_bitmask_shape(6, vocab + 7))
+        pointers.add(mask.data_ptr())
+        for row, g in enumerate(live):
+            expected = torch.full((1, mask.shape[1]), -1, dtype=torch.int32)
+            if g is not None:
+                g.matcher.fill_next_token_bitmask(expected, 0)
+            assert torch.equal(mask[row], expected[0]), (step, row)
+        for g in live:
+            if g is not None:  # advance by the first allowed token
+                allowed = unpack_bitmask(mask[live.index(g)].unsqueeze(0).contiguous(), vocab)[0]
+                g.accept_token(int(allowed.nonzero()[0]))
+    assert manager.num_buffer_allocations == 2 and len(pointers) == 2
+    assert manager.num_threaded_fills == 0
+    manager.grammar_bitmask(grammars + grammars[:2])  # a larger batch: that buffer grows, once
+    assert manager.num_buffer_allocations == 3
+    manager.shutdown()
