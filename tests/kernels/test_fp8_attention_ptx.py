@@ -9,10 +9,7 @@ and no byte-wise shared load is left. The H200 times the two in docs/benchmarks.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
+from tests.offline_compile import run_compile_script
 
 SCRIPT = r"""
 import json, sys
@@ -54,11 +51,7 @@ print(json.dumps({op: count(op) for op in ("ld.shared.b8", "cvt.rn.f16x2.e4m3x2"
 
 
 def _ptx_counts(mode: str) -> dict[str, int]:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run(
-        [sys.executable, "-c", SCRIPT, mode], capture_output=True, text=True, env=env, timeout=600, check=True
-    )
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_compile_script(SCRIPT, mode)
 
 
 def test_fp16_registers_keeps_the_cast_before_shared_memory() -> None:

@@ -9,9 +9,8 @@ without TRITON_INTERPRET, where the decorators build real JITFunctions.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
+
+from tests.offline_compile import run_compile_script
 
 EXPECTED = {
     "kvllm.attention.ops.triton_unified_attention:_unified_attention_kernel": [
@@ -48,16 +47,7 @@ print(json.dumps(out))
 
 
 def test_per_step_arguments_are_not_specialized():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run(
-        [sys.executable, "-c", SCRIPT, json.dumps(list(EXPECTED))],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=True,
-        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-    )
-    found = json.loads(result.stdout.strip().splitlines()[-1])
+    found = run_compile_script(SCRIPT, json.dumps(list(EXPECTED)))
     for key, names in EXPECTED.items():
         assert set(names) <= set(found[key]["params"]), (key, found[key]["params"])  # the names still exist
         assert set(found[key]["dns"]) == set(names), (key, found[key]["dns"])

@@ -10,15 +10,11 @@ TRITON_INTERPRET, where the decorators build real JITFunctions.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from kvllm.utils import pdl
+from tests.offline_compile import run_compile_script
 
 SCRIPT = r"""
 import json
@@ -93,13 +89,7 @@ print(json.dumps({
 
 @pytest.fixture(scope="module")
 def orders() -> dict[str, dict]:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    done = subprocess.run(
-        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=600, check=False
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_compile_script(SCRIPT)
 
 
 def test_no_kernel_stores_before_its_wait_and_each_signals_right_after(orders):

@@ -14,12 +14,9 @@ Run in a fresh interpreter without TRITON_INTERPRET, where the decorators build 
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
+
+from tests.offline_compile import run_compile_script
 
 SCRIPT = r"""
 import json, os, re, subprocess, tempfile
@@ -87,13 +84,7 @@ print(json.dumps({"gemv": facts(8, False, 3), "gated": facts(4, True, 3)}))
 
 @pytest.fixture(scope="module")
 def compiled() -> dict[str, dict]:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    done = subprocess.run(
-        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=600, check=False
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_compile_script(SCRIPT)
 
 
 @pytest.mark.parametrize("kind", ["gemv", "gated"])
