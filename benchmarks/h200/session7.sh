@@ -18,66 +18,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 phase=${1:?usage: session7.sh measure|check|final|final-vllm}
-out=${OUT:-gpu-out}; d=/tmp/$phase; mkdir -p "$out" "$d"
-export PYTHONUNBUFFERED=1 PYTHONPATH=.
-started=$(date +%s); end=$(( started + ${BUDGET_S:-570} ))
-since() { echo "[$(( $(date +%s) - started )) s] $*"; }
-cap() { local want=$1 left=$(( end - $(date +%s) - 15 )); (( left < want )) && want=$left; (( want < 1 )) && want=1; echo "$want"; }
-save() { tar czf "$out/$phase.tgz" -C /tmp "$phase"; }
-run_step() {  # name cap command...: run with its cap, log to $d/name.log, report the exit status
-  local name=$1 limit; limit=$(cap "$2"); shift 2
-  timeout "$limit" "$@" > "$d/$name.log" 2>&1
-  since "$name (exit $?, cap ${limit}s): $(tail -n 1 "$d/$name.log" | cut -c1-150)"
-  save
-}
-bench() {  # label cap fast_path_bench arguments...
-  local label=$1 limit=$2; shift 2
-  run_step "bench-$label" "$limit" python3 benchmarks/h200/fast_path_bench.py --out "$d" "$@"
-  grep -h '^{' "$d/bench-$label.log" > "$d/bench-$label.jsonl"; python3 benchmarks/h200/summarize.py "$d/bench-$label.jsonl"
-}
-attention() {  # label cap attention-benchmark arguments...: the TRITON_ATTN kernel alone on decode shapes
-  local label=$1 limit=$2; shift 2
-  run_step "attn-$label" "$limit" python3 -m kvllm.benchmarks.attention --backends TRITON_ATTN --peers triton \
-    --shape decode256:256x1@1024 --only-shapes --output-json "$d/attn-$label.json" "$@"
-  grep -E "TRITON_ATTN " "$d/attn-$label.log" | grep -v skipped | head -n 4
-}
-parallel_tests() {  # cap "name|pytest args" ...: GPU test files side by side, one log each
-  local limit; limit=$(cap "$1"); shift
-  local spec
-  for spec in "$@"; do
-    local name=${spec%%|*} args=${spec#*|}
-    (KVLLM_GPU_REPORT_DIR=$d timeout "$limit" bash -c "python3 -m pytest -q -p no:cacheprovider -m gpu -rfE $args" \
-      > "$d/tests-$name.log" 2>&1) &
-  done
-  wait
-  for spec in "$@"; do since "tests ${spec%%|*}: $(tail -n 1 "$d/tests-${spec%%|*}.log")"; done
-  grep -hE "^(FAILED|ERROR)" "$d"/tests-*.log | head -n 20
-  save
-}
-structured_outputs() {  # issue 19: xgrammar and the real Qwen3 tokenizer from .so-bench or .so-lite
-  local tok=/tmp/so-tok
-  mkdir -p /tmp/so-site "$tok"
-  if [ -d .so-bench/wheels ]; then
-    for w in .so-bench/wheels/*.whl; do python3 -m zipfile -e "$w" /tmp/so-site; done
-    cp .so-bench/qwen3-tokenizer/* "$tok"/
-  elif [ -d .so-lite ]; then  # the same, the tokenizer gzipped (to fit beside vLLM's part 2)
-    for w in .so-lite/*.whl; do python3 -m zipfile -e "$w" /tmp/so-site; done
-    gunzip -c .so-lite/tokenizer.json.gz > "$tok/tokenizer.json"; cp .so-lite/tokenizer_config.json "$tok"/
-  else
-    since "structured outputs: skipped (carry .so-bench or .so-lite)"; return
-  fi
-  (export PYTHONPATH=.:/tmp/so-site KVLLM_QWEN3_TOKENIZER=$tok
-   run_step so-bench 70 python3 benchmarks/h200/structured_outputs_bench.py --tokenizer "$tok" \
-     --out "$d/structured_outputs.json"
-   tail -n 1 "$d/so-bench.log"
-   run_step so-tests "${SO_TESTS_CAP:-50}" python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
-     tests/gpu/test_structured_outputs_gpu.py)
-}
-nvidia-smi --query-gpu=name,compute_cap,driver_version,clocks.max.sm --format=csv,noheader | tee "$d/gpu.txt"
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$d/gpu.txt"
-nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,utilization.gpu --format=csv -lms 250 \
-  > "$d/clocks.csv" 2>/dev/null &
-clocks_pid=$!
+default_budget_s=570
+source benchmarks/h200/session_lib.sh
 
 case "$phase" in
 measure)
