@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import sys
@@ -148,6 +149,31 @@ def sm_clock_mhz() -> int | None:
         return None
 
 
+class GcRecorder:
+    """Python garbage collections while it is active: count per generation and milliseconds spent
+    (the early batch-1 runs are host-bound and slower than the same runs later; the collector is
+    one suspect)."""
+
+    def __init__(self) -> None:
+        self.counts = [0, 0, 0]
+        self.ms = 0.0
+        self._started = 0.0
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.counts[info["generation"]] += 1
+            self.ms += (time.perf_counter() - self._started) * 1e3
+
+    def __enter__(self) -> GcRecorder:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._callback)
+
+
 def timed(engine: Any, requests: list[BenchRequest], temperature: float) -> tuple[float, int]:
     _sync()
     start = time.perf_counter()
@@ -178,6 +204,12 @@ def main() -> int:
         action="store_true",
         help="kvllm: run a backend declared cudagraph_support='never' with decode graphs anyway (to measure "
         "hooks that tests/gpu/test_cuda_graphs_gpu.py is verifying); the label says so",
+    )
+    parser.add_argument(
+        "--cprofile-bs1",
+        action="store_true",
+        help="kvllm: one more batch-1 run under cProfile after the timed ones (early and late), top functions "
+        "to OUT/cprofile-<bench>.txt",
     )
     parser.add_argument(
         "--step-log", action="store_true", help="kvllm: log every step of the throughput runs (step_log.py)"
@@ -227,13 +259,26 @@ def main() -> int:
     def latency(bench: str, bs: int) -> None:
         for _ in range(args.warmups):
             engine.generate(random_requests(bs, 32, 128, vocab, seed=next(seed)), 1.0)
-        runs, started, clocks, cpu = [], [], [], []
+        runs, started, clocks, cpu, collections = [], [], [], [], []
         for _ in range(args.iters):
             started.append(time.time())
             cpu_before = time.process_time()
-            runs.append(timed(engine, random_requests(bs, 32, 128, vocab, seed=next(seed)), 1.0)[0])
+            with GcRecorder() as collector:
+                runs.append(timed(engine, random_requests(bs, 32, 128, vocab, seed=next(seed)), 1.0)[0])
             cpu.append(time.process_time() - cpu_before)  # all threads: near the wall time = host-bound
             clocks.append(sm_clock_mhz())
+            collections.append({"by_generation": collector.counts, "ms": round(collector.ms, 3)})
+        if args.cprofile_bs1 and bs == 1 and args.engine == "kvllm":
+            import cProfile
+            import pstats
+
+            profiler = cProfile.Profile()
+            profiler.enable()
+            profiled_s = timed(engine, random_requests(bs, 32, 128, vocab, seed=next(seed)), 1.0)[0]
+            profiler.disable()
+            with open(out / f"cprofile-{bench}.txt", "w") as f:
+                f.write(f"{bench}: one batch-1 run under cProfile, {profiled_s * 1e3:.1f} ms\n")
+                pstats.Stats(profiler, stream=f).sort_stats("tottime").print_stats(30)
         mean = sum(runs) / len(runs)
         emit(
             {
@@ -247,6 +292,8 @@ def main() -> int:
                 "started_unix": started,
                 "process_cpu_s": cpu,
                 "sm_clock_mhz_after": clocks,
+                "gc": collections,
+                "gc_tracked_objects": len(gc.get_objects()),
             }
         )
 

@@ -28,13 +28,18 @@ attention() {  # label cap attention-benchmark arguments...: the TRITON_ATTN ker
 parallel_tests() {  # cap "name|pytest args" ...: GPU test files side by side, one log each (saved as each ends;
   # -k 10: the 2026-12-01 call's tests outlived their TERM and the call, and their logs were lost)
   local limit; limit=$(cap "$1"); shift
-  local spec
+  # Waits on the test processes by pid: a bare `wait` also waits for the clock sampler below, which never
+  # ends (the eighth session's call hung there until it was killed, and the test logs were lost).
+  # faulthandler_timeout: a test running past 60 s prints every thread's stack into its log.
+  local spec pids=()
   for spec in "$@"; do
     local name=${spec%%|*} args=${spec#*|}
-    (KVLLM_GPU_REPORT_DIR=$d timeout -k 10 "$limit" bash -c "python3 -m pytest -q -p no:cacheprovider -m gpu -rfE $args" \
+    (KVLLM_GPU_REPORT_DIR=$d timeout -k 10 "$limit" bash -c \
+      "python3 -m pytest -q -p no:cacheprovider -m gpu -rfE -o faulthandler_timeout=60 $args" \
       > "$d/tests-$name.log" 2>&1; save) &
+    pids+=($!)
   done
-  wait
+  wait "${pids[@]}"
   for spec in "$@"; do since "tests ${spec%%|*}: $(tail -n 1 "$d/tests-${spec%%|*}.log")"; done
   grep -hE "^(FAILED|ERROR)" "$d"/tests-*.log | head -n 20
   save
