@@ -174,6 +174,34 @@ class GcRecorder:
         gc.callbacks.remove(self._callback)
 
 
+def host_cpu_probe_ms() -> float:
+    """A fixed pure-Python loop (no kvllm, no torch), timed: if it is slower in the early batch-1 runs
+    than in the late ones, the host CPU itself is slower then (clock, a busy sibling), not kvllm."""
+    started = time.perf_counter()
+    total = 0
+    for i in range(200_000):
+        total += i & 7
+    return round((time.perf_counter() - started) * 1e3, 3)
+
+
+def host_cpu_state() -> dict[str, Any]:
+    """The load average and the clock of the CPU this process last ran on (Linux; {} elsewhere)."""
+    try:
+        cpu = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[36])
+        mhz = None
+        with open("/proc/cpuinfo") as f:
+            current = -1
+            for line in f:
+                if line.startswith("processor"):
+                    current = int(line.split(":")[1])
+                elif line.startswith("cpu MHz") and current == cpu:
+                    mhz = float(line.split(":")[1])
+                    break
+        return {"cpu": cpu, "cpu_mhz": mhz, "loadavg_1m": float(open("/proc/loadavg").read().split()[0])}
+    except (OSError, ValueError, IndexError):
+        return {}
+
+
 def timed(engine: Any, requests: list[BenchRequest], temperature: float) -> tuple[float, int]:
     _sync()
     start = time.perf_counter()
@@ -259,8 +287,10 @@ def main() -> int:
     def latency(bench: str, bs: int) -> None:
         for _ in range(args.warmups):
             engine.generate(random_requests(bs, 32, 128, vocab, seed=next(seed)), 1.0)
-        runs, started, clocks, cpu, collections = [], [], [], [], []
+        runs, started, clocks, cpu, collections, probes, states = [], [], [], [], [], [], []
         for _ in range(args.iters):
+            probes.append(host_cpu_probe_ms())
+            states.append(host_cpu_state())
             started.append(time.time())
             cpu_before = time.process_time()
             with GcRecorder() as collector:
@@ -293,6 +323,8 @@ def main() -> int:
                 "process_cpu_s": cpu,
                 "sm_clock_mhz_after": clocks,
                 "gc": collections,
+                "host_cpu_probe_ms": probes,
+                "host_cpu": states,
                 "gc_tracked_objects": len(gc.get_objects()),
             }
         )

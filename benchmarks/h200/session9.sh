@@ -14,9 +14,14 @@
 #            test files not run on the merged code (TRITON_MLA's remaining cases, sleep mode, sampling,
 #            Gemma 2 and FLEX under the bf16 judge, the Triton attention file).
 #   encoder  carry [".stage_minilm2"]: the real all-MiniLM-L6-v2 and the BERT encoder on CUDA (issue 24).
+#   verify   carry [".so-lite"], a second lease after the first's findings: structured outputs at batch 64
+#            with the host's fill / accept / update timed, with xgrammar's threaded fill from 16 rows as an
+#            A/B; batch 1 early and late with a host-CPU probe; TTFT and nano-vllm with the TRITON_ATTN
+#            prefill kernel on by default, then off (A/B); the speculative GPU tests alone (in parallel,
+#            engines ran out of GPU memory); structured-output and TRITON_MLA GPU tests.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-phase=${1:?usage: session9.sh kvllm|vllm|tests|encoder}
+phase=${1:?usage: session9.sh kvllm|vllm|tests|encoder|verify}
 default_budget_s=480
 source benchmarks/h200/session_lib.sh
 
@@ -74,6 +79,33 @@ encoder)
   bash .stage_minilm2/unpack.sh > "$d/minilm-stage2.log" 2>&1; tail -n 1 "$d/minilm-stage2.log"
   OUT=$d BUDGET_S=$(cap 200) bash benchmarks/h200/run_encoder.sh > "$d/encoder.log" 2>&1
   since "encoder (exit $?): $(grep -E 'passed|failed' "$d/encoder.log" | tail -n 1)"
+  ;;
+verify)
+  tok=/tmp/so-tok; mkdir -p /tmp/so-site "$tok"
+  for w in .so-lite/*.whl; do python3 -m zipfile -e "$w" /tmp/so-site; done
+  gunzip -c .so-lite/tokenizer.json.gz > "$tok/tokenizer.json"; cp .so-lite/tokenizer_config.json "$tok"/
+  (export PYTHONPATH=.:/tmp/so-site KVLLM_QWEN3_TOKENIZER=$tok
+   run_step so-bench 60 python3 benchmarks/h200/structured_outputs_bench.py --tokenizer "$tok" --host-clock \
+     --out "$d/structured_outputs.json"
+   run_step so-bench-threaded16 60 python3 benchmarks/h200/structured_outputs_bench.py --tokenizer "$tok" \
+     --host-clock --threaded-fill-min-rows 16 --out "$d/structured_outputs-threaded16.json"
+   grep -h '"host_ms_per_step"' -A4 "$d"/structured_outputs*.json | head -n 24)
+  bench kvllm 130 --engine kvllm --backend TRITON_ATTN --only latency,ttft,nano,latency-late --iters 3 \
+    --warmups 1 --step-log
+  python3 - "$d/bench-kvllm.jsonl" <<'PY'
+import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    if r.get("batch_size") == 1 and "latencies_s" in r:
+        print(r["bench"], [round(x * 1e3, 1) for x in r["latencies_s"]], "ms; cpu probe", r.get("host_cpu_probe_ms"), r.get("host_cpu"))
+PY
+  KVLLM_TRITON_PREFILL_KERNEL=0 bench kvllm-unified-prefill 80 --engine kvllm --backend TRITON_ATTN --only ttft,nano \
+    --step-log
+  run_step tests-spec 90 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/gpu/test_spec_decode_gpu.py
+  (export PYTHONPATH=.:/tmp/so-site KVLLM_QWEN3_TOKENIZER=/tmp/so-tok
+   run_step tests-so 70 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/gpu/test_structured_outputs_gpu.py)
+  run_step tests-mla 150 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE -o faulthandler_timeout=60 \
+    tests/gpu/test_mla_gpu.py -k TRITON_MLA
   ;;
 esac
 kill "$clocks_pid" 2>/dev/null

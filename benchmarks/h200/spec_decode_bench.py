@@ -230,6 +230,7 @@ def run_one(name: str, engine: str, model: str, output_len: int, out: Path) -> d
         }
         record["verify_steps"] = runner.num_verify_steps
         record["verify_steps_graphed"] = runner.num_verify_steps_graphed
+        record["ungraphed_verify_steps"] = runner.ungraphed_verify_steps  # (requests, longest query, tokens)
         if eng.spec_decode is not None:
             s = eng.spec_decode.stats
             record.update(

@@ -34,6 +34,33 @@ def build_model(tokenizer: Path, folder: Path) -> Path:
     return folder
 
 
+class HostClock:
+    """Host time inside the functions a constrained step adds or grows, by wrapping them (the engine's
+    code is unchanged): the mask fill, each token's accept, and the engine's output update."""
+
+    def __init__(self) -> None:
+        self.ms: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+
+    def wrap(self, owner: type, name: str, label: str) -> None:
+        real = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return real(*args, **kwargs)
+            finally:
+                self.ms[label] = self.ms.get(label, 0.0) + (time.perf_counter() - started) * 1e3
+                self.calls[label] = self.calls.get(label, 0) + 1
+
+        setattr(owner, name, timed)
+
+    def take(self) -> dict[str, dict[str, float]]:
+        taken = {k: {"ms": round(v, 2), "calls": self.calls[k]} for k, v in self.ms.items()}
+        self.ms, self.calls = {}, {}
+        return taken
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokenizer", required=True, type=Path)
@@ -41,13 +68,29 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path)
+    parser.add_argument(
+        "--threaded-fill-min-rows",
+        type=int,
+        help="override kvllm's THREADED_FILL_MIN_ROWS (rows from which xgrammar's thread pool fills masks)",
+    )
+    parser.add_argument("--host-clock", action="store_true", help="time the fill, accepts and updates")
     args = parser.parse_args()
 
     import torch
 
     from kvllm import LLM, SamplingParams
+    from kvllm.engine.llm_engine import LLMEngine
     from kvllm.sampling_params import StructuredOutputsParams
+    from kvllm.structured_output import manager
+    from kvllm.structured_output.request import StructuredOutputRequest
 
+    if args.threaded_fill_min_rows is not None:
+        manager.THREADED_FILL_MIN_ROWS = args.threaded_fill_min_rows
+    clock = HostClock()
+    if args.host_clock:
+        clock.wrap(manager.StructuredOutputManager, "grammar_bitmask", "mask_fill")
+        clock.wrap(StructuredOutputRequest, "accept_token", "accept_token")
+        clock.wrap(LLMEngine, "_update", "engine_update")
     folder = build_model(args.tokenizer, Path(tempfile.mkdtemp()) / "qwen3-0.6b-shape")
     llm = LLM(str(folder), load_format="dummy", dtype="bfloat16", max_model_len=1024, seed=0)
     schema = {
@@ -66,9 +109,15 @@ def main() -> None:
     }
     prompts = [f"Request {i}: list digits as JSON." for i in range(args.batch)]
     llm.generate(prompts[:2], runs["json_schema"].replace(max_tokens=8), use_tqdm=False)  # compile once
-    result: dict = {"batch": args.batch, "max_tokens": args.max_tokens, "gpu": torch.cuda.get_device_name()}
+    result: dict = {
+        "batch": args.batch,
+        "max_tokens": args.max_tokens,
+        "gpu": torch.cuda.get_device_name(),
+        "threaded_fill_min_rows": manager.THREADED_FILL_MIN_ROWS,
+    }
     for name, params in runs.items():
         llm.generate(prompts, params.replace(max_tokens=16), use_tqdm=False)  # warm
+        clock.take()
         times, tokens, valid = [], 0, None
         for _ in range(args.repeats):
             torch.cuda.synchronize()
@@ -90,6 +139,9 @@ def main() -> None:
         }
         if valid is not None:
             result[name]["rows_following_the_grammar"] = valid
+        if args.host_clock:  # per decode step: the runs' steps are repeats x max_tokens
+            steps = args.repeats * args.max_tokens
+            result[name]["host_ms_per_step"] = {k: round(v["ms"] / steps, 4) for k, v in clock.take().items()}
     loss = 1 - result["json_schema"]["tokens_per_s"] / result["unconstrained"]["tokens_per_s"]
     result["throughput_loss_pct"] = round(100 * loss, 2)
     text = json.dumps(result, indent=2)

@@ -149,6 +149,8 @@ class ModelRunner:
         self.decode_graphs: UniformDecodeGraphs | None = None  # those and the k + 1 verification graphs
         self.num_verify_steps = 0  # steps that verified drafts, and those of them in a full graph
         self.num_verify_steps_graphed = 0
+        # The first verification steps that ran without a full graph: (requests, longest query, tokens).
+        self.ungraphed_verify_steps: list[tuple[int, int, int]] = []
         self.piecewise: PiecewiseGraphRunner | None = None
         self.num_blocks = 0
         self.max_num_reqs = 0
@@ -455,6 +457,9 @@ class ModelRunner:
         if inputs.spec is not None:
             self.num_verify_steps += 1
             self.num_verify_steps_graphed += graph is not None
+            if graph is None and len(self.ungraphed_verify_steps) < 16:
+                lens = [item.num_new_tokens for item in step.scheduled]
+                self.ungraphed_verify_steps.append((len(lens), max(lens), sum(lens)))
         if graph is not None:
             # All of the graph's rows: the EAGLE head runs over the padded batch as the graph did.
             head_hidden = graph[0].replay(inputs.attn_metadata, inputs.attn_metadata.num_actual_tokens)

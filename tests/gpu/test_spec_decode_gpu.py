@@ -59,7 +59,11 @@ def test_verification_and_drafting_replay_full_cuda_graphs(tiny_qwen3_path, meth
     stats = llm.llm_engine.spec_decode.stats
     assert stats.num_accepted_tokens > 0
     # The batch (4 requests, then fewer) always fits a graph: every step with drafts replayed one.
-    assert runner.num_verify_steps > 0 and runner.num_verify_steps_graphed == runner.num_verify_steps
+    assert runner.num_verify_steps > 0
+    assert runner.num_verify_steps_graphed == runner.num_verify_steps, (
+        f"verification steps without a full graph (requests, longest query, tokens): "
+        f"{runner.ungraphed_verify_steps}"
+    )
     assert counts["target"][4] >= runner.num_verify_steps
     if method == "draft_model":
         # Decode-only steps: the first proposal step (two tokens per request) replaces the pass over

@@ -211,13 +211,21 @@ def test_bad_config_is_an_error() -> None:
 
 @pytest.mark.parametrize(
     "query_lens,enabled,expect_prefill_kernel",
-    [([1, 200, 150], "1", True), ([1, 20, 30], "1", False), ([1, 200, 150], "0", False)],
+    [
+        ([1, 200, 150], "1", True),
+        ([1, 20, 30], "1", False),
+        ([1, 200, 150], "0", False),
+        ([1, 200, 150], None, False),
+    ],
 )
 def test_kernel_choice(monkeypatch, query_lens, enabled, expect_prefill_kernel) -> None:
     """With no override and KVLLM_TRITON_PREFILL_KERNEL=1, prefills averaging MIN_MEAN_QUERY_LEN+
-    tokens take the prefill kernel; without the switch (the default until its GPU tests have run)
-    they keep the unified kernel."""
-    monkeypatch.setenv("KVLLM_TRITON_PREFILL_KERNEL", enabled)
+    tokens take the prefill kernel; with the switch at 0, or unset on the CPU (the interpreter), they
+    keep the unified kernel."""
+    if enabled is None:
+        monkeypatch.delenv("KVLLM_TRITON_PREFILL_KERNEL", raising=False)
+    else:
+        monkeypatch.setenv("KVLLM_TRITON_PREFILL_KERNEL", enabled)
     calls = []
     real = prefill_ops.prefill_attention
     monkeypatch.setattr(
@@ -229,6 +237,18 @@ def test_kernel_choice(monkeypatch, query_lens, enabled, expect_prefill_kernel) 
     case = run_triton_case(query_lens, [10] * len(query_lens), 4, 2, 32, 16, torch.float32)
     assert bool(calls) == expect_prefill_kernel
     check(case, torch.float32)
+
+
+def test_kernel_switch_defaults_to_the_gpu_and_rejects_other_values(monkeypatch) -> None:
+    from kvllm.attention.ops.triton_prefill_config import prefill_kernel_enabled
+
+    monkeypatch.delenv("KVLLM_TRITON_PREFILL_KERNEL", raising=False)
+    assert prefill_kernel_enabled(True) and not prefill_kernel_enabled(False)
+    monkeypatch.setenv("KVLLM_TRITON_PREFILL_KERNEL", "0")
+    assert not prefill_kernel_enabled(True)
+    monkeypatch.setenv("KVLLM_TRITON_PREFILL_KERNEL", "yes")
+    with pytest.raises(ValueError, match="allowed 0 .off. or 1 .on."):
+        prefill_kernel_enabled(True)
 
 
 def test_sweep_tiny_runs(tmp_path, monkeypatch) -> None:

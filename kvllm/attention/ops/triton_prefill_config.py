@@ -22,12 +22,18 @@ KV_LOADS = ("gather", "page", "tma")
 MIN_MEAN_QUERY_LEN = 128
 
 
-def prefill_kernel_enabled() -> bool:
-    """Whether batches route to this kernel on their own. Its float32 checks have passed in the
-    Triton interpreter but its GPU tests (tests/gpu/test_triton_prefill_gpu.py) have not yet run on a
-    GPU, so until they have it is opt-in: KVLLM_TRITON_PREFILL_KERNEL=1. A PrefillConfig passed to
-    `unified_attention` (benchmarks, tests) always takes it."""
-    return os.environ.get("KVLLM_TRITON_PREFILL_KERNEL", "0") == "1"
+def prefill_kernel_enabled(on_gpu: bool) -> bool:
+    """Whether batches route to this kernel on their own: on a GPU by default (its GPU tests,
+    tests/gpu/test_triton_prefill_gpu.py, passed on the H200: 26 of 26, 2026-12-02), not under the
+    Triton interpreter on the CPU, where the unified kernel is the faster to interpret (tests there
+    pass a PrefillConfig or set the switch). KVLLM_TRITON_PREFILL_KERNEL=0 / 1 overrides either way.
+    A PrefillConfig passed to `unified_attention` (benchmarks, tests) always takes it."""
+    switch = os.environ.get("KVLLM_TRITON_PREFILL_KERNEL")
+    if switch is None:
+        return on_gpu
+    if switch not in ("0", "1"):
+        raise ValueError(f"KVLLM_TRITON_PREFILL_KERNEL={switch!r}: allowed 0 (off) or 1 (on)")
+    return switch == "1"
 
 
 @dataclass(frozen=True)
