@@ -19,9 +19,13 @@
 #            A/B; batch 1 early and late with a host-CPU probe; TTFT and nano-vllm with the TRITON_ATTN
 #            prefill kernel on by default, then off (A/B); the speculative GPU tests alone (in parallel,
 #            engines ran out of GPU memory); structured-output and TRITON_MLA GPU tests.
+#   verify2  carry [".so-lite"], the last of the budget: the speculative and MLA graph GPU tests after
+#            their fixes (a fifth of the GPU per engine; MLA's kv heads = heads for HF), then structured
+#            outputs at batch 64 with the grammars advanced ahead of the rest of the output work, twice
+#            (the host is slow in the first minutes of a machine: the probe of the `verify` call).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-phase=${1:?usage: session9.sh kvllm|vllm|tests|encoder|verify}
+phase=${1:?usage: session9.sh kvllm|vllm|tests|encoder|verify|verify2}
 default_budget_s=480
 source benchmarks/h200/session_lib.sh
 
@@ -106,6 +110,20 @@ PY
    run_step tests-so 70 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/gpu/test_structured_outputs_gpu.py)
   run_step tests-mla 150 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE -o faulthandler_timeout=60 \
     tests/gpu/test_mla_gpu.py -k TRITON_MLA
+  ;;
+verify2)
+  tok=/tmp/so-tok; mkdir -p /tmp/so-site "$tok"
+  for w in .so-lite/*.whl; do python3 -m zipfile -e "$w" /tmp/so-site; done
+  gunzip -c .so-lite/tokenizer.json.gz > "$tok/tokenizer.json"; cp .so-lite/tokenizer_config.json "$tok"/
+  run_step tests-spec 80 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/gpu/test_spec_decode_gpu.py
+  grep -hE "^(FAILED|E  )" "$d/tests-spec.log" | head -n 8
+  run_step tests-mla-graphs 60 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/gpu/test_mla_gpu.py \
+    -k "graph_decode_matches_eager and TRITON_MLA"
+  (export PYTHONPATH=.:/tmp/so-site
+   for i in 1 2; do
+     run_step so-bench-$i 50 python3 benchmarks/h200/structured_outputs_bench.py --tokenizer "$tok" --host-clock \
+       --out "$d/structured_outputs-$i.json"
+   done)
   ;;
 esac
 kill "$clocks_pid" 2>/dev/null

@@ -14,7 +14,7 @@ from kvllm.core.kv_cache_manager import KVCacheManager
 from kvllm.core.request import Request
 from kvllm.core.sched_output import SchedulerOutput
 from kvllm.core.scheduler import Scheduler
-from kvllm.core.step_result import GrammarBitmaskFn, PendingStep
+from kvllm.core.step_result import GrammarBitmaskFn, PendingStep, StepResult
 from kvllm.engine.input_processor import InputProcessor, PromptType, truncate_prompt
 from kvllm.engine.output_processor import OutputProcessor
 from kvllm.engine.pooling import check_pooling_params, pooling_request, pooling_scheduler_settings
@@ -52,6 +52,16 @@ class EngineStats:
     num_blocks: int
     num_free_blocks: int
     spec_decoding: SpecDecodeCounts | None = None  # with speculative decoding: acceptance counts
+
+
+class ResolvedStep:
+    """A launched step whose result has been taken already (a PendingStep's result() is taken once)."""
+
+    def __init__(self, step: StepResult) -> None:
+        self.step = step
+
+    def result(self) -> StepResult:
+        return self.step
 
 
 class LLMEngine:
@@ -123,6 +133,8 @@ class LLMEngine:
         self._grammar_requests: list[Request] = []  # with structured outputs, until they finish
         # During step(): the step launched by the previous call, until its tokens are taken.
         self._previous: tuple[SchedulerOutput, PendingStep] | None = None
+        # During step(): that step once the grammar masks took its tokens, until its outputs are made.
+        self._grammar_taken: tuple[SchedulerOutput, PendingStep] | None = None
         self.sleep_level = 0  # 0: awake; else the level of the last sleep() until wake_up() ends it
         self._log_cache_size(num_blocks)
         if self.device.type == "cuda" and not self.model_config.is_pooling:
@@ -307,6 +319,9 @@ class LLMEngine:
                 pending = self.executor.execute_model_async(plan, self._grammar_bitmask_fn(plan, outputs))
             else:
                 pending = self.executor.execute_model_async(plan)
+        if self._grammar_taken is not None:  # the masks are filled and the step launched: now its outputs
+            outputs += self._update(*self._grammar_taken, grammar_accepted=True)
+            self._grammar_taken = None
         if not self.async_scheduling:
             return outputs + (self._update(plan, pending) if pending is not None else [])
         if self._previous is not None:  # not yet taken by the grammar masks
@@ -339,13 +354,21 @@ class LLMEngine:
         """The masks of `plan`'s constrained rows, called by the worker once the forward pass is queued.
 
         A mask depends on every token before it, so the previous step's tokens (still in flight with
-        overlapped scheduling) are taken first, into `outputs`: exact, and the host's work overlaps the
-        device's forward pass instead of the device's idle time."""
+        overlapped scheduling) are taken first: exact, and the host's work overlaps the device's
+        forward pass instead of the device's idle time. Only the grammars are advanced here (the
+        masks' critical path, while the device waits to sample); the rest of that step's output work
+        follows the launch in step(). A step with verified drafts is processed whole, into `outputs`."""
 
         def fill(rows: list[int]) -> torch.Tensor | None:
             if self._previous is not None:
-                outputs.extend(self._update(*self._previous))
+                previous_plan, previous = self._previous
                 self._previous = None
+                result = ResolvedStep(previous.result())
+                if result.step.spec_token_ids:
+                    outputs.extend(self._update(previous_plan, result))
+                else:
+                    self.output_processor.accept_grammar_tokens(previous_plan, result.step)
+                    self._grammar_taken = (previous_plan, result)
             grammars = []
             for i in rows:
                 request = plan.scheduled[i].request
@@ -354,10 +377,12 @@ class LLMEngine:
 
         return fill
 
-    def _update(self, plan: SchedulerOutput, pending: PendingStep) -> list[RequestOutput]:
+    def _update(
+        self, plan: SchedulerOutput, pending: PendingStep, grammar_accepted: bool = False
+    ) -> list[RequestOutput]:
         """Wait for a launched step's tokens, apply them, and free the requests they finished."""
         result = pending.result()
-        outputs, finished = self.output_processor.process_step(plan, result)
+        outputs, finished = self.output_processor.process_step(plan, result, grammar_accepted)
         self.scheduler.finish_requests(finished)
         if self.spec_decode is not None:
             self.spec_decode.after_step(plan, result, self.scheduler)

@@ -134,14 +134,31 @@ class OutputProcessor:
         """Outputs for the requests the scheduler failed (finish_reason "error"), reported at once."""
         return self._collect_outputs({r.parent_id: self.parents[r.parent_id] for r in plan.failed})
 
+    def accept_grammar_tokens(self, plan: SchedulerOutput, result: StepResult) -> None:
+        """Advance the grammars of a finished step's constrained rows by their tokens, ahead of
+        `process_step(..., grammar_accepted=True)`: the next step's masks need only this, so the rest
+        of the step's output work (text, stops, outputs) can wait until that step is launched. The
+        tokens accepted are those process_step appends (rows of requests not already finished); steps
+        with verified drafts take the whole of process_step instead."""
+        sampled = result.sampler_output
+        if sampled is None:
+            return
+        scheduled = plan.scheduled
+        for index, token_id in zip(result.request_indices, sampled.token_ids, strict=True):
+            request = scheduled[index].request
+            grammar = request.structured_output_request
+            if grammar is not None and request.finish_reason is None:
+                grammar.accept_token(token_id)
+
     def process_step(
-        self, plan: SchedulerOutput, result: StepResult
+        self, plan: SchedulerOutput, result: StepResult, grammar_accepted: bool = False
     ) -> tuple[list[RequestOutput], list[Request]]:
         """The outputs of the requests a finished step touched, and the sequences that finished in it.
 
         The step may have been launched before an earlier step's tokens ended some of its requests
         (overlapped scheduling): their tokens are dropped, and every sampled request's placeholder
-        (see Scheduler.schedule) is resolved either way.
+        (see Scheduler.schedule) is resolved either way. `grammar_accepted`: accept_grammar_tokens
+        already advanced the grammars by this step's tokens.
         """
         for index, (first_position, entries) in result.prompt_logprobs.items():
             self._record_prompt_logprobs(plan.scheduled[index].request, first_position, entries)
@@ -192,6 +209,7 @@ class OutputProcessor:
                     token_id,
                     None if logprobs is None else logprobs[row],
                     top_logprobs[row],
+                    accept_grammar=not grammar_accepted,
                 )
             else:  # verified drafts (no logprobs: requests asking for them do not speculate)
                 for draft_id in run:
@@ -244,12 +262,17 @@ class OutputProcessor:
                 recorded.append(decode_logprobs(self.tokenizer, entry))
 
     def _append_token(
-        self, seq: SequenceState, token_id: int, logprob: float | None, top_logprobs: PositionLogprobs | None
+        self,
+        seq: SequenceState,
+        token_id: int,
+        logprob: float | None,
+        top_logprobs: PositionLogprobs | None,
+        accept_grammar: bool = True,
     ) -> None:
         request = seq.request
         request.output_token_ids.append(token_id)  # Request.append_output_token, inlined
         request.all_token_ids.append(token_id)
-        if request.structured_output_request is not None:
+        if accept_grammar and request.structured_output_request is not None:
             request.structured_output_request.accept_token(token_id)
         if logprob is not None:  # computed only for requests that report logprobs
             request.cumulative_logprob += logprob

@@ -125,6 +125,34 @@ def test_overlapped_scheduling_gives_the_same_tokens(tiny_qwen3_real_tokenizer_p
     assert all(_valid_json(t) for t in texts[True][1::2])
 
 
+def test_masks_advance_each_grammar_once_per_token_before_the_outputs(llm, monkeypatch):
+    """With overlap, a step's masks take only the previous step's grammar tokens (its text, stops and
+    outputs follow the next launch): every output token advances its grammar exactly once, through
+    that early path, and the documents still validate."""
+    from kvllm.engine.output_processor import OutputProcessor
+    from kvllm.structured_output.request import StructuredOutputRequest
+
+    assert llm.llm_engine.async_scheduling
+    counts = {"accepted": 0, "early_steps": 0}
+    real_accept, real_early = StructuredOutputRequest.accept_token, OutputProcessor.accept_grammar_tokens
+
+    def accept(self, token_id):
+        counts["accepted"] += 1
+        return real_accept(self, token_id)
+
+    def early(self, plan, result):
+        counts["early_steps"] += 1
+        return real_early(self, plan, result)
+
+    monkeypatch.setattr(StructuredOutputRequest, "accept_token", accept)
+    monkeypatch.setattr(OutputProcessor, "accept_grammar_tokens", early)
+    outs = _generate(llm, StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True), 60, num=12)
+    assert counts["accepted"] == sum(len(o.token_ids) for o in outs)
+    assert counts["early_steps"] >= max(len(o.token_ids) for o in outs) - 2  # all but the first and last
+    finished = [o.text for o in outs if o.finish_reason == "stop"]
+    assert finished and all(_valid_json(t) for t in finished)
+
+
 def test_n_sequences_each_follow_the_grammar(llm):
     params = SamplingParams(
         n=6, temperature=1.0, max_tokens=40, structured_outputs=StructuredOutputsParams(regex=REGEX)

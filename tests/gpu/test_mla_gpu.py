@@ -128,7 +128,7 @@ def test_mla_graph_decode_matches_eager(backend, tmp_path, monkeypatch):
     if backend_class.cudagraph_support == "never":
         monkeypatch.setattr(backend_class, "cudagraph_support", "decode_only")
     path = str(make_tiny_deepseek_v3(
-        tmp_path, num_attention_heads=16, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
+        tmp_path, num_attention_heads=16, num_key_value_heads=16, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
         v_head_dim=128, hidden_size=256, intermediate_size=512,
     ))  # fmt: skip
     rng = torch.Generator().manual_seed(1)

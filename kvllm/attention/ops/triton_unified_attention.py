@@ -628,7 +628,7 @@ def unified_attention(
         num_prefill_tokens = num_tokens - num_decode_reqs
         num_prefill_reqs = num_reqs - num_decode_reqs
         long = num_prefill_tokens >= MIN_MEAN_QUERY_LEN * num_prefill_reqs
-        if prefill_cfg is None and long and prefill_kernel_enabled(query.is_cuda):
+        if prefill_cfg is None and long and prefill_kernel_enabled():
             prefill_cfg = prefill_kernel_config(head_size, g, query.dtype, block_size)
         if isinstance(prefill_cfg, PrefillConfig):
             prefill_attention(
