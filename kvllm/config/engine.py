@@ -76,7 +76,10 @@ class EngineArgs:
     )
     gpu_memory_utilization: float = field(
         default=0.9,
-        metadata=_help("Fraction of GPU memory for weights, activations and KV cache (GPU only)."),
+        metadata=_help(
+            "This engine's fraction of GPU memory for weights, activations and KV cache (GPU only); it "
+            "must be free at start-up."
+        ),
     )
     kv_cache_memory_bytes: int | None = field(
         default=None,

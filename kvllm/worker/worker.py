@@ -44,8 +44,10 @@ class Worker:
         self.model_config = model_config
         self.device = device
         self.max_num_batched_tokens = max_num_batched_tokens
-        # Measured before the weights arrive: what other processes hold is not ours to use.
+        # Measured before the weights arrive: what other processes (and other engines in this one) hold
+        # is not ours to use. What this process's allocator holds already is not this engine's peak.
         self.free_memory_at_start = torch.cuda.mem_get_info()[0] if device.type == "cuda" else 0
+        self.allocated_at_start = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         self.model_runner = ModelRunner(
             args, model_config, device, current_device_info(), max_num_batched_tokens
         )
@@ -105,17 +107,28 @@ class Worker:
         num_tokens = min(self.max_num_batched_tokens, self.model_config.max_model_len)
         self.model_runner.profile_run(num_tokens, min(self.args.max_num_seqs, num_tokens))
         torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated()
+        # gpu_memory_utilization is this engine's share of the device, as in vLLM: its weights, peak
+        # activations and KV cache together. It must be free when the engine starts; memory that other
+        # processes (or other engines in this one) hold is theirs, outside the share. The allocator's
+        # peak covers the whole process, so what it held before this engine started is taken out.
+        peak = torch.cuda.max_memory_allocated() - self.allocated_at_start
         total = torch.cuda.mem_get_info()[1]
-        used_by_others = total - self.free_memory_at_start
-        budget = int(total * self.args.gpu_memory_utilization) - used_by_others - peak
+        utilization = self.args.gpu_memory_utilization
+        requested = int(total * utilization)
+        if requested > self.free_memory_at_start:
+            raise ValueError(
+                f"gpu_memory_utilization={utilization} asks for {requested / GiB:.1f} GiB of the "
+                f"{total / GiB:.1f} GiB GPU, but only {self.free_memory_at_start / GiB:.1f} GiB were free at "
+                f"start-up ({(total - self.free_memory_at_start) / GiB:.1f} GiB held by other processes or "
+                "engines). Lower gpu_memory_utilization, or free the GPU"
+            )
+        budget = requested - peak
         if budget <= 0:
             raise ValueError(
-                f"No GPU memory left for the KV cache: {total / GiB:.1f} GiB total, "
-                f"{used_by_others / GiB:.1f} GiB used by other processes, {peak / GiB:.1f} GiB peak for the "
-                f"model at {num_tokens} tokens per step. Raise gpu_memory_utilization "
-                f"(now {self.args.gpu_memory_utilization}), or lower max_model_len / max_num_seqs / "
-                "max_num_batched_tokens"
+                f"No GPU memory left for the KV cache: gpu_memory_utilization={utilization} gives "
+                f"{requested / GiB:.1f} GiB and the model's peak at {num_tokens} tokens per step is "
+                f"{peak / GiB:.1f} GiB. Raise gpu_memory_utilization, or lower max_model_len / "
+                "max_num_seqs / max_num_batched_tokens"
             )
         torch.cuda.empty_cache()
         return budget

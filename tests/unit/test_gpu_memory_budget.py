@@ -1,0 +1,67 @@
+"""The KV cache budget on a GPU, with torch.cuda's memory queries stood in for (no GPU needed)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvllm.worker.worker import Worker
+
+GIB = 1 << 30
+
+
+def _budget(monkeypatch, *, total, free_at_start, allocated_at_start, peak_allocated, utilization):
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: peak_allocated)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (0, total))
+    worker = SimpleNamespace(
+        max_num_batched_tokens=2048,
+        model_config=SimpleNamespace(max_model_len=1024),
+        args=SimpleNamespace(max_num_seqs=8, gpu_memory_utilization=utilization),
+        model_runner=SimpleNamespace(profile_run=lambda num_tokens, num_seqs: None),
+        free_memory_at_start=free_at_start,
+        allocated_at_start=allocated_at_start,
+    )
+    return Worker._profile_free_gpu_memory(worker)
+
+
+def test_a_second_engine_in_the_process_gets_its_own_share(monkeypatch):
+    """The first engine holds 28 GiB of this process's allocator: the second's peak is its own 1 GiB,
+    and its budget is its share (0.2 of the device, as in vLLM) minus that peak."""
+    budget = _budget(
+        monkeypatch,
+        total=140 * GIB,
+        free_at_start=112 * GIB,
+        allocated_at_start=28 * GIB,
+        peak_allocated=29 * GIB,
+        utilization=0.2,
+    )
+    assert budget == int(140 * GIB * 0.2) - 1 * GIB
+
+
+def test_a_share_larger_than_the_free_memory_is_refused(monkeypatch):
+    with pytest.raises(ValueError, match=r"asks for 126.0 GiB .* only 112.0 GiB were free .*28.0 GiB held"):
+        _budget(
+            monkeypatch,
+            total=140 * GIB,
+            free_at_start=112 * GIB,
+            allocated_at_start=28 * GIB,
+            peak_allocated=29 * GIB,
+            utilization=0.9,
+        )
+
+
+def test_a_share_the_model_fills_leaves_no_kv_cache_and_says_so(monkeypatch):
+    with pytest.raises(ValueError, match=r"gives 14.0 GiB and the model's peak .* is 15.0 GiB"):
+        _budget(
+            monkeypatch,
+            total=140 * GIB,
+            free_at_start=140 * GIB,
+            allocated_at_start=0,
+            peak_allocated=15 * GIB,
+            utilization=0.1,
+        )
