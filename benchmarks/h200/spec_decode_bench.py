@@ -164,7 +164,7 @@ def run_one(name: str, engine: str, model: str, output_len: int, out: Path) -> d
             seed=0,
             generation_config="vllm",
             enable_prefix_caching=False,
-            speculative_config=spec,
+            speculative_config=None if spec is None else dict(spec),  # vLLM adds its own objects to it
             max_num_seqs=4,
             disable_log_stats=False,  # LLM turns stats off by default, and get_metrics() asserts on them
         )
@@ -188,7 +188,7 @@ def run_one(name: str, engine: str, model: str, output_len: int, out: Path) -> d
             dtype="bfloat16" if torch.cuda.is_available() else "float32",
             max_model_len=4096 if torch.cuda.is_available() else 1024,
             enable_prefix_caching=False,
-            speculative_config=spec,
+            speculative_config=None if spec is None else dict(spec),  # vLLM adds its own objects to it
             # Batch 1 only: a small batch keeps start-up (graph capture, warm-up) short.
             max_num_seqs=4,
             cudagraph_capture_sizes=[1, 2, 4],

@@ -280,3 +280,15 @@ def test_gated_int4_layer_fuses_silu_for_decode_rows() -> None:
         out = layer.gated(x, SiluAndMul())
     assert launch.call_args.args[-1] is True  # the gated kernel ran
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_w4a16_gemv_default_is_one_warp_per_program_at_one_row() -> None:
+    """At M = 1 every Llama-3-8B projection takes one warp per program (the H200 sweep: splitting K
+    over warps was slower on each); at two rows narrow outputs still split K for enough warps."""
+    from kvllm.layers.quantization.ops.w4a16_gemv import default_config
+
+    for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)):
+        config = default_config(1, n, k)
+        assert (config.block_n, config.block_k, config.num_warps, config.num_stages) == (8, 1024, 1, 3)
+    assert default_config(1, 28672, 4096, gated=True).block_n == 4
+    assert default_config(2, 4096, 4096).num_warps == 2

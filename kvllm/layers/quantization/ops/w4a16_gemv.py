@@ -361,10 +361,12 @@ MIN_WARPS = 8 * 132  # eight warps per SM of an H200: fewer leave its four sched
 def default_config(m: int, n: int, k: int, gated: bool = False) -> W4A16GemvConfig:
     """Programs of eight columns at one row (gated: four of each stream), four at two, two at four
     (the rows' activations and sums take the registers), over K tiles of 1024 values per warp with
-    three pipeline stages. Narrow outputs give too few programs for the SMs: there each program splits
-    its K tile over two or four warps (while K stays a whole number of tiles), for at least MIN_WARPS
-    warps. From the offline sm_90 compile (3.1 SASS instructions per weight value at one row, 128
-    registers, no spills); benchmarks/h200/w4a16_gemv_m1.py sweeps the alternatives on the H200."""
+    three pipeline stages. At one row each program is one warp: on the H200 (w4a16_gemv_m1.py, ninth
+    session) splitting K over two or four warps for narrow outputs was slower on every Llama-3-8B
+    projection (qkv 24.5 against 17.4 us, o 16.9 against 12.8, down 39.5 against 35.4). At two and
+    four rows (not measured on a GPU yet) narrow outputs still split K over up to four warps, for at
+    least MIN_WARPS warps (from the offline sm_90 compile: 3.1 SASS instructions per weight value at
+    one row, 128 registers, no spills)."""
     block_k = PACK * block_words(k)
     while block_k < 1024 and k % (2 * block_k) == 0:
         block_k *= 2
@@ -373,7 +375,7 @@ def default_config(m: int, n: int, k: int, gated: bool = False) -> W4A16GemvConf
         block_n = max(1, block_n // 2)
     programs = triton.cdiv(n // 2 if gated else n, block_n)
     warps = 1
-    while warps < 4 and programs * warps < MIN_WARPS and k % (2 * warps * block_k) == 0:
+    while m > 1 and warps < 4 and programs * warps < MIN_WARPS and k % (2 * warps * block_k) == 0:
         warps *= 2
     return W4A16GemvConfig(block_n=block_n, block_k=block_k * warps, num_warps=warps, num_stages=3)
 
