@@ -26,10 +26,11 @@ def prefill_kernel_enabled() -> bool:
     """Whether batches route to this kernel on their own: opt-in, KVLLM_TRITON_PREFILL_KERNEL=1.
     Its GPU tests (tests/gpu/test_triton_prefill_gpu.py) pass on the H200 (26 of 26, 2026-12-02), and
     alone it is faster than the unified kernel (378 against 274 TFLOP/s on 8 x 2048 causal), but end to
-    end it was not: in one H200 lease nano-vllm's mixed prefill steps took 0.58 s with it and 0.48 s
-    without (22,988 against 23,432 output tok/s) and a 1k-token TTFT 7.6 against 7.0 ms
-    (docs/benchmarks.md, ninth session), so the unified kernel stays the default. A PrefillConfig passed
-    to `unified_attention` (benchmarks, tests) always takes it."""
+    end it has not shown a gain: in one H200 lease nano-vllm's mixed prefill steps took 0.58 s with it
+    and 0.48 s without (22,988 against 23,432 output tok/s), a 1k-token TTFT 7.6 against 7.0 ms; its
+    run came first, while that machine's host CPU was still slow (docs/benchmarks.md, ninth session),
+    so the comparison is not clean, and the unified kernel stays the default until one is. A
+    PrefillConfig passed to `unified_attention` (benchmarks, tests) always takes it."""
     switch = os.environ.get("KVLLM_TRITON_PREFILL_KERNEL", "0")
     if switch not in ("0", "1"):
         raise ValueError(f"KVLLM_TRITON_PREFILL_KERNEL={switch!r}: allowed 0 (off) or 1 (on)")
