@@ -98,6 +98,6 @@ final-vllm)
    tail -n 6 "$d/spec-decode-vllm.log")
   ;;
 esac
-kill "$clocks_pid" 2>/dev/null
+kill "$clocks_pid" "${host_probe_pid:-}" 2>/dev/null
 save
 since "done"

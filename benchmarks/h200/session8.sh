@@ -73,6 +73,6 @@ final-vllm)
    (( end - $(date +%s) > 90 )) && bench vllm-fp8 80 --engine vllm --only nano --kv-cache-dtype fp8)
   ;;
 esac
-kill "$clocks_pid" 2>/dev/null
+kill "$clocks_pid" "${host_probe_pid:-}" 2>/dev/null
 save
 since "done"

@@ -126,6 +126,6 @@ verify2)
    done)
   ;;
 esac
-kill "$clocks_pid" 2>/dev/null
+kill "$clocks_pid" "${host_probe_pid:-}" 2>/dev/null
 save
 since "done"

@@ -1,7 +1,8 @@
 # Shared by the H200 session scripts (session7.sh, session8.sh): sourced from the repository root after
 # the script sets `phase` and `default_budget_s`. Raw results go under /tmp/<phase>/ and are tarred into
 # $OUT/<phase>.tgz after every step; every step's cap is clipped so the call ends before BUDGET_S.
-# It also records the GPU and samples its clocks (the script kills $clocks_pid at its end).
+# It also records the GPU, samples its clocks and times a host-CPU probe (the script kills $clocks_pid and
+# $host_probe_pid at its end).
 out=${OUT:-gpu-out}; d=/tmp/$phase; mkdir -p "$out" "$d"
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 started=$(date +%s); end=$(( started + ${BUDGET_S:-$default_budget_s} ))
@@ -68,4 +69,19 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,utilization.gpu --format=csv -lms 250 \
   > "$d/clocks.csv" 2>/dev/null &
 clocks_pid=$!
+# The host CPU's speed over the call (a fresh machine's host ran Python at about half speed for its first
+# ~2 minutes in the ninth session): a fixed pure-Python loop timed every 5 s, into host_probe.csv.
+python3 -c "
+import sys, time
+out = open(sys.argv[1], 'w', buffering=1)
+out.write('unix_s,probe_ms\n')
+while True:
+    started = time.perf_counter()
+    total = 0
+    for i in range(200_000):
+        total += i & 7
+    out.write(f'{time.time():.1f},{(time.perf_counter() - started) * 1e3:.3f}\n')
+    time.sleep(5)
+" "$d/host_probe.csv" &
+host_probe_pid=$!
 
