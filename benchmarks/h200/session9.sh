@@ -124,6 +124,7 @@ verify2)
      run_step so-bench-$i 50 python3 benchmarks/h200/structured_outputs_bench.py --tokenizer "$tok" --host-clock \
        --out "$d/structured_outputs-$i.json"
    done)
+  # Later sessions: add `--profile-dir "$d"` to one run for the device's idle share of a constrained step.
   ;;
 esac
 kill "$clocks_pid" "${host_probe_pid:-}" 2>/dev/null

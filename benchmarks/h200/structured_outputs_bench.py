@@ -61,6 +61,33 @@ class HostClock:
         return taken
 
 
+def profile_run(llm, prompts: list[str], params, table: Path) -> dict:
+    """One more run under torch.profiler: kernel time against wall time (the device's idle share of a
+    constrained step) and the ops taking the host's and the device's time, as tables in `table`."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - t0) * 1e3
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernel_ms = sum(e.device_time for e in kernels) / 1e3
+    averages = prof.key_averages()
+    table.parent.mkdir(parents=True, exist_ok=True)
+    with open(table, "w") as f:
+        f.write(f"wall {wall_ms:.1f} ms, {len(kernels)} kernels, kernel time {kernel_ms:.1f} ms\n")
+        f.write(averages.table(sort_by="self_cpu_time_total", row_limit=40))
+        f.write(averages.table(sort_by="self_device_time_total", row_limit=25))
+    return {
+        "wall_ms": round(wall_ms, 1),
+        "kernel_ms": round(kernel_ms, 1),
+        "device_busy": round(kernel_ms / wall_ms, 3),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokenizer", required=True, type=Path)
@@ -74,6 +101,11 @@ def main() -> None:
         help="override kvllm's THREADED_FILL_MIN_ROWS (rows from which xgrammar's thread pool fills masks)",
     )
     parser.add_argument("--host-clock", action="store_true", help="time the fill, accepts and updates")
+    parser.add_argument(
+        "--profile-dir",
+        type=Path,
+        help="after the timed runs, one more run of each under torch.profiler: GPU busy and op tables here",
+    )
     args = parser.parse_args()
 
     import torch
@@ -142,6 +174,11 @@ def main() -> None:
         if args.host_clock:  # per decode step: the runs' steps are repeats x max_tokens
             steps = args.repeats * args.max_tokens
             result[name]["host_ms_per_step"] = {k: round(v["ms"] / steps, 4) for k, v in clock.take().items()}
+        if args.profile_dir:
+            result[name]["profile"] = profile_run(
+                llm, prompts, params, args.profile_dir / f"so-profile-{name}.txt"
+            )
+            clock.take()
     loss = 1 - result["json_schema"]["tokens_per_s"] / result["unconstrained"]["tokens_per_s"]
     result["throughput_loss_pct"] = round(100 * loss, 2)
     text = json.dumps(result, indent=2)
