@@ -363,7 +363,7 @@ def default_config(m: int, n: int, k: int, gated: bool = False) -> W4A16GemvConf
     (the rows' activations and sums take the registers), over K tiles of 1024 values per warp with
     three pipeline stages. At one row each program is one warp: on the H200 (w4a16_gemv_m1.py, ninth
     session) splitting K over two or four warps for narrow outputs was slower on every Llama-3-8B
-    projection (qkv 24.5 against 17.4 us, o 16.9 against 12.8, down 39.5 against 35.4). At two and
+    projection (qkv 24.5 against 18.3 us, o 16.9 against 12.8, down 39.5 against 35.4). At two and
     four rows (not measured on a GPU yet) narrow outputs still split K over up to four warps, for at
     least MIN_WARPS warps (from the offline sm_90 compile: 3.1 SASS instructions per weight value at
     one row, 128 registers, no spills)."""
