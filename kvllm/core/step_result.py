@@ -41,3 +41,13 @@ class PendingStep(Protocol):
     def result(self) -> StepResult:
         """Wait for the step's tokens (on an event, not the whole device) and return them."""
         ...
+
+
+class ResolvedStep:
+    """A launched step whose result has been taken already (a PendingStep's result() is taken once)."""
+
+    def __init__(self, step: StepResult) -> None:
+        self.step = step
+
+    def result(self) -> StepResult:
+        return self.step

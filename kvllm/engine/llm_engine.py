@@ -14,7 +14,7 @@ from kvllm.core.kv_cache_manager import KVCacheManager
 from kvllm.core.request import Request
 from kvllm.core.sched_output import SchedulerOutput
 from kvllm.core.scheduler import Scheduler
-from kvllm.core.step_result import GrammarBitmaskFn, PendingStep, StepResult
+from kvllm.core.step_result import GrammarBitmaskFn, PendingStep, ResolvedStep
 from kvllm.engine.input_processor import InputProcessor, PromptType, truncate_prompt
 from kvllm.engine.output_processor import OutputProcessor
 from kvllm.engine.pooling import check_pooling_params, pooling_request, pooling_scheduler_settings
@@ -52,16 +52,6 @@ class EngineStats:
     num_blocks: int
     num_free_blocks: int
     spec_decoding: SpecDecodeCounts | None = None  # with speculative decoding: acceptance counts
-
-
-class ResolvedStep:
-    """A launched step whose result has been taken already (a PendingStep's result() is taken once)."""
-
-    def __init__(self, step: StepResult) -> None:
-        self.step = step
-
-    def result(self) -> StepResult:
-        return self.step
 
 
 class LLMEngine:
