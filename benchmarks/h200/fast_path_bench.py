@@ -32,6 +32,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from benchmarks.h200.host_probe import host_cpu_probe_ms  # noqa: E402
 from benchmarks.h200.step_log import StepLog  # noqa: E402
 from kvllm.benchmarks.datasets import BenchRequest, nano_vllm_requests, random_requests  # noqa: E402
 from kvllm.benchmarks.gpu_util import GpuUtilSampler  # noqa: E402
@@ -172,16 +173,6 @@ class GcRecorder:
 
     def __exit__(self, *exc: object) -> None:
         gc.callbacks.remove(self._callback)
-
-
-def host_cpu_probe_ms() -> float:
-    """A fixed pure-Python loop (no kvllm, no torch), timed: if it is slower in the early batch-1 runs
-    than in the late ones, the host CPU itself is slower then (clock, a busy sibling), not kvllm."""
-    started = time.perf_counter()
-    total = 0
-    for i in range(200_000):
-        total += i & 7
-    return round((time.perf_counter() - started) * 1e3, 3)
 
 
 def host_cpu_state() -> dict[str, Any]:

@@ -70,18 +70,7 @@ nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,utilization.gpu
   > "$d/clocks.csv" 2>/dev/null &
 clocks_pid=$!
 # The host CPU's speed over the call (a fresh machine's host ran Python at about half speed for its first
-# ~2 minutes in the ninth session): a fixed pure-Python loop timed every 5 s, into host_probe.csv.
-python3 -c "
-import sys, time
-out = open(sys.argv[1], 'w', buffering=1)
-out.write('unix_s,probe_ms\n')
-while True:
-    started = time.perf_counter()
-    total = 0
-    for i in range(200_000):
-        total += i & 7
-    out.write(f'{time.time():.1f},{(time.perf_counter() - started) * 1e3:.3f}\n')
-    time.sleep(5)
-" "$d/host_probe.csv" &
+# ~2 minutes in the ninth session): host_probe.py's loop timed every 5 s, into host_probe.csv.
+python3 benchmarks/h200/host_probe.py --csv "$d/host_probe.csv" &
 host_probe_pid=$!
 
