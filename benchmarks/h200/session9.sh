@@ -85,9 +85,7 @@ encoder)
   since "encoder (exit $?): $(grep -E 'passed|failed' "$d/encoder.log" | tail -n 1)"
   ;;
 verify)
-  tok=/tmp/so-tok; mkdir -p /tmp/so-site "$tok"
-  for w in .so-lite/*.whl; do python3 -m zipfile -e "$w" /tmp/so-site; done
-  gunzip -c .so-lite/tokenizer.json.gz > "$tok/tokenizer.json"; cp .so-lite/tokenizer_config.json "$tok"/
+  tok=/tmp/so-tok; stage_structured_outputs || { since "carry .so-lite"; exit 3; }
   (export PYTHONPATH=.:/tmp/so-site KVLLM_QWEN3_TOKENIZER=$tok
    run_step so-bench 60 python3 benchmarks/h200/structured_outputs_bench.py --tokenizer "$tok" --host-clock \
      --out "$d/structured_outputs.json"
@@ -112,9 +110,7 @@ PY
     tests/gpu/test_mla_gpu.py -k TRITON_MLA
   ;;
 verify2)
-  tok=/tmp/so-tok; mkdir -p /tmp/so-site "$tok"
-  for w in .so-lite/*.whl; do python3 -m zipfile -e "$w" /tmp/so-site; done
-  gunzip -c .so-lite/tokenizer.json.gz > "$tok/tokenizer.json"; cp .so-lite/tokenizer_config.json "$tok"/
+  tok=/tmp/so-tok; stage_structured_outputs || { since "carry .so-lite"; exit 3; }
   run_step tests-spec 80 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/gpu/test_spec_decode_gpu.py
   grep -hE "^(FAILED|E  )" "$d/tests-spec.log" | head -n 8
   run_step tests-mla-graphs 60 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/gpu/test_mla_gpu.py \

@@ -45,18 +45,23 @@ parallel_tests() {  # cap "name|pytest args" ...: GPU test files side by side, o
   grep -hE "^(FAILED|ERROR)" "$d"/tests-*.log | head -n 20
   save
 }
-structured_outputs() {  # issue 19: xgrammar and the real Qwen3 tokenizer from .so-bench or .so-lite
+stage_structured_outputs() {  # xgrammar into /tmp/so-site and the Qwen3 tokenizer into /tmp/so-tok, from
+  # .so-bench or .so-lite (the same, the tokenizer gzipped to fit beside vLLM's part 2); 1 when neither came
   local tok=/tmp/so-tok
   mkdir -p /tmp/so-site "$tok"
   if [ -d .so-bench/wheels ]; then
     for w in .so-bench/wheels/*.whl; do python3 -m zipfile -e "$w" /tmp/so-site; done
     cp .so-bench/qwen3-tokenizer/* "$tok"/
-  elif [ -d .so-lite ]; then  # the same, the tokenizer gzipped (to fit beside vLLM's part 2)
+  elif [ -d .so-lite ]; then
     for w in .so-lite/*.whl; do python3 -m zipfile -e "$w" /tmp/so-site; done
     gunzip -c .so-lite/tokenizer.json.gz > "$tok/tokenizer.json"; cp .so-lite/tokenizer_config.json "$tok"/
   else
-    since "structured outputs: skipped (carry .so-bench or .so-lite)"; return
+    return 1
   fi
+}
+structured_outputs() {  # issue 19: the batch-64 bench and the GPU tests
+  local tok=/tmp/so-tok
+  stage_structured_outputs || { since "structured outputs: skipped (carry .so-bench or .so-lite)"; return; }
   (export PYTHONPATH=.:/tmp/so-site KVLLM_QWEN3_TOKENIZER=$tok
    run_step so-bench 70 python3 benchmarks/h200/structured_outputs_bench.py --tokenizer "$tok" \
      --out "$d/structured_outputs.json"
