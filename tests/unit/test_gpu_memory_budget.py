@@ -12,6 +12,12 @@ from kvllm.worker.worker import Worker
 GIB = 1 << 30
 
 
+# A 140 GiB device where another engine of this process holds 28 GiB, and this engine peaks at 1 GiB more.
+SECOND_ENGINE = dict(
+    total=140 * GIB, free_at_start=112 * GIB, allocated_at_start=28 * GIB, peak_allocated=29 * GIB
+)
+
+
 def _budget(monkeypatch, *, total, free_at_start, allocated_at_start, peak_allocated, utilization):
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: None)
@@ -32,27 +38,13 @@ def _budget(monkeypatch, *, total, free_at_start, allocated_at_start, peak_alloc
 def test_a_second_engine_in_the_process_gets_its_own_share(monkeypatch):
     """The first engine holds 28 GiB of this process's allocator: the second's peak is its own 1 GiB,
     and its budget is its share (0.2 of the device, as in vLLM) minus that peak."""
-    budget = _budget(
-        monkeypatch,
-        total=140 * GIB,
-        free_at_start=112 * GIB,
-        allocated_at_start=28 * GIB,
-        peak_allocated=29 * GIB,
-        utilization=0.2,
-    )
+    budget = _budget(monkeypatch, **SECOND_ENGINE, utilization=0.2)
     assert budget == int(140 * GIB * 0.2) - 1 * GIB
 
 
 def test_a_share_larger_than_the_free_memory_is_refused(monkeypatch):
     with pytest.raises(ValueError, match=r"asks for 126.0 GiB .* only 112.0 GiB were free .*28.0 GiB held"):
-        _budget(
-            monkeypatch,
-            total=140 * GIB,
-            free_at_start=112 * GIB,
-            allocated_at_start=28 * GIB,
-            peak_allocated=29 * GIB,
-            utilization=0.9,
-        )
+        _budget(monkeypatch, **SECOND_ENGINE, utilization=0.9)
 
 
 def test_a_share_the_model_fills_leaves_no_kv_cache_and_says_so(monkeypatch):
