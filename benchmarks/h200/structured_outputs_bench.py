@@ -4,7 +4,10 @@ tokenizer (the grammar needs real token strings), on the GPU.
     PYTHONPATH=.:/tmp/so-site python benchmarks/h200/structured_outputs_bench.py \
         --tokenizer .so-bench/qwen3-tokenizer --out $OUT/structured_outputs.json
 
-(/tmp/so-site: the staged wheels unzipped, `python -m zipfile -e WHEEL /tmp/so-site` each.)
+(/tmp/so-site: the staged wheels unzipped, `python -m zipfile -e WHEEL /tmp/so-site` each.) With
+`--engine vllm` (PYTHONPATH=.:/tmp/site-vllm, staged as for the fast-path bench) the same model, prompts,
+schema and sampling run on vLLM's `LLM` API with its defaults (xgrammar backend, async scheduling), so the
+two losses compare; the host clock and the profile are kvllm's only.
 
 Both runs decode the same number of steps: every row generates exactly --max-tokens tokens (the
 schema asks for an array of at least that many digits, so no document ends early, and the
@@ -100,6 +103,7 @@ def main() -> None:
         type=int,
         help="override kvllm's THREADED_FILL_MIN_ROWS (rows from which xgrammar's thread pool fills masks)",
     )
+    parser.add_argument("--engine", choices=("kvllm", "vllm"), default="kvllm")
     parser.add_argument("--host-clock", action="store_true", help="time the fill, accepts and updates")
     parser.add_argument(
         "--profile-dir",
@@ -110,52 +114,66 @@ def main() -> None:
 
     import torch
 
-    from kvllm import LLM, SamplingParams
-    from kvllm.engine.llm_engine import LLMEngine
-    from kvllm.sampling_params import StructuredOutputsParams
-    from kvllm.structured_output import manager
-    from kvllm.structured_output.request import StructuredOutputRequest
-
-    if args.threaded_fill_min_rows is not None:
-        manager.THREADED_FILL_MIN_ROWS = args.threaded_fill_min_rows
-    clock = HostClock()
-    if args.host_clock:
-        clock.wrap(manager.StructuredOutputManager, "grammar_bitmask", "mask_fill")
-        clock.wrap(StructuredOutputRequest, "accept_token", "accept_token")
-        clock.wrap(LLMEngine, "_update", "engine_update")
     folder = build_model(args.tokenizer, Path(tempfile.mkdtemp()) / "qwen3-0.6b-shape")
-    llm = LLM(str(folder), load_format="dummy", dtype="bfloat16", max_model_len=1024, seed=0)
     schema = {
         "type": "array",
         "items": {"type": "integer", "minimum": 0, "maximum": 9},
         "minItems": args.max_tokens,
     }
-    runs = {
-        "unconstrained": SamplingParams(temperature=1.0, max_tokens=args.max_tokens, ignore_eos=True),
-        "json_schema": SamplingParams(
+    clock = HostClock()
+    if args.engine == "vllm":
+        if args.host_clock or args.profile_dir or args.threaded_fill_min_rows is not None:
+            parser.error("--host-clock, --profile-dir and --threaded-fill-min-rows are kvllm's only")
+        from vllm import LLM, SamplingParams
+        from vllm.sampling_params import StructuredOutputsParams
+
+        threaded_fill_min_rows = None
+    else:
+        from kvllm import LLM, SamplingParams
+        from kvllm.engine.llm_engine import LLMEngine
+        from kvllm.sampling_params import StructuredOutputsParams
+        from kvllm.structured_output import manager
+        from kvllm.structured_output.request import StructuredOutputRequest
+
+        if args.threaded_fill_min_rows is not None:
+            manager.THREADED_FILL_MIN_ROWS = args.threaded_fill_min_rows
+        threaded_fill_min_rows = manager.THREADED_FILL_MIN_ROWS
+        if args.host_clock:
+            clock.wrap(manager.StructuredOutputManager, "grammar_bitmask", "mask_fill")
+            clock.wrap(StructuredOutputRequest, "accept_token", "accept_token")
+            clock.wrap(LLMEngine, "_update", "engine_update")
+    llm = LLM(str(folder), load_format="dummy", dtype="bfloat16", max_model_len=1024, seed=0)
+    # vLLM's engine runs in its own process; kvllm's here (no CUDA on the CPU for a smoke run)
+    sync = torch.cuda.synchronize if args.engine == "kvllm" and torch.cuda.is_available() else lambda: None
+
+    def sampling(name: str, max_tokens: int):
+        constraint = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+        return SamplingParams(
             temperature=1.0,
-            max_tokens=args.max_tokens,
+            max_tokens=max_tokens,
             ignore_eos=True,
-            structured_outputs=StructuredOutputsParams(json=schema, disable_any_whitespace=True),
-        ),
-    }
+            structured_outputs=constraint if name == "json_schema" else None,
+        )
+
+    runs = {name: sampling(name, args.max_tokens) for name in ("unconstrained", "json_schema")}
     prompts = [f"Request {i}: list digits as JSON." for i in range(args.batch)]
-    llm.generate(prompts[:2], runs["json_schema"].replace(max_tokens=8), use_tqdm=False)  # compile once
+    llm.generate(prompts[:2], sampling("json_schema", 8), use_tqdm=False)  # compile once
     result: dict = {
+        "engine": args.engine,
         "batch": args.batch,
         "max_tokens": args.max_tokens,
-        "gpu": torch.cuda.get_device_name(),
-        "threaded_fill_min_rows": manager.THREADED_FILL_MIN_ROWS,
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "threaded_fill_min_rows": threaded_fill_min_rows,
     }
     for name, params in runs.items():
-        llm.generate(prompts, params.replace(max_tokens=16), use_tqdm=False)  # warm
+        llm.generate(prompts, sampling(name, 16), use_tqdm=False)  # warm
         clock.take()
         times, tokens, valid = [], 0, None
         for _ in range(args.repeats):
-            torch.cuda.synchronize()
+            sync()
             t0 = time.perf_counter()
             outs = llm.generate(prompts, params, use_tqdm=False)
-            torch.cuda.synchronize()
+            sync()
             times.append(time.perf_counter() - t0)
             tokens = sum(len(o.outputs[0].token_ids) for o in outs)
             if name == "json_schema":
@@ -187,7 +205,7 @@ def main() -> None:
         args.out.write_text(text + "\n")
     print(text)
     print(
-        f"batch {args.batch} x {args.max_tokens}: {result['unconstrained']['tokens_per_s']} tok/s unconstrained, "
+        f"{args.engine}, batch {args.batch} x {args.max_tokens}: {result['unconstrained']['tokens_per_s']} tok/s unconstrained, "
         f"{result['json_schema']['tokens_per_s']} tok/s with a JSON schema ({result['throughput_loss_pct']}% loss; "
         "target < 5%)"
     )

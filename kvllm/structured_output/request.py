@@ -62,9 +62,10 @@ class StructuredOutputRequest:
         """Advance the matcher by one output token; False (logged) for a token the grammar rejects,
         which the mask prevents unless something else forced the token (e.g. min_tokens against a
         grammar that can only stop)."""
-        if not self.constrains:
+        matcher = self._matcher  # `constrains` inlined: this runs for every row of every step
+        if matcher is None or self.rejected or matcher.is_terminated():
             return False
-        if self.matcher.accept_token(token_id):
+        if matcher.accept_token(token_id):
             return True
         logger.warning(
             "Structured output: the grammar rejected token %d; the rest of the output is unconstrained",
