@@ -231,6 +231,7 @@ def run_one(name: str, engine: str, model: str, output_len: int, out: Path) -> d
         record["verify_steps"] = runner.num_verify_steps
         record["verify_steps_graphed"] = runner.num_verify_steps_graphed
         record["ungraphed_verify_steps"] = runner.ungraphed_verify_steps  # (requests, longest query, tokens)
+        record["mixed_verify_steps"] = runner.num_mixed_verify_steps  # beside a prefill chunk (warm-up)
         if eng.spec_decode is not None:
             s = eng.spec_decode.stats
             record.update(

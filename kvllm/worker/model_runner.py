@@ -147,8 +147,11 @@ class ModelRunner:
         self.input_batch: InputBatch | None = None
         self.graph_runner: CudaGraphRunner | None = None  # one-token decode graphs
         self.decode_graphs: UniformDecodeGraphs | None = None  # those and the k + 1 verification graphs
-        self.num_verify_steps = 0  # steps that verified drafts, and those of them in a full graph
+        # Steps that only verified drafts (every query at most k + 1 tokens), and those of them that
+        # replayed a full graph; steps that verified drafts beside a prefill chunk are counted apart.
+        self.num_verify_steps = 0
         self.num_verify_steps_graphed = 0
+        self.num_mixed_verify_steps = 0
         # The first verification steps that ran without a full graph: (requests, longest query, tokens).
         self.ungraphed_verify_steps: list[tuple[int, int, int]] = []
         self.piecewise: PiecewiseGraphRunner | None = None
@@ -455,11 +458,14 @@ class ModelRunner:
         if self.model_config.is_encoder_only:
             inputs.attn_metadata.causal = False  # every token of a prompt attends to all of it
         if inputs.spec is not None:
-            self.num_verify_steps += 1
-            self.num_verify_steps_graphed += graph is not None
-            if graph is None and len(self.ungraphed_verify_steps) < 16:
-                lens = [item.num_new_tokens for item in step.scheduled]
-                self.ungraphed_verify_steps.append((len(lens), max(lens), sum(lens)))
+            lens = [item.num_new_tokens for item in step.scheduled]
+            if max(lens) > 1 + self.args.speculative_config.num_speculative_tokens:
+                self.num_mixed_verify_steps += 1  # beside a prefill chunk: no uniform graph fits it
+            else:
+                self.num_verify_steps += 1
+                self.num_verify_steps_graphed += graph is not None
+                if graph is None and len(self.ungraphed_verify_steps) < 16:
+                    self.ungraphed_verify_steps.append((len(lens), max(lens), sum(lens)))
         if graph is not None:
             # All of the graph's rows: the EAGLE head runs over the padded batch as the graph did.
             head_hidden = graph[0].replay(inputs.attn_metadata, inputs.attn_metadata.num_actual_tokens)

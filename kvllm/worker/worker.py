@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 
 import torch
@@ -16,6 +17,20 @@ from kvllm.worker.model_runner import ModelRunner
 logger = logging.getLogger(__name__)
 
 GiB = 1 << 30
+
+
+def device_memory_at_start(device: torch.device) -> tuple[int, int]:
+    """(free bytes on the device, bytes this process's allocator holds) for a starting engine. Engines
+    this process dropped go first (a reference cycle keeps one until the collector runs) and the
+    allocator hands their cached blocks back: otherwise a second engine in one process (tests, notebooks)
+    would count the first one's leftovers as memory others hold and refuse to start."""
+    if device.type != "cuda":
+        return 0, 0
+    gc.collect()
+    torch.cuda.empty_cache()
+    return torch.cuda.mem_get_info(device)[0], torch.cuda.memory_allocated(device)
+
+
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * GiB
 
 
@@ -46,8 +61,7 @@ class Worker:
         self.max_num_batched_tokens = max_num_batched_tokens
         # Measured before the weights arrive: what other processes (and other engines in this one) hold
         # is not ours to use. What this process's allocator holds already is not this engine's peak.
-        self.free_memory_at_start = torch.cuda.mem_get_info()[0] if device.type == "cuda" else 0
-        self.allocated_at_start = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+        self.free_memory_at_start, self.allocated_at_start = device_memory_at_start(device)
         self.model_runner = ModelRunner(
             args, model_config, device, current_device_info(), max_num_batched_tokens
         )

@@ -57,3 +57,35 @@ def test_a_share_the_model_fills_leaves_no_kv_cache_and_says_so(monkeypatch):
             peak_allocated=15 * GIB,
             utilization=0.1,
         )
+
+
+def test_an_engine_dropped_in_a_reference_cycle_frees_its_memory_before_the_next_one_measures(monkeypatch):
+    """The device's free memory is read after the collector ran and the allocator's cache was emptied:
+    a first engine that only a reference cycle keeps alive (its cached blocks still reserved) is not
+    counted as memory someone else holds."""
+    from kvllm.worker.worker import device_memory_at_start
+
+    held = {"engine": 30 * GIB, "cache": 0}
+
+    class Engine:
+        def __init__(self) -> None:
+            self.cycle = self
+
+        def __del__(self) -> None:  # its tensors go to the allocator's cache, still reserved
+            held["cache"] += held.pop("engine")
+
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: held.update(cache=0))
+    monkeypatch.setattr(
+        torch.cuda, "mem_get_info", lambda device=None: (140 * GIB - sum(held.values()), 140 * GIB)
+    )
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: held.get("engine", 0))
+    import gc
+
+    gc.disable()  # the cycle survives until device_memory_at_start collects it
+    try:
+        Engine()
+        assert torch.cuda.mem_get_info()[0] == 110 * GIB
+        assert device_memory_at_start(torch.device("cuda")) == (140 * GIB, 0)
+    finally:
+        gc.enable()
+    assert device_memory_at_start(torch.device("cpu")) == (0, 0)
