@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from types import SimpleNamespace
 
 import pytest
@@ -79,8 +80,6 @@ def test_an_engine_dropped_in_a_reference_cycle_frees_its_memory_before_the_next
         torch.cuda, "mem_get_info", lambda device=None: (140 * GIB - sum(held.values()), 140 * GIB)
     )
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: held.get("engine", 0))
-    import gc
-
     gc.disable()  # the cycle survives until device_memory_at_start collects it
     try:
         Engine()

@@ -148,3 +148,25 @@ def test_graph_selection_and_bucket_sizes():
         spec_query_len=K + 1,
     )
     assert narrow.multi is None and narrow.select(2, 2) is None  # verification runs piecewise
+
+
+def test_a_verification_step_beside_a_prefill_is_counted_apart(tiny_qwen3_path, monkeypatch):
+    """A prompt that arrives while others verify drafts shares their step: that step has no uniform
+    graph (one query is a prefill chunk), so it is a mixed verification step, not an ungraphed one; the
+    pure verification steps around it still all replay the k + 1 graph."""
+    config = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    llm = _engine(tiny_qwen3_path, monkeypatch, config)
+    engine = llm.llm_engine
+    runner = engine.executor.worker.model_runner
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    for i, prompt in enumerate(repetitive_prompts([5, 11], seed=21)):
+        engine.add_request(f"short-{i}", {"prompt_token_ids": prompt}, params)
+    while runner.num_verify_steps == 0 and engine.has_unfinished_requests():
+        engine.step()
+    assert runner.num_verify_steps > 0 and runner.num_mixed_verify_steps == 0
+    long_prompt = repetitive_prompts([24], seed=5)[0]  # 72 tokens, more than k + 1
+    engine.add_request("long", {"prompt_token_ids": long_prompt}, params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert runner.num_mixed_verify_steps >= 1
+    assert runner.num_verify_steps_graphed == runner.num_verify_steps, runner.ungraphed_verify_steps
