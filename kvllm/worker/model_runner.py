@@ -458,13 +458,13 @@ class ModelRunner:
         if self.model_config.is_encoder_only:
             inputs.attn_metadata.causal = False  # every token of a prompt attends to all of it
         if inputs.spec is not None:
-            lens = [item.num_new_tokens for item in step.scheduled]
-            if max(lens) > 1 + self.args.speculative_config.num_speculative_tokens:
+            if inputs.attn_metadata.max_query_len > 1 + self.args.speculative_config.num_speculative_tokens:
                 self.num_mixed_verify_steps += 1  # beside a prefill chunk: no uniform graph fits it
             else:
                 self.num_verify_steps += 1
                 self.num_verify_steps_graphed += graph is not None
                 if graph is None and len(self.ungraphed_verify_steps) < 16:
+                    lens = [item.num_new_tokens for item in step.scheduled]
                     self.ungraphed_verify_steps.append((len(lens), max(lens), sum(lens)))
         if graph is not None:
             # All of the graph's rows: the EAGLE head runs over the padded batch as the graph did.
