@@ -27,11 +27,19 @@ phase=${1:?usage: session10.sh kvllm|vllm|tests|encoder|verify1|verify2}
 default_budget_s=480
 source benchmarks/h200/session_lib.sh
 
+spec_tests() {  # the speculative GPU tests alone (each keeps two engines)
+  run_step tests-spec 100 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE -o faulthandler_timeout=60 \
+    tests/gpu/test_spec_decode_gpu.py
+}
+encoder_tests() {  # cap: run_encoder.sh (BERT and all-MiniLM-L6-v2 on CUDA) into $d
+  OUT=$d BUDGET_S=$(cap "$1") bash benchmarks/h200/run_encoder.sh > "$d/encoder.log" 2>&1
+  since "encoder (exit $?): $(grep -E 'passed|failed' "$d/encoder.log" | tail -n 1)"
+}
+
 case "$phase" in
 kvllm)
   run_step vllm-stage1 40 bash .vllm/part1/remote-stage.sh 1
-  run_step tests-spec 100 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE -o faulthandler_timeout=60 \
-    tests/gpu/test_spec_decode_gpu.py
+  spec_tests
   grep -hE "^(FAILED|ERROR|E  )|ungraphed" "$d/tests-spec.log" | head -n 12
   run_step spec-decode 230 python3 benchmarks/h200/spec_decode_bench.py --out "$d"
   tail -n 9 "$d/spec-decode.log"
@@ -77,19 +85,16 @@ tests)
   ;;
 encoder)
   bash .stage_minilm2/unpack.sh > "$d/minilm-stage2.log" 2>&1; tail -n 1 "$d/minilm-stage2.log"
-  OUT=$d BUDGET_S=$(cap 220) bash benchmarks/h200/run_encoder.sh > "$d/encoder.log" 2>&1
-  since "encoder (exit $?): $(grep -E 'passed|failed' "$d/encoder.log" | tail -n 1)"
+  encoder_tests 220
   ;;
 verify1)
   bash .stage_minilm1/unpack.sh > "$d/minilm-stage1.log" 2>&1; tail -n 1 "$d/minilm-stage1.log"
-  run_step tests-spec 100 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE -o faulthandler_timeout=60 \
-    tests/gpu/test_spec_decode_gpu.py
+  spec_tests
   grep -hE "^(FAILED|ERROR|E  )" "$d/tests-spec.log" | head -n 12
   ;;
 verify2)
   bash .stage_minilm2/unpack.sh > "$d/minilm-stage2.log" 2>&1; tail -n 1 "$d/minilm-stage2.log"
-  OUT=$d BUDGET_S=$(cap 120) bash benchmarks/h200/run_encoder.sh > "$d/encoder.log" 2>&1
-  since "encoder (exit $?): $(grep -E 'passed|failed' "$d/encoder.log" | tail -n 1)"
+  encoder_tests 120
   tok=/tmp/so-tok; stage_structured_outputs || { since "carry .so-lite"; save; exit 3; }
   (export PYTHONPATH=.:/tmp/so-site
    for i in 1 2; do
