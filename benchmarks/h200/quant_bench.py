@@ -17,7 +17,8 @@ e2e      Llama-3-8B-shaped model, dummy weights generated on the GPU, bf16 activ
          weight_block_size [128, 128]), fp8-tensor (a per-tensor fp8 checkpoint's quantization_config).
          Batch 1: 32 random prompt tokens, 128 output tokens, EOS ignored, ms per output token = wall
          time / 128 (median of 3 after a warm-up). Batch 256: 256 x 128 in / 128 out, output tokens per
-         second (after a warm-up batch).
+         second (after a warm-up batch). --profile: one more batch-1 request per engine under
+         torch.profiler, its kernel table in DIR/e2e-profile-<engine>.txt (where a step's time goes).
 fp8probe torch's blockwise-scaled F.scaled_mm (1x128 x 128x128) on Llama-3-8B shapes at M = 256: which
          scale layouts run, error against float32, time beside the block-fp8 Triton GEMM.
 --sweep  the W4A16 launch-config sweep of benchmarks/h200/w4a16_sweep.py (after e2e; GEMV at M = 1, 2, 4,
@@ -232,8 +233,11 @@ def _fp8_probe_shape(shape: str, m: int, n: int, k: int) -> list[dict[str, Any]]
     return records
 
 
-def engine_child(name: str, folder: str, quantization: str | None, quick: bool) -> None:
-    """One engine: batch-1 latency and batch-256 throughput; JSON lines on stdout."""
+def engine_child(
+    name: str, folder: str, quantization: str | None, quick: bool, profile_dir: str | None = None
+) -> None:
+    """One engine: batch-1 latency and batch-256 throughput (and with `profile_dir` one more batch-1
+    request under torch.profiler: its kernel table in e2e-profile-<name>.txt); JSON lines on stdout."""
     import torch
 
     from kvllm import LLM, SamplingParams
@@ -256,15 +260,25 @@ def engine_child(name: str, folder: str, quantization: str | None, quick: bool) 
 
     run(1, 0)
     ms_per_token = statistics.median(run(1, seed) for seed in range(1, 2 if quick else 4)) / 128 * 1e3
+    profile = None
+    if profile_dir:
+        from benchmarks.h200.torch_profile import profile_call
+
+        table = Path(profile_dir) / f"e2e-profile-{name}.txt"
+        profile = profile_call(lambda: run(1, 99), table, f"{name}, batch 1, 128 output tokens")
     run(256, 10)
     wall = run(256, 11)
     record = {"part": "e2e", "engine": name, "startup_s": round(startup, 1),
               "batch1_ms_per_token": round(ms_per_token, 3), "batch256_output_tok_s": round(256 * 128 / wall, 1),
               "weight_gib": round(torch.cuda.memory_allocated() / 2**30, 2), "gpu": torch.cuda.get_device_name()}  # fmt: skip
+    if profile is not None:
+        record["batch1_profile"] = profile
     print("RECORD " + json.dumps(record), flush=True)
 
 
-def e2e_records(out: Path, engines: list[str], quick: bool, timeout_s: float) -> list[dict[str, Any]]:
+def e2e_records(
+    out: Path, engines: list[str], quick: bool, timeout_s: float, profile: bool = False
+) -> list[dict[str, Any]]:
     from kvllm.benchmarks.model_shapes import write_shape_only_model
 
     records = []
@@ -274,6 +288,7 @@ def e2e_records(out: Path, engines: list[str], quick: bool, timeout_s: float) ->
         cmd = [sys.executable, __file__, "--child", name, "--folder", str(folder)]
         cmd += ["--quantization", quantization] if quantization else []
         cmd += ["--quick"] if quick else []
+        cmd += ["--profile-dir", str(out)] if profile else []
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
             log = proc.stdout + proc.stderr
@@ -302,19 +317,23 @@ def main() -> int:
         "--sweep-budget", type=float, default=100.0, help="seconds the sweep may start configs"
     )
     parser.add_argument("--engine-timeout", type=float, default=150.0)
+    parser.add_argument(
+        "--profile", action="store_true", help="e2e: one more batch-1 request per engine under torch.profiler"
+    )
+    parser.add_argument("--profile-dir", help=argparse.SUPPRESS)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--folder", help=argparse.SUPPRESS)
     parser.add_argument("--quantization", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        engine_child(args.child, args.folder, args.quantization, args.quick)
+        engine_child(args.child, args.folder, args.quantization, args.quick, args.profile_dir)
         return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     parts = args.parts.split(",")
     records = []
     if "e2e" in parts:  # first: the engines run in their own processes on an idle GPU
-        records += e2e_records(out, args.engines.split(","), args.quick, args.engine_timeout)
+        records += e2e_records(out, args.engines.split(","), args.quick, args.engine_timeout, args.profile)
     if args.sweep:
         from benchmarks.h200.w4a16_sweep import sweep
 

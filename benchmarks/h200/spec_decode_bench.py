@@ -38,6 +38,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from benchmarks.h200.torch_profile import profile_call  # noqa: E402
+
 OUTPUT_LEN = 256
 REPEATS = 3
 K = 3
@@ -105,40 +107,6 @@ def _sync() -> None:
 
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-
-
-def profile_one_request(one: Any, out: Path, name: str) -> dict[str, Any]:
-    """One more request under torch.profiler: GPU kernel time against wall time (how much of a step the
-    device is idle), the kernels launched, and the ops that take the host's and the device's time
-    (tables in OUT/spec-profile-<config>.txt)."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    _sync()
-    with profile(activities=activities) as prof:
-        t0 = time.perf_counter()
-        tokens = one(200)
-        _sync()
-        wall_ms = (time.perf_counter() - t0) * 1e3
-    events = prof.events()
-    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
-    kernel_ms = sum(e.device_time for e in kernels) / 1e3
-    averages = prof.key_averages()
-    with open(out / f"spec-profile-{name}.txt", "w") as f:
-        f.write(
-            f"{name}: {tokens} tokens, wall {wall_ms:.1f} ms, kernels {len(kernels)}, kernel time {kernel_ms:.1f} ms\n"
-        )
-        f.write(averages.table(sort_by="self_cpu_time_total", row_limit=40))
-        if kernels:
-            f.write(averages.table(sort_by="self_device_time_total", row_limit=25))
-    return {
-        "wall_ms": round(wall_ms, 2),
-        "tokens": tokens,
-        "kernels": len(kernels),
-        "kernel_ms": round(kernel_ms, 2),
-        "device_busy": round(kernel_ms / wall_ms, 3) if wall_ms else None,
-    }
 
 
 def run_one(name: str, engine: str, model: str, output_len: int, out: Path) -> dict[str, Any]:
@@ -242,7 +210,9 @@ def run_one(name: str, engine: str, model: str, output_len: int, out: Path) -> d
                 acceptance_rate=s.acceptance_rate,
                 mean_tokens_per_verification=(s.num_accepted_tokens + s.num_drafts) / max(s.num_drafts, 1),
             )
-        record["profile"] = profile_one_request(one, out, name)  # after the counts: not in them
+        tokens: list[int] = []
+        profile = profile_call(lambda: tokens.append(one(200)), out / f"spec-profile-{name}.txt", name)
+        record["profile"] = {**profile, "tokens": tokens[0]}  # after the counts: not in them
     else:
         metrics = {m.name: m for m in llm.get_metrics()}
         for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):

@@ -22,9 +22,14 @@ import argparse
 import json
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks.h200.torch_profile import profile_call  # noqa: E402
 
 
 def build_model(tokenizer: Path, folder: Path) -> Path:
@@ -64,33 +69,6 @@ class HostClock:
         return taken
 
 
-def profile_run(llm, prompts: list[str], params, table: Path) -> dict:
-    """One more run under torch.profiler: kernel time against wall time (the device's idle share of a
-    constrained step) and the ops taking the host's and the device's time, as tables in `table`."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        t0 = time.perf_counter()
-        llm.generate(prompts, params, use_tqdm=False)
-        torch.cuda.synchronize()
-        wall_ms = (time.perf_counter() - t0) * 1e3
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    kernel_ms = sum(e.device_time for e in kernels) / 1e3
-    averages = prof.key_averages()
-    table.parent.mkdir(parents=True, exist_ok=True)
-    with open(table, "w") as f:
-        f.write(f"wall {wall_ms:.1f} ms, {len(kernels)} kernels, kernel time {kernel_ms:.1f} ms\n")
-        f.write(averages.table(sort_by="self_cpu_time_total", row_limit=40))
-        f.write(averages.table(sort_by="self_device_time_total", row_limit=25))
-    return {
-        "wall_ms": round(wall_ms, 1),
-        "kernel_ms": round(kernel_ms, 1),
-        "device_busy": round(kernel_ms / wall_ms, 3),
-    }
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokenizer", required=True, type=Path)
@@ -124,6 +102,12 @@ def main() -> None:
     if args.engine == "vllm":
         if args.host_clock or args.profile_dir or args.threaded_fill_min_rows is not None:
             parser.error("--host-clock, --profile-dir and --threaded-fill-min-rows are kvllm's only")
+        import os
+
+        from kvllm.benchmarks.vllm_backend import VLLM_ENV
+
+        for key, value in VLLM_ENV.items():  # as kvllm's own vLLM peer runs it (no FlashInfer sampler)
+            os.environ.setdefault(key, value)
         from vllm import LLM, SamplingParams
         from vllm.sampling_params import StructuredOutputsParams
 
@@ -193,8 +177,10 @@ def main() -> None:
             steps = args.repeats * args.max_tokens
             result[name]["host_ms_per_step"] = {k: round(v["ms"] / steps, 4) for k, v in clock.take().items()}
         if args.profile_dir:
-            result[name]["profile"] = profile_run(
-                llm, prompts, params, args.profile_dir / f"so-profile-{name}.txt"
+            result[name]["profile"] = profile_call(
+                lambda params=params: llm.generate(prompts, params, use_tqdm=False),
+                args.profile_dir / f"so-profile-{name}.txt",
+                name,
             )
             clock.take()
     loss = 1 - result["json_schema"]["tokens_per_s"] / result["unconstrained"]["tokens_per_s"]
