@@ -1,6 +1,7 @@
 """One line per judged prompt from the bf16 GPU tests' JSON reports (tests/gpu/bf16_judge.py): the
 engine's and HF bf16's max |logprob - fp32 logprob|, the allowed error, the near-tie bound, the smallest
-fp32 router gap (MoE models) and the flips (`!`: not a near-tie).
+fp32 router gap (MoE models), the flips (`!`: not a near-tie) and the steps excused at a router near-tie
+(`router 6: 0.054/0.037`: step, fp32 router gap / HF bf16's error on that router's logits).
 
 Usage: python3 benchmarks/h200/bf16_judge_report.py DIR   (the tests' $KVLLM_GPU_REPORT_DIR)
 """
@@ -39,9 +40,14 @@ def main(directory: str) -> int:
         flips = " ".join(f"{f['step']}:{f['fp32_gap']:.3f}{'' if f['near_tie'] else '!'}" for f in j["flips"])
         margins = j.get("fp32_router_margins") or []
         router = f"{margins[0]['margin']:7.4f}" if margins else f"{'-':>7}"  # the smallest; MoE models only
+        excused = {e["step"]: e for e in j.get("router_excused") or []}
+        ties = " ".join(
+            f"router {t}: {e['margin']:.3f}/{e['bf16_error']:.3f}" for t, e in sorted(excused.items())
+        )
         print(
             f"{label:48} {j['prompt_len']:>6} {j['engine_error']:7.4f} {j['hf_bf16_error']:7.4f} "
-            f"{j['allowed_error']:7.4f} {j['tie_bound']:6.3f} {router}  {flips}{'' if j['ok'] else '  FAIL'}"
+            f"{j['allowed_error']:7.4f} {j['tie_bound']:6.3f} {router}  {flips}{'  ' + ties if ties else ''}"
+            f"{'' if j['ok'] else '  FAIL'}"
         )
     failed = sum(not j["ok"] for _, j in rows)
     print(f"{len(rows)} prompts judged, {failed} failed")

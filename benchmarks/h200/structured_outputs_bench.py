@@ -173,6 +173,7 @@ def main() -> None:
         }
         if valid is not None:
             result[name]["rows_following_the_grammar"] = valid
+        result[name]["sample_texts"] = [o.outputs[0].text[:48] for o in outs[:2]]  # what "following" judged
         if args.host_clock:  # per decode step: the runs' steps are repeats x max_tokens
             steps = args.repeats * args.max_tokens
             result[name]["host_ms_per_step"] = {k: round(v["ms"] / steps, 4) for k, v in clock.take().items()}

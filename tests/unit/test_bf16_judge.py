@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from tests.gpu.bf16_judge import ERROR_FLOOR, judge
+from tests.gpu.bf16_judge import ERROR_FLOOR, judge, router_near_ties
 
 STEPS, VOCAB, TOP_K = 12, 64, 4
 
@@ -107,6 +107,48 @@ def test_an_exact_fp32_tie_broken_the_other_way_is_a_near_tie() -> None:
     result = judge(5, tokens, entries, fp32, fp32)
     assert result.tie_bound == 0 and result.ok, result.failures
     assert [(f.step, f.fp32_gap, f.near_tie) for f in result.flips] == [(3, 0.0, True)]
+
+
+def test_router_near_ties_are_the_steps_whose_expert_choice_bf16_can_flip() -> None:
+    """A position whose fp32 k-th / (k+1)-th router gap is within 2 x HF bf16's router error there is a
+    near-tie of the step it feeds; a wider gap, or a tie inside the prompt, is not."""
+    prompt_len, steps, experts, top_k = 6, 5, 8, 2
+    gen = torch.Generator().manual_seed(20)
+    fp32 = torch.randn(prompt_len + steps - 1, experts, generator=gen) * 2
+    bf16 = fp32 + torch.randn(fp32.shape, generator=gen) * 0.001
+
+    def set_gap(position: int, gap: float) -> None:
+        order = fp32[position].argsort(descending=True)
+        fp32[position, order[top_k]] = fp32[position, order[top_k - 1]] - gap
+
+    set_gap(prompt_len - 1 + 3, 0.01)  # step 3: the gap is a few bf16 errors wide ...
+    bf16[prompt_len - 1 + 3] = fp32[prompt_len - 1 + 3] + 0.02  # ... of 0.02: a near-tie
+    set_gap(prompt_len - 1 + 1, 0.5)  # step 1: far wider than its 0.02 error
+    bf16[prompt_len - 1 + 1] = fp32[prompt_len - 1 + 1] + 0.02
+    set_gap(2, 0.0)  # an exact tie inside the prompt feeds no generated step
+    ties = router_near_ties(top_k, [("layer.mlp.gate", fp32)], [("layer.mlp.gate", bf16)], prompt_len, steps)
+    assert sorted(ties) == [3], ties
+    assert ties[3]["margin"] == pytest.approx(0.01, abs=1e-5) and ties[3]["bf16_error"] == pytest.approx(0.02)
+    assert ties[3]["router"] == "layer.mlp.gate" and ties[3]["position"] == prompt_len - 1 + 3
+
+
+def test_a_router_near_tie_excuses_its_own_step_only() -> None:
+    logits = _logits(21)
+    wrong = logits.clone()
+    wrong[7] += _noise(22, 0.5)[7]  # as an expert flip would move one step
+    tie = {"router": "model.layers.2.mlp.gate", "position": 11, "margin": 0.05, "bf16_error": 0.04}
+    tokens, entries = _engine(wrong)
+    fp32, bf16 = torch.log_softmax(logits, -1), torch.log_softmax(logits + _noise(23, 0.02), -1)
+    excused = judge(5, tokens, entries, fp32, bf16, router_ties={7: tie})
+    assert excused.ok, excused.failures
+    assert {e["step"] for e in excused.router_excused} == {7} and excused.engine_error > excused.allowed_error
+    elsewhere = judge(5, tokens, entries, fp32, bf16, router_ties={6: tie})
+    assert not elsewhere.ok and elsewhere.router_excused == []
+    assert any("(step 7)" in f for f in elsewhere.failures), elsewhere.failures
+    wrong[2] += _noise(24, 0.5)[2]  # a second step off, with no tie behind it, still fails
+    tokens, entries = _engine(wrong)
+    both = judge(5, tokens, entries, fp32, bf16, router_ties={7: tie})
+    assert not both.ok and any("(step 2)" in f and "router near-ties" in f for f in both.failures)
 
 
 def test_a_greedy_token_that_is_not_the_engines_own_top_fails() -> None:
