@@ -144,8 +144,10 @@ backend used instead.
    engine's limits) through the same metadata builder and implementation the engine uses;
 2. each result is checked against a float32 reference first: a backend that errs, or computes a
    wrong result, is excluded with its reason, as is every invalid backend;
-3. the rest are timed (CUDA events on a GPU, wall time on the CPU) under a hard time cap, and the
-   fastest total is used; the table and the reason are logged at INFO;
+3. the rest are timed (CUDA events on a GPU, wall time on the CPU) under a time cap checked before
+   each timed step (a first-use compile already started finishes past it: FlashAttention-4 and
+   FLEX_ATTENTION compiled for over 50 s on a cold H200), and the fastest total is used; the table
+   and the reason are logged at INFO;
 4. the table is cached in the user cache directory (`$KVLLM_CACHE_DIR`, else
    `$XDG_CACHE_HOME/kvllm`, else `~/.cache/kvllm`, in `attention-autotune/`), keyed by GPU name
    and compute capability, the timed shapes, the dtypes, the valid backends and the versions of

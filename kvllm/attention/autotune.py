@@ -6,8 +6,10 @@ dtype, KV dtype, sliding window and soft-cap; batch and context sizes from the e
 through the same builder and implementation the model runner uses. Each result is first checked
 against the float32 reference (a backend that computes wrong results is excluded, never chosen),
 then timed: CUDA events on a GPU, wall time around a synchronizing call on the CPU. The fastest
-total wins; the table and the reason are logged at INFO. A hard time cap bounds the whole run:
-what is not timed before it is excluded and says so.
+total wins; the table and the reason are logged at INFO. A time cap bounds the run, checked before
+each timed step: what has not started before it is excluded and says so; a step already started
+finishes past it (a backend's first-use compile cannot be cut short: FlashAttention-4 and
+FLEX_ATTENTION compiled for over 50 s on the H200, so give a cold machine a cap of minutes).
 
 Results are cached per machine, shapes, configuration and library versions (autotune_cache), so
 a second start reads the table instead of timing again and logs that it did.
