@@ -356,6 +356,11 @@ class W4A16GemvConfig:
 
 
 MIN_WARPS = 8 * 132  # eight warps per SM of an H200: fewer leave its four schedulers short of work
+# Launched without programmatic dependent launch, though the kernel supports it (USE_PDL): on the H200 a
+# Llama-3-8B-shaped AWQ model decoded at batch 1 in 6.53 ms per token with it and 5.04 with PDL off
+# everywhere (bf16: 4.43 and 4.54; eleventh session, quant_bench.py --profile): the early-launched GEMV
+# grids and their L2 prefetches slow the step more than the overlapped launch gains.
+LAUNCH_WITH_PDL = False
 
 
 def default_config(m: int, n: int, k: int, gated: bool = False) -> W4A16GemvConfig:
@@ -450,7 +455,7 @@ def _launch(
     if m == 0 or n == 0:
         return out
     bw = block_words(k)
-    use_pdl = pdl_enabled(x)
+    use_pdl = LAUNCH_WITH_PDL and pdl_enabled(x)
     config = config or default_config(m, qweight.shape[0], k, gated)
     bk, bn = config.block_k, config.block_n
     if bk & (bk - 1) or bk % (PACK * bw) or bn < 1 or bn & (bn - 1):
