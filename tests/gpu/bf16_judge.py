@@ -68,7 +68,7 @@ class Bf16Judgement:
     flips: list[Flip] = field(default_factory=list)
     hf_bf16_flips: list[int] = field(default_factory=list)  # steps where HF bf16's argmax is not fp32's
     failures: list[str] = field(default_factory=list)
-    # MoE models: steps over allowed_error at a router near-tie (step, error, and the tie that excuses it).
+    # MoE models: steps over allowed_error or with a token flip at a router near-tie, and the tie excusing it.
     router_excused: list[dict[str, Any]] = field(default_factory=list)
     # MoE models, as a diagnosis (not a rule): where HF float32's expert choice is closest to flipping.
     fp32_router_margins: list[dict[str, Any]] = field(default_factory=list)
