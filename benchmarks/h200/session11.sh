@@ -18,7 +18,9 @@
 # A second lease after the first's findings (W4A16's kernel times under programmatic dependent launch
 # overlap, so its profile could not say where the step goes; auto-tune outlived its 50 s bound compiling;
 # vLLM's constrained rows were judged 0 of 64 without a sample to say why; one Qwen3-MoE step on FLASH_ATTN
-# over the judge's bound at a router near-tie, which the judge now tells apart):
+# over the judge's bound, where the CPU showed a router near-tie, a rule the judge now has; on the GPU it did
+# not excuse the step, which stays failed). A third start ran only the W4A16 check after its launch change:
+#   PYTHONPATH=. python3 benchmarks/h200/quant_bench.py --out $OUT/q --parts e2e --engines bf16,awq --quick --profile
 #   kvllm2  carry [".vllm/part1"]: W4A16 and bf16 end to end again with KVLLM_PDL=0, profiled (clean kernel times).
 #   vllm2   carry [".vllm/part2", ".so-lite"], within 30 s: vLLM's structured-outputs bench again, with sample texts.
 #   fa1b    carry [".stage1"], within 30 s: FlashAttention-4's first part.
