@@ -67,7 +67,7 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     manager = StructuredOutputManager(tokenizer, VOCAB, EOS)
     if args.fill_threads:
-        manager._fill_threads = args.fill_threads
+        manager._filler.fill_threads = args.fill_threads
     t0 = time.perf_counter()
     manager.backend  # noqa: B018 - the tokenizer's xgrammar view, built once per engine
     backend_s = time.perf_counter() - t0
@@ -128,7 +128,7 @@ def main() -> None:
         "tokenizer_info_s": round(backend_s, 3),
         "compile_batch_s": round(compile_s, 4),
         "schema": args.schema,
-        "fill_threads": manager._fill_threads,
+        "fill_threads": manager._filler.fill_threads,
         "fill_ms": ms(fill),
         "fill_p90_ms": p90(fill),
         "accept_ms": ms(accept),

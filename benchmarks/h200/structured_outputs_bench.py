@@ -96,6 +96,9 @@ def main() -> None:
         help="override kvllm's THREADED_FILL_MIN_ROWS (rows from which xgrammar's thread pool fills masks)",
     )
     parser.add_argument("--engine", choices=("kvllm", "vllm"), default="kvllm")
+    parser.add_argument(
+        "--grammar-process", action="store_true", help="kvllm's matchers in a process of their own"
+    )
     parser.add_argument("--host-clock", action="store_true", help="time the fill, accepts and updates")
     parser.add_argument(
         "--profile-dir",
@@ -114,8 +117,15 @@ def main() -> None:
     }
     clock = HostClock()
     if args.engine == "vllm":
-        if args.host_clock or args.profile_dir or args.threaded_fill_min_rows is not None:
-            parser.error("--host-clock, --profile-dir and --threaded-fill-min-rows are kvllm's only")
+        if (
+            args.host_clock
+            or args.profile_dir
+            or args.threaded_fill_min_rows is not None
+            or args.grammar_process
+        ):
+            parser.error(
+                "--host-clock, --profile-dir, --threaded-fill-min-rows and --grammar-process are kvllm's only"
+            )
         import os
 
         from kvllm.benchmarks.vllm_backend import VLLM_ENV
@@ -130,17 +140,23 @@ def main() -> None:
         from kvllm import LLM, SamplingParams
         from kvllm.engine.llm_engine import LLMEngine
         from kvllm.sampling_params import StructuredOutputsParams
-        from kvllm.structured_output import manager
+        from kvllm.structured_output import backend_xgrammar, manager
+        from kvllm.structured_output.grammar_process import GrammarProcessRequest
         from kvllm.structured_output.request import StructuredOutputRequest
 
         if args.threaded_fill_min_rows is not None:
-            manager.THREADED_FILL_MIN_ROWS = args.threaded_fill_min_rows
-        threaded_fill_min_rows = manager.THREADED_FILL_MIN_ROWS
+            backend_xgrammar.THREADED_FILL_MIN_ROWS = args.threaded_fill_min_rows
+        threaded_fill_min_rows = backend_xgrammar.THREADED_FILL_MIN_ROWS
         if args.host_clock:
-            clock.wrap(manager.StructuredOutputManager, "grammar_bitmask", "mask_fill")
-            clock.wrap(StructuredOutputRequest, "accept_token", "accept_token")
+            # The engine thread's share: with --grammar-process, the mask's start (send) and finish
+            # (wait for the child, after the previous step's outputs) are apart.
+            clock.wrap(manager.StructuredOutputManager, "start_bitmask", "mask_start")
+            clock.wrap(manager.StructuredOutputManager, "finish_bitmask", "mask_finish")
+            owner = GrammarProcessRequest if args.grammar_process else StructuredOutputRequest
+            clock.wrap(owner, "accept_token", "accept_token")
             clock.wrap(LLMEngine, "_update", "engine_update")
-    llm = LLM(str(folder), load_format="dummy", dtype="bfloat16", max_model_len=1024, seed=0)
+    kwargs = {"grammar_process": True} if args.grammar_process else {}
+    llm = LLM(str(folder), load_format="dummy", dtype="bfloat16", max_model_len=1024, seed=0, **kwargs)
     # vLLM's engine runs in its own process; kvllm's here (no CUDA on the CPU for a smoke run)
     sync = torch.cuda.synchronize if args.engine == "kvllm" and torch.cuda.is_available() else lambda: None
 
@@ -162,6 +178,7 @@ def main() -> None:
         "max_tokens": args.max_tokens,
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "threaded_fill_min_rows": threaded_fill_min_rows,
+        "grammar_process": args.grammar_process,
     }
     for name, params in runs.items():
         llm.generate(prompts, sampling(name, 16), use_tqdm=False)  # warm

@@ -141,6 +141,14 @@ class EngineArgs:
             "work for the current one (vLLM's flag); --no-async-scheduling waits for every step."
         ),
     )
+    grammar_process: bool = field(
+        default=False,
+        metadata=_help(
+            "Run structured outputs' grammar matching (xgrammar: compiles, accepted tokens, token masks) in "
+            "a process of its own, beside the engine's thread instead of on it (beyond vLLM); the masks "
+            "come through shared memory."
+        ),
+    )
     device: str = field(default="auto", metadata=_help(f"Device: {', '.join(DEVICES)}."))
     generation_config: str = field(
         default="auto",

@@ -28,6 +28,7 @@ from kvllm.pooling_params import PoolingParams
 from kvllm.sampling_params import SamplingParams
 from kvllm.spec_decode.coordinator import SpecDecodeCoordinator, SpecDecodeCounts
 from kvllm.structured_output import StructuredOutputManager
+from kvllm.structured_output.manager import GrammarProcessSettings
 from kvllm.worker.sleep_mode import SLEEP_LEVELS, WAKE_UP_TAGS
 
 logger = logging.getLogger(__name__)
@@ -87,6 +88,9 @@ class LLMEngine:
             pin_memory=self.device.type == "cuda"
             and args.tensor_parallel_size == 1
             and args.distributed_executor_backend in (None, "uni"),
+            process=GrammarProcessSettings(self.model_config.tokenizer_path, args.max_num_seqs)
+            if args.grammar_process
+            else None,
         )
         self.executor = make_executor(args, self.model_config, self.device, max_batched)
         num_blocks = self.executor.determine_num_blocks()
@@ -277,9 +281,10 @@ class LLMEngine:
         return bool(self.output_processor.parents)
 
     def shutdown(self) -> None:
-        """Stop the executor's worker processes, if it has any (also done when the engine is collected
-        and at interpreter exit)."""
+        """Stop the executor's worker processes and the grammar process, if there are any (also done
+        when the engine is collected and at interpreter exit)."""
         self.executor.shutdown()
+        self.structured_output_manager.shutdown()
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.output_processor.parents)
@@ -329,7 +334,10 @@ class LLMEngine:
         """Whether an unfinished request has structured outputs (a step without one skips the
         per-request check for grammars). O(requests with grammars): finished ones are dropped here."""
         if self._grammar_requests:
-            self._grammar_requests = [r for r in self._grammar_requests if not r.is_finished]
+            finished = [r.structured_output_request for r in self._grammar_requests if r.is_finished]
+            if finished:
+                self.structured_output_manager.release(finished)
+                self._grammar_requests = [r for r in self._grammar_requests if not r.is_finished]
         return bool(self._grammar_requests)
 
     def _wait_for_grammar(self, timeout: float = 0.01) -> None:
@@ -345,11 +353,14 @@ class LLMEngine:
 
         A mask depends on every token before it, so the previous step's tokens (still in flight with
         overlapped scheduling) are taken first: exact, and the host's work overlaps the device's
-        forward pass instead of the device's idle time. Only the grammars are advanced here (the
-        masks' critical path, while the device waits to sample); the rest of that step's output work
+        forward pass instead of the device's idle time. Only the grammars are advanced before the masks
+        are asked for (their critical path, while the device waits to sample). The rest of that step's
+        output work runs while the grammar process fills the masks or, with the matchers on this thread,
         follows the launch in step(). A step with verified drafts is processed whole, into `outputs`."""
+        manager = self.structured_output_manager
 
         def fill(rows: list[int]) -> torch.Tensor | None:
+            taken = None
             if self._previous is not None:
                 previous_plan, previous = self._previous
                 self._previous = None
@@ -358,12 +369,17 @@ class LLMEngine:
                     outputs.extend(self._update(previous_plan, result))
                 else:
                     self.output_processor.accept_grammar_tokens(previous_plan, result.step)
-                    self._grammar_taken = (previous_plan, result)
+                    taken = (previous_plan, result)
             grammars = []
             for i in rows:
                 request = plan.scheduled[i].request
                 grammars.append(None if request.is_finished else request.structured_output_request)
-            return self.structured_output_manager.grammar_bitmask(grammars)
+            manager.start_bitmask(grammars)
+            if taken is not None and manager.matchers_in_process:
+                outputs.extend(self._update(*taken, grammar_accepted=True))
+            elif taken is not None:
+                self._grammar_taken = taken
+            return manager.finish_bitmask()
 
         return fill
 

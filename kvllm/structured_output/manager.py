@@ -1,4 +1,5 @@
-"""StructuredOutputManager: compiles grammars in a thread pool and fills a step's token bitmask."""
+"""StructuredOutputManager: compiles grammars off the step path and fills a step's token bitmask, on
+the engine's thread or, with `grammar_process`, in a process of its own (grammar_process.py)."""
 
 from __future__ import annotations
 
@@ -6,19 +7,19 @@ import os
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvllm.sampling_params import StructuredOutputsParams
 from kvllm.structured_output import backend_xgrammar
+from kvllm.structured_output.grammar_process import GrammarProcess, GrammarProcessRequest
 from kvllm.structured_output.request import StructuredOutputRequest
 
 if TYPE_CHECKING:
     import torch
 
-
-# Batches with fewer constrained rows fill their masks on the calling thread (vLLM's threshold for its
-# parallel fill is the same order: 128 rows).
-THREADED_FILL_MIN_ROWS = 128
+# Either kind of a sequence's grammar: its matcher here, or in the grammar process.
+Grammar = StructuredOutputRequest | GrammarProcessRequest
 
 
 def mask_by_value(mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -27,17 +28,33 @@ def mask_by_value(mask: torch.Tensor | None) -> torch.Tensor | None:
     return None if mask is None else mask.clone()
 
 
+@dataclass(frozen=True)
+class GrammarProcessSettings:
+    """Run the matchers in a process of their own: where it loads the tokenizer, and the most rows a
+    step's mask has (the engine's max_num_seqs)."""
+
+    tokenizer_path: str
+    max_rows: int
+
+
 class StructuredOutputManager:
-    """Owns the grammar backend (built on first use, off the step path) and its compile pool.
+    """Owns the grammar backend (built on first use, off the step path) and its compile pool, or the
+    grammar process that holds both.
 
     `validate` runs when a request arrives (a tokenizer-free parse, so bad constraints fail there);
-    `make_request` starts the compile in the pool; the scheduler admits a request once its grammar is
-    ready; `grammar_bitmask` fills the masks of a step's rows with xgrammar's batched (multi-threaded)
-    fill.
+    `make_request` starts the compile; the scheduler admits a request once its grammar is ready; a
+    step's masks are asked for with `start_bitmask` and taken with `finish_bitmask` (`grammar_bitmask`
+    does both): in-process the work is done in the first, with the grammar process the engine's thread
+    is free in between; `release` drops finished sequences' grammars.
     """
 
     def __init__(
-        self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int], pin_memory: bool = False
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        stop_token_ids: Sequence[int],
+        pin_memory: bool = False,
+        process: GrammarProcessSettings | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         # Masks bound for a GPU go in page-locked memory: a copy from pageable memory this large (1.2 MB
@@ -46,26 +63,42 @@ class StructuredOutputManager:
         self.pin_memory = pin_memory
         self.vocab_size = vocab_size
         self.stop_token_ids = tuple(stop_token_ids)
+        self.process_settings = process
+        self._process: GrammarProcess | None = None  # started with the first grammar
         self._backend: backend_xgrammar.XgrammarBackend | None = None
         self._backend_lock = threading.Lock()
         threads = max(1, min(8, (os.cpu_count() or 2) // 2))
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvllm-grammar")
-        self._fill_threads = threads
-        self._batch_matcher: Any = None
+        self._filler = backend_xgrammar.BitmaskFiller(threads)
         # Two reused mask buffers, taken in turn (see `grammar_bitmask`), grown when a batch outgrows
         # them: no allocation (pinned or not) and no full-size initialisation on the step path.
         self._buffers: list[torch.Tensor | None] = [None, None]
         self._next_buffer = 0
+        self._started: torch.Tensor | None | bool = False  # start_bitmask's in-process result
         self.num_buffer_allocations = 0  # buffers allocated so far (tests count them)
-        self.num_threaded_fills = 0  # fills that went through xgrammar's thread pool (tests count them)
+        if process is not None:
+            self.grammar_process  # noqa: B018 (started now: its seconds of start-up overlap the engine's)
+
+    @property
+    def num_threaded_fills(self) -> int:
+        """In-process fills that went through xgrammar's thread pool (tests count them)."""
+        return self._filler.num_threaded_fills
+
+    @property
+    def matchers_in_process(self) -> bool:
+        """Whether the matchers run in the grammar process, so the engine's thread is free between
+        `start_bitmask` and `finish_bitmask`."""
+        return self.process_settings is not None
 
     @staticmethod
     def validate(params: StructuredOutputsParams) -> None:
         """Raise ValueError (StructuredOutputError) naming what is wrong with the constraint."""
         backend_xgrammar.validate(params)
 
-    def make_request(self, params: StructuredOutputsParams) -> StructuredOutputRequest:
-        """A request's grammar, compiling in the pool from now on (xgrammar caches repeats)."""
+    def make_request(self, params: StructuredOutputsParams) -> Grammar:
+        """A sequence's grammar, compiling from now on (xgrammar caches repeats)."""
+        if self.process_settings is not None:
+            return self.grammar_process.compile(params)
         return StructuredOutputRequest(params, self._pool.submit(self._compile, params))
 
     def _compile(self, params: StructuredOutputsParams) -> Any:
@@ -80,7 +113,28 @@ class StructuredOutputManager:
                 )
             return self._backend
 
-    def grammar_bitmask(self, grammars: Sequence[StructuredOutputRequest | None]) -> torch.Tensor | None:
+    @property
+    def grammar_process(self) -> GrammarProcess:
+        if self._process is None:
+            settings = self.process_settings
+            assert settings is not None
+            self._process = GrammarProcess(
+                settings.tokenizer_path,
+                self.vocab_size,
+                self.stop_token_ids,
+                settings.max_rows,
+                page_lock=self.pin_memory,
+                fill_threads=self._filler.fill_threads,
+            )
+        return self._process
+
+    def release(self, grammars: Sequence[Grammar]) -> None:
+        """Finished sequences' grammars: the grammar process drops their matchers."""
+        remote = [g for g in grammars if isinstance(g, GrammarProcessRequest)]
+        if remote and self._process is not None:
+            self._process.free(remote)
+
+    def grammar_bitmask(self, grammars: Sequence[Grammar | None]) -> torch.Tensor | None:
         """int32 [len(grammars), ceil(vocab / 32)] on the host: bit j of word w is set when token
         32 w + j may be sampled (little-endian within a word, as xgrammar packs it). Rows whose grammar
         no longer constrains them keep every bit set; None when no row is constrained. The caller
@@ -90,33 +144,30 @@ class StructuredOutputManager:
         valid until the next-but-one call: a step's mask may still be on its way to the device while
         the next step's is filled (the engine takes each step's tokens, which the device produces after
         the copy, before it fills the step after next). Callers that keep a mask longer copy it."""
-        rows, matchers = [], []
-        for i, so in enumerate(grammars):
-            if so is not None and so.constrains:
-                rows.append(i)
-                matchers.append(so.matcher)
-        if not rows:
-            return None
+        self.start_bitmask(grammars)
+        return self.finish_bitmask()
+
+    def start_bitmask(self, grammars: Sequence[Grammar | None]) -> None:
+        """Begin `grammar_bitmask(grammars)`: the grammar process starts on it (with the accepts made
+        since its last message); in-process the masks are filled here."""
+        if self.process_settings is not None:
+            self.grammar_process.start_fill(list(grammars))  # type: ignore[arg-type]
+            return
+        matchers = [None if g is None or not g.constrains else g.matcher for g in grammars]  # type: ignore[union-attr]
+        if not any(m is not None for m in matchers):
+            self._started = None
+            return
         bitmask = self._take_buffer(len(grammars))
-        if len(rows) < len(grammars):
-            # Every bit set on the rows left unconstrained (xgrammar writes the others), row by row: a
-            # row is under torch's parallel grain, so no intra-op thread pool wakes up on the step path.
-            constrained = set(rows)
-            for i in range(len(grammars)):
-                if i not in constrained:
-                    bitmask[i].fill_(-1)
-        if len(matchers) == 1:
-            matchers[0].fill_next_token_bitmask(bitmask, rows[0])
-        elif len(matchers) < THREADED_FILL_MIN_ROWS or self._fill_threads == 1:
-            # A row costs microseconds (about 6 us at batch 64 with Qwen3's vocabulary on this
-            # project's CPU): handing rows to a thread pool costs more than it saves, and a pool
-            # thread that is not scheduled at once stalls the whole step.
-            for row, matcher in zip(rows, matchers):
-                matcher.fill_next_token_bitmask(bitmask, row)
-        else:
-            self.num_threaded_fills += 1
-            self._batch_matcher_for_threads().batch_fill_next_token_bitmask(matchers, bitmask, indices=rows)
-        return bitmask
+        self._filler.fill(bitmask, matchers)
+        self._started = bitmask
+
+    def finish_bitmask(self) -> torch.Tensor | None:
+        """The masks begun by `start_bitmask` (see `grammar_bitmask`)."""
+        if self.process_settings is not None:
+            return self.grammar_process.finish_fill()
+        assert self._started is not False, "finish_bitmask without start_bitmask"
+        bitmask, self._started = self._started, False
+        return bitmask  # type: ignore[return-value]
 
     def _take_buffer(self, num_rows: int) -> torch.Tensor:
         """The next of the two mask buffers, as [num_rows, words] (reallocated only to grow)."""
@@ -133,12 +184,7 @@ class StructuredOutputManager:
             self.num_buffer_allocations += 1
         return buffer[:num_rows]
 
-    def _batch_matcher_for_threads(self) -> Any:
-        import xgrammar as xgr
-
-        if self._batch_matcher is None:
-            self._batch_matcher = xgr.BatchGrammarMatcher(max_threads=self._fill_threads)
-        return self._batch_matcher
-
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._process is not None:
+            self._process.close()

@@ -46,6 +46,24 @@ def llm(tiny_qwen3_real_tokenizer_path) -> LLM:
     )
 
 
+@pytest.fixture(scope="module")
+def llm_grammar_process(tiny_qwen3_real_tokenizer_path) -> LLM:
+    """The matchers in the grammar process (grammar_process=True)."""
+    llm = LLM(
+        str(tiny_qwen3_real_tokenizer_path),
+        dtype="float32",
+        max_model_len=256,
+        kv_cache_memory_bytes=1 << 25,
+        grammar_process=True,
+    )
+    yield llm
+    llm.llm_engine.shutdown()
+
+
+# Tests that run with the matchers on the engine's thread and in the grammar process.
+BOTH = pytest.mark.parametrize("engine", ["llm", "llm_grammar_process"])
+
+
 def _generate(llm: LLM, constraint: StructuredOutputsParams | None, max_tokens: int, num: int = NUM) -> list:
     """`num` sequences of one prompt in one batch (n=num: the prompt is computed once)."""
     params = SamplingParams(n=num, temperature=1.0, max_tokens=max_tokens, structured_outputs=constraint)
@@ -61,8 +79,10 @@ def _valid_json(text: str) -> bool:
     return True
 
 
-def test_every_constraint_holds_every_time_and_nothing_holds_without(llm):
+@BOTH
+def test_every_constraint_holds_every_time_and_nothing_holds_without(engine, request):
     """100 sequences per constraint (JSON schema, regex, choice, grammar), all in one batch."""
+    llm = request.getfixturevalue(engine)
     cases = [
         (StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True), lambda t: _valid_json(t), 120),
         (StructuredOutputsParams(regex=REGEX), lambda t: re.fullmatch(REGEX, t) is not None, 40),
@@ -153,7 +173,9 @@ def test_masks_advance_each_grammar_once_per_token_before_the_outputs(llm, monke
     assert finished and all(_valid_json(t) for t in finished)
 
 
-def test_n_sequences_each_follow_the_grammar(llm):
+@BOTH
+def test_n_sequences_each_follow_the_grammar(engine, request):
+    llm = request.getfixturevalue(engine)
     params = SamplingParams(
         n=6, temperature=1.0, max_tokens=40, structured_outputs=StructuredOutputsParams(regex=REGEX)
     )
@@ -198,9 +220,145 @@ def test_requests_run_while_a_grammar_compiles(llm, monkeypatch):
         ({"grammar": "root ::= undefined_rule"}, "undefined_rule"),
     ],
 )
-def test_invalid_constraints_are_refused_with_the_reason(llm, constraint, message):
+@BOTH
+def test_invalid_constraints_are_refused_with_the_reason(engine, request, constraint, message):
+    llm = request.getfixturevalue(engine)
     with pytest.raises(ValueError, match=message):
         llm.generate(
             ["x"], SamplingParams(structured_outputs=StructuredOutputsParams(**constraint)), use_tqdm=False
         )
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+def _mixed_batch() -> list[SamplingParams]:
+    """Seeded rows: JSON schemas (two with n=2, one with a stop string inside the document), regexes
+    and unconstrained rows of 80 to 200 tokens."""
+    json_constraint = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
+    rows = []
+    for i in range(9):
+        if i % 3 == 0:
+            rows.append(
+                SamplingParams(
+                    temperature=1.0,
+                    seed=i,
+                    max_tokens=100,
+                    n=2 if i < 6 else 1,
+                    stop=['"age"'] if i == 3 else None,
+                    structured_outputs=json_constraint,
+                )
+            )
+        elif i % 3 == 1:
+            rows.append(
+                SamplingParams(
+                    temperature=1.0,
+                    seed=i,
+                    max_tokens=40,
+                    structured_outputs=StructuredOutputsParams(regex=REGEX),
+                )
+            )
+        else:
+            rows.append(SamplingParams(temperature=1.0, seed=i, max_tokens=40 + 20 * i, ignore_eos=True))
+    return rows
+
+
+def test_grammar_process_gives_the_engine_threads_tokens(tiny_qwen3_real_tokenizer_path):
+    """Seeded, overlapped scheduling on: the same texts with the matchers on the engine's thread and in
+    the grammar process, and with overlap off in the process. The KV cache holds 256 tokens, so
+    requests are preempted and recomputed (counted), and their grammars must not see a token twice."""
+    texts, preempted = {}, {}
+    for grammar_process, async_scheduling in ((False, True), (True, True), (True, False)):
+        llm = LLM(
+            str(tiny_qwen3_real_tokenizer_path),
+            dtype="float32",
+            max_model_len=256,
+            kv_cache_memory_bytes=1 << 18,
+            async_scheduling=async_scheduling,
+            grammar_process=grammar_process,
+        )
+        outs = llm.generate(["Tell me about"] * 9, _mixed_batch(), use_tqdm=False)
+        key = (grammar_process, async_scheduling)
+        texts[key] = [[c.text for c in o.outputs] for o in outs]
+        stats = llm.llm_engine.stats()
+        assert stats.num_free_blocks == stats.num_blocks, "KV blocks leaked"
+        preempted[key] = stats.num_preemptions
+        llm.llm_engine.shutdown()
+    assert texts[(True, True)] == texts[(False, True)]
+    assert texts[(True, False)] == texts[(False, True)]
+    assert min(preempted.values()) > 0, preempted
+    documents = [t for i in (0, 6) for t in texts[(True, True)][i]]
+    assert documents and all(_valid_json(t) for t in documents)
+    assert all('"age"' not in t for t in texts[(True, True)][3])  # stopped before it
+    assert all(re.fullmatch(REGEX, t) for i in (1, 4, 7) for t in texts[(True, True)][i])
+
+
+def test_grammar_process_drops_finished_and_aborted_grammars(llm_grammar_process):
+    engine = llm_grammar_process.llm_engine
+    process = engine.structured_output_manager.grammar_process
+    # A step with work drops the grammars that finished since the one before (earlier tests' too).
+    llm_grammar_process.generate(["x"], SamplingParams(max_tokens=2), use_tqdm=False)
+    freed = process.num_freed
+    constraint = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
+    for i in range(4):
+        engine.add_request(
+            f"g{i}", "Tell me about", SamplingParams(max_tokens=50, structured_outputs=constraint)
+        )
+    for _ in range(3):
+        engine.step()
+    engine.abort_request(["g0", "g1"])
+    while engine.has_unfinished_requests():
+        engine.step()
+    llm_grammar_process.generate(["x"], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert process.num_freed - freed == 4
+
+
+def test_grammar_process_that_cannot_start_fails_only_the_constrained_requests(
+    tiny_qwen3_real_tokenizer_path,
+):
+    from kvllm.structured_output import StructuredOutputManager
+    from kvllm.structured_output.manager import GrammarProcessSettings
+
+    llm = LLM(
+        str(tiny_qwen3_real_tokenizer_path), dtype="float32", max_model_len=256, kv_cache_memory_bytes=1 << 24
+    )
+    engine = llm.llm_engine
+    engine.structured_output_manager = StructuredOutputManager(
+        engine.tokenizer,
+        engine.model_config.vocab_size,
+        engine.model_config.eos_token_ids,
+        process=GrammarProcessSettings("/nonexistent/tokenizer", max_rows=8),
+    )
+    outs = llm.generate(
+        ["Tell me about"] * 2,
+        [
+            SamplingParams(max_tokens=5, structured_outputs=StructuredOutputsParams(regex=REGEX)),
+            SamplingParams(max_tokens=5, ignore_eos=True),
+        ],
+        use_tqdm=False,
+    )
+    assert outs[0].outputs[0].finish_reason == "error"
+    assert "structured-outputs process could not start" in outs[0].outputs[0].stop_reason
+    assert len(outs[1].outputs[0].token_ids) == 5
+    engine.shutdown()
+
+
+def test_grammar_process_death_is_a_clear_error(tiny_qwen3_real_tokenizer_path):
+    from kvllm.structured_output.grammar_process import GrammarProcessError
+
+    llm = LLM(
+        str(tiny_qwen3_real_tokenizer_path),
+        dtype="float32",
+        max_model_len=256,
+        kv_cache_memory_bytes=1 << 24,
+        grammar_process=True,
+    )
+    engine = llm.llm_engine
+    constraint = StructuredOutputsParams(regex=REGEX)
+    engine.add_request("g", "Tell me about", SamplingParams(max_tokens=30, structured_outputs=constraint))
+    process = engine.structured_output_manager.grammar_process
+    while process.num_steps < 2:
+        engine.step()
+    process._proc.kill()
+    with pytest.raises(GrammarProcessError, match=r"exited \(exit code -9\)"):
+        while engine.has_unfinished_requests():
+            engine.step()
+    engine.shutdown()

@@ -155,7 +155,7 @@ def test_grammar_bitmask_reuses_two_buffers_and_fills_on_the_calling_thread(tmp_
     vocab = write_tokenizer(tmp_path)
     tokenizer = AutoTokenizer.from_pretrained(tmp_path)
     manager = StructuredOutputManager(tokenizer, vocab + 7, (EOS_ID,))
-    manager._fill_threads = 4  # as on a many-core host: small batches must still stay on this thread
+    manager._filler.fill_threads = 4  # as on a many-core host: small batches must still stay on this thread
     params = StructuredOutputsParams(regex="(ab|ba)+c")
     grammars = [manager.make_request(params) for _ in range(6)]
     for g in grammars:
@@ -182,3 +182,53 @@ def test_grammar_bitmask_reuses_two_buffers_and_fills_on_the_calling_thread(tmp_
     manager.grammar_bitmask(grammars + grammars[:2])  # a larger batch: that buffer grows, once
     assert manager.num_buffer_allocations == 3
     manager.shutdown()
+
+
+def test_grammar_process_masks_equal_the_engine_threads_step_by_step(tmp_path):
+    """The same sequences on both managers (matchers here, matchers in the grammar process): every
+    step's mask is bit-for-bit the same, rows of finished (None), terminated and rejected grammars
+    included; freed grammars are forgotten, and the process stops with the manager."""
+    from transformers import AutoTokenizer
+
+    from kvllm.structured_output.manager import GrammarProcessSettings
+
+    vocab = write_tokenizer(tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    here = StructuredOutputManager(tokenizer, vocab + 7, (EOS_ID,))
+    there = StructuredOutputManager(
+        tokenizer, vocab + 7, (EOS_ID,), process=GrammarProcessSettings(str(tmp_path), max_rows=8)
+    )
+    constraints = [StructuredOutputsParams(regex="(ab|ba)+c"), StructuredOutputsParams(choice=["abc", "cab"])]
+    pairs = [(here.make_request(p), there.make_request(p)) for p in constraints for _ in range(3)]
+    for pair in pairs:
+        for g in pair:
+            while not g.is_ready():
+                g.wait(1.0)
+    assert all(g.error is None for pair in pairs for g in pair)
+    generator = torch.Generator().manual_seed(0)
+    rejected_row, calls = 5, 0
+    for step in range(8):
+        live = [pair if (i + step) % 4 else (None, None) for i, pair in enumerate(pairs)]
+        masks = [m.grammar_bitmask([pair[k] for pair in live]) for k, m in enumerate((here, there))]
+        calls += 1
+        if masks[0] is None:
+            assert masks[1] is None
+            break
+        assert torch.equal(masks[0], masks[1]), step
+        allowed = unpack_bitmask(masks[0].contiguous(), vocab)
+        for row, (g_here, g_there) in enumerate(live):
+            if g_here is None:
+                continue
+            if row == rejected_row and step == 2:  # a token the mask forbids: both give the row up
+                token = int((~allowed[row]).nonzero()[0])
+            else:
+                token = int(torch.multinomial(allowed[row].float(), 1, generator=generator))
+            g_here.accept_token(token)
+            g_there.accept_token(token)
+    assert pairs[rejected_row][0].rejected
+    there.release([g for _, g in pairs])
+    process = there.grammar_process
+    assert process.num_freed == len(pairs) and process.num_steps == calls
+    there.shutdown()
+    assert not process.is_alive()
+    here.shutdown()
