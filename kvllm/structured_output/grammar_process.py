@@ -188,13 +188,17 @@ class GrammarProcess:
     # ---- the pipe ----------------------------------------------------------------------------
 
     def poll(self) -> None:
-        """Take every answer already there (compiles), without waiting."""
-        while not self._conn.closed and self._conn.poll(0):
-            self._handle(self._receive())
+        """Take every answer already there (compiles), without waiting. A child found dead here fails
+        the compiling grammars (the engine serves on); the next step that needs it raises."""
+        try:
+            while self._failed is None and self._conn.poll(0):
+                self._handle(self._receive())
+        except GrammarProcessError:
+            pass
 
     def wait(self, timeout: float) -> None:
         """Wait up to `timeout` seconds for an answer, then take all that are there."""
-        if not self._conn.closed and self._conn.poll(timeout):
+        if self._failed is None and self._conn.poll(timeout):
             self.poll()
 
     def _take_accepts(self) -> list[int]:
@@ -252,6 +256,7 @@ class GrammarProcess:
         return self._proc.is_alive()
 
     def close(self) -> None:
+        self._failed = self._failed or "the structured-outputs process was stopped (the engine shut down)"
         self._finalizer()
 
 

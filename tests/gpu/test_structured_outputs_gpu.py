@@ -50,20 +50,28 @@ def _valid_json(text: str) -> bool:
 
 
 def test_json_schema_on_the_gpu_with_graphs_and_overlap(tiny_qwen3_real_tokenizer_path):
+    """Also with the matchers in the grammar process (--grammar-process), whose shared-memory masks
+    must be page-locked in place (not copied into a pinned buffer)."""
     texts = {}
-    for async_scheduling in (True, False):
+    for async_scheduling, grammar_process in ((True, False), (False, False), (True, True)):
         llm = LLM(
             str(tiny_qwen3_real_tokenizer_path),
             dtype="bfloat16",
             max_model_len=256,
             gpu_memory_utilization=0.3,
             async_scheduling=async_scheduling,
+            grammar_process=grammar_process,
         )
         assert llm.llm_engine.executor.worker.model_runner.graph_runner is not None  # graphs are on
         manager = llm.llm_engine.structured_output_manager
         assert manager.pin_memory
+        if grammar_process:
+            assert manager.grammar_process.masks.is_pinned()
         probe = manager.make_request(StructuredOutputsParams(regex=REGEX))
-        probe.wait(30.0)
+        for _ in range(60):  # the grammar process answers other messages (its start) first
+            if probe.is_ready():
+                break
+            probe.wait(1.0)
         assert probe.is_ready() and probe.error is None
         # Pinned, so the copy to the GPU does not wait for the forward pass it overlaps.
         assert manager.grammar_bitmask([probe, None]).is_pinned()
@@ -81,14 +89,16 @@ def test_json_schema_on_the_gpu_with_graphs_and_overlap(tiny_qwen3_real_tokenize
             for i in range(64)
         ]
         outs = llm.generate(["Tell me about"] * len(params), params, use_tqdm=False)
-        texts[async_scheduling] = [o.outputs[0].text for o in outs]
+        texts[async_scheduling, grammar_process] = [o.outputs[0].text for o in outs]
+        llm.llm_engine.shutdown()
         del llm
         torch.cuda.empty_cache()
-    assert texts[True] == texts[False]
-    assert all(_valid_json(t) for t in texts[True][0::3])
-    assert all(re.fullmatch(REGEX, t) for t in texts[True][1::3])
-    assert not any(_valid_json(t) for t in texts[True][2::3])
-    json.dumps(texts)  # text, not bytes
+    reference = texts[True, False]
+    assert texts[False, False] == reference and texts[True, True] == reference
+    assert all(_valid_json(t) for t in reference[0::3])
+    assert all(re.fullmatch(REGEX, t) for t in reference[1::3])
+    assert not any(_valid_json(t) for t in reference[2::3])
+    json.dumps(reference)  # text, not bytes
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
