@@ -9,13 +9,18 @@ a step's masks into shared memory, while the engine's thread does the previous s
 Wire: tuples over one pipe, pickled with plain `pickle` (multiprocessing's own pickler costs tens of
 microseconds a message to set up).
   engine -> child: ("compile", handle, params) | ("step", accepts, rows, slot) | ("free", accepts, handles)
-                   | ("stop",)
+                   | ("replay", handle, params, tokens) | ("stop",)
   child -> engine: ("ready",) | ("failed", why) | ("compiled", handle, error or None)
                    | ("filled", constrained, rejected)
 `accepts` is a flat [handle, token, handle, token, ...] list the child applies, in order, before anything
 else in the message; `rows` holds a handle per mask row (-1: unconstrained); `rejected` lists the
 (handle, token) pairs a grammar refused. The child also stops when the pipe closes, so an engine that
 dies leaves no child behind.
+
+A child that dies (killed, out of memory, a crash in xgrammar) is started again, up to MAX_RESTARTS
+times: the engine keeps each live sequence's accepted tokens, and `replay` compiles its grammar and
+accepts them before the child reads on, so the step in flight is asked for again and no sequence
+notices. Past that the step raises GrammarProcessError.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 STOP_TIMEOUT_S = 10.0
+MAX_RESTARTS = 3
 
 
 class GrammarProcessError(RuntimeError):
@@ -55,6 +61,7 @@ class GrammarProcessRequest:
         self._process = process
         self.compiled = False
         self.error: str | None = None  # why compiling failed, once it did
+        self.tokens: list[int] = []  # accepted so far: replayed into a restarted child
 
     def is_ready(self) -> bool:
         """Whether the grammar is compiled (or failed to compile: `error` then says why)."""
@@ -70,6 +77,7 @@ class GrammarProcessRequest:
         """Advance the matcher by one output token: sent with the process's next message. A token the
         grammar rejects is logged when the process reports it; the rest of that output is unconstrained."""
         if self.compiled:
+            self.tokens.append(token_id)
             self._process.accepts += (self.handle, token_id)
 
 
@@ -102,28 +110,34 @@ class GrammarProcess:
             if page_lock and not self._page_locked
             else None
         )
-        context = multiprocessing.get_context("spawn")
-        self._conn, child = context.Pipe()
-        self._proc: BaseProcess = context.Process(
-            target=serve,
-            args=(child, tokenizer_path, vocab_size, stop_token_ids, self.masks, fill_threads),
-            name="kvllm-grammar",
-            daemon=True,
-        )
-        self._proc.start()
-        child.close()
-        self._finalizer = weakref.finalize(self, _stop, self._conn, self._proc, self._page_locked, self.masks)
-        self._ready = False
+        if self._page_locked:
+            weakref.finalize(self, _page_unlock, self.masks)
+        self._child_args = (tokenizer_path, vocab_size, stop_token_ids, self.masks, fill_threads)
         self._failed: str | None = None
-        self._outbox: list[tuple[Any, ...]] = []  # held until the child is ready
         self._compiling: dict[int, GrammarProcessRequest] = {}
+        self._live: dict[int, GrammarProcessRequest] = {}  # compiling or compiled, until freed
         self._next_handle = 0
         self._slot = 0
         self._num_rows = 0
+        self._step: tuple[Any, ...] | None = None  # the step asked for and not yet answered
         self._filled: tuple[bool, list[tuple[int, int]]] | None = None
         self.accepts: list[int] = []  # [handle, token, ...] for the next message
         self.num_steps = 0  # masks filled by the child (tests count them)
         self.num_freed = 0  # grammars whose matchers the child was told to drop
+        self.num_restarts = 0
+        self._start_child()
+
+    def _start_child(self) -> None:
+        context = multiprocessing.get_context("spawn")
+        self._conn, child = context.Pipe()
+        self._proc: BaseProcess = context.Process(
+            target=serve, args=(child, *self._child_args), name="kvllm-grammar", daemon=True
+        )
+        self._proc.start()
+        child.close()
+        self._finalizer = weakref.finalize(self, _stop, self._conn, self._proc)
+        self._ready = False
+        self._outbox: list[tuple[Any, ...]] = []  # held until the child is ready
 
     # ---- requests ----------------------------------------------------------------------------
 
@@ -134,7 +148,7 @@ class GrammarProcess:
         if self._failed is not None:
             request.error = self._failed
             return request
-        self._compiling[handle] = request
+        self._compiling[handle] = self._live[handle] = request
         self._send(("compile", handle, params))
         return request
 
@@ -142,6 +156,7 @@ class GrammarProcess:
         """Drop finished sequences' matchers (their pending accepts go first)."""
         for request in requests:
             self._compiling.pop(request.handle, None)
+            self._live.pop(request.handle, None)
         if requests and self._failed is None:
             self._send(("free", self._take_accepts(), [r.handle for r in requests]))
             self.num_freed += len(requests)
@@ -158,7 +173,8 @@ class GrammarProcess:
             raise GrammarProcessError(self._failed)
         rows = [-1 if g is None or not g.compiled else g.handle for g in grammars]
         self._num_rows = len(rows)
-        self._send(("step", self._take_accepts(), rows, self._slot))
+        self._step = ("step", self._take_accepts(), rows, self._slot)
+        self._send(self._step)
 
     def finish_fill(self) -> torch.Tensor | None:
         """The masks asked for by `start_fill`, once the child wrote them: a view of one of two slots,
@@ -166,7 +182,7 @@ class GrammarProcess:
         row was constrained."""
         while self._filled is None:
             self._handle(self._receive())
-        (constrained, rejected), self._filled = self._filled, None
+        (constrained, rejected), self._filled, self._step = self._filled, None, None
         for handle, token in rejected:
             logger.warning(
                 "Structured output: the grammar rejected token %d (grammar %d); the rest of the output is "
@@ -212,18 +228,44 @@ class GrammarProcess:
             return
         try:
             self._conn.send_bytes(pickle.dumps(message))
-        except (OSError, ValueError) as exc:
-            self._die(f"the structured-outputs process stopped taking work ({exc})")
-            raise GrammarProcessError(self._failed) from None
+        except (OSError, ValueError):
+            self._restart()  # what the message asked for is in the state the restart sends again
 
     def _receive(self) -> tuple[Any, ...]:
         # Blocking: the child's end of the pipe closes when it exits, however it exits.
-        try:
-            return pickle.loads(self._conn.recv_bytes())
-        except (EOFError, OSError):
-            self._proc.join(STOP_TIMEOUT_S)
-            self._die(f"the structured-outputs process exited (exit code {self._proc.exitcode})")
-            raise GrammarProcessError(self._failed) from None
+        while self._failed is None:
+            try:
+                return pickle.loads(self._conn.recv_bytes())
+            except (EOFError, OSError):
+                self._restart()
+        raise GrammarProcessError(self._failed)
+
+    def _restart(self) -> None:
+        """The child is gone: start another and send it everything the live sequences need (their
+        grammars and accepted tokens, the compiles in flight, the step asked for), or give up."""
+        self._proc.join(STOP_TIMEOUT_S)
+        self._finalizer()
+        why = f"the structured-outputs process exited (exit code {self._proc.exitcode})"
+        if self.num_restarts >= MAX_RESTARTS:
+            self._die(f"{why}, after {self.num_restarts} restarts")
+            return
+        self.num_restarts += 1
+        logger.warning(
+            "Structured outputs: %s; starting it again (%d of %d) with %d grammars",
+            why,
+            self.num_restarts,
+            MAX_RESTARTS,
+            len(self._live),
+        )
+        self._start_child()
+        self.accepts = []  # each sequence's tokens are replayed whole
+        for handle, request in self._live.items():
+            if request.compiled:
+                self._outbox.append(("replay", handle, request.params, request.tokens))
+            else:
+                self._outbox.append(("compile", handle, request.params))
+        if self._step is not None:
+            self._outbox.append(("step", [], *self._step[2:]))
 
     def _handle(self, message: tuple[Any, ...]) -> None:
         kind = message[0]
@@ -249,6 +291,7 @@ class GrammarProcess:
         for request in self._compiling.values():
             request.error = why
         self._compiling.clear()
+        self._live.clear()
         self._outbox.clear()
         logger.error("Structured outputs: %s", why)
 
@@ -272,7 +315,13 @@ def _page_lock(masks: torch.Tensor) -> bool:
     return status == cudart.cudaError.success and masks.is_pinned()
 
 
-def _stop(conn: Connection, proc: BaseProcess, page_locked: bool, masks: torch.Tensor) -> None:
+def _page_unlock(masks: torch.Tensor) -> None:
+    import torch
+
+    torch.cuda.cudart().cudaHostUnregister(masks.data_ptr())
+
+
+def _stop(conn: Connection, proc: BaseProcess) -> None:
     try:
         conn.send_bytes(pickle.dumps(("stop",)))
     except (OSError, ValueError):
@@ -282,10 +331,6 @@ def _stop(conn: Connection, proc: BaseProcess, page_locked: bool, masks: torch.T
         proc.kill()
         proc.join()
     conn.close()
-    if page_locked:
-        import torch
-
-        torch.cuda.cudart().cudaHostUnregister(masks.data_ptr())
 
 
 # ---- the child ---------------------------------------------------------------------------------
@@ -319,6 +364,12 @@ class _Matchers:
                 self._compiling.discard(handle)
                 self._matchers[handle] = matcher
         return None
+
+    def replay(self, handle: int, params: StructuredOutputsParams, tokens: list[int]) -> None:
+        """A restarted child: compile `handle`'s grammar here and now and accept its tokens."""
+        self.expect(handle)
+        if self.compile(handle, params) is None:
+            self.accept([value for token in tokens for value in (handle, token)])
 
     def accept(self, accepts: list[int]) -> list[tuple[int, int]]:
         """Advance matchers by (handle, token) pairs; the pairs rejected."""
@@ -400,6 +451,8 @@ def serve(
             elif kind == "compile":
                 matchers.expect(message[1])
                 pool.submit(compile_one, message[1], message[2])
+            elif kind == "replay":
+                matchers.replay(*message[1:])
             elif kind == "free":
                 matchers.accept(message[1])
                 matchers.free(message[2])

@@ -341,9 +341,54 @@ def test_grammar_process_that_cannot_start_fails_only_the_constrained_requests(
     engine.shutdown()
 
 
-def test_grammar_process_death_is_a_clear_error(tiny_qwen3_real_tokenizer_path):
+def test_a_killed_grammar_process_is_restarted_and_no_sequence_notices(
+    tiny_qwen3_real_tokenizer_path, monkeypatch
+):
+    """The child killed twice mid-run (once between steps, once with a step asked for): started again
+    with every live grammar replayed, and the texts are those of the matchers on the engine's thread."""
+    from kvllm.structured_output.grammar_process import GrammarProcess
+
+    real_start = GrammarProcess.start_fill
+
+    def start_then_kill(self, grammars):
+        real_start(self, grammars)
+        if self.num_steps == 8 and self.num_restarts == 1:
+            self._proc.kill()  # the step just asked for is never answered
+
+    monkeypatch.setattr(GrammarProcess, "start_fill", start_then_kill)
+    texts = {}
+    for grammar_process in (False, True):
+        llm = LLM(
+            str(tiny_qwen3_real_tokenizer_path),
+            dtype="float32",
+            max_model_len=256,
+            kv_cache_memory_bytes=1 << 24,
+            grammar_process=grammar_process,
+        )
+        engine = llm.llm_engine
+        process = engine.structured_output_manager.grammar_process if grammar_process else None
+        for i, params in enumerate(_mixed_batch()):
+            engine.add_request(str(i), "Tell me about", params)
+        outs = {}
+        while engine.has_unfinished_requests():
+            if process is not None and process.num_steps == 4 and process.num_restarts == 0:
+                process._proc.kill()  # between steps: the next message finds the pipe broken
+                process._proc.join()
+            for out in engine.step():
+                if out.finished:
+                    outs[int(out.request_id)] = [c.text for c in out.outputs]
+        texts[grammar_process] = [outs[i] for i in sorted(outs)]
+        engine.shutdown()
+    assert process.num_restarts == 2
+    assert texts[True] == texts[False]
+    assert all(_valid_json(t) for i in (0, 6) for t in texts[True][i])
+
+
+def test_a_grammar_process_that_keeps_dying_is_a_clear_error(tiny_qwen3_real_tokenizer_path, monkeypatch):
+    from kvllm.structured_output import grammar_process
     from kvllm.structured_output.grammar_process import GrammarProcessError
 
+    monkeypatch.setattr(grammar_process, "MAX_RESTARTS", 0)
     llm = LLM(
         str(tiny_qwen3_real_tokenizer_path),
         dtype="float32",
@@ -358,7 +403,7 @@ def test_grammar_process_death_is_a_clear_error(tiny_qwen3_real_tokenizer_path):
     while process.num_steps < 2:
         engine.step()
     process._proc.kill()
-    with pytest.raises(GrammarProcessError, match=r"exited \(exit code -9\)"):
+    with pytest.raises(GrammarProcessError, match=r"exited \(exit code -9\), after 0 restarts"):
         while engine.has_unfinished_requests():
             engine.step()
     engine.shutdown()
