@@ -39,23 +39,21 @@ EXPRESSION = re.compile(r"[1-9][0-9]{0,2}([+-][1-9][0-9]{0,2}){0,3}")
 NUM = 100
 
 
+def _tiny_llm(path, kv_cache_memory_bytes: int = 1 << 24, **kwargs) -> LLM:
+    return LLM(
+        str(path), dtype="float32", max_model_len=256, kv_cache_memory_bytes=kv_cache_memory_bytes, **kwargs
+    )
+
+
 @pytest.fixture(scope="module")
 def llm(tiny_qwen3_real_tokenizer_path) -> LLM:
-    return LLM(
-        str(tiny_qwen3_real_tokenizer_path), dtype="float32", max_model_len=256, kv_cache_memory_bytes=1 << 25
-    )
+    return _tiny_llm(tiny_qwen3_real_tokenizer_path, kv_cache_memory_bytes=1 << 25)
 
 
 @pytest.fixture(scope="module")
 def llm_grammar_process(tiny_qwen3_real_tokenizer_path) -> LLM:
     """The matchers in the grammar process (grammar_process=True)."""
-    llm = LLM(
-        str(tiny_qwen3_real_tokenizer_path),
-        dtype="float32",
-        max_model_len=256,
-        kv_cache_memory_bytes=1 << 25,
-        grammar_process=True,
-    )
+    llm = _tiny_llm(tiny_qwen3_real_tokenizer_path, kv_cache_memory_bytes=1 << 25, grammar_process=True)
     yield llm
     llm.llm_engine.shutdown()
 
@@ -121,13 +119,7 @@ def test_overlapped_scheduling_gives_the_same_tokens(tiny_qwen3_real_tokenizer_p
     """Seeded requests: the mask of step N+1 must see step N's token, with or without overlap."""
     texts = {}
     for async_scheduling in (False, True):
-        llm = LLM(
-            str(tiny_qwen3_real_tokenizer_path),
-            dtype="float32",
-            max_model_len=256,
-            kv_cache_memory_bytes=1 << 24,
-            async_scheduling=async_scheduling,
-        )
+        llm = _tiny_llm(tiny_qwen3_real_tokenizer_path, async_scheduling=async_scheduling)
         params = [
             SamplingParams(
                 temperature=1.0,
@@ -267,10 +259,8 @@ def test_grammar_process_gives_the_engine_threads_tokens(tiny_qwen3_real_tokeniz
     requests are preempted and recomputed (counted), and their grammars must not see a token twice."""
     texts, preempted = {}, {}
     for grammar_process, async_scheduling in ((False, True), (True, True), (True, False)):
-        llm = LLM(
-            str(tiny_qwen3_real_tokenizer_path),
-            dtype="float32",
-            max_model_len=256,
+        llm = _tiny_llm(
+            tiny_qwen3_real_tokenizer_path,
             kv_cache_memory_bytes=1 << 18,
             async_scheduling=async_scheduling,
             grammar_process=grammar_process,
@@ -317,9 +307,7 @@ def test_grammar_process_that_cannot_start_fails_only_the_constrained_requests(
     from kvllm.structured_output import StructuredOutputManager
     from kvllm.structured_output.manager import GrammarProcessSettings
 
-    llm = LLM(
-        str(tiny_qwen3_real_tokenizer_path), dtype="float32", max_model_len=256, kv_cache_memory_bytes=1 << 24
-    )
+    llm = _tiny_llm(tiny_qwen3_real_tokenizer_path)
     engine = llm.llm_engine
     engine.structured_output_manager = StructuredOutputManager(
         engine.tokenizer,
@@ -358,13 +346,7 @@ def test_a_killed_grammar_process_is_restarted_and_no_sequence_notices(
     monkeypatch.setattr(GrammarProcess, "start_fill", start_then_kill)
     texts = {}
     for grammar_process in (False, True):
-        llm = LLM(
-            str(tiny_qwen3_real_tokenizer_path),
-            dtype="float32",
-            max_model_len=256,
-            kv_cache_memory_bytes=1 << 24,
-            grammar_process=grammar_process,
-        )
+        llm = _tiny_llm(tiny_qwen3_real_tokenizer_path, grammar_process=grammar_process)
         engine = llm.llm_engine
         process = engine.structured_output_manager.grammar_process if grammar_process else None
         for i, params in enumerate(_mixed_batch()):
@@ -389,13 +371,7 @@ def test_a_grammar_process_that_keeps_dying_is_a_clear_error(tiny_qwen3_real_tok
     from kvllm.structured_output.grammar_process import GrammarProcessError
 
     monkeypatch.setattr(grammar_process, "MAX_RESTARTS", 0)
-    llm = LLM(
-        str(tiny_qwen3_real_tokenizer_path),
-        dtype="float32",
-        max_model_len=256,
-        kv_cache_memory_bytes=1 << 24,
-        grammar_process=True,
-    )
+    llm = _tiny_llm(tiny_qwen3_real_tokenizer_path, grammar_process=True)
     engine = llm.llm_engine
     constraint = StructuredOutputsParams(regex=REGEX)
     engine.add_request("g", "Tell me about", SamplingParams(max_tokens=30, structured_outputs=constraint))
