@@ -50,12 +50,23 @@ SUBPHASES = ("outputs", "rows")
 class EagerDecodeReplay:
     """Stands in for the CUDA-graph runner on the CPU (`--graph-path`): graph-sized decode steps
     take the GPU's host path (InputBatch's decode fast path, decode_advance.py) and `replay` runs
-    the model eagerly on the same input buffers. Sizes are the batch sizes, so nothing is padded."""
+    the model eagerly on the same input buffers. Sizes are the batch sizes, so nothing is padded.
+    It also answers the model runner's `decode_graphs.select` (one-token decodes only)."""
+
+    query_len = 1
 
     def __init__(self, runner, sizes: list[int]) -> None:
         self.runner = runner
         self.sizes = sorted(sizes)
         self.max_size = self.sizes[-1]
+        self.num_replays = 0
+
+    def select(self, num_reqs: int, max_query_len: int):
+        size = self.padded_size(num_reqs) if max_query_len == 1 else None
+        return None if size is None else (self, size)
+
+    def replay_counts(self) -> dict[int, int]:
+        return {1: self.num_replays}
 
     def padded_size(self, num_reqs: int) -> int | None:
         return next((s for s in self.sizes if s >= num_reqs), None)
@@ -63,10 +74,18 @@ class EagerDecodeReplay:
     def replay(self, common, num_real_tokens: int):
         from kvllm.forward_context import set_forward_context
 
+        self.num_replays += 1
         batch = self.runner.input_batch
         n = common.num_actual_tokens
         with set_forward_context(self.runner.metadata_builder.build(common)):
             return self.runner.model(batch.input_ids[:n], batch.positions[:n])
+
+
+def use_graph_path(runner, sizes: list[int]) -> EagerDecodeReplay:
+    """Make the model runner take its CUDA-graph decode path on the CPU, with the model run eagerly."""
+    replay = EagerDecodeReplay(runner, sizes)
+    runner.graph_runner = runner.decode_graphs = replay
+    return replay
 
 
 def _host_ms(phases: dict[str, float]) -> float:
@@ -233,8 +252,7 @@ def main() -> int:
     )
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     if args.graph_path:
-        runner = llm.llm_engine.executor.worker.model_runner
-        runner.graph_runner = EagerDecodeReplay(runner, batch_sizes)
+        use_graph_path(llm.llm_engine.executor.worker.model_runner, batch_sizes)
     rows = []
     for bs in batch_sizes:
         runs = [
