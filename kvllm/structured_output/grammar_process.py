@@ -318,7 +318,10 @@ def _page_lock(masks: torch.Tensor) -> bool:
 def _page_unlock(masks: torch.Tensor) -> None:
     import torch
 
-    torch.cuda.cudart().cudaHostUnregister(masks.data_ptr())
+    try:
+        torch.cuda.cudart().cudaHostUnregister(masks.data_ptr())
+    except RuntimeError:  # at interpreter exit the CUDA context may be gone already, and the mapping with it
+        pass
 
 
 def _stop(conn: Connection, proc: BaseProcess) -> None:
