@@ -64,7 +64,7 @@ class StructuredOutputManager:
         self.vocab_size = vocab_size
         self.stop_token_ids = tuple(stop_token_ids)
         self.process_settings = process
-        self._process: GrammarProcess | None = None  # started with the first grammar
+        self._process: GrammarProcess | None = None  # started below when `process` is given
         self._backend: backend_xgrammar.XgrammarBackend | None = None
         self._backend_lock = threading.Lock()
         threads = max(1, min(8, (os.cpu_count() or 2) // 2))

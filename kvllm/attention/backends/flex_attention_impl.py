@@ -20,8 +20,8 @@ decode-shaped BlockMask (flex_attention_decode), fresh prefills over the step's 
 tiles (flex_attention_prefill). Its first H200 run (a kv_indices narrower than full_kv_indices, fixed
 since) gave garbage decodes; its kernel tests and the engine's bf16 judge have passed on the H200
 since (ninth and eleventh sessions), but its speed has not been timed beside the general path's, so
-CUDA takes the general path unless the variable is 1; tests/gpu/test_flex_attention_gpu.py opts in. On the CPU the split path runs only
-when a test sets `decode_path_eager`.
+CUDA takes the general path unless the variable is 1; tests/gpu/test_flex_attention_gpu.py opts in.
+On the CPU the split path runs only when a test sets `decode_path_eager`.
 """
 
 from __future__ import annotations
