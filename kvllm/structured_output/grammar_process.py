@@ -17,10 +17,11 @@ else in the message; `rows` holds a handle per mask row (-1: unconstrained); `re
 (handle, token) pairs a grammar refused. The child also stops when the pipe closes, so an engine that
 dies leaves no child behind.
 
-A child that dies (killed, out of memory, a crash in xgrammar) is started again, up to MAX_RESTARTS
-times: the engine keeps each live sequence's accepted tokens, and `replay` compiles its grammar and
-accepts them before the child reads on, so the step in flight is asked for again and no sequence
-notices. Past that the step raises GrammarProcessError.
+A child that dies (killed, out of memory, a crash in xgrammar) is started again: the engine keeps each
+live sequence's accepted tokens, and `replay` compiles its grammar and accepts them before the child
+reads on, so the step in flight is asked for again and no sequence notices. After MAX_RESTARTS restarts
+with no step completed in between (a crash that replaying brings back), the step raises
+GrammarProcessError.
 """
 
 from __future__ import annotations
@@ -125,6 +126,7 @@ class GrammarProcess:
         self.num_steps = 0  # masks filled by the child (tests count them)
         self.num_freed = 0  # grammars whose matchers the child was told to drop
         self.num_restarts = 0
+        self._restarts_without_a_step = 0
         self._start_child()
 
     def _start_child(self) -> None:
@@ -192,6 +194,7 @@ class GrammarProcess:
             )
         slot, self._slot = self._slot, self._slot ^ 1
         self.num_steps += 1
+        self._restarts_without_a_step = 0
         if not constrained:
             return None
         mask = self.masks[slot, : self._num_rows]
@@ -246,14 +249,15 @@ class GrammarProcess:
         self._proc.join(STOP_TIMEOUT_S)
         self._finalizer()
         why = f"the structured-outputs process exited (exit code {self._proc.exitcode})"
-        if self.num_restarts >= MAX_RESTARTS:
-            self._die(f"{why}, after {self.num_restarts} restarts")
+        if self._restarts_without_a_step >= MAX_RESTARTS:
+            self._die(f"{why}, after {self._restarts_without_a_step} restarts without a step completing")
             return
         self.num_restarts += 1
+        self._restarts_without_a_step += 1
         logger.warning(
-            "Structured outputs: %s; starting it again (%d of %d) with %d grammars",
+            "Structured outputs: %s; starting it again (%d of %d before a step completes) with %d grammars",
             why,
-            self.num_restarts,
+            self._restarts_without_a_step,
             MAX_RESTARTS,
             len(self._live),
         )
@@ -371,8 +375,13 @@ class _Matchers:
     def replay(self, handle: int, params: StructuredOutputsParams, tokens: list[int]) -> None:
         """A restarted child: compile `handle`'s grammar here and now and accept its tokens."""
         self.expect(handle)
-        if self.compile(handle, params) is None:
+        error = self.compile(handle, params)
+        if error is None:
             self.accept([value for token in tokens for value in (handle, token)])
+        else:  # it compiled before: nothing should get here, and the sequence is unconstrained from now on
+            logger.error(
+                "Structured outputs: grammar %d no longer compiles after a restart: %s", handle, error
+            )
 
     def accept(self, accepts: list[int]) -> list[tuple[int, int]]:
         """Advance matchers by (handle, token) pairs; the pairs rejected."""
