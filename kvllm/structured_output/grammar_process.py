@@ -207,8 +207,9 @@ class GrammarProcess:
     # ---- the pipe ----------------------------------------------------------------------------
 
     def poll(self) -> None:
-        """Take every answer already there (compiles), without waiting. A child found dead here fails
-        the compiling grammars (the engine serves on); the next step that needs it raises."""
+        """Take every answer already there (compiles), without waiting. A child found dead here is
+        started again; once restarts run out, the compiling grammars fail with the reason (the engine
+        serves on) and the next step that needs the process raises."""
         try:
             while self._failed is None and self._conn.poll(0):
                 self._handle(self._receive())
@@ -283,6 +284,8 @@ class GrammarProcess:
             self._ready = True
             outbox, self._outbox = self._outbox, []
             for queued in outbox:
+                if not self._ready:  # it died meanwhile: the restart queued all of it again, from the state
+                    break
                 self._send(queued)
         elif kind == "failed":
             self._die(message[1])

@@ -332,18 +332,26 @@ def test_grammar_process_that_cannot_start_fails_only_the_constrained_requests(
 def test_a_killed_grammar_process_is_restarted_and_no_sequence_notices(
     tiny_qwen3_real_tokenizer_path, monkeypatch
 ):
-    """The child killed twice mid-run (once between steps, once with a step asked for): started again
-    with every live grammar replayed, and the texts are those of the matchers on the engine's thread."""
+    """The child killed three times mid-run (between steps; with a step asked for; while a restarted
+    child is sent its replays): started again with every live grammar replayed, and the texts are those
+    of the matchers on the engine's thread."""
     from kvllm.structured_output.grammar_process import GrammarProcess
 
-    real_start = GrammarProcess.start_fill
+    real_start, real_send = GrammarProcess.start_fill, GrammarProcess._send
 
     def start_then_kill(self, grammars):
         real_start(self, grammars)
         if self.num_steps == 8 and self.num_restarts == 1:
             self._proc.kill()  # the step just asked for is never answered
 
+    def kill_then_send(self, message):
+        if message[0] == "replay" and self._ready and self.num_restarts == 2:
+            self._proc.kill()  # its first replay finds the pipe broken: the rest must not follow
+            self._proc.join()
+        real_send(self, message)
+
     monkeypatch.setattr(GrammarProcess, "start_fill", start_then_kill)
+    monkeypatch.setattr(GrammarProcess, "_send", kill_then_send)
     texts = {}
     for grammar_process in (False, True):
         llm = _tiny_llm(tiny_qwen3_real_tokenizer_path, grammar_process=grammar_process)
@@ -361,7 +369,7 @@ def test_a_killed_grammar_process_is_restarted_and_no_sequence_notices(
                     outs[int(out.request_id)] = [c.text for c in out.outputs]
         texts[grammar_process] = [outs[i] for i in sorted(outs)]
         engine.shutdown()
-    assert process.num_restarts == 2
+    assert process.num_restarts == 3
     assert texts[True] == texts[False]
     assert all(_valid_json(t) for i in (0, 6) for t in texts[True][i])
 
