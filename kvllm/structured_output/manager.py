@@ -64,7 +64,6 @@ class StructuredOutputManager:
         self.vocab_size = vocab_size
         self.stop_token_ids = tuple(stop_token_ids)
         self.process_settings = process
-        self._process: GrammarProcess | None = None  # started below when `process` is given
         self._backend: backend_xgrammar.XgrammarBackend | None = None
         self._backend_lock = threading.Lock()
         threads = max(1, min(8, (os.cpu_count() or 2) // 2))
@@ -74,10 +73,21 @@ class StructuredOutputManager:
         # them: no allocation (pinned or not) and no full-size initialisation on the step path.
         self._buffers: list[torch.Tensor | None] = [None, None]
         self._next_buffer = 0
-        self._started: torch.Tensor | None | bool = False  # start_bitmask's in-process result
+        self._started: torch.Tensor | None = None  # start_bitmask's in-process result
         self.num_buffer_allocations = 0  # buffers allocated so far (tests count them)
-        if process is not None:
-            self.grammar_process  # noqa: B018 (started now: its seconds of start-up overlap the engine's)
+        # Started now: its seconds of start-up overlap the engine's.
+        self._process = (
+            GrammarProcess(
+                process.tokenizer_path,
+                vocab_size,
+                self.stop_token_ids,
+                process.max_rows,
+                page_lock=pin_memory,
+                fill_threads=self._filler.fill_threads,
+            )
+            if process is not None
+            else None
+        )
 
     @property
     def num_threaded_fills(self) -> int:
@@ -115,17 +125,7 @@ class StructuredOutputManager:
 
     @property
     def grammar_process(self) -> GrammarProcess:
-        if self._process is None:
-            settings = self.process_settings
-            assert settings is not None
-            self._process = GrammarProcess(
-                settings.tokenizer_path,
-                self.vocab_size,
-                self.stop_token_ids,
-                settings.max_rows,
-                page_lock=self.pin_memory,
-                fill_threads=self._filler.fill_threads,
-            )
+        assert self._process is not None, "the matchers run on the engine's thread"
         return self._process
 
     def release(self, grammars: Sequence[Grammar]) -> None:
@@ -165,9 +165,8 @@ class StructuredOutputManager:
         """The masks begun by `start_bitmask` (see `grammar_bitmask`)."""
         if self.process_settings is not None:
             return self.grammar_process.finish_fill()
-        assert self._started is not False, "finish_bitmask without start_bitmask"
-        bitmask, self._started = self._started, False
-        return bitmask  # type: ignore[return-value]
+        bitmask, self._started = self._started, None
+        return bitmask
 
     def _take_buffer(self, num_rows: int) -> torch.Tensor:
         """The next of the two mask buffers, as [num_rows, words] (reallocated only to grow)."""
