@@ -229,27 +229,13 @@ def _mixed_batch() -> list[SamplingParams]:
     rows = []
     for i in range(9):
         if i % 3 == 0:
-            rows.append(
-                SamplingParams(
-                    temperature=1.0,
-                    seed=i,
-                    max_tokens=100,
-                    n=2 if i < 6 else 1,
-                    stop=['"age"'] if i == 3 else None,
-                    structured_outputs=json_constraint,
-                )
-            )
+            row = dict(max_tokens=100, n=2 if i < 6 else 1, structured_outputs=json_constraint)
+            row["stop"] = ['"age"'] if i == 3 else None
         elif i % 3 == 1:
-            rows.append(
-                SamplingParams(
-                    temperature=1.0,
-                    seed=i,
-                    max_tokens=40,
-                    structured_outputs=StructuredOutputsParams(regex=REGEX),
-                )
-            )
+            row = dict(max_tokens=40, structured_outputs=StructuredOutputsParams(regex=REGEX))
         else:
-            rows.append(SamplingParams(temperature=1.0, seed=i, max_tokens=40 + 20 * i, ignore_eos=True))
+            row = dict(max_tokens=40 + 20 * i, ignore_eos=True)
+        rows.append(SamplingParams(temperature=1.0, seed=i, **row))
     return rows
 
 
