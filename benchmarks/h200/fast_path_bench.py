@@ -13,6 +13,7 @@ One engine per process (Qwen3-0.6B shapes, dummy bf16 weights, max_model_len 409
   nano      nano-vllm's bench.py workload (256 prompts, 133,966 output tokens, temperature 0.6), after
             one short warm-up request; output tokens per second = output tokens / wall time
   bs256     256 x 128 in / 128 out (kvllm's random set, seed 0), temperature 1.0; output tokens per second
+  --profile-nano  the nano workload again under torch.profiler: its kernel timeline (kernel_timeline.py)
 Prompts come from kvllm.benchmarks.datasets for both engines, and each latency run has fresh prompts,
 so prefix caching never shortens a prefill. NVML's busy fraction is sampled during nano and bs256.
 One JSON line per measurement goes to DIR/<engine>-<backend>.jsonl and to stdout.
@@ -240,6 +241,12 @@ def main() -> int:
         "--profile-batches", default="", help="kvllm: step profiles (step_profile.py) at these batch sizes"
     )
     parser.add_argument(
+        "--profile-nano",
+        action="store_true",
+        help="kvllm (vLLM runs its engine in another process): the nano workload once more under torch.profiler, "
+        "its kernel timeline summarized (kernel_timeline.py: busy and idle time, exclusive time by kind and name)",
+    )
+    parser.add_argument(
         "--model", default=None, help="a model folder instead of Qwen3-0.6B's shapes (CPU checks)"
     )
     args = parser.parse_args()
@@ -382,6 +389,12 @@ def main() -> int:
     if "bs256" in which:
         warmup = random_requests(256, 128, 128, vocab, seed=1)
         throughput("bs256", random_requests(256, 128, 128, vocab, seed=0), warmup, 1.0)
+    if args.profile_nano and args.engine == "kvllm":
+        from benchmarks.h200.kernel_timeline import profile_kernels
+
+        requests = nano_vllm_requests(vocab)
+        tokens, summary = profile_kernels(lambda: engine.generate(requests, 0.6))
+        emit({"bench": "nano_kernels", "out_tokens": tokens, **summary})
     if "latency-late" in which:
         # Batch 1 again after the heavy runs: the first latency runs follow start-up directly, and
         # their steps have measured slower than later ones (a warm-up or clock effect, or the host).

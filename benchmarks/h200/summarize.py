@@ -42,6 +42,13 @@ def describe(r: dict) -> str:
             f"bs1 run {r['wall_ms']:.1f} ms = {r['steps']} steps {r['steps_ms']:.1f} ms; first steps "
             f"{r['first_steps_ms']} ms ({r['first_steps_tokens']} tokens), median {r['median_step_ms']:.3f}"
         )
+    if kind == "nano_kernels":
+        kinds = ", ".join(f"{k} {v:.0f}" for k, v in r["exclusive_ms_by_kind"].items())
+        idle = ", ".join(f"{k} {v:.0f}" for k, v in r["idle_ms_by_gap"].items())
+        return (
+            f"nano under the profiler: wall {r['wall_ms']:.0f} ms, kernels busy {r['busy_ms']:.0f} ms "
+            f"({r['busy_fraction_of_wall']:.3f}); ms by kind: {kinds}; idle ms by gap: {idle}"
+        )
     if "out_tok_per_s" not in r:
         return json.dumps({k: v for k, v in r.items() if k not in ("engine", "bench")})[:200]
     busy = r.get("gpu_busy")

@@ -19,7 +19,7 @@ from triton.compiler import ASTSource
 from kvllm.attention.ops.triton_unified_attention import FP8_DOT_MODES, _unified_attention_kernel as kernel
 
 constexprs = dict(QUERIES_PER_KV=2, HEAD_SIZE=128, HEAD_SIZE_PAD=128, BLOCK_SIZE=16, BLOCK_M=16, BLOCK_Q=1,
-                  TILE_N=64, DECODE_ONLY=True, SPLIT=True, USE_SINKS=False, USE_SOFT_CAP=False,
+                  TILE_N=64, DECODE_ONLY=True, SPLIT=True, ORDERED=False, USE_SINKS=False, USE_SOFT_CAP=False,
                   USE_WINDOW=False, IS_FP8=True, FP8_DOT=FP8_DOT_MODES[sys.argv[1]], DOT_PRECISION="tf32",
                   USE_PDL=False)
 signature, attrs = {}, {}

@@ -27,7 +27,7 @@ from kvllm.layers.ops.gemv import _gemv_kernel
 from kvllm.layers.ops.rms_norm import _rms_norm_kernel
 from kvllm.layers.ops.rotary import _qk_norm_rope_kernel
 
-INT_POINTERS = ("block_table", "seq_lens", "query_start", "slot_mapping", "positions")
+INT_POINTERS = ("block_table", "seq_lens", "query_start", "decode_order", "slot_mapping", "positions")
 FLOAT_POINTERS = ("scale_ptr", "part_", "cos_sin", "sinks")
 FLOAT_SCALARS = ("scale", "soft_cap", "eps")
 
@@ -68,7 +68,7 @@ def order(kernel, constexprs, num_warps=4):
 gemv = dict(BLOCK_M=1, BLOCK_N=2, BLOCK_K=1024, EVEN_K=True, SINGLE_TILE=True, HAS_BIAS=True, GATED=True,
             USE_PDL=True, INTERPRET=False)
 attention = dict(QUERIES_PER_KV=2, HEAD_SIZE=128, HEAD_SIZE_PAD=128, BLOCK_SIZE=16, BLOCK_M=16, BLOCK_Q=1,
-                 TILE_N=64, DECODE_ONLY=True, SPLIT=True, USE_SINKS=False, USE_SOFT_CAP=False, USE_WINDOW=False,
+                 TILE_N=64, DECODE_ONLY=True, SPLIT=True, ORDERED=True, USE_SINKS=False, USE_SOFT_CAP=False, USE_WINDOW=False,
                  IS_FP8=False, FP8_DOT=0, DOT_PRECISION="tf32", USE_PDL=True)
 rope = dict(NUM_HEADS=16, NUM_KV_HEADS=8, HEAD_SIZE=128, ROT_HALF=64, ROT_HALF_PAD=64, PASS_SIZE=0, PASS_PAD=1,
             HEADS_PER_PROGRAM=16, HAS_QK_NORM=True, WRITE_KV=True, BLOCK_SIZE=16, IS_FP8=False,

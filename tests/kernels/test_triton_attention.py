@@ -23,7 +23,7 @@ from kvllm.attention.backends.triton_attn_impl import TritonAttentionImpl, Trito
 from kvllm.attention.metadata import CommonAttentionMetadata, KVCacheSpec
 from kvllm.attention.ops.triton_unified_attention import FP8_DOT_MODES, KernelConfig, fp8_dot_mode
 from kvllm.attention.reference import make_paged_batch
-from kvllm.attention.testing import run_triton_case
+from kvllm.attention.testing import prepare_backend_case, run_backend_case, run_triton_case
 
 TOLERANCE = {torch.float32: (1e-5, 1e-4), torch.float16: (2e-3, 1e-2), torch.bfloat16: (1e-2, 3e-2)}
 # Small tiles: many q-blocks and KV tiles per request, so the binary search, tile loops crossing
@@ -149,6 +149,70 @@ def test_split_decision() -> None:
     assert builder.num_splits_for(0, 4096) == 1
 
 
+# 20 decodes of ragged lengths (40 programs with 2 KV heads: unsplit on the 16 "SMs" the CPU plans
+# with, so the launch is ordered) and one prefill chunk behind them.
+RAGGED_QUERY_LENS = [1] * 20 + [7]
+RAGGED_CONTEXT_LENS = [3, 90, 17, 64, 1, 120, 33, 48, 75, 9, 101, 26, 58, 12, 83, 40, 5, 111, 70, 19, 30]
+
+
+def test_decodes_start_longest_first() -> None:
+    """The unsplit decode launch gets its requests by descending length; the prefill is not in the order."""
+    batch = make_paged_batch(
+        RAGGED_QUERY_LENS, RAGGED_CONTEXT_LENS, 4, 2, 64, 16, dtype=torch.float16, seed=3
+    )
+    spec = KVCacheSpec(16, 2, 64, torch.float16, "auto")
+    builder = TritonAttentionMetadataBuilder(TritonAttentionBackend, spec, torch.device("cpu"), 32, 256, 512)
+    md = builder.build(batch.metadata)
+    assert md.num_splits == 1 and md.num_decode_reqs == 20
+    order = md.decode_order.tolist()
+    assert sorted(order) == list(range(20))
+    lens = [RAGGED_CONTEXT_LENS[i] + 1 for i in order]
+    assert lens == sorted(lens, reverse=True) and lens[0] == 121
+
+
+def test_decode_order_setting(monkeypatch) -> None:
+    batch = make_paged_batch(
+        RAGGED_QUERY_LENS, RAGGED_CONTEXT_LENS, 4, 2, 64, 16, dtype=torch.float16, seed=3
+    )
+    spec = KVCacheSpec(16, 2, 64, torch.float16, "auto")
+    monkeypatch.setenv("KVLLM_TRITON_DECODE_ORDER", "batch")
+    builder = TritonAttentionMetadataBuilder(TritonAttentionBackend, spec, torch.device("cpu"), 32, 256, 512)
+    assert builder.build(batch.metadata).decode_order is None
+    monkeypatch.setenv("KVLLM_TRITON_DECODE_ORDER", "shortest")
+    with pytest.raises(ValueError, match="KVLLM_TRITON_DECODE_ORDER='shortest'.*longest_first"):
+        TritonAttentionMetadataBuilder(TritonAttentionBackend, spec, torch.device("cpu"), 32, 256, 512)
+
+
+@pytest.mark.parametrize("order", ["builder", "reversed", "shuffled"])
+def test_ordered_decode_launch(order) -> None:
+    """Whatever permutation the launch follows, every decode row lands on its own request (float32 reference)."""
+    generator = torch.Generator().manual_seed(11)
+    permutations = {
+        "builder": {},
+        "reversed": {"decode_order": torch.arange(19, -1, -1)},
+        "shuffled": {"decode_order": torch.randperm(20, generator=generator)},
+    }
+    case = run_backend_case(
+        TritonAttentionBackend, RAGGED_QUERY_LENS, RAGGED_CONTEXT_LENS, 4, 2, 64, 16, torch.float16,
+        seed=4, reference="cache", preallocated_output=True, metadata_attrs=permutations[order],
+    )  # fmt: skip
+    assert case.metadata.decode_order is not None
+    check(case, torch.float16)
+
+
+def test_ordered_decode_launch_follows_the_order() -> None:
+    """An order that names request 5 for every program writes request 5's row and no other decode's."""
+    case = prepare_backend_case(
+        TritonAttentionBackend,
+        make_paged_batch(RAGGED_QUERY_LENS, RAGGED_CONTEXT_LENS, 4, 2, 64, 16, dtype=torch.float16, seed=4),
+        preallocated_output=True,
+        metadata_attrs={"decode_order": torch.full((20,), 5)},
+    )
+    out = case.forward()
+    written = [not torch.isnan(out[i]).any().item() for i in range(20)]
+    assert written == [i == 5 for i in range(20)]
+
+
 def test_kv_cache_dtype_mismatch_is_an_error() -> None:
     """An fp8 kv_cache_dtype with a non-fp8 cache tensor must fail, never silently run unquantized."""
     batch = make_paged_batch([1], [4], 2, 1, 32, 16, dtype=torch.float16, seed=0)
@@ -215,6 +279,38 @@ def test_graph_hooks(query_lens, context_lens) -> None:
         real = batch.metadata.num_actual_tokens
         ref = batch.reference(head_size**-0.5)
         err = ((out[:real].float() - ref).norm() / ref.norm()).item()
+        assert err < TOLERANCE[torch.float16][0]
+
+
+def test_graph_hooks_order_decodes_in_a_fixed_buffer() -> None:
+    """Capture and replay sort the padded batch's lengths into the same buffer (padding, length 0, last),
+    and the ordered launch matches the float32 reference on both."""
+    num_heads, num_kv_heads, head_size, block_size = 4, 2, 64, 16
+    spec = KVCacheSpec(block_size, num_kv_heads, head_size, torch.float16, "auto")
+    builder = TritonAttentionMetadataBuilder(TritonAttentionBackend, spec, torch.device("cpu"), 32, 64, 1024)
+    impl = TritonAttentionImpl(num_heads, head_size, head_size**-0.5, num_kv_heads)
+    layer = types.SimpleNamespace(k_scale=torch.tensor(1.0), v_scale=torch.tensor(1.0))
+    query_lens, num_reqs = [1] * 20, 22
+    pointer = None
+    for step, hook in enumerate((builder.prepare_for_capture, builder.prepare_for_replay)):
+        context_lens = RAGGED_CONTEXT_LENS[step : step + 20]
+        batch = make_paged_batch(query_lens, context_lens, num_heads, num_kv_heads, head_size, block_size,
+                                 dtype=torch.float16, seed=step + 7)  # fmt: skip
+        padded, query, new_kv = _pad(batch, num_reqs, num_reqs)
+        md = hook(padded)
+        assert md.num_splits == 1 and md.num_decode_reqs == num_reqs
+        assert pointer is None or md.decode_order.data_ptr() == pointer
+        pointer = md.decode_order.data_ptr()
+        order = md.decode_order.tolist()
+        assert sorted(order[:20]) == list(range(20)) and sorted(order[20:]) == [20, 21]
+        lens = [context_lens[i] + 1 for i in order[:20]]
+        assert lens == sorted(lens, reverse=True)
+        kv_cache = torch.zeros(2, batch.num_blocks, block_size, num_kv_heads, head_size, dtype=torch.float16)
+        batch.fill_cache(kv_cache[0], kv_cache[1])
+        out = torch.full_like(query, float("nan"))
+        impl.forward(layer, query, new_kv[0], new_kv[1], kv_cache, md, output=out)
+        ref = batch.reference(head_size**-0.5)
+        err = ((out[:20].float() - ref).norm() / ref.norm()).item()
         assert err < TOLERANCE[torch.float16][0]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -14,6 +15,18 @@ from kvllm.attention.ops.triton_unified_attention import MAX_SEGMENTS, KernelCon
 from kvllm.utils.dtypes import FP8_DTYPES, FP8_TORCH_DTYPES
 
 MIN_SPLIT_TOKENS = 256  # a split-KV segment below this many keys costs more in the reduce than it saves
+# The order in which an unsplit decode launch starts its requests' programs (KVLLM_TRITON_DECODE_ORDER):
+# "longest_first" sorts them by sequence length on the device each step, so the launch's last wave holds
+# the shortest requests and no SM idles behind one long request; "batch" keeps the batch's order.
+DECODE_ORDERS = ("longest_first", "batch")
+MAX_GRID_Y = 65535  # an ordered launch puts the requests on the grid's second dimension
+
+
+def decode_order_setting() -> str:
+    name = os.environ.get("KVLLM_TRITON_DECODE_ORDER", "longest_first")
+    if name not in DECODE_ORDERS:
+        raise ValueError(f"KVLLM_TRITON_DECODE_ORDER={name!r}: expected one of {list(DECODE_ORDERS)}")
+    return name
 
 
 @dataclass
@@ -36,6 +49,7 @@ class TritonAttentionMetadata:
     block_table: torch.Tensor  # int32 [num_reqs, max_blocks]
     slot_mapping: torch.Tensor  # int64 [num_tokens]; -1 = padding, not written
     decode_query_len: int = 1
+    decode_order: torch.Tensor | None = None  # int64 [num_decode_reqs]: the decode programs' start order
 
 
 class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
@@ -65,6 +79,9 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
         self.seq_lens = torch.zeros(max_num_reqs, dtype=torch.int32, device=device)
         self.block_table = torch.zeros(max_num_reqs, max_blocks, dtype=torch.int32, device=device)
         self.slot_mapping = torch.full((max_num_tokens,), -1, dtype=torch.int64, device=device)
+        self.longest_first = decode_order_setting() == "longest_first"
+        self.decode_order = torch.zeros(max_num_reqs, dtype=torch.int64, device=device)
+        self._sorted_seq_lens = torch.zeros(max_num_reqs, dtype=torch.int32, device=device)
 
     def num_splits_for(self, num_decode_reqs: int, max_seq_len: int) -> int:
         """KV segments for the decode launch: split only when too few programs fill the GPU."""
@@ -76,13 +93,29 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
         by_length = 1 << (by_length.bit_length() - 1)
         return max(1, min(by_occupancy, by_length, MAX_SEGMENTS))
 
+    def orders_decodes(self, num_decode_reqs: int, num_splits: int) -> bool:
+        """Whether the decode launch starts its programs longest request first: an unsplit launch of more
+        programs than the GPU runs at once (a split launch's segments already even out the lengths)."""
+        programs = num_decode_reqs * self.kv_cache_spec.num_kv_heads
+        return (
+            self.longest_first
+            and num_splits == 1
+            and programs > self.num_sms
+            and num_decode_reqs <= MAX_GRID_Y
+        )
+
     def build(self, common: CommonAttentionMetadata) -> TritonAttentionMetadata:
         _check_causal(common)
+        num_decodes = common.num_decodes
+        num_splits = self.num_splits_for(num_decodes, common.max_seq_len)
+        decode_order = None
+        if self.orders_decodes(num_decodes, num_splits):
+            decode_order = torch.sort(common.seq_lens[:num_decodes], descending=True).indices
         return TritonAttentionMetadata(
             num_actual_tokens=common.num_actual_tokens,
             num_reqs=common.num_reqs,
-            num_decode_reqs=common.num_decodes,
-            num_splits=self.num_splits_for(common.num_decodes, common.max_seq_len),
+            num_decode_reqs=num_decodes,
+            num_splits=num_splits,
             max_query_len=common.max_query_len,
             max_seq_len=common.max_seq_len,
             query_start_loc=common.query_start_loc,
@@ -90,6 +123,7 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
             block_table=common.block_table,
             slot_mapping=common.slot_mapping,
             decode_query_len=common.decode_query_len if common.num_decodes else 1,
+            decode_order=decode_order,
         )
 
     def prepare_for_capture(self, common: CommonAttentionMetadata) -> TritonAttentionMetadata:
@@ -124,11 +158,21 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
             decode_query_len, num_decode_reqs = common.decode_query_len, num_reqs
         else:
             num_decode_reqs = num_reqs if common.max_query_len <= 1 else 0
+        num_splits = self.num_splits_for(num_decode_reqs, self.max_model_len)
+        decode_order = None
+        if self.orders_decodes(num_decode_reqs, num_splits):
+            # Refilled before every replay, like the buffers above (padding requests, length 0, sort last).
+            decode_order = self.decode_order[:num_decode_reqs]
+            torch.sort(
+                self.seq_lens[:num_decode_reqs],
+                descending=True,
+                out=(self._sorted_seq_lens[:num_decode_reqs], decode_order),
+            )
         return TritonAttentionMetadata(
             num_actual_tokens=num_tokens,
             num_reqs=num_reqs,
             num_decode_reqs=num_decode_reqs,
-            num_splits=self.num_splits_for(num_decode_reqs, self.max_model_len),
+            num_splits=num_splits,
             max_query_len=common.max_query_len,
             max_seq_len=self.max_model_len,
             query_start_loc=self.query_start_loc[: num_reqs + 1],
@@ -136,6 +180,7 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
             block_table=self.block_table[:num_reqs],
             slot_mapping=self.slot_mapping[:num_tokens],
             decode_query_len=decode_query_len,
+            decode_order=decode_order,
         )
 
 
@@ -209,6 +254,7 @@ class TritonAttentionImpl(AttentionImpl):
             k_scale=layer.k_scale,
             v_scale=layer.v_scale,
             num_splits=md.num_splits,
+            decode_order=md.decode_order,
             decode_query_len=md.decode_query_len,
             decode_cfg=self.decode_config,
             prefill_cfg=self.prefill_config,

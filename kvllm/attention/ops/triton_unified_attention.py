@@ -209,6 +209,7 @@ def _unified_attention_kernel(
     block_table_ptr,
     seq_lens_ptr,
     query_start_loc_ptr,
+    decode_order_ptr,  # ORDERED only: int [decode requests], the order their programs start in
     part_out_ptr,  # SPLIT only: float32 [tokens, num_heads, num_segments, HEAD_SIZE_PAD]
     part_m_ptr,  # SPLIT only: float32 [tokens, num_heads, num_segments], running max (log2 units)
     part_l_ptr,  # SPLIT only: float32 [tokens, num_heads, num_segments], running sum
@@ -239,6 +240,7 @@ def _unified_attention_kernel(
     TILE_N: tl.constexpr,
     DECODE_ONLY: tl.constexpr,
     SPLIT: tl.constexpr,
+    ORDERED: tl.constexpr,  # DECODE_ONLY: grid (KV heads, decode requests, segments), requests by decode_order
     USE_SINKS: tl.constexpr,
     USE_SOFT_CAP: tl.constexpr,
     USE_WINDOW: tl.constexpr,
@@ -248,12 +250,21 @@ def _unified_attention_kernel(
     USE_PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(USE_PDL)
-    pid = tl.program_id(0)
-    kv_head = tl.program_id(1)
     segment = tl.program_id(2)
+    if ORDERED:
+        # The GPU starts programs in grid order: heads fastest, so every head of the first request in
+        # decode_order starts before any of the next one's.
+        kv_head = tl.program_id(0)
+        pid = tl.program_id(1)
+    else:
+        pid = tl.program_id(0)
+        kv_head = tl.program_id(1)
 
     if DECODE_ONLY:
-        seq = seq_lo + pid
+        if ORDERED:
+            seq = seq_lo + tl.load(decode_order_ptr + pid).to(tl.int32)
+        else:
+            seq = seq_lo + pid
         q_block = 0
     else:
         # Request r owns q-blocks [start(r), start(r) + cdiv(qlen_r, BLOCK_Q)) with
@@ -516,6 +527,7 @@ def unified_attention(
     k_scale: torch.Tensor | None = None,  # float32 scalar tensors, fp8 caches only
     v_scale: torch.Tensor | None = None,
     num_splits: int = 1,  # KV segments of the decode launch; 1 = no split
+    decode_order: torch.Tensor | None = None,  # permutation of the decode requests: program start order
     decode_query_len: int = 1,  # the most query tokens of a decode request (k + 1 when verifying)
     decode_cfg: KernelConfig | None = None,
     prefill_cfg: KernelConfig | PrefillConfig | None = None,
@@ -565,13 +577,16 @@ def unified_attention(
         USE_PDL=use_pdl,
     )
 
-    def launch(grid, cfg, seq_lo, seq_hi, block_q, decode_only, split, part_out, part_ml, segments):
+    def launch(
+        grid, cfg, seq_lo, seq_hi, block_q, decode_only, split, part_out, part_ml, segments, order=None
+    ):
         _unified_attention_kernel[grid](
             out, query, key_cache, value_cache,
             sinks if sinks is not None else dummy,
             k_scale if is_fp8 else dummy,
             v_scale if is_fp8 else dummy,
             block_table, seq_lens, query_start_loc,
+            order if order is not None else dummy,
             part_out, part_ml[0], part_ml[1],
             seq_lo, seq_hi, num_heads, segments,
             scale, float(logits_soft_cap or 0.0), int(sliding_window or 0),
@@ -580,7 +595,7 @@ def unified_attention(
             value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
             block_table.stride(0),
             BLOCK_M=cfg.block_m, BLOCK_Q=block_q, TILE_N=cfg.tile_n,
-            DECODE_ONLY=decode_only, SPLIT=split,
+            DECODE_ONLY=decode_only, SPLIT=split, ORDERED=order is not None,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             **common, **pdl_launch_options(use_pdl),
         )  # fmt: skip
@@ -594,6 +609,16 @@ def unified_attention(
             )
         # The decode tokens are at most num_decode_reqs * decode_query_len, packed from token 0.
         num_decode_tokens = num_decode_reqs * decode_query_len
+        if decode_order is not None and decode_order.shape[0] < num_decode_reqs:
+            raise ValueError(
+                f"decode_order has {decode_order.shape[0]} entries for {num_decode_reqs} decode requests"
+            )
+
+        def decode_grid(splits: int) -> tuple[int, int, int]:
+            if decode_order is None:
+                return (num_decode_reqs, num_kv_heads, splits)
+            return (num_kv_heads, num_decode_reqs, splits)
+
         if num_splits > 1:
             # Partial results are indexed by token.
             part_out = torch.empty(
@@ -603,7 +628,7 @@ def unified_attention(
                 (2, num_decode_tokens, num_heads, num_splits), dtype=torch.float32, device=query.device
             )
             launch(
-                (num_decode_reqs, num_kv_heads, num_splits),
+                decode_grid(num_splits),
                 cfg,
                 0,
                 num_decode_reqs,
@@ -613,6 +638,7 @@ def unified_attention(
                 part_out,
                 part_ml,
                 num_splits,
+                decode_order,
             )
             _reduce_segments_kernel[(num_decode_tokens, num_heads)](
                 out, part_out, part_ml[0], part_ml[1], query_start_loc, num_decode_reqs, num_heads, num_splits,
@@ -621,8 +647,8 @@ def unified_attention(
                 num_warps=4, **pdl_launch_options(use_pdl),
             )  # fmt: skip
         else:
-            launch((num_decode_reqs, num_kv_heads, 1), cfg, 0, num_decode_reqs, decode_query_len, True, False,
-                   dummy, (dummy, dummy), 1)  # fmt: skip
+            launch(decode_grid(1), cfg, 0, num_decode_reqs, decode_query_len, True, False,
+                   dummy, (dummy, dummy), 1, decode_order)  # fmt: skip
     if num_reqs > num_decode_reqs:
         # Tokens of the prefill requests are at most num_tokens - the decodes' (>= num_decode_reqs).
         num_prefill_tokens = num_tokens - num_decode_reqs

@@ -96,11 +96,13 @@ class Peers:
                 out, batch.query, kv_cache[0], kv_cache[1], tm.query_start_loc, tm.seq_lens, tm.block_table,
                 num_reqs=tm.num_reqs, num_tokens=tm.num_actual_tokens, num_decode_reqs=tm.num_decode_reqs,
                 scale=scale, k_scale=k_scale, v_scale=k_scale, num_splits=tm.num_splits,
+                decode_order=tm.decode_order,
                 decode_cfg=dec, prefill_cfg=pre, key=batch.new_keys, value=batch.new_values,
             )  # fmt: skip
 
         # The step's K/V go in as the engine passes them (the prefill kernel may read them from there).
-        return fn, out, None, f"splits={tm.num_splits}"
+        order = "" if tm.decode_order is None else ", longest first"
+        return fn, out, None, f"splits={tm.num_splits}{order}"
 
     def _kv_write(self, batch, kv_cache, k_scale):
         from kvllm.attention.ops.triton_reshape_and_cache import reshape_and_cache

@@ -2,16 +2,26 @@
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
 class Group:
-    """`count` requests with `query_len` new tokens over `context_len` cached ones."""
+    """`count` requests with `query_len` new tokens over `context_len` cached ones, or, with `context_hi`,
+    over a context drawn uniformly from [context_len, context_hi] for each request (seeded, in draw order:
+    a serving batch's requests are not sorted by length)."""
 
     count: int
     query_len: int
     context_len: int
+    context_hi: int | None = None
+
+    def contexts(self) -> list[int]:
+        if self.context_hi is None:
+            return [self.context_len] * self.count
+        draw = random.Random(f"{self.count}x{self.query_len}@{self.context_len}~{self.context_hi}")
+        return [draw.randint(self.context_len, self.context_hi) for _ in range(self.count)]
 
 
 @dataclass(frozen=True)
@@ -23,15 +33,15 @@ class Shape:
         qs, cs = [], []
         for g in self.groups:
             qs += [g.query_len] * g.count
-            cs += [g.context_len] * g.count
+            cs += g.contexts()
         return qs, cs
 
     def flops(self, num_heads: int, head_size: int) -> float:
-        pairs = sum(g.count * (g.query_len * g.context_len + g.query_len**2 / 2) for g in self.groups)
+        pairs = sum(q * c + q**2 / 2 for q, c in zip(*self.requests()))
         return 4.0 * num_heads * head_size * pairs
 
     def kv_bytes(self, num_kv_heads: int, head_size: int, itemsize: int) -> float:
-        tokens = sum(g.count * (g.query_len + g.context_len) for g in self.groups)
+        tokens = sum(q + c for q, c in zip(*self.requests()))
         return 2.0 * tokens * num_kv_heads * head_size * itemsize
 
 
@@ -50,12 +60,16 @@ TINY_SHAPES = (
 
 
 def parse_shape(text: str) -> Shape:
-    """`NAME:COUNTxQLEN@CTX[+COUNTxQLEN@CTX...]`, e.g. `long:4x1@65535` or `mix:30x1@2000+2x256@512`."""
+    """`NAME:COUNTxQLEN@CTX[+COUNTxQLEN@CTX...]`, e.g. `long:4x1@65535` or `mix:30x1@2000+2x256@512`;
+    `CTX` may be a range `LO~HI` (each request's context drawn from it), e.g. `ragged:256x1@100~2047`."""
     name, _, spec = text.rpartition(":")
     groups = []
     for part in spec.split("+"):
         count, _, rest = part.partition("x")
         qlen, _, ctx = rest.partition("@")
-        groups.append(Group(int(count), int(qlen), int(ctx or 0)))
+        lo, _, hi = (ctx or "0").partition("~")
+        if hi and int(hi) < int(lo):
+            raise ValueError(f"shape {text!r}: context range {ctx} runs backwards")
+        groups.append(Group(int(count), int(qlen), int(lo), int(hi) if hi else None))
     groups.sort(key=lambda g: g.query_len != 1)
     return Shape(name or spec, tuple(groups))

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The thirteenth session's GPU calls. Raw results go under /tmp/<phase>/ and are tarred into $OUT/<phase>.tgz
+# after every step; a short table goes to stdout.
+# Staging here first: bash benchmarks/h200/stage-structured-outputs.sh (and, for `final`,
+# bash ../shared/gpu/vllm/stage-vllm.sh).
+#   diag  carry [".so-bench"]: issue 17's decode steps, where the nano-vllm workload's time goes.
+#     - TRITON_ATTN's decode launch with its requests in batch order and longest first
+#       (KVLLM_TRITON_DECODE_ORDER), on the uniform 256 x 1k shape and on ragged contexts like the workload's
+#       (each request's context drawn from a range, in draw order);
+#     - nano-vllm with each order, alternating twice, with the step log;
+#     - nano-vllm under torch.profiler: its kernel timeline (busy and idle time, exclusive kernel time by
+#       kind and by name: kernel_timeline.py), and step profiles at 256 x 1k, 128 x 512, 32 x 1k;
+#     - issue 19, with what is left: one pair of the structured-outputs A/B (engine thread, grammar process).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+phase=${1:?usage: session13.sh diag}
+default_budget_s=560
+source benchmarks/h200/session_lib.sh
+
+SHAPES=(
+  --shape "decode b256 x ctx1k:256x1@1023"
+  --shape "ragged b256 x 100-1100:256x1@100~1100"
+  --shape "ragged b256 x 100-2047:256x1@100~2047"
+  --shape "ragged b128 x 100-2047:128x1@100~2047"
+  --shape "ragged b64 x 100-2047:64x1@100~2047"
+)
+
+case "$phase" in
+diag)
+  for order in batch longest_first; do
+    KVLLM_TRITON_DECODE_ORDER=$order run_step "attn-$order" 60 python3 -m kvllm.benchmarks.attention \
+      --backends TRITON_ATTN --peers triton --only-shapes "${SHAPES[@]}" --output-json "$d/attn-$order.json"
+    grep -E "^\s+(TRITON_ATTN|triton)" "$d/attn-$order.log" | head -n 10
+  done
+  i=0
+  for order in batch longest_first batch longest_first; do  # alternating: the host's speed drifts over a call
+    i=$((i + 1))
+    KVLLM_TRITON_DECODE_ORDER=$order bench "nano-$order-$i" 70 --engine kvllm --backend TRITON_ATTN \
+      --only nano --step-log --out "$d/nano-$order-$i"
+  done
+  bench profile 120 --engine kvllm --backend TRITON_ATTN --only nano --profile-nano \
+    --profile-long 256x1024,128x512,32x1024 --out "$d/profile"
+  tok=/tmp/so-tok
+  if stage_structured_outputs; then
+    (export PYTHONPATH=.:/tmp/so-site KVLLM_QWEN3_TOKENIZER=$tok
+     for mode in engine process; do
+       extra=(); [ $mode = process ] && extra=(--grammar-process)
+       run_step "so-$mode" 70 python3 benchmarks/h200/structured_outputs_bench.py --tokenizer "$tok" \
+         --repeats 2 --host-clock "${extra[@]}" --out "$d/structured_outputs-$mode.json"
+       tail -n 1 "$d/so-$mode.log"
+     done)
+  fi
+  ;;
+esac
+kill "$clocks_pid" "${host_probe_pid:-}" 2>/dev/null
+save
+since "done"
