@@ -11,9 +11,15 @@
 #     - nano-vllm under torch.profiler: its kernel timeline (busy and idle time, exclusive kernel time by
 #       kind and by name: kernel_timeline.py), and step profiles at 256 x 1k, 128 x 512, 32 x 1k;
 #     - issue 19, with what is left: one pair of the structured-outputs A/B (engine thread, grammar process).
+#   diag2  carry nothing: what `diag` pointed at.
+#     - nano-vllm's 18 mixed steps of 8192 tokens ran eagerly (piecewise graphs stopped at 2048 tokens) and took
+#       22-50 ms each by the host's speed: nano-vllm with KVLLM_PIECEWISE_MAX_TOKENS 2048 and 8192 (the new
+#       default), and 8192 with mid-size decode batches split (KVLLM_TRITON_SPLIT_POLICY=8,12), alternating twice;
+#     - the split policy on the kernel alone: ragged batches of 48-128 requests (the workload's tail, where
+#       one wave of programs does not fill the GPU), policies 2,4 (the default), 8,12 and 16,16.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-phase=${1:?usage: session13.sh diag}
+phase=${1:?usage: session13.sh diag|diag2}
 default_budget_s=560
 source benchmarks/h200/session_lib.sh
 
@@ -50,6 +56,24 @@ diag)
        tail -n 1 "$d/so-$mode.log"
      done)
   fi
+  ;;
+diag2)
+  for policy in 2,4 8,12 16,16; do
+    KVLLM_TRITON_SPLIT_POLICY=$policy run_step "attn-split-$policy" 50 python3 -m kvllm.benchmarks.attention \
+      --backends TRITON_ATTN --only-shapes --shape "ragged b48 x 100-2047:48x1@100~2047" \
+      --shape "ragged b64 x 100-2047:64x1@100~2047" --shape "ragged b96 x 100-2047:96x1@100~2047" \
+      --shape "ragged b128 x 100-2047:128x1@100~2047" --shape "decode b64 x ctx1k:64x1@1023" \
+      --output-json "$d/attn-split-$policy.json"
+    grep -E "^\s+TRITON_ATTN" "$d/attn-split-$policy.log" | head -n 5
+  done
+  for round in 1 2; do
+    for variant in 2048:2,4 8192:2,4 8192:8,12; do
+      cap_tokens=${variant%%:*} policy=${variant#*:}
+      KVLLM_PIECEWISE_MAX_TOKENS=$cap_tokens KVLLM_TRITON_SPLIT_POLICY=$policy bench \
+        "nano-$cap_tokens-$policy-$round" 60 --engine kvllm --backend TRITON_ATTN --only nano --step-log \
+        --out "$d/nano-$cap_tokens-$policy-$round"
+    done
+  done
   ;;
 esac
 kill "$clocks_pid" "${host_probe_pid:-}" 2>/dev/null

@@ -130,7 +130,7 @@ class EngineArgs:
         default="FULL_AND_PIECEWISE",
         metadata=_help(
             "vLLM's compilation_config.cudagraph_mode: FULL_AND_PIECEWISE (decode steps in full graphs, other "
-            "steps of up to 2048 tokens in piecewise graphs with attention between them), FULL_DECODE_ONLY "
+            "steps of up to 8192 tokens in piecewise graphs with attention between them), FULL_DECODE_ONLY "
             "or NONE (--enforce-eager). Set it through -cc.cudagraph_mode=..."
         ),
     )

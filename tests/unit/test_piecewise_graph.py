@@ -100,8 +100,18 @@ def test_a_padded_step_equals_the_eager_forward_of_its_real_tokens() -> None:
     assert runner.num_replays == 4
 
 
-def test_buckets_and_refusals() -> None:
+def test_bucket_cap_switch(monkeypatch) -> None:
+    monkeypatch.setenv("KVLLM_PIECEWISE_MAX_TOKENS", "2048")
     assert default_token_buckets(8192) == [16, 32, 64, 128, 256, 512, 1024, 2048]
+    monkeypatch.setenv("KVLLM_PIECEWISE_MAX_TOKENS", "2k")
+    with pytest.raises(ValueError, match="KVLLM_PIECEWISE_MAX_TOKENS='2k'"):
+        default_token_buckets(8192)
+
+
+def test_buckets_and_refusals() -> None:
+    assert default_token_buckets(8192) == [16, 32, 64, 128, 256, 512, 1024, 2048, 3072, 4096, 6144, 8192]
+    assert default_token_buckets(16384) == default_token_buckets(8192)
+    assert default_token_buckets(5000) == [16, 32, 64, 128, 256, 512, 1024, 2048, 3072, 4096]
     assert default_token_buckets(100) == [16, 32, 64]
     assert default_token_buckets(8) == []
     model = Model()

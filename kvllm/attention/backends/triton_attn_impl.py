@@ -22,6 +22,20 @@ DECODE_ORDERS = ("longest_first", "batch")
 MAX_GRID_Y = 65535  # an ordered launch puts the requests on the grid's second dimension
 
 
+# A decode launch of fewer than SPLIT_BELOW programs per SM splits each request's KV into segments, as many
+# (a power of two) as bring the launch to SPLIT_TARGET programs per SM. KVLLM_TRITON_SPLIT_POLICY="BELOW,TARGET"
+# overrides the pair (a measurement switch).
+SPLIT_BELOW, SPLIT_TARGET = 2, 4
+
+
+def split_policy() -> tuple[int, int]:
+    text = os.environ.get("KVLLM_TRITON_SPLIT_POLICY", f"{SPLIT_BELOW},{SPLIT_TARGET}")
+    below, _, target = text.partition(",")
+    if not (below.isdigit() and target.isdigit() and int(below) > 0 and int(target) > 0):
+        raise ValueError(f"KVLLM_TRITON_SPLIT_POLICY={text!r}: expected two positive integers, BELOW,TARGET")
+    return int(below), int(target)
+
+
 def decode_order_setting() -> str:
     name = os.environ.get("KVLLM_TRITON_DECODE_ORDER", "longest_first")
     if name not in DECODE_ORDERS:
@@ -80,15 +94,16 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
         self.block_table = torch.zeros(max_num_reqs, max_blocks, dtype=torch.int32, device=device)
         self.slot_mapping = torch.full((max_num_tokens,), -1, dtype=torch.int64, device=device)
         self.longest_first = decode_order_setting() == "longest_first"
+        self.split_below, self.split_target = split_policy()
         self.decode_order = torch.zeros(max_num_reqs, dtype=torch.int64, device=device)
         self._sorted_seq_lens = torch.zeros(max_num_reqs, dtype=torch.int32, device=device)
 
     def num_splits_for(self, num_decode_reqs: int, max_seq_len: int) -> int:
         """KV segments for the decode launch: split only when too few programs fill the GPU."""
         programs = num_decode_reqs * self.kv_cache_spec.num_kv_heads
-        if programs == 0 or programs >= 2 * self.num_sms:
+        if programs == 0 or programs >= self.split_below * self.num_sms:
             return 1
-        by_occupancy = 1 << (-(-4 * self.num_sms // programs) - 1).bit_length()
+        by_occupancy = 1 << (-(-self.split_target * self.num_sms // programs) - 1).bit_length()
         by_length = max(1, max_seq_len // MIN_SPLIT_TOKENS)
         by_length = 1 << (by_length.bit_length() - 1)
         return max(1, min(by_occupancy, by_length, MAX_SEGMENTS))
