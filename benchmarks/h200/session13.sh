@@ -17,9 +17,15 @@
 #       default), and 8192 with mid-size decode batches split (KVLLM_TRITON_SPLIT_POLICY=8,12), alternating twice;
 #     - the split policy on the kernel alone: ragged batches of 48-128 requests (the workload's tail, where
 #       one wave of programs does not fill the GPU), policies 2,4 (the default), 8,12 and 16,16.
+#   final1  carry [".vllm/part1"]: vLLM's part 1 onto the machine; the fused sampler's kernel timed alone (its
+#     Philox now one call per four tokens); TRITON_ATTN with head-major pages (KVLLM_TRITON_KV_LAYOUT=HND) on
+#     the kernel alone and on nano-vllm beside NHD, alternating, and the prefill kernel in the mixed steps;
+#     the GPU tests of the sampler, the decode-order and page-layout kernels, and graphs against eager.
+#   final2  carry [".vllm/part2"], within 30 s of final1: vLLM 0.22 and kvllm (the layout final1 found faster)
+#     on issue 17's table: batch 1-256 latency, nano-vllm, 256 x 128/128, GPU busy, one process each.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-phase=${1:?usage: session13.sh diag|diag2}
+phase=${1:?usage: session13.sh diag|diag2|final1|final2}
 default_budget_s=560
 source benchmarks/h200/session_lib.sh
 
@@ -74,6 +80,34 @@ diag2)
         --out "$d/nano-$cap_tokens-$policy-$round"
     done
   done
+  ;;
+final1)
+  run_step vllm-stage1 40 bash .vllm/part1/remote-stage.sh 1
+  run_step gumbel 40 python3 benchmarks/h200/gumbel_bench.py
+  cat "$d/gumbel.log"
+  for layout in NHD HND; do
+    KVLLM_TRITON_KV_LAYOUT=$layout run_step "attn-$layout" 40 python3 -m kvllm.benchmarks.attention \
+      --backends TRITON_ATTN --peers triton --only-shapes "${SHAPES[@]}" --output-json "$d/attn-$layout.json"
+    grep -E "^\s+TRITON_ATTN" "$d/attn-$layout.log" | head -n 5
+  done
+  for variant in NHD:0 HND:0 NHD:0 HND:0 NHD:1 HND:1; do  # alternating: the host's speed drifts over a call
+    layout=${variant%%:*} prefill=${variant#*:}
+    KVLLM_TRITON_KV_LAYOUT=$layout KVLLM_TRITON_PREFILL_KERNEL=$prefill bench "nano-$layout-p$prefill-$SECONDS" 45 \
+      --engine kvllm --backend TRITON_ATTN --only nano --step-log --out "$d/nano-$layout-p$prefill-$SECONDS"
+  done
+  parallel_tests 100 "sampling|tests/gpu/test_sampling_gpu.py" \
+    "attention|tests/gpu/test_triton_attention_gpu.py -k ragged" \
+    "graphs|tests/gpu/test_cuda_graphs_gpu.py -k TRITON"
+  ;;
+final2)
+  bash .vllm/part2/remote-stage.sh 2 > "$d/vllm-stage2.log" 2>&1 || { tail -n 5 "$d/vllm-stage2.log"; save; exit 3; }
+  tail -n 3 "$d/vllm-stage2.log"
+  layout=$(python3 benchmarks/h200/pick_layout.py /tmp/final1)
+  since "layout from final1's nano runs: $layout"
+  KVLLM_TRITON_KV_LAYOUT=$layout bench kvllm 110 --engine kvllm --backend TRITON_ATTN --only latency,nano,bs256 \
+    --iters 3 --warmups 2 --profile-nano --out "$d/kvllm"
+  (export PYTHONPATH=.:/tmp/site-vllm; bench vllm 220 --engine vllm --only latency,nano,bs256 --iters 3 \
+    --warmups 2 --out "$d/vllm")
   ;;
 esac
 kill "$clocks_pid" "${host_probe_pid:-}" 2>/dev/null

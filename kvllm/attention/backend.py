@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, ClassVar
 from kvllm.platforms.interface import DeviceInfo
 
 if TYPE_CHECKING:
+    import torch
+
     from kvllm.attention.impl import AttentionImpl, AttentionMetadataBuilder
 
 
@@ -272,6 +274,35 @@ class AttentionBackend:
     ) -> tuple[int, ...]:
         """Shape of one layer's KV cache. Default: K and V stacked in front, NHD pages."""
         return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+    @classmethod
+    def get_kv_cache_stride_order(cls) -> tuple[int, ...] | None:
+        """The order in memory of get_kv_cache_shape's dimensions, outermost first (vLLM's hook of the same
+        name); None = as the shape lists them. Kernels then see the logical shape with these strides."""
+        return None
+
+    @classmethod
+    def allocate_kv_cache(
+        cls,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> torch.Tensor:
+        """One layer's cache, zeroed (kernels may read, and mask, slots never written): the logical shape of
+        get_kv_cache_shape laid out in memory in get_kv_cache_stride_order."""
+        import torch
+
+        shape = cls.get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
+        order = cls.get_kv_cache_stride_order()
+        if order is None:
+            return torch.zeros(shape, dtype=dtype, device=device)
+        if sorted(order) != list(range(len(shape))):
+            raise ValueError(f"{cls.name}: stride order {order} is not a permutation of {len(shape)} dimensions")
+        physical = torch.zeros([shape[i] for i in order], dtype=dtype, device=device)
+        return physical.permute([order.index(i) for i in range(len(shape))])
 
 
 def _import_class(path: str, backend_name: str, attribute: str) -> type:

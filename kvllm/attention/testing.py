@@ -295,8 +295,9 @@ def prepare_backend_case(
     num_heads, head_size = batch.query.shape[1:]
     num_kv_heads = batch.new_keys.shape[1]
     cache_dtype = kv_cache_torch_dtype(kv_cache_dtype, batch.query.dtype)
-    shape = backend.get_kv_cache_shape(batch.num_blocks, batch.block_size, num_kv_heads, head_size)
-    kv_cache = torch.zeros(shape, dtype=cache_dtype, device=device)
+    kv_cache = backend.allocate_kv_cache(
+        batch.num_blocks, batch.block_size, num_kv_heads, head_size, cache_dtype, device
+    )
     key_cache, value_cache = kv_cache_views(backend, kv_cache)
     fill_cache(batch, key_cache, value_cache, k_scale, v_scale, poison_unused_pages)
     impl = make_impl(backend, num_heads, head_size, num_kv_heads, sliding_window=sliding_window,

@@ -48,8 +48,8 @@ class IncrementalDetokenizer:
         self.stop: list[str] = list(params.stop or [])
         self.output_token_ids: list[int] = []
         self._text = ""
-        # Ids to decode: a little prompt context, then the (in-vocab) output ids.
-        context = [t for t in prompt_token_ids if self._in_vocab(t)][-_PROMPT_CONTEXT_TOKENS:]
+        # Ids to decode: a little prompt context (the last in-vocab prompt ids), then the (in-vocab) output ids.
+        context = self._prompt_context(prompt_token_ids) if params.detokenize else []
         self._ids: list[int] = context
         self._prefix_offset = 0
         self._read_offset = len(context)
@@ -113,6 +113,18 @@ class IncrementalDetokenizer:
 
     def _in_vocab(self, token_id: int) -> bool:
         return 0 <= token_id < self._vocab_size
+
+    def _prompt_context(self, prompt_token_ids: Sequence[int]) -> list[int]:
+        """The last _PROMPT_CONTEXT_TOKENS in-vocab prompt ids, read from the end (a request's admission
+        must not cost a Python step per prompt token)."""
+        context: list[int] = []
+        for token_id in reversed(prompt_token_ids):
+            if self._in_vocab(token_id):
+                context.append(token_id)
+                if len(context) == _PROMPT_CONTEXT_TOKENS:
+                    break
+        context.reverse()
+        return context
 
     def _decode(self, ids: list[int]) -> str:
         if not ids:

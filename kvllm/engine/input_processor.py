@@ -81,7 +81,7 @@ class InputProcessor:
             return prompt, self.tokenizer(prompt).input_ids
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+                return prompt.get("prompt"), list(map(int, prompt["prompt_token_ids"]))
             if "prompt" in prompt:
                 return self.tokenize_prompt(prompt["prompt"])
             raise ValueError(f"A prompt dict needs 'prompt' or 'prompt_token_ids'; got keys {sorted(prompt)}")
@@ -109,11 +109,9 @@ class InputProcessor:
                 f"max_model_len={max_len}; shorten the prompt or raise max_model_len"
             )
         vocab = self.model_config.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(
-                f"Token id {bad[0]} is out of range; allowed: 0 <= id < {vocab} (the vocabulary)"
-            )
+        if min(token_ids) < 0 or max(token_ids) >= vocab:
+            bad = next(t for t in token_ids if not 0 <= t < vocab)
+            raise ValueError(f"Token id {bad} is out of range; allowed: 0 <= id < {vocab} (the vocabulary)")
 
     def truncate_prompt(self, token_ids: list[int], params: SamplingParams) -> list[int]:
         """The prompt as the request's `truncate_prompt_tokens` keeps it."""

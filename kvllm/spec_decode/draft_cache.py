@@ -45,11 +45,10 @@ class DraftKVCache:
 
     def initialize(self, num_blocks: int, max_num_reqs: int, max_num_tokens: int, max_model_len: int) -> None:
         spec = self.spec
-        shape = self.attn_backend.get_kv_cache_shape(
-            num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size
-        )
         for layer in self.layers:
-            layer.kv_cache = torch.zeros(shape, dtype=spec.dtype, device=self.device)
+            layer.kv_cache = self.attn_backend.allocate_kv_cache(
+                num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size, spec.dtype, self.device
+            )
         self.builder = self.attn_backend.get_builder_cls()(
             self.attn_backend, spec, self.device, max_num_reqs, max_num_tokens, max_model_len
         )

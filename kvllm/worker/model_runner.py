@@ -223,12 +223,10 @@ class ModelRunner:
     def initialize_kv_cache(self, num_blocks: int, max_num_reqs: int) -> None:
         """Allocate every layer's cache and build the backend's per-step metadata builder."""
         spec = self.kv_cache_spec
-        shape = self.attn_backend.get_kv_cache_shape(
-            num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size
-        )
         for layer in self.attention_layers:
-            # Zeroed, not empty: kernels may read (and mask) slots never written.
-            layer.kv_cache = torch.zeros(shape, dtype=spec.dtype, device=self.device)
+            layer.kv_cache = self.attn_backend.allocate_kv_cache(
+                num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size, spec.dtype, self.device
+            )
         self.num_blocks = num_blocks
         self.max_num_reqs = max_num_reqs
         capture_sizes = self._cudagraph_capture_sizes(max_num_reqs)

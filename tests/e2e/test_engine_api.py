@@ -38,7 +38,8 @@ def test_text_prompts_and_token_prompts_agree(llm):
     [
         ("", SamplingParams(), "empty"),
         ({"prompt_token_ids": list(range(3, 300))}, SamplingParams(), "max_model_len=256"),
-        ({"prompt_token_ids": [5, 100000]}, SamplingParams(), "out of range"),
+        ({"prompt_token_ids": [5, 100000]}, SamplingParams(), "Token id 100000 is out of range"),
+        ({"prompt_token_ids": [5, 7, -3, 9, -4]}, SamplingParams(), "Token id -3 is out of range"),
     ],
 )
 def test_bad_prompts_raise_and_engine_keeps_serving(llm, prompt, params, message):

@@ -7,6 +7,7 @@ order of reductions (paged gather + SDPA vs HF's contiguous attention), worth ab
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 
 import pytest
@@ -82,16 +83,24 @@ def test_greedy_matches_hf(model_and_reference, mode):
         ("FLEX_ATTENTION", 11, "default"),
         ("FLEX_ATTENTION", 11, "chunked_prefill"),
         ("TRITON_ATTN", 6, "chunked_prefill"),
+        ("TRITON_ATTN", 3, "hnd_pages"),
     ],
 )
-def test_other_backends_match_hf(model_and_reference, backend, num_prompts, mode):
+def test_other_backends_match_hf(model_and_reference, backend, num_prompts, mode, monkeypatch):
     from kvllm.platforms import simulate_platform
 
     path, prompts, reference = model_and_reference
+    if mode == "hnd_pages":  # the cache's pages head-major in memory (KVLLM_TRITON_KV_LAYOUT)
+        monkeypatch.setenv("KVLLM_TRITON_KV_LAYOUT", "HND")
+        mode = "chunked_prefill"
     platform = simulate_platform("cuda", (9, 0)) if backend == "TRITON_ATTN" else contextlib.nullcontext()
     with platform:
         llm = LLM(path, dtype="float32", seed=0, attention_backend=backend, **MODES[mode])
     assert llm.llm_engine.attention_backend_name == backend
+    if backend == "TRITON_ATTN":
+        cache = llm.llm_engine.executor.worker.model_runner.attention_layers[0].kv_cache
+        head_major = os.environ.get("KVLLM_TRITON_KV_LAYOUT") == "HND"
+        assert (cache.stride(3) > cache.stride(2)) == head_major, cache.stride()
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True, logprobs=0)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts[:num_prompts]], params, use_tqdm=False)
     for prompt, output, (ref_tokens, ref_logprobs) in zip(prompts, outputs, reference):

@@ -135,6 +135,22 @@ def test_large_decode_batch(dtype) -> None:
 
 
 @DTYPES
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_ragged_decode_batch_longest_first(dtype, layout, monkeypatch) -> None:
+    """256 decodes of ragged contexts in draw order (an ordered, unsplit launch) and a prefill behind them,
+    with the cache's pages token-major and head-major in memory."""
+    import random
+
+    monkeypatch.setenv("KVLLM_TRITON_KV_LAYOUT", layout)
+    draw = random.Random(5)
+    contexts = [draw.randint(1, 2047) for _ in range(256)] + [300]
+    case = run([1] * 256 + [40], contexts, 16, 8, 128, 16, dtype)
+    assert case.metadata.decode_order is not None and case.metadata.num_splits == 1
+    assert (case.kv_cache.stride(3) > case.kv_cache.stride(2)) == (layout == "HND")
+    check(case, dtype)
+
+
+@DTYPES
 def test_prefill_long(dtype) -> None:
     check(run([2048, 2048], [0, 0], 16, 8, 128, 16, dtype), dtype)
 

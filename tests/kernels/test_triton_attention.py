@@ -364,3 +364,39 @@ def test_benchmark_tiny_runs(tmp_path) -> None:
     rows = json.loads(out.read_text())["rows"]
     assert [(r["kernel"], r["status"]) for r in rows][:1] == [("TRITON_ATTN", "ok")]
     assert rows[-1]["status"] == "skipped"
+
+
+def test_hnd_pages_keep_the_shape_and_store_each_head_contiguously(monkeypatch) -> None:
+    monkeypatch.setenv("KVLLM_TRITON_KV_LAYOUT", "HND")
+    cache = TritonAttentionBackend.allocate_kv_cache(5, 16, 4, 64, torch.float16, "cpu")
+    assert cache.shape == (2, 5, 16, 4, 64)
+    assert cache.stride() == (5 * 4 * 16 * 64, 4 * 16 * 64, 64, 16 * 64, 1)  # block, head, token, dim
+    assert not cache.any()
+    case = run_triton_case(
+        MIXED_QUERY_LENS,
+        MIXED_CONTEXT_LENS,
+        4,
+        2,
+        64,
+        16,
+        torch.float16,
+        decode_config=SMALL,
+        prefill_config=SMALL,
+    )
+    assert case.kv_cache.stride(3) > case.kv_cache.stride(2)
+    check(case, torch.float16)
+    monkeypatch.setenv("KVLLM_TRITON_KV_LAYOUT", "NDH")
+    with pytest.raises(ValueError, match="KVLLM_TRITON_KV_LAYOUT='NDH'"):
+        TritonAttentionBackend.allocate_kv_cache(5, 16, 4, 64, torch.float16, "cpu")
+
+
+def test_split_policy_switch(monkeypatch) -> None:
+    spec = KVCacheSpec(16, 8, 128, torch.float16, "auto")
+    monkeypatch.setenv("KVLLM_TRITON_SPLIT_POLICY", "8,12")
+    builder = TritonAttentionMetadataBuilder(TritonAttentionBackend, spec, torch.device("cpu"), 256, 8192, 4096)
+    builder.num_sms = 132
+    assert builder.num_splits_for(64, 4096) == 4  # 512 programs < 8 x 132: split towards 12 x 132
+    assert builder.num_splits_for(256, 4096) == 1
+    monkeypatch.setenv("KVLLM_TRITON_SPLIT_POLICY", "8")
+    with pytest.raises(ValueError, match="KVLLM_TRITON_SPLIT_POLICY='8'"):
+        TritonAttentionMetadataBuilder(TritonAttentionBackend, spec, torch.device("cpu"), 256, 8192, 4096)

@@ -254,3 +254,13 @@ def test_plain_tokenizers_tokenizer_and_detokenize_false(raw_tokenizer, tokenize
     assert detok.output_text == TEXT[: TEXT.index("café")]
     quiet = IncrementalDetokenizer(tokenizer, [], SamplingParams(detokenize=False))
     assert quiet.update(ids) is None and quiet.output_text == "" and quiet.get_next_delta_text() == ""
+
+
+def test_prompt_context_is_the_last_in_vocab_prompt_ids(tokenizer):
+    big = len(tokenizer) + 7
+    prompt = [*tokenizer.encode(TEXT * 50), 11, big, 12, 13, -1, 14, 15, big]
+    detok = IncrementalDetokenizer(tokenizer, prompt, SamplingParams())
+    assert detok._ids == [11, 12, 13, 14, 15]
+    assert IncrementalDetokenizer(tokenizer, [big, 3], SamplingParams())._ids == [3]
+    # Without detokenization no context is kept at all.
+    assert IncrementalDetokenizer(tokenizer, prompt, SamplingParams(detokenize=False))._ids == []

@@ -1,12 +1,15 @@
 """TRITON_ATTN: kvllm's own Triton paged-attention kernels. Declarations only (no torch, no triton).
 
 KV cache layout: (2, num_blocks, block_size, num_kv_heads, head_size): K at index 0, V at index 1,
-each page NHD with the head dim contiguous (the same per-page layout FlashAttention uses).
+each page NHD with the head dim contiguous (the same per-page layout FlashAttention uses). Every kernel
+takes the block/token/head strides, so KVLLM_TRITON_KV_LAYOUT=HND keeps that shape but stores each page
+head-major in memory (one head's block_size rows contiguous), a measurement switch.
 Kernels: `kvllm.attention.ops.triton_reshape_and_cache` and `kvllm.attention.ops.triton_unified_attention`.
 """
 
 from __future__ import annotations
 
+import os
 from typing import ClassVar
 
 from kvllm.attention.backend import (
@@ -63,6 +66,15 @@ class TritonAttentionBackend(AttentionBackend):
                 f"(got {cap[0]}.{cap[1]}; use kv_cache_dtype auto)"
             )
         return reasons
+
+    @classmethod
+    def get_kv_cache_stride_order(cls) -> tuple[int, ...] | None:
+        layout = os.environ.get("KVLLM_TRITON_KV_LAYOUT", "NHD")
+        if layout == "NHD":
+            return None
+        if layout == "HND":
+            return (0, 1, 3, 2, 4)  # K/V, block, head, token, dim
+        raise ValueError(f"KVLLM_TRITON_KV_LAYOUT={layout!r}: expected NHD or HND")
 
     impl_path = "kvllm.attention.backends.triton_attn_impl:TritonAttentionImpl"
     builder_path = "kvllm.attention.backends.triton_attn_impl:TritonAttentionMetadataBuilder"

@@ -186,8 +186,11 @@ class _Bench:
                                  dtype=self.dtype, device=self.device, seed=0)  # fmt: skip
         fp8 = FP8_TORCH_DTYPES.get(a.kv_cache_dtype)
         cache_dtype = fp8 or self.dtype
-        kv_cache = torch.zeros(2, batch.num_blocks, a.block_size, a.num_kv_heads, a.head_size,
-                               dtype=self.dtype, device=self.device)  # fmt: skip
+        from kvllm.attention.backends.triton_attn import TritonAttentionBackend
+
+        # TRITON_ATTN's layout (KVLLM_TRITON_KV_LAYOUT): its pages' order in memory, for every peer.
+        kv_cache = TritonAttentionBackend.allocate_kv_cache(batch.num_blocks, a.block_size, a.num_kv_heads,
+                                                            a.head_size, self.dtype, self.device)  # fmt: skip
         batch.fill_cache(kv_cache[0], kv_cache[1])
         k_scale = torch.tensor(1.0, device=self.device)
         if fp8 is not None:
