@@ -23,8 +23,8 @@
 #   final1  carry [".vllm/part1"]: vLLM's first piece onto the machine; the fused sampler's kernel timed alone
 #     (its Philox now one call per four tokens); TRITON_ATTN with head-major pages (KVLLM_TRITON_KV_LAYOUT=HND)
 #     on the kernel alone and on nano-vllm beside NHD, alternating.
-#   final1b carry [".vllm/part2"], within 30 s of final1: the second piece; the GPU tests of the sampler, the
-#     ordered decode launch on both layouts, and graphs against eager.
+#   final1b carry [".vllm/part2"], within 30 s of final1: the second piece; the GPU test of the ordered decode
+#     launch on both layouts (the sampler's GPU tests ran at the end of final1).
 #   final2  carry [".vllm/part3"], within 30 s of final1b: vLLM 0.22 and kvllm (the layout final1 found faster)
 #     on issue 17's table: batch 1-256 latency, nano-vllm, 256 x 128/128, GPU busy, one process each.
 set -uo pipefail
@@ -98,12 +98,12 @@ final1)
     KVLLM_TRITON_KV_LAYOUT=$layout bench "nano-$layout-p0-$SECONDS" 45 --engine kvllm --backend TRITON_ATTN --only nano --step-log \
       --out "$d/nano-$layout-p0-$SECONDS"
   done
+  run_step tests-sampling 40 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/gpu/test_sampling_gpu.py
   ;;
 final1b)
   run_step vllm-stage2 40 bash .vllm/part2/remote-stage.sh 2
-  parallel_tests 100 "sampling|tests/gpu/test_sampling_gpu.py" \
-    "attention|tests/gpu/test_triton_attention_gpu.py -k ragged" \
-    "graphs|tests/gpu/test_cuda_graphs_gpu.py -k TRITON"
+  run_step tests-ragged 40 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/gpu/test_triton_attention_gpu.py \
+    -k ragged
   ;;
 final2)
   bash .vllm/part3/remote-stage.sh 3 > "$d/vllm-stage3.log" 2>&1 || { tail -n 5 "$d/vllm-stage3.log"; save; exit 3; }
