@@ -300,7 +300,9 @@ class AttentionBackend:
         if order is None:
             return torch.zeros(shape, dtype=dtype, device=device)
         if sorted(order) != list(range(len(shape))):
-            raise ValueError(f"{cls.name}: stride order {order} is not a permutation of {len(shape)} dimensions")
+            raise ValueError(
+                f"{cls.name}: stride order {order} is not a permutation of {len(shape)} dimensions"
+            )
         physical = torch.zeros([shape[i] for i in order], dtype=dtype, device=device)
         return physical.permute([order.index(i) for i in range(len(shape))])
 

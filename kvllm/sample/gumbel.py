@@ -69,7 +69,9 @@ def _gumbel_chunk_kernel(
             bits = tl.where(
                 lane[None, :] == 0,
                 r0[:, None],
-                tl.where(lane[None, :] == 1, r1[:, None], tl.where(lane[None, :] == 2, r2[:, None], r3[:, None])),
+                tl.where(
+                    lane[None, :] == 1, r1[:, None], tl.where(lane[None, :] == 2, r2[:, None], r3[:, None])
+                ),
             )
             u = tl.random.uint_to_uniform_float(bits)
             # -log(-log(u)): u = 0 gives -inf (never chosen), never NaN.

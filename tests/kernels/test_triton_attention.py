@@ -393,7 +393,9 @@ def test_hnd_pages_keep_the_shape_and_store_each_head_contiguously(monkeypatch) 
 def test_split_policy_switch(monkeypatch) -> None:
     spec = KVCacheSpec(16, 8, 128, torch.float16, "auto")
     monkeypatch.setenv("KVLLM_TRITON_SPLIT_POLICY", "8,12")
-    builder = TritonAttentionMetadataBuilder(TritonAttentionBackend, spec, torch.device("cpu"), 256, 8192, 4096)
+    builder = TritonAttentionMetadataBuilder(
+        TritonAttentionBackend, spec, torch.device("cpu"), 256, 8192, 4096
+    )
     builder.num_sms = 132
     assert builder.num_splits_for(64, 4096) == 4  # 512 programs < 8 x 132: split towards 12 x 132
     assert builder.num_splits_for(256, 4096) == 1
