@@ -21,11 +21,10 @@
 #   58 MiB, no longer fits the 64 MiB a call carries): after stage-vllm.sh, .vllm/part1's piece is split in two
 #   (part1: .0a, part2: .0b), the old part 2 is part3, and every MANIFEST lists the three pieces.
 #   final1  carry [".vllm/part1"]: vLLM's first piece onto the machine; the fused sampler's kernel timed alone
-#     (its Philox now one call per four tokens); TRITON_ATTN with head-major pages (KVLLM_TRITON_KV_LAYOUT=HND)
-#     on the kernel alone and on nano-vllm beside NHD, alternating.
+#     (its Philox now one call per four tokens) and its GPU tests.
 #   final1b carry [".vllm/part2"], within 30 s of final1: the second piece; the GPU test of the ordered decode
-#     launch on both layouts (the sampler's GPU tests ran at the end of final1).
-#   final2  carry [".vllm/part3"], within 30 s of final1b: vLLM 0.22 and kvllm (the layout final1 found faster)
+#     launch on both page layouts; nano-vllm with NHD and head-major pages (KVLLM_TRITON_KV_LAYOUT=HND).
+#   final2  carry [".vllm/part3"], within 30 s of final1b: vLLM 0.22 and kvllm (the layout final1b found faster)
 #     on issue 17's table: batch 1-256 latency, nano-vllm, 256 x 128/128, GPU busy, one process each.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -89,27 +88,22 @@ final1)
   run_step vllm-stage1 40 bash .vllm/part1/remote-stage.sh 1
   run_step gumbel 40 python3 benchmarks/h200/gumbel_bench.py
   cat "$d/gumbel.log"
-  for layout in NHD HND; do
-    KVLLM_TRITON_KV_LAYOUT=$layout run_step "attn-$layout" 40 python3 -m kvllm.benchmarks.attention \
-      --backends TRITON_ATTN --peers triton --only-shapes "${SHAPES[@]}" --output-json "$d/attn-$layout.json"
-    grep -E "^\s+TRITON_ATTN" "$d/attn-$layout.log" | head -n 5
-  done
-  for layout in NHD HND; do  # one pair: two failed machine starts left 759 s of device time for three calls
-    KVLLM_TRITON_KV_LAYOUT=$layout bench "nano-$layout-p0-$SECONDS" 45 --engine kvllm --backend TRITON_ATTN --only nano --step-log \
-      --out "$d/nano-$layout-p0-$SECONDS"
-  done
   run_step tests-sampling 40 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/gpu/test_sampling_gpu.py
   ;;
 final1b)
   run_step vllm-stage2 40 bash .vllm/part2/remote-stage.sh 2
   run_step tests-ragged 40 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/gpu/test_triton_attention_gpu.py \
     -k ragged
+  for layout in NHD HND; do  # one pair: failed machine starts left 669 s of device time for three calls
+    KVLLM_TRITON_KV_LAYOUT=$layout bench "nano-$layout-p0-$SECONDS" 45 --engine kvllm --backend TRITON_ATTN --only nano \
+      --step-log --out "$d/nano-$layout-p0-$SECONDS"
+  done
   ;;
 final2)
   bash .vllm/part3/remote-stage.sh 3 > "$d/vllm-stage3.log" 2>&1 || { tail -n 5 "$d/vllm-stage3.log"; save; exit 3; }
   tail -n 3 "$d/vllm-stage3.log"
-  layout=$(python3 benchmarks/h200/pick_layout.py /tmp/final1)
-  since "layout from final1's nano runs: $layout"
+  layout=$(python3 benchmarks/h200/pick_layout.py /tmp/final1b)
+  since "layout from final1b's nano runs: $layout"
   KVLLM_TRITON_KV_LAYOUT=$layout bench kvllm 110 --engine kvllm --backend TRITON_ATTN --only latency,nano,bs256 \
     --iters 3 --warmups 2 --profile-nano --out "$d/kvllm"
   (export PYTHONPATH=.:/tmp/site-vllm; bench vllm 220 --engine vllm --only latency,nano,bs256 --iters 3 \
