@@ -24,11 +24,15 @@
 #     (its Philox now one call per four tokens) and its GPU tests.
 #   final1b carry [".vllm/part2"], within 30 s of final1: the second piece; the GPU test of the ordered decode
 #     launch on both page layouts; nano-vllm with NHD and head-major pages (KVLLM_TRITON_KV_LAYOUT=HND).
+#   solo  carry nothing: what final1, final1b and final2 do for kvllm, in one call, without vLLM (three failed
+#     machine starts left 564 s of device time, too little for vLLM's three staging calls and its start-up):
+#     the sampler's kernel and GPU tests, the ordered launch's GPU test on both layouts, the nano pair NHD/HND,
+#     then issue 17's table for kvllm with the faster layout.
 #   final2  carry [".vllm/part3"], within 30 s of final1b: vLLM 0.22 and kvllm (the layout final1b found faster)
 #     on issue 17's table: batch 1-256 latency, nano-vllm, 256 x 128/128, GPU busy, one process each.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-phase=${1:?usage: session13.sh diag|diag2|final1|final1b|final2}
+phase=${1:?usage: session13.sh diag|diag2|final1|final1b|final2|solo}
 default_budget_s=560
 source benchmarks/h200/session_lib.sh
 
@@ -98,6 +102,19 @@ final1b)
     KVLLM_TRITON_KV_LAYOUT=$layout bench "nano-$layout-p0-$SECONDS" 45 --engine kvllm --backend TRITON_ATTN --only nano \
       --step-log --out "$d/nano-$layout-p0-$SECONDS"
   done
+  ;;
+solo)
+  run_step gumbel 30 python3 benchmarks/h200/gumbel_bench.py
+  cat "$d/gumbel.log"
+  parallel_tests 70 "sampling|tests/gpu/test_sampling_gpu.py" "ragged|tests/gpu/test_triton_attention_gpu.py -k ragged"
+  for layout in NHD HND; do
+    KVLLM_TRITON_KV_LAYOUT=$layout bench "nano-$layout-p0-$SECONDS" 45 --engine kvllm --backend TRITON_ATTN --only nano \
+      --step-log --out "$d/nano-$layout-p0-$SECONDS"
+  done
+  layout=$(python3 benchmarks/h200/pick_layout.py "$d")
+  since "layout from the nano pair: $layout"
+  KVLLM_TRITON_KV_LAYOUT=$layout bench kvllm 110 --engine kvllm --backend TRITON_ATTN --only latency,nano,bs256 \
+    --iters 3 --warmups 2 --profile-nano --out "$d/kvllm"
   ;;
 final2)
   bash .vllm/part3/remote-stage.sh 3 > "$d/vllm-stage3.log" 2>&1 || { tail -n 5 "$d/vllm-stage3.log"; save; exit 3; }
