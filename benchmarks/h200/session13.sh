@@ -32,7 +32,7 @@
 #     on issue 17's table: batch 1-256 latency, nano-vllm, 256 x 128/128, GPU busy, one process each.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-phase=${1:?usage: session13.sh diag|diag2|final1|final1b|final2|solo}
+phase=${1:?usage: session13.sh diag|diag2|final1|final1b|final2|solo|layout}
 default_budget_s=560
 source benchmarks/h200/session_lib.sh
 
@@ -115,6 +115,12 @@ solo)
   since "layout from the nano pair: $layout"
   KVLLM_TRITON_KV_LAYOUT=$layout bench kvllm 110 --engine kvllm --backend TRITON_ATTN --only latency,nano,bs256 \
     --iters 3 --warmups 2 --profile-nano --out "$d/kvllm"
+  ;;
+layout)  # the NHD/HND pair of `solo` again, after a warm-up run (a fresh machine's first nano run is slow)
+  for layout in NHD NHD HND NHD HND; do
+    KVLLM_TRITON_KV_LAYOUT=$layout bench "nano-$layout-p0-$SECONDS" 40 --engine kvllm --backend TRITON_ATTN --only nano \
+      --step-log --out "$d/nano-$layout-p0-$SECONDS"
+  done
   ;;
 final2)
   bash .vllm/part3/remote-stage.sh 3 > "$d/vllm-stage3.log" 2>&1 || { tail -n 5 "$d/vllm-stage3.log"; save; exit 3; }
