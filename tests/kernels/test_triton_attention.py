@@ -314,6 +314,32 @@ def test_graph_hooks_order_decodes_in_a_fixed_buffer() -> None:
         assert err < TOLERANCE[torch.float16][0]
 
 
+def test_ordered_multi_token_decode_launch() -> None:
+    """A speculative verification batch large enough for the ordered, unsplit decode launch (20 requests of
+    up to 4 query tokens, ragged contexts, one padding request) matches the float32 reference."""
+    num_heads, num_kv_heads, head_size, block_size = 4, 2, 64, 16
+    spec = KVCacheSpec(block_size, num_kv_heads, head_size, torch.float16, "auto")
+    builder = TritonAttentionMetadataBuilder(TritonAttentionBackend, spec, torch.device("cpu"), 32, 128, 1024)
+    impl = TritonAttentionImpl(num_heads, head_size, head_size**-0.5, num_kv_heads)
+    layer = types.SimpleNamespace(k_scale=torch.tensor(1.0), v_scale=torch.tensor(1.0))
+    query_lens = [4, 2, 4, 1, 3] * 4
+    batch = make_paged_batch(query_lens, RAGGED_CONTEXT_LENS[:20], num_heads, num_kv_heads, head_size, block_size,
+                             dtype=torch.float16, seed=9)  # fmt: skip
+    padded, query, new_kv = _pad(batch, 21, 21 * 4)
+    padded.num_decodes = padded.num_decode_tokens = 21
+    padded.decode_query_len = 4
+    md = builder.prepare_for_replay(padded)
+    assert md.decode_query_len == 4 and md.num_splits == 1 and md.decode_order is not None
+    kv_cache = torch.zeros(2, batch.num_blocks, block_size, num_kv_heads, head_size, dtype=torch.float16)
+    batch.fill_cache(kv_cache[0], kv_cache[1])
+    out = torch.full_like(query, float("nan"))
+    impl.forward(layer, query, new_kv[0], new_kv[1], kv_cache, md, output=out)
+    real = batch.metadata.num_actual_tokens
+    ref = batch.reference(head_size**-0.5)
+    err = ((out[:real].float() - ref).norm() / ref.norm()).item()
+    assert err < TOLERANCE[torch.float16][0]
+
+
 @pytest.mark.parametrize("decode_query_len,query_lens", [(4, [4, 2, 4, 1]), (8, [8, 3, 1])])
 def test_graph_hooks_uniform_multi_token_decode(decode_query_len, query_lens) -> None:
     """A speculative verification batch (up to k + 1 query tokens per request, fewer where a request
