@@ -3,7 +3,8 @@
 KV cache layout: (2, num_blocks, block_size, num_kv_heads, head_size): K at index 0, V at index 1,
 each page NHD with the head dim contiguous (the same per-page layout FlashAttention uses). Every kernel
 takes the block/token/head strides, so KVLLM_TRITON_KV_LAYOUT=HND keeps that shape but stores each page
-head-major in memory (one head's block_size rows contiguous), a measurement switch.
+head-major in memory (one head's block_size rows contiguous), a measurement switch: nano-vllm ran at the
+same speed with either on an H100 (docs/benchmarks.md, thirteenth session).
 Kernels: `kvllm.attention.ops.triton_reshape_and_cache` and `kvllm.attention.ops.triton_unified_attention`.
 """
 

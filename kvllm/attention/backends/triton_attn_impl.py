@@ -110,7 +110,8 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
 
     def orders_decodes(self, num_decode_reqs: int, num_splits: int) -> bool:
         """Whether the decode launch starts its programs longest request first: an unsplit launch of more
-        programs than the GPU runs at once (a split launch's segments already even out the lengths)."""
+        programs than the GPU has SMs (a split launch has fewer than 2 per SM: about one wave, no tail to
+        order)."""
         programs = num_decode_reqs * self.kv_cache_spec.num_kv_heads
         return (
             self.longest_first
