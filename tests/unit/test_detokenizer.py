@@ -264,3 +264,15 @@ def test_prompt_context_is_the_last_in_vocab_prompt_ids(tokenizer):
     assert IncrementalDetokenizer(tokenizer, [big, 3], SamplingParams())._ids == [3]
     # Without detokenization no context is kept at all.
     assert IncrementalDetokenizer(tokenizer, prompt, SamplingParams(detokenize=False))._ids == []
+
+
+def test_admission_does_not_walk_the_prompt(tokenizer, monkeypatch):
+    """Building a request's detokenizer looks at the prompt's last few ids, not all of them."""
+    calls = []
+    original = IncrementalDetokenizer._in_vocab
+    monkeypatch.setattr(
+        IncrementalDetokenizer, "_in_vocab", lambda self, t: calls.append(t) or original(self, t)
+    )
+    prompt = [1 + i % (len(tokenizer) - 1) for i in range(20000)]  # all in the vocabulary
+    detok = IncrementalDetokenizer(tokenizer, prompt, SamplingParams())
+    assert len(calls) == 5 and detok._ids == prompt[-5:]
