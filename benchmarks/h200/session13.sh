@@ -18,8 +18,9 @@
 #     - the split policy on the kernel alone: ragged batches of 48-128 requests (the workload's tail, where
 #       one wave of programs does not fill the GPU), policies 2,4 (the default), 8,12 and 16,16.
 #   vLLM's staged archive travels in three parts here (the tree grew to 9.8 MiB, and part 1 of the standard two,
-#   58 MiB, no longer fits the 64 MiB a call carries): after stage-vllm.sh, .vllm/part1's piece is split in two
-#   (part1: .0a, part2: .0b), the old part 2 is part3, and every MANIFEST lists the three pieces.
+#   58 MiB, no longer fits the 64 MiB a call carries): after stage-vllm.sh, bash benchmarks/h200/split-vllm-parts.sh
+#   splits .vllm/part1's piece in two (part1: .0a, part2: .0b), moves the old part 2 to part3, and rewrites every
+#   MANIFEST to list the three pieces.
 #   final1  carry [".vllm/part1"]: vLLM's first piece onto the machine; the fused sampler's kernel timed alone
 #     (its Philox now one call per four tokens) and its GPU tests.
 #   final1b carry [".vllm/part2"], within 30 s of final1: the second piece; the GPU test of the ordered decode
