@@ -248,6 +248,22 @@ def _pad(batch, num_reqs: int, num_tokens: int) -> tuple[CommonAttentionMetadata
     return padded, pad_rows(batch.query), torch.stack([pad_rows(batch.new_keys), pad_rows(batch.new_values)])
 
 
+def _error_against_reference(impl, batch, query, new_kv, md) -> float:
+    """Relative error of the impl's output for the batch's real tokens (the rest is graph padding) against the
+    float32 reference, over a fresh fp16 NHD cache holding the batch's context."""
+    _, num_kv_heads, head_size = batch.new_keys.shape
+    kv_cache = torch.zeros(
+        2, batch.num_blocks, batch.block_size, num_kv_heads, head_size, dtype=torch.float16
+    )
+    batch.fill_cache(kv_cache[0], kv_cache[1])
+    layer = types.SimpleNamespace(k_scale=torch.tensor(1.0), v_scale=torch.tensor(1.0))
+    out = torch.full_like(query, float("nan"))
+    impl.forward(layer, query, new_kv[0], new_kv[1], kv_cache, md, output=out)
+    real = batch.metadata.num_actual_tokens
+    ref = batch.reference(head_size**-0.5)
+    return ((out[:real].float() - ref).norm() / ref.norm()).item()
+
+
 @pytest.mark.parametrize(
     "query_lens,context_lens", [([1, 1, 1], [300, 20, 77]), ([1, 1, 6, 20], [30, 5, 9, 0])]
 )
@@ -258,7 +274,6 @@ def test_graph_hooks(query_lens, context_lens) -> None:
     builder = TritonAttentionMetadataBuilder(TritonAttentionBackend, spec, torch.device("cpu"), 8, 64, 1024)
     impl = TritonAttentionImpl(num_heads, head_size, head_size**-0.5, num_kv_heads)
     impl.decode_config = impl.prefill_config = SMALL
-    layer = types.SimpleNamespace(k_scale=torch.tensor(1.0), v_scale=torch.tensor(1.0))
     pointers = None
     for step, hook in enumerate((builder.prepare_for_capture, builder.prepare_for_replay)):
         batch = make_paged_batch(query_lens, context_lens, num_heads, num_kv_heads, head_size, block_size,
@@ -272,14 +287,7 @@ def test_graph_hooks(query_lens, context_lens) -> None:
             assert md.num_decode_reqs == md.num_reqs and md.num_splits > 1
         else:
             assert md.num_decode_reqs == 0 and md.num_splits == 1
-        kv_cache = torch.zeros(2, batch.num_blocks, block_size, num_kv_heads, head_size, dtype=torch.float16)
-        batch.fill_cache(kv_cache[0], kv_cache[1])
-        out = torch.full_like(query, float("nan"))
-        impl.forward(layer, query, new_kv[0], new_kv[1], kv_cache, md, output=out)
-        real = batch.metadata.num_actual_tokens
-        ref = batch.reference(head_size**-0.5)
-        err = ((out[:real].float() - ref).norm() / ref.norm()).item()
-        assert err < TOLERANCE[torch.float16][0]
+        assert _error_against_reference(impl, batch, query, new_kv, md) < TOLERANCE[torch.float16][0]
 
 
 def test_graph_hooks_order_decodes_in_a_fixed_buffer() -> None:
@@ -289,7 +297,6 @@ def test_graph_hooks_order_decodes_in_a_fixed_buffer() -> None:
     spec = KVCacheSpec(block_size, num_kv_heads, head_size, torch.float16, "auto")
     builder = TritonAttentionMetadataBuilder(TritonAttentionBackend, spec, torch.device("cpu"), 32, 64, 1024)
     impl = TritonAttentionImpl(num_heads, head_size, head_size**-0.5, num_kv_heads)
-    layer = types.SimpleNamespace(k_scale=torch.tensor(1.0), v_scale=torch.tensor(1.0))
     query_lens, num_reqs = [1] * 20, 22
     pointer = None
     for step, hook in enumerate((builder.prepare_for_capture, builder.prepare_for_replay)):
@@ -305,13 +312,7 @@ def test_graph_hooks_order_decodes_in_a_fixed_buffer() -> None:
         assert sorted(order[:20]) == list(range(20)) and sorted(order[20:]) == [20, 21]
         lens = [context_lens[i] + 1 for i in order[:20]]
         assert lens == sorted(lens, reverse=True)
-        kv_cache = torch.zeros(2, batch.num_blocks, block_size, num_kv_heads, head_size, dtype=torch.float16)
-        batch.fill_cache(kv_cache[0], kv_cache[1])
-        out = torch.full_like(query, float("nan"))
-        impl.forward(layer, query, new_kv[0], new_kv[1], kv_cache, md, output=out)
-        ref = batch.reference(head_size**-0.5)
-        err = ((out[:20].float() - ref).norm() / ref.norm()).item()
-        assert err < TOLERANCE[torch.float16][0]
+        assert _error_against_reference(impl, batch, query, new_kv, md) < TOLERANCE[torch.float16][0]
 
 
 def test_ordered_multi_token_decode_launch() -> None:
@@ -321,7 +322,6 @@ def test_ordered_multi_token_decode_launch() -> None:
     spec = KVCacheSpec(block_size, num_kv_heads, head_size, torch.float16, "auto")
     builder = TritonAttentionMetadataBuilder(TritonAttentionBackend, spec, torch.device("cpu"), 32, 128, 1024)
     impl = TritonAttentionImpl(num_heads, head_size, head_size**-0.5, num_kv_heads)
-    layer = types.SimpleNamespace(k_scale=torch.tensor(1.0), v_scale=torch.tensor(1.0))
     query_lens = [4, 2, 4, 1, 3] * 4
     batch = make_paged_batch(query_lens, RAGGED_CONTEXT_LENS[:20], num_heads, num_kv_heads, head_size, block_size,
                              dtype=torch.float16, seed=9)  # fmt: skip
@@ -330,14 +330,7 @@ def test_ordered_multi_token_decode_launch() -> None:
     padded.decode_query_len = 4
     md = builder.prepare_for_replay(padded)
     assert md.decode_query_len == 4 and md.num_splits == 1 and md.decode_order is not None
-    kv_cache = torch.zeros(2, batch.num_blocks, block_size, num_kv_heads, head_size, dtype=torch.float16)
-    batch.fill_cache(kv_cache[0], kv_cache[1])
-    out = torch.full_like(query, float("nan"))
-    impl.forward(layer, query, new_kv[0], new_kv[1], kv_cache, md, output=out)
-    real = batch.metadata.num_actual_tokens
-    ref = batch.reference(head_size**-0.5)
-    err = ((out[:real].float() - ref).norm() / ref.norm()).item()
-    assert err < TOLERANCE[torch.float16][0]
+    assert _error_against_reference(impl, batch, query, new_kv, md) < TOLERANCE[torch.float16][0]
 
 
 @pytest.mark.parametrize("decode_query_len,query_lens", [(4, [4, 2, 4, 1]), (8, [8, 3, 1])])
@@ -350,7 +343,6 @@ def test_graph_hooks_uniform_multi_token_decode(decode_query_len, query_lens) ->
     builder = TritonAttentionMetadataBuilder(TritonAttentionBackend, spec, torch.device("cpu"), 8, 64, 1024)
     impl = TritonAttentionImpl(num_heads, head_size, head_size**-0.5, num_kv_heads)
     impl.decode_config = SMALL
-    layer = types.SimpleNamespace(k_scale=torch.tensor(1.0), v_scale=torch.tensor(1.0))
     context_lens = [300, 20, 77, 5][: len(query_lens)]
     num_reqs = len(query_lens) + 1
     for seed, hook in enumerate((builder.prepare_for_capture, builder.prepare_for_replay)):
@@ -364,14 +356,7 @@ def test_graph_hooks_uniform_multi_token_decode(decode_query_len, query_lens) ->
         md = hook(padded)
         assert md.num_decode_reqs == num_reqs and md.decode_query_len == decode_query_len
         assert md.num_splits > 1
-        kv_cache = torch.zeros(2, batch.num_blocks, block_size, num_kv_heads, head_size, dtype=torch.float16)
-        batch.fill_cache(kv_cache[0], kv_cache[1])
-        out = torch.full_like(query, float("nan"))
-        impl.forward(layer, query, new_kv[0], new_kv[1], kv_cache, md, output=out)
-        real = batch.metadata.num_actual_tokens
-        ref = batch.reference(head_size**-0.5)
-        err = ((out[:real].float() - ref).norm() / ref.norm()).item()
-        assert err < TOLERANCE[torch.float16][0]
+        assert _error_against_reference(impl, batch, query, new_kv, md) < TOLERANCE[torch.float16][0]
     too_long = dataclasses.replace(padded, max_query_len=decode_query_len + 1)
     with pytest.raises(ValueError, match="more than decode_query_len"):
         builder.prepare_for_replay(too_long)
