@@ -24,12 +24,12 @@
 #   final1  carry [".vllm/part1"]: vLLM's first piece onto the machine; the fused sampler's kernel timed alone
 #     (its Philox now one call per four tokens) and its GPU tests.
 #   final1b carry [".vllm/part2"], within 30 s of final1: the second piece; the GPU test of the ordered decode
-#     launch on both page layouts; nano-vllm with NHD and head-major pages (KVLLM_TRITON_KV_LAYOUT=HND).
+#     launch on both page layouts (`layout` below settled NHD against HND: the same speed).
 #   solo  carry nothing: what final1, final1b and final2 do for kvllm, in one call, without vLLM (three failed
 #     machine starts left 564 s of device time, too little for vLLM's three staging calls and its start-up):
 #     the sampler's kernel and GPU tests, the ordered launch's GPU test on both layouts, the nano pair NHD/HND,
 #     then issue 17's table for kvllm with the faster layout.
-#   final2  carry [".vllm/part3"], within 30 s of final1b: vLLM 0.22 and kvllm (the layout final1b found faster)
+#   final2  carry [".vllm/part3"], within 30 s of final1b: vLLM 0.22 and kvllm (default NHD pages)
 #     on issue 17's table: batch 1-256 latency, nano-vllm, 256 x 128/128, GPU busy, one process each.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -99,10 +99,6 @@ final1b)
   run_step vllm-stage2 40 bash .vllm/part2/remote-stage.sh 2
   run_step tests-ragged 40 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/gpu/test_triton_attention_gpu.py \
     -k ragged
-  for layout in NHD HND; do  # one pair: failed machine starts left 669 s of device time for three calls
-    KVLLM_TRITON_KV_LAYOUT=$layout bench "nano-$layout-p0-$SECONDS" 45 --engine kvllm --backend TRITON_ATTN --only nano \
-      --step-log --out "$d/nano-$layout-p0-$SECONDS"
-  done
   ;;
 solo)
   run_step gumbel 30 python3 benchmarks/h200/gumbel_bench.py
@@ -126,9 +122,7 @@ layout)  # the NHD/HND pair of `solo` again, after a warm-up run (a fresh machin
 final2)
   bash .vllm/part3/remote-stage.sh 3 > "$d/vllm-stage3.log" 2>&1 || { tail -n 5 "$d/vllm-stage3.log"; save; exit 3; }
   tail -n 3 "$d/vllm-stage3.log"
-  layout=$(python3 benchmarks/h200/pick_layout.py /tmp/final1b)
-  since "layout from final1b's nano runs: $layout"
-  KVLLM_TRITON_KV_LAYOUT=$layout bench kvllm 110 --engine kvllm --backend TRITON_ATTN --only latency,nano,bs256 \
+  bench kvllm 110 --engine kvllm --backend TRITON_ATTN --only latency,nano,bs256 \
     --iters 3 --warmups 2 --profile-nano --out "$d/kvllm"
   (export PYTHONPATH=.:/tmp/site-vllm; bench vllm 220 --engine vllm --only latency,nano,bs256 --iters 3 \
     --warmups 2 --out "$d/vllm")
