@@ -8,7 +8,8 @@ token id per row. The noise is Philox keyed by a per-step seed and the element's
 Philox call (`tl.randint4x`) gives the four tokens 4j..4j+3 of a row their four words, so it needs no
 state on the device and does not depend on the chunking. The Philox rounds, not the logits' bytes, bound
 this kernel: with one call per token it took 119.6 ms of nano-vllm's run on an H200 (115 us a step), with
-one per four tokens 78.7 ms on an H100 (same SM count and clock). Used for rows
+one per four tokens 78.7 ms on an H100 (same SM count and clock). Each element position keeps its running
+best over a chunk's blocks, reduced across the program once at the chunk's end. Used for rows
 without top-k / top-p / min-p and without a per-request seed; the sampler keeps the torch path for
 everything else.
 """
@@ -54,40 +55,33 @@ def _gumbel_chunk_kernel(
     base = logits_ptr + row.to(tl.int64) * stride_row
     chunk_start = chunk * blocks_per_chunk * BLOCK
     chunk_end = tl.minimum(chunk_start + blocks_per_chunk * BLOCK, vocab_size)
-    best = tl.full([], float("-inf"), tl.float32)
-    best_index = chunk_start
-    # A block as [BLOCK // 4, 4]: token start + 4j + lane.
+    # A block as [BLOCK // 4, 4]: token start + 4j + lane. Each position keeps its running best over the
+    # chunk's blocks (strictly greater: the earlier block wins a tie); one reduction at the end.
     quad = tl.arange(0, BLOCK // 4)
     lane = tl.arange(0, 4)
+    run_best = tl.full([BLOCK // 4, 4], float("-inf"), tl.float32)
+    run_index = tl.zeros([BLOCK // 4, 4], tl.int32) + chunk_start
     for start in range(chunk_start, chunk_end, BLOCK):
         offs = start + quad[:, None] * 4 + lane[None, :]
         in_vocab = offs < vocab_size
         x = tl.load(base + offs, mask=in_vocab, other=float("-inf")).to(tl.float32)
         if not greedy:
             # Keyed by the token id (start is a multiple of 4), not its chunk: the draw does not depend
-            # on the chunking.
+            # on the chunking. join(join(r0, r2), join(r1, r3)) puts word k on lane k.
             r0, r1, r2, r3 = tl.randint4x(seed, row * tl.cdiv(vocab_size, 4) + start // 4 + quad)
-            bits = tl.where(
-                lane[None, :] == 0,
-                r0[:, None],
-                tl.where(
-                    lane[None, :] == 1, r1[:, None], tl.where(lane[None, :] == 2, r2[:, None], r3[:, None])
-                ),
-            )
+            bits = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), [BLOCK // 4, 4])
             u = tl.random.uint_to_uniform_float(bits)
             # -log(-log(u)): u = 0 gives -inf (never chosen), never NaN.
             x = x * inv_t - tl.log(-tl.log(u))
             x = tl.where(in_vocab, x, float("-inf"))
-        # The block's first best token: the first best quad, then its first best lane (as torch.argmax).
-        quad_best = tl.max(x, axis=1)
-        quad_lane = tl.argmax(x, axis=1)
-        block_best = tl.max(quad_best, axis=0)
-        block_quad = tl.argmax(quad_best, axis=0)
-        block_lane = tl.sum(tl.where(quad == block_quad, quad_lane, 0), axis=0)
-        # Strictly greater: on ties the first index wins, as torch.argmax.
-        better = block_best > best
-        best_index = tl.where(better, start + block_quad * 4 + block_lane, best_index)
-        best = tl.where(better, block_best, best)
+        better = x > run_best
+        run_index = tl.where(better, offs, run_index)
+        run_best = tl.where(better, x, run_best)
+    # The chunk's first best token (as torch.argmax): the best value, then the smallest index holding it.
+    best = tl.max(tl.max(run_best, axis=1), axis=0)
+    best_index = tl.min(tl.min(tl.where(run_best == best, run_index, 2**31 - 1), axis=1), axis=0)
+    # A chunk of -inf only (every token masked or noised to -inf): its first token, never chosen.
+    best_index = tl.where(best == float("-inf"), chunk_start, best_index)
     tl.store(chunk_best_ptr + row * num_chunks + chunk, best)
     tl.store(chunk_index_ptr + row * num_chunks + chunk, best_index)
 
