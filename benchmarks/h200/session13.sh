@@ -108,7 +108,7 @@ solo)
     KVLLM_TRITON_KV_LAYOUT=$layout bench "nano-$layout-p0-$SECONDS" 45 --engine kvllm --backend TRITON_ATTN --only nano \
       --step-log --out "$d/nano-$layout-p0-$SECONDS"
   done
-  layout=$(python3 benchmarks/h200/pick_layout.py "$d")
+  layout=$(python3 benchmarks/h200/pick_arm.py "$d" NHD-p0 HND-p0 --margin 0)
   since "layout from the nano pair: $layout"
   KVLLM_TRITON_KV_LAYOUT=$layout bench kvllm 110 --engine kvllm --backend TRITON_ATTN --only latency,nano,bs256 \
     --iters 3 --warmups 2 --profile-nano --out "$d/kvllm"

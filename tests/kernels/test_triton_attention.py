@@ -413,3 +413,56 @@ def test_split_policy_switch(monkeypatch) -> None:
     monkeypatch.setenv("KVLLM_TRITON_SPLIT_POLICY", "8")
     with pytest.raises(ValueError, match="KVLLM_TRITON_SPLIT_POLICY='8'"):
         TritonAttentionMetadataBuilder(TritonAttentionBackend, spec, torch.device("cpu"), 256, 8192, 4096)
+
+
+def test_decode_plan_setting(monkeypatch) -> None:
+    spec = KVCacheSpec(16, 8, 128, torch.float16, "auto")
+
+    def builder():
+        return TritonAttentionMetadataBuilder(
+            TritonAttentionBackend, spec, torch.device("cpu"), 256, 8192, 4096
+        )
+
+    monkeypatch.setenv("KVLLM_TRITON_DECODE_PLAN", "128:64,2,3,2,o; 48:32,4,4,4")
+    b = builder()
+    b.num_sms = 132
+    assert [e.max_reqs for e in b.decode_plan] == [48, 128]  # sorted, whatever the order written
+    assert b.plan_for(33, graph=True).tile_n == 32 and b.plan_for(48, graph=True).num_stages == 4
+    assert b.plan_for(49, graph=True).num_stages == 3 and b.plan_for(128, graph=True).ordered
+    assert b.plan_for(129, graph=True) is None and b.plan_for(0, graph=True) is None
+    assert b.plan_for(40, graph=False) is None  # eager launches keep the defaults
+    assert b.num_splits_for(40, 4096, graph=True) == 4 and b.num_splits_for(100, 4096, graph=True) == 2
+    assert b.num_splits_for(40, 300, graph=True) == 1  # never a segment below MIN_SPLIT_TOKENS
+    assert b.num_splits_for(256, 4096, graph=True) == 1  # past the plan: the default policy
+    assert b.num_splits_for(100, 4096) == 1  # eager: the default policy
+    assert b.orders_decodes(100, 2, graph=True) and not b.orders_decodes(40, 4, graph=True)
+    monkeypatch.setenv("KVLLM_TRITON_DECODE_ORDER", "batch")
+    assert not builder().orders_decodes(100, 2, graph=True)
+    for bad in ("64:64,2,2", "x:64,2,2,1", "64:48,2,2,1", "64:64,2,2,3", "64:64,2,2,128", "64:64,0,2,1"):
+        monkeypatch.setenv("KVLLM_TRITON_DECODE_PLAN", bad)
+        with pytest.raises(ValueError, match="KVLLM_TRITON_DECODE_PLAN entry"):
+            builder()
+
+
+@pytest.mark.parametrize("plan", ["32:16,4,1,4,o", "32:16,2,2,2", "32:32,4,3,1"])
+def test_planned_decode_launch(monkeypatch, plan) -> None:
+    """A graph launch takes the plan's split count, order and tiles (ordered split launches included) and
+    still matches the float32 reference on a padded batch; an eager build of the same batch ignores the plan."""
+    monkeypatch.setenv("KVLLM_TRITON_DECODE_PLAN", plan)
+    num_heads, num_kv_heads, head_size, block_size = 4, 2, 64, 16
+    spec = KVCacheSpec(block_size, num_kv_heads, head_size, torch.float16, "auto")
+    builder = TritonAttentionMetadataBuilder(TritonAttentionBackend, spec, torch.device("cpu"), 32, 64, 1200)
+    impl = TritonAttentionImpl(num_heads, head_size, head_size**-0.5, num_kv_heads)
+    contexts = [1100] + RAGGED_CONTEXT_LENS[1:20]  # long enough for 4 segments of MIN_SPLIT_TOKENS
+    batch = make_paged_batch([1] * 20, contexts, num_heads, num_kv_heads, head_size, block_size,
+                             dtype=torch.float16, seed=5)  # fmt: skip
+    padded, query, new_kv = _pad(batch, 22, 22)
+    md = builder.prepare_for_replay(padded)
+    tile_n, warps, stages, splits = (int(x) for x in plan.split(":")[1].split(",")[:4])
+    assert md.decode_plan is not None and md.num_decode_reqs == 22 and md.num_splits == splits
+    assert (md.decode_order is not None) == (plan.endswith(",o") or splits == 1)
+    cfg = impl._planned_config(md, torch.float16)
+    assert (cfg.tile_n, cfg.num_warps, cfg.num_stages) == (tile_n, warps, stages)
+    assert _error_against_reference(impl, batch, query, new_kv, md) < TOLERANCE[torch.float16][0]
+    eager = builder.build(batch.metadata)
+    assert eager.decode_plan is None and eager.num_splits == builder.num_splits_for(20, 1101)

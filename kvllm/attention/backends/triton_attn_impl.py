@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -11,7 +12,12 @@ import torch
 from kvllm.attention.impl import AttentionImpl, AttentionLayer, AttentionMetadataBuilder
 from kvllm.attention.metadata import CommonAttentionMetadata
 from kvllm.attention.ops.triton_reshape_and_cache import reshape_and_cache
-from kvllm.attention.ops.triton_unified_attention import MAX_SEGMENTS, KernelConfig, unified_attention
+from kvllm.attention.ops.triton_unified_attention import (
+    MAX_SEGMENTS,
+    KernelConfig,
+    decode_config,
+    unified_attention,
+)
 from kvllm.utils.dtypes import FP8_DTYPES, FP8_TORCH_DTYPES
 
 MIN_SPLIT_TOKENS = 256  # a split-KV segment below this many keys costs more in the reduce than it saves
@@ -34,6 +40,45 @@ def split_policy() -> tuple[int, int]:
     if not (below.isdigit() and target.isdigit() and int(below) > 0 and int(target) > 0):
         raise ValueError(f"KVLLM_TRITON_SPLIT_POLICY={text!r}: expected two positive integers, BELOW,TARGET")
     return int(below), int(target)
+
+
+@dataclass(frozen=True)
+class DecodePlanEntry:
+    """How a decode launch of at most `max_reqs` requests runs: its KV tile, warps, stages and split count,
+    and whether a split launch starts its requests longest first."""
+
+    max_reqs: int
+    tile_n: int
+    num_warps: int
+    num_stages: int
+    splits: int
+    ordered: bool
+
+
+def decode_plan_setting() -> tuple[DecodePlanEntry, ...]:
+    """KVLLM_TRITON_DECODE_PLAN (a measurement switch, empty by default): ';'-separated entries
+    `MAX_REQS:TILE_N,WARPS,STAGES,SPLITS[,o]`. A decode launch of R requests takes the entry with the
+    smallest MAX_REQS >= R; launches larger than every entry keep the default tiles and split policy."""
+    text = os.environ.get("KVLLM_TRITON_DECODE_PLAN", "").strip()
+    entries = []
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        reqs, _, rest = part.partition(":")
+        fields = rest.split(",")
+        ordered = fields[-1] == "o"
+        numbers = fields[:-1] if ordered else fields
+        if not (reqs.isdigit() and len(numbers) == 4 and all(f.isdigit() and int(f) > 0 for f in numbers)):
+            raise ValueError(
+                f"KVLLM_TRITON_DECODE_PLAN entry {part!r}: expected MAX_REQS:TILE_N,WARPS,STAGES,SPLITS[,o] "
+                "with positive integers"
+            )
+        tile_n, warps, stages, splits = map(int, numbers)
+        if tile_n < 16 or tile_n & (tile_n - 1) or splits & (splits - 1) or splits > MAX_SEGMENTS:
+            raise ValueError(
+                f"KVLLM_TRITON_DECODE_PLAN entry {part!r}: TILE_N must be a power of two >= 16 and SPLITS a "
+                f"power of two <= {MAX_SEGMENTS}"
+            )
+        entries.append(DecodePlanEntry(int(reqs), tile_n, warps, stages, splits, ordered))
+    return tuple(sorted(entries, key=lambda e: e.max_reqs))
 
 
 def decode_order_setting() -> str:
@@ -64,6 +109,7 @@ class TritonAttentionMetadata:
     slot_mapping: torch.Tensor  # int64 [num_tokens]; -1 = padding, not written
     decode_query_len: int = 1
     decode_order: torch.Tensor | None = None  # int64 [num_decode_reqs]: the decode programs' start order
+    decode_plan: DecodePlanEntry | None = None  # KVLLM_TRITON_DECODE_PLAN's tiles for the decode launch
 
 
 class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
@@ -95,11 +141,23 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
         self.slot_mapping = torch.full((max_num_tokens,), -1, dtype=torch.int64, device=device)
         self.longest_first = decode_order_setting() == "longest_first"
         self.split_below, self.split_target = split_policy()
+        self.decode_plan = decode_plan_setting()
         self.decode_order = torch.zeros(max_num_reqs, dtype=torch.int64, device=device)
         self._sorted_seq_lens = torch.zeros(max_num_reqs, dtype=torch.int32, device=device)
 
-    def num_splits_for(self, num_decode_reqs: int, max_seq_len: int) -> int:
-        """KV segments for the decode launch: split only when too few programs fill the GPU."""
+    def plan_for(self, num_decode_reqs: int, graph: bool) -> DecodePlanEntry | None:
+        """The KVLLM_TRITON_DECODE_PLAN entry of a decode launch. Only graph launches (`graph`) follow the
+        plan: their variants compile at capture, while an eager step's new variant would compile mid-serving."""
+        if num_decode_reqs == 0 or not graph:
+            return None
+        return next((e for e in self.decode_plan if num_decode_reqs <= e.max_reqs), None)
+
+    def num_splits_for(self, num_decode_reqs: int, max_seq_len: int, graph: bool = False) -> int:
+        """KV segments for the decode launch: split only when too few programs fill the GPU (or, for a
+        `graph` launch, as KVLLM_TRITON_DECODE_PLAN says, never into segments below MIN_SPLIT_TOKENS)."""
+        entry = self.plan_for(num_decode_reqs, graph)
+        if entry is not None:
+            return max(1, min(entry.splits, 1 << (max(1, max_seq_len // MIN_SPLIT_TOKENS).bit_length() - 1)))
         programs = num_decode_reqs * self.kv_cache_spec.num_kv_heads
         if programs == 0 or programs >= self.split_below * self.num_sms:
             return 1
@@ -108,11 +166,14 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
         by_length = 1 << (by_length.bit_length() - 1)
         return max(1, min(by_occupancy, by_length, MAX_SEGMENTS))
 
-    def orders_decodes(self, num_decode_reqs: int, num_splits: int) -> bool:
+    def orders_decodes(self, num_decode_reqs: int, num_splits: int, graph: bool = False) -> bool:
         """Whether the decode launch starts its programs longest request first: an unsplit launch of more
         programs than the GPU has SMs (a split launch has fewer than 2 per SM: about one wave, no tail to
-        order)."""
+        order), or a `graph` launch whose KVLLM_TRITON_DECODE_PLAN entry says so."""
         programs = num_decode_reqs * self.kv_cache_spec.num_kv_heads
+        entry = self.plan_for(num_decode_reqs, graph)
+        if entry is not None and num_splits > 1:
+            return self.longest_first and entry.ordered and num_decode_reqs <= MAX_GRID_Y
         return (
             self.longest_first
             and num_splits == 1
@@ -174,9 +235,9 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
             decode_query_len, num_decode_reqs = common.decode_query_len, num_reqs
         else:
             num_decode_reqs = num_reqs if common.max_query_len <= 1 else 0
-        num_splits = self.num_splits_for(num_decode_reqs, self.max_model_len)
+        num_splits = self.num_splits_for(num_decode_reqs, self.max_model_len, graph=True)
         decode_order = None
-        if self.orders_decodes(num_decode_reqs, num_splits):
+        if self.orders_decodes(num_decode_reqs, num_splits, graph=True):
             # Refilled before every replay, like the buffers above (padding requests, length 0, sort last).
             decode_order = self.decode_order[:num_decode_reqs]
             torch.sort(
@@ -197,12 +258,24 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
             slot_mapping=self.slot_mapping[:num_tokens],
             decode_query_len=decode_query_len,
             decode_order=decode_order,
+            decode_plan=self.plan_for(num_decode_reqs, graph=True),
         )
 
 
 def _check_causal(common: CommonAttentionMetadata) -> None:
     if not common.causal:
         raise NotImplementedError("TRITON_ATTN implements causal attention only (non-causal is not declared)")
+
+
+@functools.lru_cache(maxsize=256)
+def planned_decode_config(
+    entry: DecodePlanEntry, head_size: int, queries_per_kv: int, dtype: torch.dtype, query_len: int
+) -> KernelConfig:
+    """The decode launch's tiles under a KVLLM_TRITON_DECODE_PLAN entry (rows as decode_config sets them)."""
+    rows = decode_config(head_size, queries_per_kv, dtype, query_len).block_m
+    return KernelConfig(
+        block_m=rows, tile_n=entry.tile_n, num_warps=entry.num_warps, num_stages=entry.num_stages
+    )
 
 
 class TritonAttentionImpl(AttentionImpl):
@@ -227,6 +300,14 @@ class TritonAttentionImpl(AttentionImpl):
 
     def kv_cache_views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return kv_cache[0], kv_cache[1]
+
+    def _planned_config(self, md: TritonAttentionMetadata, dtype: torch.dtype) -> KernelConfig | None:
+        if md.decode_plan is None or md.num_decode_reqs == 0:
+            return None
+        queries_per_kv = self.num_heads // self.num_kv_heads
+        return planned_decode_config(
+            md.decode_plan, self.head_size, queries_per_kv, dtype, md.decode_query_len
+        )
 
     def forward(
         self,
@@ -272,7 +353,7 @@ class TritonAttentionImpl(AttentionImpl):
             num_splits=md.num_splits,
             decode_order=md.decode_order,
             decode_query_len=md.decode_query_len,
-            decode_cfg=self.decode_config,
+            decode_cfg=self.decode_config or self._planned_config(md, query.dtype),
             prefill_cfg=self.prefill_config,
             key=key,
             value=value,
