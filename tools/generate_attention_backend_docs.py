@@ -280,11 +280,12 @@ def _priority_section() -> list[str]:
             lines.append("")
     lines += [
         "On CPU, `FLEX_ATTENTION` also runs when selected by name; it is not chosen automatically.",
-        "On CUDA it runs every step through its general kernel; `KVLLM_FLEX_SPLIT_PATH=1` opts in to its split",
-        "path (decodes through FlexAttention's decoding kernel, fresh prefills over their own K/V). Its kernel",
-        "tests and the engine's bf16 greedy run judged against HF float32 passed on the H200 (ninth session;",
-        "the kernel tests again in the eleventh); it stays opt-in until its speed is measured beside the",
-        "general path's (the H200 attention tables so far timed the general path).",
+        "On CUDA, steps whose prefills have nothing cached take its split path (decodes through FlexAttention's",
+        "decoding kernel, fresh prefills over their own K/V), other steps its general kernel;",
+        "`KVLLM_FLEX_SPLIT_PATH=0` sends every step to the general kernel. On an H100 the split path took decode",
+        "256 x 1k from 0.67 to 2.63 TB/s and prefill 8 x 2048 from 18 to 152 TFLOP/s (`docs/benchmarks.md`,",
+        "fourteenth session); its kernel tests and the engine's bf16 greedy run judged against HF float32",
+        "passed on the H200 (ninth and eleventh sessions).",
         "",
         *_mla_priority_lines(),
     ]

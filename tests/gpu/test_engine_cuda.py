@@ -44,8 +44,8 @@ def test_greedy_bf16_matches_hf_fp32(qwen3_small, backend):
 
 
 def test_flex_split_path_greedy_bf16_matches_hf_fp32(qwen3_small, monkeypatch):
-    """FLEX_ATTENTION with its split path opted in (decoding kernel, fresh prefills): off by default
-    on CUDA since its first H200 run gave logprob errors of 10-25 after a few decode steps."""
+    """FLEX_ATTENTION with its split path (decoding kernel, fresh prefills; CUDA's default, set here
+    explicitly): its first H200 run gave logprob errors of 10-25 after a few decode steps (fixed since)."""
     from kvllm.attention.backends import flex_attention_impl as flex
 
     monkeypatch.setenv(flex.SPLIT_PATH_ENV, "1")

@@ -8,7 +8,7 @@ batches: decodes first, a fresh prompt and chunked prefills, scrambled block tab
 slots no request owns hold large finite garbage, so reading past a sequence shows up.
 Compile-failure state is reset before every test, so one configuration's failure cannot fail
 the tests after it.
-The split path (off by default on CUDA) is opted in for every test here (KVLLM_FLEX_SPLIT_PATH=1), so
+The split path (CUDA's default) is set explicitly for every test here (KVLLM_FLEX_SPLIT_PATH=1), so
 decode-only and fresh-prefill steps take it; the general path is checked on those steps too.
 Run on the H200: `pytest -m gpu tests/gpu/test_flex_attention_gpu.py`.
 """
@@ -46,7 +46,7 @@ WINDOW, SOFT_CAP = 24, 5.0
 
 @pytest.fixture(autouse=True)
 def compiled(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Compile requested, the split path (decoding kernel, fresh prefills) opted in, and no compile
+    """Compile requested, the split path (decoding kernel, fresh prefills) on, and no compile
     failure (nor one-time log) left over from earlier tests."""
     monkeypatch.setenv(flex.COMPILE_ENV, "1")
     monkeypatch.setenv(flex.SPLIT_PATH_ENV, "1")
@@ -234,7 +234,7 @@ def test_compile_count_over_decode_steps() -> None:
 @pytest.mark.parametrize("split_path", ["0", "1"])
 def test_decode_steps_many_pages_either_path(split_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Decode-only batch of long sequences (tens of full pages each, over more KV splits than one) on
-    the default general path and on the split path: every request must read its own pages."""
+    the general path and on the split path (the default): every request must read its own pages."""
     monkeypatch.setenv(flex.SPLIT_PATH_ENV, split_path)
     contexts = [3, 700, 1000, 257, 40, 500, 128, 33]
     batch = make_paged_batch([1] * len(contexts), contexts, 8, 8, 128, 16, torch.bfloat16, DEVICE, seed=9)

@@ -64,19 +64,20 @@ def test_prefills_with_cached_context_take_the_general_path() -> None:
     assert case.metadata.decode_masks is None and case.metadata.fresh_prefill_from is None
 
 
-def test_cuda_takes_the_split_path_only_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Until a GPU run passes the split path, CUDA steps take the general kernel unless
-    KVLLM_FLEX_SPLIT_PATH=1 (read when the layer is built)."""
+def test_cuda_takes_the_split_path_unless_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CUDA steps shaped for it take the split path unless KVLLM_FLEX_SPLIT_PATH=0 (read when the layer is
+    built); the CPU never does (only tests that set decode_path_eager run it there)."""
     batch = make_paged_batch([1, 1, 9], [5, 40, 0], 4, 2, 32, 16, seed=0)
     cuda = torch.device("cuda")
     monkeypatch.delenv(flex.SPLIT_PATH_ENV, raising=False)
     case = prepare_backend_case(FlexAttentionBackend, batch)
     assert case.metadata.decode_masks is not None  # a split-shaped step
-    assert not case.impl._use_split_path(case.metadata, cuda)
-    monkeypatch.setenv(flex.SPLIT_PATH_ENV, "1")
-    opted_in = prepare_backend_case(FlexAttentionBackend, batch)
-    assert opted_in.impl._use_split_path(opted_in.metadata, cuda)
-    assert not opted_in.impl._use_split_path(opted_in.metadata, torch.device("cpu"))
+    assert case.impl._use_split_path(case.metadata, cuda)
+    assert not case.impl._use_split_path(case.metadata, torch.device("cpu"))
+    for off in ("0", "off"):
+        monkeypatch.setenv(flex.SPLIT_PATH_ENV, off)
+        turned_off = prepare_backend_case(FlexAttentionBackend, batch)
+        assert not turned_off.impl._use_split_path(turned_off.metadata, cuda)
 
 
 @pytest.mark.parametrize("window", [None, 1, 100, 128, 300])

@@ -16,8 +16,7 @@ class FlexAttentionBackend(AttentionBackend):
     The KV "sequence" the kernel sees is the whole physical cache (num_blocks * block_size
     slots); a BlockMask built from the block tables tells it which pages each group of 16 query
     tokens touches, and a mask_mod maps every physical slot back to (request, position).
-    With KVLLM_FLEX_SPLIT_PATH=1 (off by default until an H200 run times it beside the general path;
-    its tests passed there), CUDA steps whose prefills have nothing cached split in two: the decodes take
+    On CUDA (unless KVLLM_FLEX_SPLIT_PATH=0), steps whose prefills have nothing cached split in two: the decodes take
     FlexAttention's decoding kernel (a batch of one-token queries over a decode-shaped BlockMask
     kept in the builder and updated on the device in place, shared by every layer and step:
     flex_attention_decode), the fresh prefills one packed call over the step's own K/V with large
