@@ -13,9 +13,12 @@
 #      default / plan alternating twice after a discarded warm-up run; the faster arm (pick_arm.py).
 #   c  carry [".vllm/part3"]: the third piece; kvllm (with the faster arm) and vLLM 0.22 on issue 17's table:
 #      batch 1-256 latency, nano-vllm (with kvllm's kernel timeline), 256 x 128/128, one process each.
+#   e  carry nothing (a later call, any machine): the split decode launch's fused reduce
+#      (KVLLM_TRITON_SPLIT_REDUCE=fused: the last segment program combines, no reduce kernel) against the
+#      reduce kernel: its GPU tests, then batch 1-256 latency alternating twice (batch 1 and 8 split their KV).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-phase=${1:?usage: session14.sh a|b|c}
+phase=${1:?usage: session14.sh a|b|c|e}
 default_budget_s=570
 source benchmarks/h200/session_lib.sh
 plan_file=/tmp/session14-plan.txt pick_file=/tmp/session14-pick.txt
@@ -61,8 +64,18 @@ c)
   (export PYTHONPATH=.:/tmp/site-vllm; bench vllm 240 --engine vllm --only latency,nano,bs256 --iters 3 \
     --warmups 2 --out "$d/vllm")
   ;;
+e)
+  run_step tests-split 90 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/gpu/test_triton_attention_gpu.py \
+    -k "split_kv or multi_token or graph"
+  for round in 1 2; do
+    for reduce in kernel fused; do
+      KVLLM_TRITON_SPLIT_REDUCE=$reduce bench "latency-$reduce-$round" 60 --engine kvllm --backend TRITON_ATTN \
+        --only latency --iters 5 --warmups 2 --out "$d/latency-$reduce-$round"
+    done
+  done
+  ;;
 *)
-  echo "unknown phase $phase (a|b|c)"; exit 2 ;;
+  echo "unknown phase $phase (a|b|c|e)"; exit 2 ;;
 esac
 kill "$clocks_pid" "${host_probe_pid:-}" 2>/dev/null
 save
