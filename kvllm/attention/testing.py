@@ -397,7 +397,6 @@ def run_triton_case(
     device: str | torch.device = "cpu",
     use_sinks: bool = False,
     num_splits: int | None = None,
-    split_counters: torch.Tensor | None = None,
     decode_config: object | None = None,
     prefill_config: object | None = None,
     seed: int = 0,
@@ -408,8 +407,7 @@ def run_triton_case(
 
     The output buffer starts as NaN (every real token must be written) and the reference reads
     what the cache holds after the step. `num_splits` forces the decode launch's split-KV segment
-    count (None = the builder's choice), `split_counters` (int32 zeros) its fused reduce; sinks are
-    random_sinks(num_heads, seed + 1).
+    count (None = the builder's choice); sinks are random_sinks(num_heads, seed + 1).
     """
     from kvllm.attention.backends.triton_attn import TritonAttentionBackend
 
@@ -418,9 +416,6 @@ def run_triton_case(
         TritonAttentionBackend, *shape, device=device, seed=seed, reference="cache", preallocated_output=True,
         sinks=random_sinks(num_heads, seed + 1, device) if use_sinks else None,
         impl_attrs={"decode_config": decode_config, "prefill_config": prefill_config},
-        metadata_attrs={
-            **({} if num_splits is None else {"num_splits": num_splits}),
-            **({} if split_counters is None else {"split_counters": split_counters}),
-        },
+        metadata_attrs={} if num_splits is None else {"num_splits": num_splits},
         **options,
     )  # fmt: skip

@@ -113,49 +113,20 @@ def test_fp8_dot_mode_rejects_unknown(monkeypatch) -> None:
         fp8_dot_mode()
 
 
-@pytest.mark.parametrize("reduce", ["kernel", "fused"])
 @pytest.mark.parametrize("num_splits", [2, 8])
 @pytest.mark.parametrize(
     "sliding_window,use_sinks,kv_cache_dtype",
     [(None, False, "auto"), (100, True, "auto"), (None, True, "fp8_e4m3")],
 )
-def test_split_kv_decode(reduce, num_splits, sliding_window, use_sinks, kv_cache_dtype) -> None:
+def test_split_kv_decode(num_splits, sliding_window, use_sinks, kv_cache_dtype) -> None:
     # Segments shorter than a tile and longer than several tiles, plus a request with fewer
     # tiles than segments (its extra segments are empty and must drop out of the reduce).
-    counters = torch.zeros(4 * 2, dtype=torch.int32) if reduce == "fused" else None  # 4 decodes x 2 KV heads
     case = run_triton_case(
         [1, 1, 1, 1, 5], [300, 4, 129, 40, 60], 8, 2, 96, 16, torch.float16,
         sliding_window=sliding_window, use_sinks=use_sinks, kv_cache_dtype=kv_cache_dtype, k_scale=0.5,
-        v_scale=2.0, num_splits=num_splits, split_counters=counters, decode_config=SMALL,
+        v_scale=2.0, num_splits=num_splits, decode_config=SMALL,
     )  # fmt: skip
     check(case, torch.float16)
-    if counters is not None:
-        assert counters.eq(0).all()  # zero again for the next launch or graph replay
-
-
-def test_fused_reduce_setting_and_graph_replays(monkeypatch) -> None:
-    """KVLLM_TRITON_SPLIT_REDUCE=fused: the builder's counters go to split launches only, and two replays
-    through the same counters both match the float32 reference (the first left them zero)."""
-    num_heads, num_kv_heads, head_size, block_size = 4, 2, 64, 16
-    spec = KVCacheSpec(block_size, num_kv_heads, head_size, torch.float16, "auto")
-    monkeypatch.setenv("KVLLM_TRITON_SPLIT_REDUCE", "fused")
-    builder = TritonAttentionMetadataBuilder(TritonAttentionBackend, spec, torch.device("cpu"), 8, 64, 1024)
-    impl = TritonAttentionImpl(num_heads, head_size, head_size**-0.5, num_kv_heads)
-    impl.decode_config = SMALL
-    assert builder.split_counters is not None and builder.split_counters.shape == (8 * num_kv_heads,)
-    for seed in (0, 1):
-        batch = make_paged_batch([1, 1, 1], [300, 20, 77], num_heads, num_kv_heads, head_size, block_size,
-                                 dtype=torch.float16, seed=seed)  # fmt: skip
-        padded, query, new_kv = _pad(batch, 4, 5)
-        md = builder.prepare_for_replay(padded)
-        assert md.num_splits > 1 and md.split_counters is builder.split_counters
-        assert _error_against_reference(impl, batch, query, new_kv, md) < TOLERANCE[torch.float16][0]
-        assert builder.split_counters.eq(0).all()
-    unsplit = make_paged_batch([1, 6], [30, 0], num_heads, num_kv_heads, head_size, block_size, seed=2)
-    assert builder.build(unsplit.metadata).split_counters is None
-    monkeypatch.setenv("KVLLM_TRITON_SPLIT_REDUCE", "atomic")
-    with pytest.raises(ValueError, match="KVLLM_TRITON_SPLIT_REDUCE='atomic'"):
-        TritonAttentionMetadataBuilder(TritonAttentionBackend, spec, torch.device("cpu"), 8, 64, 1024)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])

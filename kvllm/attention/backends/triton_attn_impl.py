@@ -81,19 +81,6 @@ def decode_plan_setting() -> tuple[DecodePlanEntry, ...]:
     return tuple(sorted(entries, key=lambda e: e.max_reqs))
 
 
-# How a split decode launch combines its segments (KVLLM_TRITON_SPLIT_REDUCE): "kernel" launches
-# _reduce_segments_kernel after it; "fused" lets the last segment program of each (request, KV head)
-# combine them (an atomic counter per pair, kept zero between launches): one launch less per layer.
-SPLIT_REDUCES = ("kernel", "fused")
-
-
-def split_reduce_setting() -> str:
-    name = os.environ.get("KVLLM_TRITON_SPLIT_REDUCE", "kernel")
-    if name not in SPLIT_REDUCES:
-        raise ValueError(f"KVLLM_TRITON_SPLIT_REDUCE={name!r}: expected one of {list(SPLIT_REDUCES)}")
-    return name
-
-
 def decode_order_setting() -> str:
     name = os.environ.get("KVLLM_TRITON_DECODE_ORDER", "longest_first")
     if name not in DECODE_ORDERS:
@@ -123,7 +110,6 @@ class TritonAttentionMetadata:
     decode_query_len: int = 1
     decode_order: torch.Tensor | None = None  # int64 [num_decode_reqs]: the decode programs' start order
     decode_plan: DecodePlanEntry | None = None  # KVLLM_TRITON_DECODE_PLAN's tiles for the decode launch
-    split_counters: torch.Tensor | None = None  # int32 [max reqs x KV heads]: a split launch's fused reduce
 
 
 class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
@@ -157,10 +143,6 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
         self.split_below, self.split_target = split_policy()
         self.decode_plan = decode_plan_setting()
         self.decode_order = torch.zeros(max_num_reqs, dtype=torch.int64, device=device)
-        self.split_counters = None
-        if split_reduce_setting() == "fused":
-            num_kv_heads = self.kv_cache_spec.num_kv_heads
-            self.split_counters = torch.zeros(max_num_reqs * num_kv_heads, dtype=torch.int32, device=device)
         self._sorted_seq_lens = torch.zeros(max_num_reqs, dtype=torch.int32, device=device)
 
     def plan_for(self, num_decode_reqs: int, graph: bool) -> DecodePlanEntry | None:
@@ -219,7 +201,6 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
             slot_mapping=common.slot_mapping,
             decode_query_len=common.decode_query_len if common.num_decodes else 1,
             decode_order=decode_order,
-            split_counters=self.split_counters if num_splits > 1 else None,
         )
 
     def prepare_for_capture(self, common: CommonAttentionMetadata) -> TritonAttentionMetadata:
@@ -278,7 +259,6 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
             decode_query_len=decode_query_len,
             decode_order=decode_order,
             decode_plan=self.plan_for(num_decode_reqs, graph=True),
-            split_counters=self.split_counters if num_splits > 1 else None,
         )
 
 
@@ -372,7 +352,6 @@ class TritonAttentionImpl(AttentionImpl):
             v_scale=layer.v_scale,
             num_splits=md.num_splits,
             decode_order=md.decode_order,
-            split_counters=md.split_counters,
             decode_query_len=md.decode_query_len,
             decode_cfg=self.decode_config or self._planned_config(md, query.dtype),
             prefill_cfg=self.prefill_config,

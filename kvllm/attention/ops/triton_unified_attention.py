@@ -10,8 +10,7 @@ Design (all sizes in tokens unless noted):
 - Softmax runs in base 2: scores are multiplied by scale * log2(e) (and by k_scale for fp8 caches),
   so exp2 replaces exp. Padded head dims are masked loads (zeros), never written.
 - Two launches per step in eager mode: decodes (DECODE_ONLY: program -> request directly, optionally
-  split over KV segments, combined by a reduce kernel or, given `split_counters`, by the last of a
-  (request, KV head)'s segment programs to finish: FUSED_REDUCE) and prefills (program -> request by binary search
+  split over KV segments with a reduce kernel) and prefills (program -> request by binary search
   over query_start_loc, so the grid is an upper bound computed without a device sync).
 """
 
@@ -195,37 +194,6 @@ def _attend_tiles(
     return acc, m_i, l_i
 
 
-@triton.jit
-def _combine_segments(out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, token, head, row_ok, io_mask, offs_d,
-                      num_heads, num_segments, stride_ot, stride_oh, HEAD_SIZE_PAD: tl.constexpr,
-                      BLOCK_M: tl.constexpr):  # fmt: skip
-    """The rows' output from their split segments' partials, as _reduce_segments_kernel computes it. The
-    partials were written by other programs of this launch: loaded past L1 (.cg)."""
-    m_all = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_all = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_SIZE_PAD], tl.float32)
-    for s in range(num_segments):
-        part = (token * num_heads + head) * num_segments + s
-        m_s = tl.load(part_m_ptr + part, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-        l_s = tl.load(part_l_ptr + part, mask=row_ok, other=0.0, cache_modifier=".cg")
-        acc_s = tl.load(part_out_ptr + part[:, None] * HEAD_SIZE_PAD + offs_d[None, :], mask=row_ok[:, None],
-                        other=0.0, cache_modifier=".cg")  # fmt: skip
-        m_new = tl.maximum(m_all, m_s)
-        # An empty segment (m = -inf, l = 0, acc = 0) adds nothing; keep exp2 finite while all are empty.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_all - m_safe)
-        beta = tl.exp2(m_s - m_safe)
-        l_all = l_all * alpha + l_s * beta
-        acc = acc * alpha[:, None] + acc_s * beta[:, None]
-        m_all = m_new
-    out = acc / tl.where(l_all == 0.0, 1.0, l_all)[:, None]
-    tl.store(
-        out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=io_mask,
-    )
-
-
 # Arguments that change from step to step (how many requests, where the decodes end, the block
 # table's width, the split count) are not specialized on: Triton would otherwise compile a variant
 # for every "== 1" / "multiple of 16" combination of them, seconds each, in the middle of serving.
@@ -245,7 +213,6 @@ def _unified_attention_kernel(
     part_out_ptr,  # SPLIT only: float32 [tokens, num_heads, num_segments, HEAD_SIZE_PAD]
     part_m_ptr,  # SPLIT only: float32 [tokens, num_heads, num_segments], running max (log2 units)
     part_l_ptr,  # SPLIT only: float32 [tokens, num_heads, num_segments], running sum
-    split_counter_ptr,  # FUSED_REDUCE only: int32 [decode requests * KV heads], zero between launches
     seq_lo,
     seq_hi,
     num_heads,
@@ -274,7 +241,6 @@ def _unified_attention_kernel(
     DECODE_ONLY: tl.constexpr,
     SPLIT: tl.constexpr,
     ORDERED: tl.constexpr,  # DECODE_ONLY: grid (KV heads, decode requests, segments), requests by decode_order
-    FUSED_REDUCE: tl.constexpr,  # SPLIT: the last segment program of a (request, KV head) combines the segments
     USE_SINKS: tl.constexpr,
     USE_SOFT_CAP: tl.constexpr,
     USE_WINDOW: tl.constexpr,
@@ -485,17 +451,6 @@ def _unified_attention_kernel(
         tl.store(part_out_ptr + part[:, None] * HEAD_SIZE_PAD + offs_d[None, :], acc, mask=row_ok[:, None])
         tl.store(part_m_ptr + part, m_i, mask=row_ok)
         tl.store(part_l_ptr + part, l_i, mask=row_ok)
-        if FUSED_REDUCE:
-            # Release our partials, count ourselves in; the program that counts last (acquiring everyone's
-            # partials) combines them and zeroes the counter for the next launch (or graph replay).
-            counter = split_counter_ptr + seq * (num_heads // QUERIES_PER_KV) + kv_head
-            arrived = tl.atomic_add(counter, 1, sem="acq_rel")
-            if arrived == num_segments - 1:
-                _combine_segments(
-                    out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, token, head, row_ok, io_mask, offs_d,
-                    num_heads, num_segments, stride_ot, stride_oh, HEAD_SIZE_PAD, BLOCK_M,
-                )  # fmt: skip
-                tl.atomic_xchg(counter, 0, sem="relaxed")
     else:
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         out = acc / l_safe[:, None]
@@ -573,7 +528,6 @@ def unified_attention(
     v_scale: torch.Tensor | None = None,
     num_splits: int = 1,  # KV segments of the decode launch; 1 = no split
     decode_order: torch.Tensor | None = None,  # permutation of the decode requests: program start order
-    split_counters: torch.Tensor | None = None,  # int32 zeros, >= decode requests x KV heads: fused reduce
     decode_query_len: int = 1,  # the most query tokens of a decode request (k + 1 when verifying)
     decode_cfg: KernelConfig | None = None,
     prefill_cfg: KernelConfig | PrefillConfig | None = None,
@@ -624,18 +578,7 @@ def unified_attention(
     )
 
     def launch(
-        grid,
-        cfg,
-        seq_lo,
-        seq_hi,
-        block_q,
-        decode_only,
-        split,
-        part_out,
-        part_ml,
-        segments,
-        order=None,
-        counters=None,
+        grid, cfg, seq_lo, seq_hi, block_q, decode_only, split, part_out, part_ml, segments, order=None
     ):
         _unified_attention_kernel[grid](
             out, query, key_cache, value_cache,
@@ -645,7 +588,6 @@ def unified_attention(
             block_table, seq_lens, query_start_loc,
             order if order is not None else dummy,
             part_out, part_ml[0], part_ml[1],
-            counters if counters is not None else dummy,
             seq_lo, seq_hi, num_heads, segments,
             scale, float(logits_soft_cap or 0.0), int(sliding_window or 0),
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
@@ -653,7 +595,7 @@ def unified_attention(
             value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
             block_table.stride(0),
             BLOCK_M=cfg.block_m, BLOCK_Q=block_q, TILE_N=cfg.tile_n,
-            DECODE_ONLY=decode_only, SPLIT=split, ORDERED=order is not None, FUSED_REDUCE=counters is not None,
+            DECODE_ONLY=decode_only, SPLIT=split, ORDERED=order is not None,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             **common, **pdl_launch_options(use_pdl),
         )  # fmt: skip
@@ -685,21 +627,25 @@ def unified_attention(
             part_ml = torch.empty(
                 (2, num_decode_tokens, num_heads, num_splits), dtype=torch.float32, device=query.device
             )
-            fused = split_counters is not None
-            if fused and split_counters.numel() < num_decode_reqs * num_kv_heads:
-                raise ValueError(
-                    f"split_counters has {split_counters.numel()} entries for {num_decode_reqs} decode requests "
-                    f"x {num_kv_heads} KV heads"
-                )
-            launch(decode_grid(num_splits), cfg, 0, num_decode_reqs, decode_query_len, True, True, part_out, part_ml,
-                   num_splits, decode_order, split_counters)  # fmt: skip
-            if not fused:
-                _reduce_segments_kernel[(num_decode_tokens, num_heads)](
-                    out, part_out, part_ml[0], part_ml[1], query_start_loc, num_decode_reqs, num_heads, num_splits,
-                    out.stride(0), out.stride(1),
-                    HEAD_SIZE=head_size, HEAD_SIZE_PAD=head_pad, SEGMENTS_PAD=MAX_SEGMENTS, USE_PDL=use_pdl,
-                    num_warps=4, **pdl_launch_options(use_pdl),
-                )  # fmt: skip
+            launch(
+                decode_grid(num_splits),
+                cfg,
+                0,
+                num_decode_reqs,
+                decode_query_len,
+                True,
+                True,
+                part_out,
+                part_ml,
+                num_splits,
+                decode_order,
+            )
+            _reduce_segments_kernel[(num_decode_tokens, num_heads)](
+                out, part_out, part_ml[0], part_ml[1], query_start_loc, num_decode_reqs, num_heads, num_splits,
+                out.stride(0), out.stride(1),
+                HEAD_SIZE=head_size, HEAD_SIZE_PAD=head_pad, SEGMENTS_PAD=MAX_SEGMENTS, USE_PDL=use_pdl,
+                num_warps=4, **pdl_launch_options(use_pdl),
+            )  # fmt: skip
         else:
             launch(decode_grid(1), cfg, 0, num_decode_reqs, decode_query_len, True, False,
                    dummy, (dummy, dummy), 1, decode_order)  # fmt: skip
