@@ -16,6 +16,7 @@
 #   e  carry nothing (a later call, any machine): the split decode launch's fused reduce
 #      (KVLLM_TRITON_SPLIT_REDUCE=fused: the last segment program combines, no reduce kernel) against the
 #      reduce kernel: its GPU tests, then batch 1-256 latency alternating twice (batch 1 and 8 split their KV).
+#      It ran at d59ee42; the fused reduce was slower (batch 1 +9%) and is reverted, so `e` needs that commit.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 phase=${1:?usage: session14.sh a|b|c|e}
