@@ -69,6 +69,11 @@ class AttentionImpl(ABC):
         with `kv_written=True`; None when this backend must write them itself."""
         return None
 
+    def reads_written_kv(self) -> bool:
+        """Whether `forward(..., kv_written=True)` reads its key/value arguments (else only the cache).
+        The piecewise graph runner copies them into its shared buffers only when this is True."""
+        return True
+
     @abstractmethod
     def forward(
         self,

@@ -466,3 +466,17 @@ def test_planned_decode_launch(monkeypatch, plan) -> None:
     assert _error_against_reference(impl, batch, query, new_kv, md) < TOLERANCE[torch.float16][0]
     eager = builder.build(batch.metadata)
     assert eager.decode_plan is None and eager.num_splits == builder.num_splits_for(20, 1101)
+
+
+def test_reads_written_kv_only_with_the_prefill_kernel(monkeypatch) -> None:
+    """The unified kernel reads a stored step's K/V from the cache; the prefill kernel reads them from its
+    inputs (new_kv), so the piecewise runner must copy them for it."""
+    from kvllm.attention.ops.triton_prefill_config import prefill_kernel_config
+
+    monkeypatch.delenv("KVLLM_TRITON_PREFILL_KERNEL", raising=False)
+    impl = TritonAttentionImpl(4, 64, 0.125, 2)
+    assert not impl.reads_written_kv()
+    impl.prefill_config = prefill_kernel_config(64, 2, torch.float16, 16)
+    assert impl.reads_written_kv()
+    monkeypatch.setenv("KVLLM_TRITON_PREFILL_KERNEL", "1")
+    assert TritonAttentionImpl(4, 64, 0.125, 2).reads_written_kv()

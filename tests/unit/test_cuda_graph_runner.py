@@ -113,12 +113,22 @@ def test_replay_refuses_what_was_not_captured():
         CudaGraphRunner(lambda i, p: i, RecordingBuilder(), ids, ids, [16], _common)
 
 
-@pytest.mark.parametrize("backend", ["TRITON_ATTN", "FLEX_ATTENTION"])
+@pytest.mark.parametrize("backend", ["TRITON_ATTN", "TRITON_ATTN+fused", "FLEX_ATTENTION"])
 def test_engine_with_graphs_replayed_eagerly_matches_hf(tiny_qwen3_path, monkeypatch, backend):
     """Decode steps go through the graph runner (padded to 4 or 8), prefill and mixed steps through
     the piecewise runner (padded to 16, 32 or 64 tokens; attention between the pieces on the step's
     own metadata), and greedy ids equal HF's. FLEX_ATTENTION declares no graph support, so it never
-    replays a decode graph; its other steps still run piecewise (attention stays outside the pieces)."""
+    replays a decode graph; its other steps still run piecewise (attention stays outside the pieces).
+    "+fused": the fused kernels as on a GPU, so the QK-norm + RoPE kernel stores K/V and the piecewise
+    runner hands TRITON_ATTN its shared key/value buffers without copying the step's K/V into them."""
+    from kvllm.layers.ops.dispatch import fused_ops_mode
+
+    backend, _, fused = backend.partition("+")
+    with fused_ops_mode("1" if fused else "auto"):
+        _engine_with_graphs_matches_hf(tiny_qwen3_path, monkeypatch, backend)
+
+
+def _engine_with_graphs_matches_hf(tiny_qwen3_path, monkeypatch, backend: str) -> None:
     from kvllm.platforms import simulate_platform
 
     monkeypatch.setattr(model_runner, "graphs_available", lambda device: True)

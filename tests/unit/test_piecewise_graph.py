@@ -125,3 +125,68 @@ def test_buckets_and_refusals() -> None:
     assert not runner.can_replay(9) and not runner.can_replay(0) and runner.can_replay(8)
     with pytest.raises(ValueError, match="no piecewise graphs for 9 tokens"):
         runner.replay("step", 9)
+
+
+class CacheReaderImpl:
+    """Attention stand-in for a layer that stored its K/V itself (kv_written): it records the key/value it
+    is handed and, like TRITON_ATTN's unified kernel, computes from the query alone."""
+
+    def __init__(self, reads_kv: bool) -> None:
+        self.reads_kv = reads_kv
+        self.seen_kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def reads_written_kv(self) -> bool:
+        return self.reads_kv
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output=None, kv_written=False):
+        assert kv_written
+        self.seen_kv.append((key.clone(), value.clone()))
+        steps = torch.arange(1, query.shape[0] + 1, dtype=query.dtype).view(-1, 1, 1)
+        output.copy_(query.cumsum(0) / steps)
+        return output
+
+
+class KVWrittenLayer(Layer):
+    def __init__(self, seed: int, reads_kv: bool) -> None:
+        super().__init__(seed)
+        self.impl = CacheReaderImpl(reads_kv)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        x = (h @ self.proj).view(-1, HEADS, HEAD_SIZE)
+        hook = get_forward_context().attention_hook
+        if hook is not None:
+            out = hook(self, x, x.sin(), x.cos(), True)
+        else:
+            out = self.impl.forward(
+                self, x, x.sin(), x.cos(), None, None, torch.empty_like(x), kv_written=True
+            )
+        return h + out.reshape(-1, HIDDEN)
+
+
+@pytest.mark.parametrize("reads_kv", [True, False])
+def test_stored_kv_is_copied_only_for_a_backend_that_reads_it(reads_kv) -> None:
+    """A layer that stored its K/V (kv_written) gets them copied into the shared buffers only when its
+    backend reads them then; either way the step equals the eager forward."""
+    model = Model()
+    model.layers = nn.ModuleList([KVWrittenLayer(1, reads_kv), KVWrittenLayer(2, reads_kv)])
+    ids = torch.randint(0, 50, (16,), generator=torch.Generator().manual_seed(6))
+    positions = torch.arange(16, dtype=torch.float32)
+    runner = _runner(model, ids, positions, [16])
+    runner.capture()
+    like = torch.empty(16, HEADS, HEAD_SIZE)
+    for role in ("key", "value"):
+        runner.shared.get(role, like).fill_(float("nan"))
+    for layer in model.layers:
+        layer.impl.seen_kv.clear()
+    with torch.no_grad():
+        got = runner.replay("step", 11).clone()
+        handed = [kv for layer in model.layers for kv in layer.impl.seen_kv]
+        from kvllm.forward_context import set_forward_context
+
+        with set_forward_context(None):
+            want = model(ids[:11], positions[:11])
+    torch.testing.assert_close(got, want)
+    assert len(handed) == 2
+    for key, value in handed:
+        assert key.shape == value.shape == (11, HEADS, HEAD_SIZE)
+        assert bool(key.isnan().all()) != reads_kv and bool(value.isnan().all()) != reads_kv

@@ -11,6 +11,7 @@ import torch
 
 from kvllm.attention.impl import AttentionImpl, AttentionLayer, AttentionMetadataBuilder
 from kvllm.attention.metadata import CommonAttentionMetadata
+from kvllm.attention.ops.triton_prefill_config import PrefillConfig, prefill_kernel_enabled
 from kvllm.attention.ops.triton_reshape_and_cache import reshape_and_cache
 from kvllm.attention.ops.triton_unified_attention import (
     MAX_SEGMENTS,
@@ -300,6 +301,11 @@ class TritonAttentionImpl(AttentionImpl):
 
     def kv_cache_views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return kv_cache[0], kv_cache[1]
+
+    def reads_written_kv(self) -> bool:
+        # Only the prefill kernel reads the step's K/V from the inputs (PrefillConfig.new_kv); the unified
+        # kernel reads the cache. Tests and benchmarks that pass a PrefillConfig call forward directly.
+        return prefill_kernel_enabled() or isinstance(self.prefill_config, PrefillConfig)
 
     def _planned_config(self, md: TritonAttentionMetadata, dtype: torch.dtype) -> KernelConfig | None:
         if md.decode_plan is None or md.num_decode_reqs == 0:
