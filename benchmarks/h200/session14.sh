@@ -17,10 +17,12 @@
 #      (KVLLM_TRITON_SPLIT_REDUCE=fused: the last segment program combines, no reduce kernel) against the
 #      reduce kernel: its GPU tests, then batch 1-256 latency alternating twice (batch 1 and 8 split their KV).
 #      It ran at d59ee42; the fused reduce was slower (batch 1 +9%) and is reverted, so `e` needs that commit.
+#   f  carry nothing: the piecewise graphs without the k/v copy (a174db8): the graphs-vs-eager GPU test (HF
+#      judge) for TRITON_ATTN, then nano-vllm after a warm-up run, under the profiler (its copies' time).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-phase=${1:?usage: session14.sh a|b|c|e}
-default_budget_s=570
+phase=${1:?usage: session14.sh a|b|c|e|f}
+default_budget_s=${DEFAULT_BUDGET_S:-570}
 source benchmarks/h200/session_lib.sh
 plan_file=/tmp/session14-plan.txt pick_file=/tmp/session14-pick.txt
 
@@ -75,8 +77,13 @@ e)
     done
   done
   ;;
+f)
+  parallel_tests 90 "graphs|tests/gpu/test_cuda_graphs_gpu.py -k TRITON_ATTN"
+  bench warm 60 --engine kvllm --backend TRITON_ATTN --only nano --out "$d/warm"
+  bench nano 110 --engine kvllm --backend TRITON_ATTN --only nano --step-log --profile-nano --out "$d/nano"
+  ;;
 *)
-  echo "unknown phase $phase (a|b|c|e)"; exit 2 ;;
+  echo "unknown phase $phase (a|b|c|e|f)"; exit 2 ;;
 esac
 kill "$clocks_pid" "${host_probe_pid:-}" 2>/dev/null
 save
