@@ -21,12 +21,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 
 import torch
 
+from benchmarks.h200.graph_timing import graph_call_ms
 from kvllm.attention.backends.triton_attn import TritonAttentionBackend
 from kvllm.attention.backends.triton_attn_impl import TritonAttentionMetadataBuilder
 from kvllm.attention.metadata import KVCacheSpec
@@ -57,28 +57,7 @@ def graph_ms(calls, repeats: int = 7) -> float:
         for call in calls:
             call()
         return (time.perf_counter() - start) * 1e3 / len(calls)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for call in calls:  # eager once on the side stream (compiles, allocator warm-up)
-            call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / len(calls))
-    del graph
-    return statistics.median(times)
+    return graph_call_ms(lambda i: calls[i](), len(calls), repeats, warmups=len(calls))
 
 
 def sweep_batch(args: argparse.Namespace, num_reqs: int) -> dict:

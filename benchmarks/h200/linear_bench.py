@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from collections.abc import Callable
 from dataclasses import asdict
@@ -27,6 +26,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from benchmarks.h200.graph_timing import graph_call_ms  # noqa: E402
+
 SHAPES = {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072)}  # (N, K)
 ROWS = (1, 2, 4, 8, 16)
 LOOP, REPLAYS, EAGER = 50, 20, 200
@@ -37,23 +38,7 @@ SWEEP = [(256, 4, 4), (128, 6, 4), (512, 3, 4), (256, 6, 4), (256, 4, 8)]  # (bl
 
 def graph_us(fn: Callable[[int], torch.Tensor]) -> float:
     """Median per-call time of fn(0..LOOP-1) captured in one CUDA graph."""
-    for i in range(3):
-        fn(i)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(LOOP):
-            fn(i)
-    graph.replay()
-    times = []
-    for _ in range(REPLAYS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / LOOP)
-    return statistics.median(times)
+    return graph_call_ms(fn, LOOP, REPLAYS, warmups=3) * 1e3
 
 
 def eager_us(fn: Callable[[int], torch.Tensor]) -> float:

@@ -63,25 +63,9 @@ ENGINES = {
 
 
 def graph_us(fn: Callable[[int], Any]) -> float:
-    import torch
+    from benchmarks.h200.graph_timing import graph_call_ms
 
-    for i in range(2):
-        fn(i)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(LOOP):
-            fn(i)
-    graph.replay()
-    times = []
-    for _ in range(REPLAYS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / LOOP)
-    return statistics.median(times)
+    return graph_call_ms(fn, LOOP, REPLAYS) * 1e3
 
 
 def copies(make: Callable[[], tuple], nbytes: int) -> list[tuple]:
