@@ -14,6 +14,9 @@ class ForwardContext:
     # Set by the piecewise CUDA-graph runner: attention layers hand (layer, q, k, v, kv_written) to it instead of
     # calling their backend, and take its [T, H, D] result (kvllm/worker/piecewise_graph.py).
     attention_hook: Callable[..., Any] | None = None
+    # Set with attention_hook: (layer, num_tokens, dtype) -> the [T, H * D] buffer the hook reads the layer's
+    # query from, for a layer that can write its query there directly (Attention.query_target).
+    query_buffer: Callable[..., Any] | None = None
 
 
 _current: ForwardContext | None = None
@@ -21,13 +24,17 @@ _current: ForwardContext | None = None
 
 @contextmanager
 def set_forward_context(
-    attn_metadata: Any, attention_hook: Callable[..., Any] | None = None
+    attn_metadata: Any,
+    attention_hook: Callable[..., Any] | None = None,
+    query_buffer: Callable[..., Any] | None = None,
 ) -> Iterator[ForwardContext]:
     """Enter the context for one forward pass; nesting is a bug and is refused."""
     global _current
     if _current is not None:
         raise RuntimeError("forward context is already set: nested forward passes are not supported")
-    _current = ForwardContext(attn_metadata=attn_metadata, attention_hook=attention_hook)
+    _current = ForwardContext(
+        attn_metadata=attn_metadata, attention_hook=attention_hook, query_buffer=query_buffer
+    )
     try:
         yield _current
     finally:

@@ -72,6 +72,13 @@ class Attention(nn.Module):
             return None
         return views[0], views[1], slot_mapping
 
+    def query_target(self, num_tokens: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """A [num_tokens, num_heads * head_size] buffer for a caller that can write this step's query there
+        (the fused RoPE kernel) and pass it to `forward`: the piecewise graphs' shared query buffer, which
+        then needs no copy; None outside them."""
+        provider = get_forward_context().query_buffer
+        return None if provider is None else provider(self, num_tokens, dtype)
+
     def forward(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_written: bool = False
     ) -> torch.Tensor:

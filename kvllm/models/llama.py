@@ -99,9 +99,10 @@ class LlamaAttention(nn.Module):
     def _head_norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
         return norm(x.view(x.shape[0], -1, self.head_size)).view(x.shape)
 
-    def _fused_qk_norm_rope(self, rope: RopeInputs, qkv: torch.Tensor) -> bool:
+    def _fused_qk_norm_rope(self, rope: RopeInputs, qkv: torch.Tensor) -> tuple[bool, torch.Tensor | None]:
         """q and k normed and rotated in place in qkv; K/V stored in the cache too where the backend
-        allows it (returns whether they were)."""
+        allows it. Returns whether they were, and the buffer q went to instead of qkv (the attention
+        layer's `query_target`, inside piecewise graphs) or None."""
         from kvllm.layers.ops.rotary import qk_norm_rope, qk_norm_rope_kv_write
 
         q_norm, k_norm = self.q_norm, self.k_norm
@@ -121,19 +122,22 @@ class LlamaAttention(nn.Module):
         target = self.attn.kv_write_target()
         if target is None:
             qk_norm_rope(*shape, **norm_args)
-            return False
+            return False, None
         key_cache, value_cache, slot_mapping = target
+        q_out = self.attn.query_target(qkv.shape[0], qkv.dtype)
         qk_norm_rope_kv_write(
-            *shape, key_cache, value_cache, slot_mapping, self.attn.k_scale, self.attn.v_scale, **norm_args
-        )
-        return True
+            *shape, key_cache, value_cache, slot_mapping, self.attn.k_scale, self.attn.v_scale, **norm_args,
+            q_out=q_out,
+        )  # fmt: skip
+        return True, q_out
 
     def forward(self, rope: RopeInputs, hidden_states: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)
         kv_written = False
         if rope.cos_sin is None:  # the fused path
-            kv_written = self._fused_qk_norm_rope(rope, qkv)
+            kv_written, q_out = self._fused_qk_norm_rope(rope, qkv)
             q, k, v = self.qkv_proj.split(qkv)
+            q = q if q_out is None else q_out
         else:
             q, k, v = self.qkv_proj.split(qkv)
             if self.q_norm is not None and self.k_norm is not None:

@@ -10,9 +10,11 @@ t <= T tokens replays piece 0, runs attention 0 eagerly on the step's own metada
 and so on: one attention call per layer from Python instead of the whole layer.
 
 What crosses a cut sits at a fixed address. Inside each piece (so as part of the graph) the query,
-key and value are copied into buffers shared by every layer and bucket (key and value not when the
-model stored them in the KV cache itself and the backend then reads only the cache,
-`AttentionImpl.reads_written_kv`); attention writes into a shared output buffer that the next piece reads. Tokens t..T-1 are padding: their ids and positions
+key and value are copied into buffers shared by every layer and bucket; attention writes into a shared
+output buffer that the next piece reads. Where the model's fused RoPE kernel stores K/V itself it also
+writes the query straight into the shared buffer (`Attention.query_target`), and key and value are not
+copied when the backend then reads only the cache (`AttentionImpl.reads_written_kv`): for TRITON_ATTN
+nothing is copied. Tokens t..T-1 are padding: their ids and positions
 are whatever the input buffers hold (always in range), their rows are computed and ignored, and
 attention, which runs on the t real tokens, never reads or writes them. Where the model stores K/V
 itself (the fused RoPE kernel, `Attention.kv_write_target`), the store is part of a piece: it reads
@@ -95,13 +97,18 @@ class _SharedBuffers:
 
     def get(self, role: str, like: torch.Tensor) -> torch.Tensor:
         """A [T, heads, head_size] view of the buffer for `role`, T = like.shape[0]."""
-        _, heads, head_size = like.shape
-        key = (role, heads, head_size, like.dtype)
+        num_tokens, heads, head_size = like.shape
+        return self.view(role, num_tokens, heads, head_size, like.dtype)
+
+    def view(
+        self, role: str, num_tokens: int, heads: int, head_size: int, dtype: torch.dtype
+    ) -> torch.Tensor:
+        key = (role, heads, head_size, dtype)
         buffer = self._buffers.get(key)
         if buffer is None:
-            buffer = torch.zeros((self.max_tokens, heads, head_size), dtype=like.dtype, device=self.device)
+            buffer = torch.zeros((self.max_tokens, heads, head_size), dtype=dtype, device=self.device)
             self._buffers[key] = buffer
-        return buffer[: like.shape[0]]
+        return buffer[:num_tokens]
 
 
 class PiecewiseGraphRunner:
@@ -198,7 +205,7 @@ class PiecewiseGraphRunner:
                 return call.output
 
             try:
-                with set_forward_context(attn_metadata, attention_hook=cut):
+                with set_forward_context(attn_metadata, attention_hook=cut, query_buffer=self._query_buffer):
                     bucket.hidden = self.forward(ids, pos)
             except BaseException:
                 # End the open capture so the stream can run again, then report the first error.
@@ -230,12 +237,18 @@ class PiecewiseGraphRunner:
             self.shared.get("output", q),
             kv_written,
         )
-        call.query.copy_(q)
+        if not _same_view(q, call.query):  # a layer that wrote q into the buffer (query_target) needs no copy
+            call.query.copy_(q)
         reads_written_kv = getattr(getattr(layer, "impl", None), "reads_written_kv", None)
         if not kv_written or reads_written_kv is None or reads_written_kv():
             call.key.copy_(k)
             call.value.copy_(v)
         return call
+
+    def _query_buffer(self, layer: Any, num_tokens: int, dtype: torch.dtype) -> torch.Tensor:
+        """The shared query buffer as a [T, H * D] view, for a layer that writes its query there itself."""
+        view = self.shared.view("query", num_tokens, layer.num_heads, layer.head_size, dtype)
+        return view.view(num_tokens, layer.num_heads * layer.head_size)
 
     def _record_calls(
         self, bucket: _Bucket, ids: torch.Tensor, pos: torch.Tensor, attn_metadata: Any
@@ -247,7 +260,7 @@ class PiecewiseGraphRunner:
             bucket.calls.append(call)
             return call.output
 
-        with set_forward_context(attn_metadata, attention_hook=record):
+        with set_forward_context(attn_metadata, attention_hook=record, query_buffer=self._query_buffer):
             bucket.hidden = self.forward(ids, pos)
 
     # ---- replay ------------------------------------------------------------------------------
@@ -292,7 +305,9 @@ class PiecewiseGraphRunner:
             self._attend(call, attn_metadata, num_tokens)
             return call.output
 
-        with set_forward_context(bucket.capture_metadata, attention_hook=attend):
+        with set_forward_context(
+            bucket.capture_metadata, attention_hook=attend, query_buffer=self._query_buffer
+        ):
             bucket.hidden = self.forward(self.input_ids[:size], self.positions[:size])
 
     def _attend(self, call: _Call, attn_metadata: Any, n: int) -> None:
@@ -315,3 +330,12 @@ class PiecewiseGraphRunner:
             known = "output" in inspect.signature(impl.forward).parameters
             self._writes_output[kind] = known
         return known
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (
+        a.data_ptr() == b.data_ptr()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.dtype == b.dtype
+    )

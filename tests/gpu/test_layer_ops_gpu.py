@@ -152,8 +152,10 @@ def test_qk_norm_rope(dtype, num_tokens, num_heads, num_kv_heads, head_size, par
     ids=["bf16", "e4m3-bf16", "e5m2-fp16", "fp32"],
 )
 @pytest.mark.parametrize("layout", ["stacked", "flashinfer"])
-def test_qk_norm_rope_kv_write(dtype, cache_dtype, k_scale, v_scale, layout) -> None:
-    """Same bytes as qk_norm_rope followed by the backends' reshape_and_cache, padding slots skipped."""
+@pytest.mark.parametrize("q_out", [False, True], ids=["q-in-place", "q-out"])
+def test_qk_norm_rope_kv_write(dtype, cache_dtype, k_scale, v_scale, layout, q_out) -> None:
+    """Same bytes as qk_norm_rope followed by the backends' reshape_and_cache, padding slots skipped; with
+    q_out (the piecewise graphs' shared query buffer) q's bytes land there and qkv keeps its q part."""
     from kvllm.attention.ops.triton_reshape_and_cache import reshape_and_cache
     from kvllm.layers.ops.rotary import qk_norm_rope, qk_norm_rope_kv_write
 
@@ -186,10 +188,18 @@ def test_qk_norm_rope_kv_write(dtype, cache_dtype, k_scale, v_scale, layout) -> 
     reshape_and_cache(heads[:, num_heads : num_heads + num_kv_heads], heads[:, num_heads + num_kv_heads :],
                       ref_k, ref_v, slots, *scales)  # fmt: skip
     out_k, out_v = caches()
+    q_width, original = num_heads * head_size, qkv.clone()
+    q_buffer = torch.full((num_tokens + 5, q_width), float("nan"), dtype=dtype, device=CUDA)[:num_tokens]
     qk_norm_rope_kv_write(qkv, positions, rope.cos_sin_cache, num_heads, num_kv_heads, head_size,
-                          out_k, out_v, slots, *scales, **weights, eps=EPS)  # fmt: skip
+                          out_k, out_v, slots, *scales, **weights, eps=EPS,
+                          q_out=q_buffer if q_out else None)  # fmt: skip
     torch.cuda.synchronize()
-    assert torch.equal(bits(qkv), bits(ref_qkv))
+    if q_out:
+        assert torch.equal(bits(q_buffer), bits(ref_qkv[:, :q_width]))
+        assert torch.equal(bits(qkv[:, :q_width]), bits(original[:, :q_width]))
+        assert torch.equal(bits(qkv[:, q_width:]), bits(ref_qkv[:, q_width:]))
+    else:
+        assert torch.equal(bits(qkv), bits(ref_qkv))
     assert torch.equal(bits(out_k), bits(ref_k))
     assert torch.equal(bits(out_v), bits(ref_v))
 

@@ -239,6 +239,42 @@ def test_qk_norm_rope_kv_write(dtype, cache_dtype, k_scale, v_scale, layout) -> 
         assert (rows[~written] == SENTINEL).all() and not (rows[written] == SENTINEL).all()
 
 
+@DTYPES
+@pytest.mark.parametrize("rotary_fraction,qk_norm", [(0.5, True), (0.5, False), (1.0, True)])
+def test_qk_norm_rope_kv_write_into_q_out(dtype, rotary_fraction, qk_norm) -> None:
+    """With q_out the rotated q (the passed-through dims included) lands there bit for bit as it would in
+    qkv; qkv keeps its q part as it was, its k part and the cache are as without q_out."""
+    num_tokens, num_heads, num_kv_heads, head_size, block_size, num_blocks = 7, 4, 2, 64, 16, 2
+    rope = make_rope(head_size, rotary_fraction)
+    weights = {}
+    if qk_norm:
+        q_norm, k_norm = random_norm(head_size, dtype, seed=31), random_norm(head_size, dtype, seed=32)
+        weights = dict(q_weight=q_norm.weight, k_weight=k_norm.weight, eps=EPS)
+    qkv = randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_size, dtype=dtype, seed=33, scale=2.0)
+    positions = torch.randint(0, 4096, (num_tokens,), generator=torch.Generator().manual_seed(34))
+    slots = torch.randperm(num_blocks * block_size, generator=torch.Generator().manual_seed(35))[:num_tokens]
+    q_width = num_heads * head_size
+
+    ref_qkv = qkv.clone()
+    ref_k, ref_v = cache_views("separate", num_blocks, block_size, num_kv_heads, head_size, dtype)
+    qk_norm_rope_kv_write(ref_qkv, positions, rope.cos_sin_cache, num_heads, num_kv_heads, head_size,
+                          ref_k, ref_v, slots, **weights)  # fmt: skip
+    out_qkv = qkv.clone()
+    out_k, out_v = cache_views("separate", num_blocks, block_size, num_kv_heads, head_size, dtype)
+    shared = torch.full((num_tokens + 3, q_width + 16), float("nan"), dtype=dtype)  # rows of a wider buffer
+    q_out = shared[:num_tokens, :q_width]
+    qk_norm_rope_kv_write(out_qkv, positions, rope.cos_sin_cache, num_heads, num_kv_heads, head_size,
+                          out_k, out_v, slots, **weights, q_out=q_out)  # fmt: skip
+    assert torch.equal(bits(q_out), bits(ref_qkv[:, :q_width]))
+    assert torch.equal(bits(out_qkv[:, :q_width]), bits(qkv[:, :q_width]))  # q left in qkv as it was
+    assert torch.equal(bits(out_qkv[:, q_width:]), bits(ref_qkv[:, q_width:]))
+    assert torch.equal(bits(out_k), bits(ref_k)) and torch.equal(bits(out_v), bits(ref_v))
+    assert shared[num_tokens:].isnan().all() and shared[:, q_width:].isnan().all()  # nothing outside q_out
+    with pytest.raises(ValueError, match="q_out must be"):
+        qk_norm_rope_kv_write(out_qkv, positions, rope.cos_sin_cache, num_heads, num_kv_heads, head_size,
+                              out_k, out_v, slots, **weights, q_out=q_out.t())  # fmt: skip
+
+
 # ---- preconditions and dispatch -----------------------------------------------------------------------
 
 

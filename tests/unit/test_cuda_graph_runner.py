@@ -119,13 +119,22 @@ def test_engine_with_graphs_replayed_eagerly_matches_hf(tiny_qwen3_path, monkeyp
     the piecewise runner (padded to 16, 32 or 64 tokens; attention between the pieces on the step's
     own metadata), and greedy ids equal HF's. FLEX_ATTENTION declares no graph support, so it never
     replays a decode graph; its other steps still run piecewise (attention stays outside the pieces).
-    "+fused": the fused kernels as on a GPU, so the QK-norm + RoPE kernel stores K/V and the piecewise
-    runner hands TRITON_ATTN its shared key/value buffers without copying the step's K/V into them."""
+    "+fused": the fused kernels as on a GPU, so the QK-norm + RoPE kernel stores K/V and writes q into the
+    piecewise runner's shared query buffer, and the runner copies none of q, k, v for TRITON_ATTN."""
     from kvllm.layers.ops.dispatch import fused_ops_mode
+    from kvllm.worker import piecewise_graph
 
     backend, _, fused = backend.partition("+")
+    same_view, queries_in_place = piecewise_graph._same_view, []
+
+    def spy(a, b):
+        queries_in_place.append(same_view(a, b))
+        return queries_in_place[-1]
+
+    monkeypatch.setattr(piecewise_graph, "_same_view", spy)
     with fused_ops_mode("1" if fused else "auto"):
         _engine_with_graphs_matches_hf(tiny_qwen3_path, monkeypatch, backend)
+    assert queries_in_place and all(queries_in_place) == bool(fused)
 
 
 def _engine_with_graphs_matches_hf(tiny_qwen3_path, monkeypatch, backend: str) -> None:

@@ -190,3 +190,46 @@ def test_stored_kv_is_copied_only_for_a_backend_that_reads_it(reads_kv) -> None:
     for key, value in handed:
         assert key.shape == value.shape == (11, HEADS, HEAD_SIZE)
         assert bool(key.isnan().all()) != reads_kv and bool(value.isnan().all()) != reads_kv
+
+
+class QueryWritingLayer(KVWrittenLayer):
+    """Writes its query into the runner's shared buffer itself, as the fused RoPE kernel does (query_target)."""
+
+    num_heads, head_size = HEADS, HEAD_SIZE
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        x = (h @ self.proj).view(-1, HEADS, HEAD_SIZE)
+        context = get_forward_context()
+        if context.attention_hook is None:
+            return super().forward(h)
+        target = context.query_buffer(self, x.shape[0], x.dtype)
+        target.copy_(x.reshape(x.shape[0], -1))
+        out = context.attention_hook(self, target.view(-1, HEADS, HEAD_SIZE), x.sin(), x.cos(), True)
+        return h + out.reshape(-1, HIDDEN)
+
+
+def test_a_query_written_into_the_shared_buffer_is_not_copied(monkeypatch) -> None:
+    from kvllm.forward_context import set_forward_context
+    from kvllm.worker import piecewise_graph
+
+    same = []
+
+    def spy(a, b):
+        same.append(piecewise_graph_same_view(a, b))
+        return same[-1]
+
+    piecewise_graph_same_view = piecewise_graph._same_view
+    monkeypatch.setattr(piecewise_graph, "_same_view", spy)
+    model = Model()
+    model.layers = nn.ModuleList([QueryWritingLayer(1, False), QueryWritingLayer(2, False)])
+    ids = torch.randint(0, 50, (16,), generator=torch.Generator().manual_seed(7))
+    positions = torch.arange(16, dtype=torch.float32)
+    runner = _runner(model, ids, positions, [16])
+    runner.capture()
+    same.clear()
+    with torch.no_grad():
+        got = runner.replay("step", 13).clone()
+        with set_forward_context(None):
+            want = model(ids[:13], positions[:13])
+    torch.testing.assert_close(got, want)
+    assert same == [True, True]  # both layers' queries were already in place: no copy

@@ -1,7 +1,8 @@
 """QK-norm + NeoX RoPE on the fused qkv projection, in place, in one Triton launch; optionally K/V to cache.
 
 qkv is [T, (H + 2 * Hkv) * D]: H query heads, then Hkv key heads, then Hkv value heads, D = head size.
-q and k are rewritten in place, so attention reads them (and v) as strided [T, heads, D] views of qkv.
+q and k are rewritten in place, so attention reads them (and v) as strided [T, heads, D] views of qkv; the
+KV-write variant can put q in a buffer of its own instead (`q_out`: the piecewise graphs' shared query).
 
 Reference: `LlamaAttention`'s torch path: the q_norm / k_norm `RMSNorm`s over D (weights [D]), then
 `RotaryEmbedding` (rotate-half over the first rotary_dim dims, the rest passed through) with cos/sin
@@ -65,7 +66,9 @@ def _qk_norm_rope_kernel(
     slot_mapping_ptr,
     k_scale_ptr,
     v_scale_ptr,
+    q_out_ptr,  # Q_OUT only: the rotated q's rows go here ([T, H * D] rows of stride_q_out), not into qkv
     stride_qkv,
+    stride_q_out,
     stride_cos_sin,
     stride_kcb,
     stride_kcs,
@@ -84,6 +87,7 @@ def _qk_norm_rope_kernel(
     HEADS_PER_PROGRAM: tl.constexpr,
     HAS_QK_NORM: tl.constexpr,
     WRITE_KV: tl.constexpr,
+    Q_OUT: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     IS_FP8: tl.constexpr,
     FP8_MANTISSA_BITS: tl.constexpr,
@@ -141,11 +145,19 @@ def _qk_norm_rope_kernel(
         round_to(n2 * cos, dtype, INTERPRET) + round_to(n1 * sin, dtype, INTERPRET), dtype, INTERPRET
     )
 
-    qk_half = is_qk & half_mask
-    tl.store(row + half, o1.to(dtype), mask=qk_half)
-    tl.store(row + ROT_HALF + half, o2.to(dtype), mask=qk_half)
+    in_place = is_qk  # rows rewritten in qkv: q and k, or k alone when q goes to q_out
+    if Q_OUT:
+        is_q_row = (heads < NUM_HEADS)[:, None]
+        in_place = is_qk & (heads >= NUM_HEADS)[:, None]
+        q_row = q_out_ptr + token * stride_q_out + heads[:, None] * HEAD_SIZE
+        tl.store(q_row + half, o1.to(dtype), mask=is_q_row & half_mask)
+        tl.store(q_row + ROT_HALF + half, o2.to(dtype), mask=is_q_row & half_mask)
+        if PASS_SIZE > 0:  # the dims RoPE passes through, normed or not: q_out holds the whole head
+            tl.store(q_row + 2 * ROT_HALF + rest, n_rest.to(dtype), mask=is_q_row & rest_mask)
+    tl.store(row + half, o1.to(dtype), mask=in_place & half_mask)
+    tl.store(row + ROT_HALF + half, o2.to(dtype), mask=in_place & half_mask)
     if HAS_QK_NORM and PASS_SIZE > 0:
-        tl.store(row + 2 * ROT_HALF + rest, n_rest.to(dtype), mask=is_qk & rest_mask)
+        tl.store(row + 2 * ROT_HALF + rest, n_rest.to(dtype), mask=in_place & rest_mask)
 
     if WRITE_KV:
         slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
@@ -210,7 +222,8 @@ def _launch(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Ten
             num_kv_heads: int, head_size: int, rotary_dim: int, q_weight: torch.Tensor | None,
             k_weight: torch.Tensor | None, eps: float, key_cache: torch.Tensor | None,
             value_cache: torch.Tensor | None, slot_mapping: torch.Tensor | None,
-            k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> None:  # fmt: skip
+            k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+            q_out: torch.Tensor | None = None) -> None:  # fmt: skip
     num_tokens = qkv.shape[0]
     if num_tokens == 0:
         return
@@ -234,7 +247,8 @@ def _launch(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Ten
         qkv if q_weight is None else q_weight, qkv if k_weight is None else k_weight,
         key_cache, value_cache, slot_mapping,
         cos_sin_cache if k_scale is None else k_scale, cos_sin_cache if v_scale is None else v_scale,
-        qkv.stride(0), cos_sin_cache.stride(0), *cache_strides,
+        qkv if q_out is None else q_out,
+        qkv.stride(0), qkv.stride(0) if q_out is None else q_out.stride(0), cos_sin_cache.stride(0), *cache_strides,
         eps,
         NUM_HEADS=num_heads,
         NUM_KV_HEADS=num_kv_heads,
@@ -246,6 +260,7 @@ def _launch(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Ten
         HEADS_PER_PROGRAM=heads_per_program,
         HAS_QK_NORM=q_weight is not None,
         WRITE_KV=write_kv,
+        Q_OUT=q_out is not None,
         BLOCK_SIZE=key_cache.shape[1] if write_kv else 1,
         IS_FP8=write_kv and cache_dtype in FP8_DTYPES,
         **fp8_constexprs(cache_dtype),
@@ -291,8 +306,10 @@ def qk_norm_rope_kv_write(
     q_weight: torch.Tensor | None = None,
     k_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
+    q_out: torch.Tensor | None = None,  # [T, num_heads * head_size], last dim contiguous: see below
 ) -> None:
-    """`qk_norm_rope`, and each token's rotated k and its v stored at its slot of the paged cache."""
+    """`qk_norm_rope`, and each token's rotated k and its v stored at its slot of the paged cache. With
+    `q_out` the rotated q goes there instead of back into qkv (whose q part is then left as it was)."""
     rotary_dim = _check_inputs(
         qkv, positions, cos_sin_cache, num_heads, num_kv_heads, head_size, q_weight, k_weight
     )
@@ -316,5 +333,16 @@ def qk_norm_rope_kv_write(
         )
     if key_cache.dtype in FP8_DTYPES and (k_scale is None or v_scale is None):
         raise ValueError("an fp8 KV cache needs k_scale and v_scale")
+    width = num_heads * head_size
+    if q_out is not None and (
+        q_out.dim() != 2
+        or q_out.shape != (qkv.shape[0], width)
+        or q_out.stride(1) != 1
+        or q_out.dtype != qkv.dtype
+    ):
+        raise ValueError(
+            f"q_out must be [{qkv.shape[0]}, {width}] of qkv's dtype {qkv.dtype} with a contiguous last dimension, "
+            f"got {tuple(q_out.shape)} {q_out.dtype} strides {tuple(q_out.stride())}"
+        )
     _launch(qkv, positions, cos_sin_cache, num_heads, num_kv_heads, head_size, rotary_dim, q_weight, k_weight,
-            eps, key_cache, value_cache, slot_mapping, k_scale, v_scale)  # fmt: skip
+            eps, key_cache, value_cache, slot_mapping, k_scale, v_scale, q_out)  # fmt: skip
