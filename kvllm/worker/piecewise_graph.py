@@ -14,9 +14,9 @@ key and value are copied into buffers shared by every layer and bucket; attentio
 output buffer that the next piece reads. Where the model's fused RoPE kernel stores K/V itself it also
 writes the query straight into the shared buffer (`Attention.query_target`), and key and value are not
 copied when the backend then reads only the cache (`AttentionImpl.reads_written_kv`): for TRITON_ATTN
-nothing is copied. Tokens t..T-1 are padding: their ids and positions
-are whatever the input buffers hold (always in range), their rows are computed and ignored, and
-attention, which runs on the t real tokens, never reads or writes them. Where the model stores K/V
+nothing is copied. Tokens t..T-1 are padding: their ids and positions are whatever the input buffers
+hold (always in range), their rows are computed and ignored, and attention, which runs on the t real
+tokens, never reads or writes them. Where the model stores K/V
 itself (the fused RoPE kernel, `Attention.kv_write_target`), the store is part of a piece: it reads
 the slot mapping from the input batch's fixed buffer, whose padding rows the runner sets to -1 (write
 nothing) before replaying. The pieces of all buckets share one memory pool, and each bucket's pieces replay in the order they were captured, so what one piece leaves for
