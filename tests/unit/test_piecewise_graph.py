@@ -21,7 +21,7 @@ class CausalMeanImpl:
     def __init__(self) -> None:
         self.seen_tokens: list[int] = []
 
-    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output=None):
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output=None, kv_written=False):
         self.seen_tokens.append(query.shape[0])
         steps = torch.arange(1, query.shape[0] + 1, dtype=query.dtype).view(-1, 1, 1)
         result = (query + key * value).cumsum(0) / steps
@@ -32,6 +32,8 @@ class CausalMeanImpl:
 
 
 class Layer(nn.Module):
+    kv_written = False  # True: the layer stored its K/V before attention, as the fused RoPE kernel does
+
     def __init__(self, seed: int) -> None:
         super().__init__()
         gen = torch.Generator().manual_seed(seed)
@@ -41,12 +43,18 @@ class Layer(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         x = (h @ self.proj).view(-1, HEADS, HEAD_SIZE)
-        hook = get_forward_context().attention_hook
-        if hook is not None:
-            out = hook(self, x, x.sin(), x.cos(), False)
+        context = get_forward_context()
+        if context.attention_hook is not None:
+            out = context.attention_hook(self, self.query(x, context), x.sin(), x.cos(), self.kv_written)
         else:
-            out = self.impl.forward(self, x, x.sin(), x.cos(), None, None)
+            out = self.impl.forward(
+                self, x, x.sin(), x.cos(), None, None, torch.empty_like(x), kv_written=self.kv_written
+            )
         return h + out.reshape(-1, HIDDEN)
+
+    def query(self, x: torch.Tensor, context) -> torch.Tensor:
+        """The query handed to the runner's hook."""
+        return x
 
 
 class Model(nn.Module):
@@ -147,20 +155,11 @@ class CacheReaderImpl:
 
 
 class KVWrittenLayer(Layer):
+    kv_written = True
+
     def __init__(self, seed: int, reads_kv: bool) -> None:
         super().__init__(seed)
         self.impl = CacheReaderImpl(reads_kv)
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        x = (h @ self.proj).view(-1, HEADS, HEAD_SIZE)
-        hook = get_forward_context().attention_hook
-        if hook is not None:
-            out = hook(self, x, x.sin(), x.cos(), True)
-        else:
-            out = self.impl.forward(
-                self, x, x.sin(), x.cos(), None, None, torch.empty_like(x), kv_written=True
-            )
-        return h + out.reshape(-1, HIDDEN)
 
 
 @pytest.mark.parametrize("reads_kv", [True, False])
@@ -197,15 +196,10 @@ class QueryWritingLayer(KVWrittenLayer):
 
     num_heads, head_size = HEADS, HEAD_SIZE
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        x = (h @ self.proj).view(-1, HEADS, HEAD_SIZE)
-        context = get_forward_context()
-        if context.attention_hook is None:
-            return super().forward(h)
+    def query(self, x: torch.Tensor, context) -> torch.Tensor:
         target = context.query_buffer(self, x.shape[0], x.dtype)
         target.copy_(x.reshape(x.shape[0], -1))
-        out = context.attention_hook(self, target.view(-1, HEADS, HEAD_SIZE), x.sin(), x.cos(), True)
-        return h + out.reshape(-1, HIDDEN)
+        return target.view(-1, HEADS, HEAD_SIZE)
 
 
 def test_a_query_written_into_the_shared_buffer_is_not_copied(monkeypatch) -> None:
