@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The fifteenth session's first GPU call, on whichever card comes (raw results under /tmp/a/, tarred into
+# $OUT/a.tgz after every step; a short table on stdout). Carry [".vllm/part1"] so that an H200 can go on to
+# `session14.sh b` and `c` (vLLM's parts 2 and 3) in the next two calls on the same warm machine.
+#   - Every card: the GPU tests of the q_out hand-over (b607b33: the fused RoPE kernel writes q straight into
+#     the piecewise graphs' shared query buffer), which had not run on a GPU: the layer-op kernel tests
+#     (kv_write, q_out included) and the graphs-vs-eager test judged against HF float32 for TRITON_ATTN.
+#   - H200: vLLM's first part, then the decode-plan sweep (decode_plan_sweep.py: the plan session14.sh b reads).
+#   - Other cards: nano-vllm after a warm-up run, under the profiler (no direct_copy kernel should be left in
+#     the piecewise steps; the q copy was 504 kernels, 22.7 ms, in the fourteenth session's `f`).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+phase=${1:?usage: session15.sh a}
+default_budget_s=${DEFAULT_BUDGET_S:-570}
+source benchmarks/h200/session_lib.sh
+plan_file=/tmp/session14-plan.txt
+
+case "$phase" in
+a)
+  parallel_tests 100 "ops|tests/gpu/test_layer_ops_gpu.py" "graphs|tests/gpu/test_cuda_graphs_gpu.py -k TRITON_ATTN"
+  if grep -q H200 "$d/gpu.txt"; then
+    run_step vllm-stage1 40 bash .vllm/part1/remote-stage.sh 1
+    run_step sweep 330 python3 benchmarks/h200/decode_plan_sweep.py --out "$d/sweep.json" --plan-out "$d/plan.txt"
+    grep -E '^\[b|^ {4}N|^plan' "$d/sweep.log"
+    [ -s "$d/plan.txt" ] && cp "$d/plan.txt" "$plan_file"
+  else
+    bench warm 60 --engine kvllm --backend TRITON_ATTN --only nano --out "$d/warm"
+    bench nano 110 --engine kvllm --backend TRITON_ATTN --only nano --step-log --profile-nano --out "$d/nano"
+  fi
+  ;;
+*)
+  echo "unknown phase $phase (a)"; exit 2 ;;
+esac
+kill "$clocks_pid" "${host_probe_pid:-}" 2>/dev/null
+save
+since "done"
