@@ -204,17 +204,26 @@ def test_qk_norm_rope_kv_write(dtype, cache_dtype, k_scale, v_scale, layout, q_o
     assert torch.equal(bits(out_v), bits(ref_v))
 
 
-def test_model_bf16_logits_and_greedy_tokens_match_torch_path(qwen3_small) -> None:  # noqa: ANN001
-    """A whole bf16 model through TRITON_ATTN's paged cache: the kernels change (almost) no bit."""
+def test_model_bf16_fused_and_torch_paths_both_pass_the_hf_judge(qwen3_small) -> None:  # noqa: ANN001
+    """A whole bf16 model through TRITON_ATTN's paged cache, with the kernels and with the torch ops.
+
+    The norms may differ by an ulp between the two paths, and on random weights an ulp can flip a greedy
+    near-tie (seen on an H100: the 1-token prompt's 15th token), so each run is judged against HF float32
+    with HF bf16 as the yardstick (tests/gpu/bf16_judge.py) instead of the two being required equal.
+    """
     from kvllm import LLM, SamplingParams
+    from tests.gpu.bf16_judge import TOP_LOGPROBS, failure_summary, judge_against_hf
 
     llm = LLM(qwen3_small, dtype="bfloat16", attention_backend="TRITON_ATTN", gpu_memory_utilization=0.2,
               enforce_eager=True)  # fmt: skip
     gen = torch.Generator().manual_seed(0)
-    prompts = [{"prompt_token_ids": torch.randint(3, 400, (n,), generator=gen).tolist()} for n in (1, 9, 300)]
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    with fused_ops_mode("auto"):
-        fused = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    with fused_ops_mode("0"):
-        eager = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert fused == eager
+    prompts = [torch.randint(3, 400, (n,), generator=gen).tolist() for n in (1, 9, 300)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=TOP_LOGPROBS)
+    runs = {}
+    for mode in ("auto", "0"):
+        with fused_ops_mode(mode):
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        runs[mode] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+    for mode, run in runs.items():
+        judged = [judge_against_hf(qwen3_small, p, ids, lps, "cuda") for p, (ids, lps) in zip(prompts, run)]
+        assert all(j.ok for j in judged), f"fused ops {mode}:\n{failure_summary(judged)}"
