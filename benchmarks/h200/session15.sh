@@ -8,9 +8,12 @@
 #   - H200: vLLM's first part, then the decode-plan sweep (decode_plan_sweep.py: the plan session14.sh b reads).
 #   - Other cards: nano-vllm after a warm-up run, under the profiler (no direct_copy kernel should be left in
 #     the piecewise steps; the q copy was 504 kernels, 22.7 ms, in the fourteenth session's `f`).
+#   p  (probe, carry nothing): which profilers the machine has; the whole-model layer-op test under the HF
+#      judge; FLEX_ATTENTION's build() host time and profile (flex_build_probe.py); with ncu, the W4A16 and
+#      bf16 GEMVs on qkv and gate_up (w4a16_one_shape.py) under `ncu --set full`.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-phase=${1:?usage: session15.sh a}
+phase=${1:?usage: session15.sh a|p}
 default_budget_s=${DEFAULT_BUDGET_S:-570}
 source benchmarks/h200/session_lib.sh
 plan_file=/tmp/session14-plan.txt
@@ -28,8 +31,24 @@ a)
     bench nano 110 --engine kvllm --backend TRITON_ATTN --only nano --step-log --profile-nano --out "$d/nano"
   fi
   ;;
+p)
+  run_step tools 10 bash -c 'which ncu nsys nvcc; ls -d /usr/local/cuda*/bin /opt/nvidia* 2>&1; true'
+  cat "$d/tools.log"
+  parallel_tests 100 "judge|tests/gpu/test_layer_ops_gpu.py -k model_bf16"
+  run_step flex-build 90 python3 benchmarks/h200/flex_build_probe.py --out "$d"
+  grep -E "build (alone|\+ sync)" "$d/flex-build.log"
+  ncu_bin=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -n 1)
+  if [ -n "$ncu_bin" ]; then
+    for shape in qkv gate_up; do
+      run_step "ncu-$shape" 120 "$ncu_bin" --kernel-name regex:gemv --launch-skip 3 --launch-count 2 --set full \
+        python3 benchmarks/h200/w4a16_one_shape.py --shape "$shape"
+      grep -E "gemv|Throughput|Issue Slots|Warp Cycles Per Issued|Achieved Occupancy|Stall|Registers|L1/TEX Hit|L2 Hit|Eligible" \
+        "$d/ncu-$shape.log" | head -n 60
+    done
+  fi
+  ;;
 *)
-  echo "unknown phase $phase (a)"; exit 2 ;;
+  echo "unknown phase $phase (a|p)"; exit 2 ;;
 esac
 kill "$clocks_pid" "${host_probe_pid:-}" 2>/dev/null
 save
