@@ -11,9 +11,12 @@
 #   p  (probe, carry nothing): which profilers the machine has; the whole-model layer-op test under the HF
 #      judge; FLEX_ATTENTION's build() host time and profile (flex_build_probe.py); with ncu, the W4A16 and
 #      bf16 GEMVs on qkv and gate_up (w4a16_one_shape.py) under `ncu --set full`.
+#   w  (carry nothing): the W4A16 GEMV's split K (issue 22): its GPU tests, the M = 1 sweep with split-K
+#      candidates writing a tuned-config table, then the Llama-3-8B-shaped e2e (bf16, AWQ) and AWQ again with
+#      that table (KVLLM_W4A16_GEMV_CONFIGS), under the profiler.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-phase=${1:?usage: session15.sh a|p}
+phase=${1:?usage: session15.sh a|p|w}
 default_budget_s=${DEFAULT_BUDGET_S:-570}
 source benchmarks/h200/session_lib.sh
 plan_file=/tmp/session14-plan.txt
@@ -47,8 +50,19 @@ p)
     done
   fi
   ;;
+w)
+  parallel_tests 100 "quant|tests/gpu/test_quant_gpu.py -k 'split_k or gemv_matches or silu_and_mul'"
+  run_step sweep 200 python3 benchmarks/h200/w4a16_gemv_m1.py --out "$d" --budget-s 140 \
+    --table-out "$d/w4a16_gemv_configs.json"
+  sed -n '/best per shape/,$p' "$d/sweep.log"; cat "$d/w4a16_gemv_configs.json"
+  run_step e2e-base 150 python3 benchmarks/h200/quant_bench.py --out "$d/base" --parts e2e --engines bf16,awq --quick
+  grep -h '"e2e"' "$d/e2e-base.log" | cut -c1-220
+  KVLLM_W4A16_GEMV_CONFIGS=$d/w4a16_gemv_configs.json run_step e2e-tuned 100 python3 benchmarks/h200/quant_bench.py \
+    --out "$d/tuned" --parts e2e --engines awq --quick --profile
+  grep -h '"e2e"' "$d/e2e-tuned.log" | cut -c1-220
+  ;;
 *)
-  echo "unknown phase $phase (a|p)"; exit 2 ;;
+  echo "unknown phase $phase (a|p|w)"; exit 2 ;;
 esac
 kill "$clocks_pid" "${host_probe_pid:-}" 2>/dev/null
 save

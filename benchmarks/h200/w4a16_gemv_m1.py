@@ -1,6 +1,6 @@
 """The W4A16 GEMV at batch 1 on Llama-3-8B's projections, beside kvllm's bf16 GEMV: a bounded config sweep.
 
-    PYTHONPATH=. python3 benchmarks/h200/w4a16_gemv_m1.py --out DIR [--budget-s 60]
+    PYTHONPATH=. python3 benchmarks/h200/w4a16_gemv_m1.py --out DIR [--budget-s 60] [--table-out FILE]
 
 For qkv (6144 x 4096), o (4096 x 4096), gate_up (28672 x 4096; also fused with SiLU) and down
 (4096 x 14336), M = 1, group 128: each (block_n, block_k, warps, stages) candidate is first checked against
@@ -8,7 +8,13 @@ x @ dequantize(W)^T in float32 on one weight copy (a failing config is recorded,
 timed as quant_bench.graph_us does (a CUDA graph of 20 calls over cold weight copies, median per call).
 The candidates compile first in a process pool. Writes DIR/w4a16_gemv_m1.jsonl (one line per config
 and shape: us, TB/s of the int4 weight bytes with scales and zeros, error) and prints the best config
-per shape with its speed against bf16.
+per shape with its speed against bf16. --table-out writes each shape's fastest config as the tuned-config
+table that w4a16_gemv.tuned_config reads (KVLLM_W4A16_GEMV_CONFIGS=FILE, or copied into
+kvllm/layers/quantization/ops/w4a16_gemv_configs.json), keyed by this GPU's name.
+
+Candidates are (block_n, block_k, warps, stages, split_k): split_k > 1 cuts K over that many programs per
+column block (the fifteenth session's ncu run of the one-warp default on an H100: 1.4-3.5 warps per
+scheduler, 8-21% occupancy, issue slots 24-38% busy, DRAM 16-27%: latency-bound for want of warps).
 """
 
 from __future__ import annotations
@@ -27,26 +33,29 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 GROUP = 128
-# (block_n, block_k, warps, stages): 1024 K values per warp (fewer put threads across columns, and the
-# activations in another register layout than the weights: shuffles every tile, by the sm_90 SASS),
-# 2 to 16 columns, 1 to 4 pipeline stages (Triton's cp.async pipeliner).
-CANDIDATES = [(8, 1024, 1, s) for s in (1, 2, 3, 4)] + [(16, 1024, 1, s) for s in (2, 3)]
-CANDIDATES += [(4, 1024, 1, s) for s in (2, 3, 4)] + [(8, 2048, 2, s) for s in (2, 3, 4)]
-CANDIDATES += [
-    (4, 2048, 2, 3),
-    (16, 2048, 2, 3),
-    (8, 4096, 4, 3),
-    (4, 4096, 4, 3),
-    (2, 1024, 1, 3),
-    (2, 2048, 2, 3),
+# (block_n, block_k, warps, stages, split_k). Without a split: the ninth session's candidates around the
+# default (8 columns, 1024 K values per warp, 3 stages). With one: more programs per column, each over fewer
+# tiles (stages 1: no shared-memory pipeline, the warps' number hiding the loads instead).
+CANDIDATES = [(8, 1024, 1, s, 1) for s in (2, 3)] + [(4, 1024, 1, 3, 1), (16, 1024, 1, 2, 1)]
+CANDIDATES += [(8, 1024, 1, s, 2) for s in (1, 2, 3)] + [(8, 1024, 1, s, 4) for s in (1, 2)]
+CANDIDATES += [(8, 512, 1, s, 4) for s in (1, 2, 3)] + [(8, 512, 1, s, 8) for s in (1, 2)]
+CANDIDATES += [(4, 1024, 1, s, 2) for s in (2, 3)] + [
+    (4, 1024, 1, 1, 4),
+    (4, 512, 1, 2, 4),
+    (4, 512, 1, 1, 8),
 ]
-GATED = [(4, 1024, 1, s) for s in (2, 3, 4)] + [
-    (8, 1024, 1, 3),
-    (2, 1024, 1, 3),
-    (4, 2048, 2, 3),
-    (2, 2048, 2, 3),
-]
-GATED += [(8, 2048, 2, 3)]
+CANDIDATES += [(16, 1024, 1, 2, 4), (16, 512, 1, 2, 8), (8, 2048, 2, 1, 2), (8, 2048, 2, 2, 2)]
+CANDIDATES += [(8, 1024, 1, 2, 7), (8, 1024, 1, 1, 14), (8, 512, 1, 2, 14)]  # K = 14336 = 7 x 2048
+GATED = [(4, 1024, 1, s, 1) for s in (2, 3)] + [(8, 1024, 1, 3, 1)]
+GATED += [(4, 1024, 1, s, 2) for s in (1, 2, 3)] + [(4, 1024, 1, 1, 4), (4, 512, 1, 1, 8)]
+GATED += [(4, 512, 1, s, 4) for s in (1, 2)] + [(8, 1024, 1, 2, 2), (8, 512, 1, 2, 4), (2, 1024, 1, 2, 2)]
+
+
+def _config(cfg: tuple[int, ...]) -> Any:
+    from kvllm.layers.quantization.ops.w4a16_gemv import W4A16GemvConfig
+
+    block_n, block_k, warps, stages, split = cfg
+    return W4A16GemvConfig(block_n, block_k, warps, stages, split_k=split)
 
 
 def _compile(job: tuple[tuple[int, int, int, int], int, bool]) -> str:
@@ -54,7 +63,7 @@ def _compile(job: tuple[tuple[int, int, int, int], int, bool]) -> str:
     import torch
 
     from kvllm.layers.quantization.ops.int4_layout import pack_kernel_layout
-    from kvllm.layers.quantization.ops.w4a16_gemv import W4A16GemvConfig, w4a16_gemv, w4a16_gemv_silu_and_mul
+    from kvllm.layers.quantization.ops.w4a16_gemv import w4a16_gemv, w4a16_gemv_silu_and_mul
 
     cfg, k, gated = job
     n = 2 * cfg[0]
@@ -63,7 +72,7 @@ def _compile(job: tuple[tuple[int, int, int, int], int, bool]) -> str:
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     fn = w4a16_gemv_silu_and_mul if gated else w4a16_gemv
     try:
-        fn(x, q, s, s, GROUP, config=W4A16GemvConfig(*cfg))
+        fn(x, q, s, s, GROUP, config=_config(cfg))
         torch.cuda.synchronize()
         return ""
     except Exception as e:  # recorded by the timing pass
@@ -76,11 +85,13 @@ def main() -> int:
     )
     parser.add_argument("--out", default="gpu-out")
     parser.add_argument("--budget-s", type=float, default=60.0)
+    parser.add_argument("--table-out", help="write the fastest config per shape as a tuned-config table")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    jobs = [(c, k, False) for c in CANDIDATES for k in (4096, 14336)] + [(c, 4096, True) for c in GATED]
+    jobs = [(c, k, False) for c in CANDIDATES for k in (4096, 14336) if k % (c[1] * c[4]) == 0]
+    jobs += [(c, 4096, True) for c in GATED]
     import multiprocessing
 
     with ProcessPoolExecutor(
@@ -95,8 +106,8 @@ def main() -> int:
     from kvllm.layers.ops.gemv import gemv, gemv_silu_and_mul
     from kvllm.layers.quantization.ops.int4_layout import dequantize, pack_kernel_layout
     from kvllm.layers.quantization.ops.w4a16_gemv import (
-        W4A16GemvConfig,
         default_config,
+        tuned_key,
         w4a16_gemv,
         w4a16_gemv_silu_and_mul,
     )
@@ -146,7 +157,7 @@ def main() -> int:
         variants = [("gemv", None), ("gemv", "no-prefetch")]
         if shape == "gate_up":
             variants += [("gemv+silu", None), ("gemv+silu", "no-prefetch")]
-        variants += [("gemv", c) for c in CANDIDATES] + (
+        variants += [("gemv", c) for c in CANDIDATES if k % (c[1] * c[4]) == 0] + (
             [("gemv+silu", c) for c in GATED] if shape == "gate_up" else []
         )
         for kind, cfg in variants:
@@ -157,10 +168,10 @@ def main() -> int:
             if cfg == "no-prefetch":  # the default without the L2 prefetch of the weight rows
                 conf = dataclasses.replace(default_config(1, n, k, gated), prefetch=False)
             else:
-                conf = W4A16GemvConfig(*cfg) if cfg else default_config(1, n, k, gated)
+                conf = _config(cfg) if cfg else default_config(1, n, k, gated)
             fn = w4a16_gemv_silu_and_mul if gated else w4a16_gemv
-            rec = base | {"impl": f"w4a16 {kind}", "config": [conf.block_n, conf.block_k, conf.num_warps, conf.num_stages],
-                          "prefetch": conf.prefetch, "default": cfg is None}  # fmt: skip
+            rec = base | {"impl": f"w4a16 {kind}", "config": [conf.block_n, conf.block_k, conf.num_warps, conf.num_stages,
+                          conf.split_k], "prefetch": conf.prefetch, "default": cfg is None}  # fmt: skip
             try:
                 got = fn(x, *w4[0], GROUP, config=conf).float()
                 expected = act if gated else ref
@@ -181,6 +192,18 @@ def main() -> int:
         bf16 = w4 = None
         torch.cuda.empty_cache()
     log.close()
+    if args.table_out:
+        table: dict[str, dict[str, Any]] = {}
+        for rec in records:
+            if "us" not in rec or not rec["impl"].startswith("w4a16") or not rec.get("prefetch", True):
+                continue
+            key = tuned_key(1, rec["n"], rec["k"], rec["impl"].endswith("+silu"))
+            if key not in table or rec["us"] < table[key]["us"]:
+                table[key] = rec
+        fields = ("block_n", "block_k", "num_warps", "num_stages", "split_k")
+        entries = {key: dict(zip(fields, rec["config"])) for key, rec in table.items()}
+        Path(args.table_out).write_text(json.dumps({torch.cuda.get_device_name(): entries}, indent=1) + "\n")
+        print(f"tuned-config table: {args.table_out}")
     print("\nbest per shape (M = 1):")
     for shape in SHAPES:
         for kind in ("w4a16 gemv", "w4a16 gemv+silu"):

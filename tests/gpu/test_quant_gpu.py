@@ -86,6 +86,51 @@ def test_w4a16_gemv_matches_float32(n, k, group, dtype, m) -> None:
     assert_close_scaled(out, x.float() @ dequantize(qweight, scales, zeros, group).T, 1e-2)
 
 
+@pytest.mark.parametrize("n,k,split", [(6144, 4096, 4), (4096, 14336, 7), (28672, 4096, 2), (264, 384, 3)])
+@pytest.mark.parametrize("m", [1, 4])
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
+def test_w4a16_gemv_split_k_under_concurrency_and_graph_replay(n, k, split, m, gated) -> None:
+    """Split K with its programs really concurrent: against float32, the same bits on every call (parts
+    summed in split order), and inside a CUDA graph replayed on new inputs (the tickets back at zero)."""
+    from kvllm.layers.quantization.ops.w4a16_gemv import (
+        _SCRATCH,
+        W4A16GemvConfig,
+        w4a16_gemv,
+        w4a16_gemv_silu_and_mul,
+    )
+
+    config = W4A16GemvConfig(
+        8 if not gated else 4, k // split if k // split <= 2048 else 1024, 1, 2, split_k=split
+    )
+    while k % (config.block_k * split):
+        config = W4A16GemvConfig(config.block_n, config.block_k // 2, 1, 2, split_k=split)
+    fn = w4a16_gemv_silu_and_mul if gated else w4a16_gemv
+    qweight, scales, zeros = random_int4(n, k, 128, torch.bfloat16, seed=n + m + split)
+    w = dequantize(qweight, scales, zeros, 128)
+
+    def expected(x: torch.Tensor) -> torch.Tensor:
+        y = x.float() @ w.T
+        if not gated:
+            return y
+        gate, up = y.split(n // 2, dim=1)
+        return torch.nn.functional.silu(gate) * up
+
+    x = torch.randn(m, k, generator=_gen(m), device=CUDA).bfloat16()
+    out = fn(x, qweight, scales, zeros, 128, config=config)
+    assert_close_scaled(out, expected(x), 2e-2 if gated else 1e-2)
+    for _ in range(3):
+        assert torch.equal(fn(x, qweight, scales, zeros, 128, config=config), out)
+    graph, static_x = torch.cuda.CUDAGraph(), x.clone()
+    with torch.cuda.graph(graph):
+        static_out = fn(static_x, qweight, scales, zeros, 128, config=config)
+    for seed in range(3):
+        static_x.copy_(torch.randn(m, k, generator=_gen(100 + seed), device=CUDA).bfloat16())
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close_scaled(static_out, expected(static_x), 2e-2 if gated else 1e-2)
+    assert not _SCRATCH.buffers[x.device][1].any()
+
+
 @pytest.mark.parametrize("n,k", [(28672, 4096), (6144, 1024), (528, 384)])
 @pytest.mark.parametrize("m", [1, 4])
 def test_w4a16_gemv_silu_and_mul_matches_float32(n, k, m) -> None:

@@ -292,3 +292,104 @@ def test_w4a16_gemv_default_is_one_warp_per_program_at_one_row() -> None:
         assert (config.block_n, config.block_k, config.num_warps, config.num_stages) == (8, 1024, 1, 3)
     assert default_config(1, 28672, 4096, gated=True).block_n == 4
     assert default_config(2, 4096, 4096).num_warps == 2
+
+
+SPLIT_K_CASES = [
+    # m, n, k, group, bias, (block_n, block_k, warps, stages, prefetch, split_k), dtype
+    (1, 40, 512, 128, True, (8, 128, 1, 1, True, 4), torch.float32),  # one tile per program
+    (3, 36, 1024, 32, False, (4, 128, 1, 2, True, 2), torch.bfloat16),  # groups under a block, 4 tiles
+    (4, 24, 512, 512, True, (8, 128, 1, 1, True, 2), torch.float16),  # one group for all of K
+    (2, 20, 192, 64, False, (4, 64, 1, 1, True, 3), torch.float32),  # 8-word blocks, an odd split
+]
+
+
+@pytest.mark.parametrize("m,n,k,group,with_bias,config,dtype", SPLIT_K_CASES)
+def test_w4a16_gemv_split_k_matches_float32_reference_and_repeats_bit_for_bit(
+    m, n, k, group, with_bias, config, dtype
+) -> None:
+    """Split K: the parts summed in split order (no float atomics), so a second call (the tickets back to
+    zero, the workspace reused) gives the same bits; gated too."""
+    from kvllm.layers.quantization.ops.w4a16_gemv import (
+        _SCRATCH,
+        W4A16GemvConfig,
+        w4a16_gemv,
+        w4a16_gemv_silu_and_mul,
+    )
+
+    conf = W4A16GemvConfig(*config)
+    qweight, scales, zeros = random_int4(n, k, group, dtype, seed=m * n + k)
+    x = torch.randn(m, k, generator=_gen(k + m)).to(dtype)
+    bias = torch.randn(n, generator=_gen(n)).to(dtype) if with_bias else None
+    out = w4a16_gemv(x, qweight, scales, zeros, group, bias, conf)
+    expected = x.float() @ dequantize(qweight, scales, zeros, group).T + (bias.float() if with_bias else 0)
+    rtol, atol = TOLERANCES[dtype]
+    torch.testing.assert_close(out.float(), expected, rtol=rtol, atol=atol)
+    assert not _SCRATCH.buffers[x.device][1].any()  # every ticket back at zero
+    assert torch.equal(w4a16_gemv(x, qweight, scales, zeros, group, bias, conf), out)
+
+    q2, s2, z2 = random_int4(2 * n, k, group, dtype, seed=n + 1)
+    gated = w4a16_gemv_silu_and_mul(x, q2, s2, z2, group, None, conf)
+    unsplit = w4a16_gemv_silu_and_mul(x, q2, s2, z2, group, None, W4A16GemvConfig(*config[:5]))
+    y = (x.float() @ dequantize(q2, s2, z2, group).T).to(dtype).float()
+    expected_gated = torch.nn.functional.silu(y[:, :n]).to(dtype).float() * y[:, n:]
+    torch.testing.assert_close(gated.float(), expected_gated, rtol=rtol, atol=atol)
+    torch.testing.assert_close(gated, unsplit, rtol=rtol, atol=atol)
+
+
+def test_w4a16_gemv_split_k_rejects_a_split_that_cuts_a_tile() -> None:
+    from kvllm.layers.quantization.ops.w4a16_gemv import W4A16GemvConfig, w4a16_gemv
+
+    qweight, scales, zeros = random_int4(16, 384, 128, torch.float32, seed=1)
+    with pytest.raises(ValueError, match="split_k 2 must be >= 1 and cut K = 384 into whole tiles of 128"):
+        w4a16_gemv(
+            torch.randn(1, 384), qweight, scales, zeros, 128, config=W4A16GemvConfig(8, 128, split_k=2)
+        )
+
+
+def test_split_k_scratch_grows_outside_capture_only_and_keeps_old_buffers() -> None:
+    """A graph captured earlier keeps pointing at the buffers it saw, so they are never freed; during a
+    capture a call that needs more room gets None (and runs without the split)."""
+    from kvllm.layers.quantization.ops.w4a16_gemv import _SplitKScratch
+
+    scratch = _SplitKScratch()
+    cpu = torch.device("cpu")
+    assert scratch.get(cpu, 100, 4, capturing=True) is None
+    ws, tickets = scratch.get(cpu, 100, 4, capturing=False)
+    assert ws.numel() == 100 and tickets.numel() == 4 and not tickets.any()
+    assert scratch.get(cpu, 50, 2, capturing=True)[0] is ws  # fits: served during a capture too
+    assert scratch.get(cpu, 200, 2, capturing=True) is None
+    bigger, more = scratch.get(cpu, 200, 2, capturing=False)
+    assert bigger.numel() == 200 and more.numel() == 4 and scratch.retired == [ws, tickets]
+
+
+def test_w4a16_gemv_tuned_table_is_read_per_gpu_model(tmp_path, monkeypatch) -> None:
+    """The table's entry for this GPU's name and the call's (rows, n, k, gated), else None; a shipped table
+    parses into configs the launcher accepts."""
+    import json
+
+    from kvllm.layers.quantization.ops import w4a16_gemv as mod
+
+    table = tmp_path / "configs.json"
+    entry = {"block_n": 8, "block_k": 512, "num_warps": 1, "num_stages": 2, "split_k": 4}
+    table.write_text(json.dumps({"NVIDIA H100 80GB HBM3": {mod.tuned_key(1, 6144, 4096, False): entry}}))
+    monkeypatch.setenv(mod.TUNED_CONFIGS_ENV, str(table))
+    monkeypatch.setattr(mod.torch.cuda, "get_device_name", lambda index: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(mod, "interpreting", lambda: False)
+    mod._tuned_configs.cache_clear()
+    try:
+        cuda = torch.device("cuda", 0)
+        assert mod.tuned_config(cuda, 1, 6144, 4096, False) == mod.W4A16GemvConfig(**entry)
+        assert mod.tuned_config(cuda, 2, 6144, 4096, False) is None  # two rows: another key
+        assert mod.tuned_config(cuda, 1, 6144, 4096, True) is None
+        assert mod.tuned_config(torch.device("cpu"), 1, 6144, 4096, False) is None
+        monkeypatch.setattr(mod.torch.cuda, "get_device_name", lambda index: "NVIDIA H200")
+        mod._tuned_configs.cache_clear()
+        assert mod.tuned_config(cuda, 1, 6144, 4096, False) is None
+    finally:
+        mod._tuned_configs.cache_clear()
+    if mod.TUNED_CONFIGS.exists():
+        for entries in json.loads(mod.TUNED_CONFIGS.read_text()).values():
+            for key, fields in entries.items():
+                rows, n, k, gated = map(int, key.split(","))
+                config = mod.W4A16GemvConfig(**fields)
+                assert k % (config.block_k * config.split_k) == 0 and rows in (1, 2, 4) and gated in (0, 1)

@@ -26,8 +26,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kvllm.layers.quantization.ops.w4a16_gemv import _w4a16_gemv_kernel as kernel
 
-def compile_(block_n, gated, stages):
-    constexprs = dict(GROUP_SIZE=128, BW=16, BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=1024, PER_NIBBLE=False,
+def compile_(block_n, gated, stages, split_k=1):
+    constexprs = dict(SPLIT_K=split_k, GROUP_SIZE=128, BW=16, BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=1024, PER_NIBBLE=False,
                       EVEN_N=True, EVEN_K=True, HAS_BIAS=False, GATED=gated, USE_PDL=True, PREFETCH=True, PREFETCH_GROUPS=True,
                       NUM_STAGES=stages, INTERPRET=False)
     signature, attrs = {}, {}
@@ -35,7 +35,7 @@ def compile_(block_n, gated, stages):
         if name in constexprs:
             signature[name] = "constexpr"
         elif name.endswith("_ptr"):
-            signature[name] = "*i32" if name == "qw_ptr" else "*bf16"
+            signature[name] = {"qw_ptr": "*i32", "ticket_ptr": "*i32", "ws_ptr": "*fp32"}.get(name, "*bf16")
             attrs[(i,)] = [["tt.divisibility", 16]]
         else:
             signature[name] = "i32"

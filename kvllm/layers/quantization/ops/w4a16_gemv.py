@@ -39,7 +39,11 @@ silu(gate) * up in the epilogue, rounding where the unfused path does (projectio
 
 from __future__ import annotations
 
+import functools
+import json
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import triton
@@ -225,9 +229,68 @@ def _rows_sum(words, x0, x1, x2, x3, x_mask, s, z, s_ptrs, z_ptrs, g_mask, a0, a
     return a0, a1, a2, a3
 
 
+@triton.jit
+def _park_row(acc, acc_up, part_ptr, cols, N, ROW: tl.constexpr, GATED: tl.constexpr):
+    """Store one row's float32 part sums (gate, then up) in this program's workspace slice [rows, 2N]."""
+    tl.store(part_ptr + ROW * 2 * N + cols, tl.sum(tl.sum(acc, axis=2), axis=1), mask=cols < N)
+    if GATED:
+        tl.store(part_ptr + ROW * 2 * N + N + cols, tl.sum(tl.sum(acc_up, axis=2), axis=1), mask=cols < N)
+
+
+@triton.jit
+def _finish_row(ws_ptr, split_stride, bias_ptr, out_ptr, offs_n, cols, N, M, ROW: tl.constexpr,
+                HAS_BIAS: tl.constexpr, GATED: tl.constexpr, SPLIT_K: tl.constexpr,
+                INTERPRET: tl.constexpr):  # fmt: skip
+    """The last program of a column block: the row's parts summed in split order (the same bits on every
+    run), stored as _store_row stores a whole-K program's sums. The parts bypass L1 (.cg): other SMs
+    wrote them."""
+    total = tl.zeros(cols.shape, dtype=tl.float32)
+    total_up = tl.zeros(cols.shape, dtype=tl.float32)
+    for split in tl.static_range(SPLIT_K):
+        row = ws_ptr + split * split_stride + ROW * 2 * N
+        total += tl.load(row + offs_n, cache_modifier=".cg")
+        if GATED:
+            total_up += tl.load(row + N + offs_n, cache_modifier=".cg")
+    # As [BLOCK_N, 1, 1] sums: _store_row sums them over the two unit axes.
+    _store_row(total[:, None, None], total_up[:, None, None], bias_ptr, out_ptr, offs_n, cols, N, M, ROW,
+               HAS_BIAS, GATED, INTERPRET)  # fmt: skip
+
+
+@triton.jit
+def _split_k_store(acc0, acc1, acc2, acc3, up0, up1, up2, up3, ws_ptr, ticket_ptr, bias_ptr, out_ptr,
+                   offs_n, cols, N, M, stride_om, BLOCK_M: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   GATED: tl.constexpr, SPLIT_K: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
+    """Split K: every program parks its sums (still scaled by 2^-49) in its slice of a float32 workspace
+    [SPLIT_K, BLOCK_M, 2N], then takes a ticket for its column block; the SPLIT_K-th program to arrive
+    adds the slices in split order, stores the output (bias, SiLU, rounding as without the split) and
+    puts the ticket back to zero, so the tickets serve every call (and CUDA-graph replay) with no memset."""
+    split_stride = BLOCK_M * 2 * N
+    part_ptr = ws_ptr + tl.program_id(1) * split_stride
+    _park_row(acc0, up0, part_ptr, cols, N, 0, GATED)
+    if BLOCK_M > 1:
+        _park_row(acc1, up1, part_ptr, cols, N, 1, GATED)
+    if BLOCK_M > 2:
+        _park_row(acc2, up2, part_ptr, cols, N, 2, GATED)
+        _park_row(acc3, up3, part_ptr, cols, N, 3, GATED)
+    tl.debug_barrier()  # every thread's parts precede the ticket (released with it)
+    ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel")
+    if ticket == SPLIT_K - 1:
+        _finish_row(ws_ptr, split_stride, bias_ptr, out_ptr, offs_n, cols, N, M, 0, HAS_BIAS, GATED, SPLIT_K,
+                    INTERPRET)  # fmt: skip
+        if BLOCK_M > 1:
+            _finish_row(ws_ptr, split_stride, bias_ptr, out_ptr + stride_om, offs_n, cols, N, M, 1, HAS_BIAS,
+                        GATED, SPLIT_K, INTERPRET)  # fmt: skip
+        if BLOCK_M > 2:
+            _finish_row(ws_ptr, split_stride, bias_ptr, out_ptr + 2 * stride_om, offs_n, cols, N, M, 2,
+                        HAS_BIAS, GATED, SPLIT_K, INTERPRET)  # fmt: skip
+            _finish_row(ws_ptr, split_stride, bias_ptr, out_ptr + 3 * stride_om, offs_n, cols, N, M, 3,
+                        HAS_BIAS, GATED, SPLIT_K, INTERPRET)  # fmt: skip
+        tl.atomic_xchg(ticket_ptr, 0)
+
+
 @triton.jit(do_not_specialize=["M", "num_groups"])
 def _w4a16_gemv_kernel(
-    x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr,
+    x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, ticket_ptr,
     M, N, K, stride_wn, num_groups, stride_xm, stride_om,
     GROUP_SIZE: tl.constexpr,
     BW: tl.constexpr,
@@ -243,11 +306,15 @@ def _w4a16_gemv_kernel(
     PREFETCH: tl.constexpr,
     PREFETCH_GROUPS: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):  # fmt: skip
     # GATED: N is the output width d; the weight has 2d rows (gate, then up), out gets silu(gate) * up.
+    # SPLIT_K > 1: program (pid, s) sums the s-th K / SPLIT_K values of its columns (_split_k_store).
     NBT: tl.constexpr = BLOCK_K // (8 * BW)  # blocks per tile
     pid = tl.program_id(0)
+    k_len = K // SPLIT_K
+    k_start = tl.program_id(1) * k_len
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     if EVEN_N:
         offs_n = cols
@@ -263,6 +330,7 @@ def _w4a16_gemv_kernel(
     qw_ptrs = (
         qw_ptr
         + offs_n[:, None, None, None].to(tl.int64) * stride_wn
+        + k_start // 8
         + (blk * BW)[None, :, None, None]
         + bv[None, None, :, :]
     )
@@ -296,13 +364,13 @@ def _w4a16_gemv_kernel(
         # Each column's whole packed row into the L2 at once (one instruction per column), before the
         # PDL wait (weights are constant): the loop's copies then find it there, however few programs
         # an SM holds, and with PDL the fetch overlaps the previous kernel.
-        rows = qw_ptr + offs_n.to(tl.int64) * stride_wn
-        _prefetch_rows_l2(rows, (offs_n * 0 + K // 2).to(tl.int32))
+        rows = qw_ptr + offs_n.to(tl.int64) * stride_wn + k_start // 8
+        _prefetch_rows_l2(rows, (offs_n * 0 + k_len // 2).to(tl.int32))
         if GATED:
-            _prefetch_rows_l2(rows + up_words, (offs_n * 0 + K // 2).to(tl.int32))
+            _prefetch_rows_l2(rows + up_words, (offs_n * 0 + k_len // 2).to(tl.int32))
         if PREFETCH_GROUPS:  # and the scales and zeros, loaded in the loop without cp.async (16 bits)
-            g_bytes = (offs_n * 0 + num_groups * 2).to(tl.int32)
-            g_rows = offs_n.to(tl.int64) * num_groups
+            g_bytes = (offs_n * 0 + (num_groups // SPLIT_K) * 2).to(tl.int32)
+            g_rows = offs_n.to(tl.int64) * num_groups + k_start // GROUP_SIZE
             _prefetch_rows_l2(s_ptr + g_rows, g_bytes)
             _prefetch_rows_l2(z_ptr + g_rows, g_bytes)
             if GATED:
@@ -313,7 +381,7 @@ def _w4a16_gemv_kernel(
     # while one is decoded. Loaded into registers instead (a prefetch carried by the loop), ptxas
     # sinks the next tile's loads below most of the current tile's arithmetic to save registers, so
     # nothing stays in flight (sm_90 SASS).
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+    for k0 in tl.range(k_start, k_start + k_len, BLOCK_K, num_stages=NUM_STAGES):
         if not EVEN_K:
             w_mask = ((k0 + blk_k) < K)[None, :, None, None]
             g_mask = ((k0 + blk_k) < K)[None, :, None]
@@ -332,15 +400,19 @@ def _w4a16_gemv_kernel(
                 z_ptrs + up_groups, g_mask, up0, up1, up2, up3, BLOCK_M, BW, GROUP_SIZE, PER_NIBBLE,
             )  # fmt: skip
         qw_ptrs += BLOCK_K // 8
-    _store_row(acc0, up0, bias_ptr, out_ptr, offs_n, cols, N, M, 0, HAS_BIAS, GATED, INTERPRET)
-    if BLOCK_M > 1:
-        _store_row(acc1, up1, bias_ptr, out_ptr + stride_om, offs_n, cols, N, M, 1, HAS_BIAS, GATED,
-                   INTERPRET)  # fmt: skip
-    if BLOCK_M > 2:
-        _store_row(acc2, up2, bias_ptr, out_ptr + 2 * stride_om, offs_n, cols, N, M, 2, HAS_BIAS, GATED,
-                   INTERPRET)  # fmt: skip
-        _store_row(acc3, up3, bias_ptr, out_ptr + 3 * stride_om, offs_n, cols, N, M, 3, HAS_BIAS, GATED,
-                   INTERPRET)  # fmt: skip
+    if SPLIT_K > 1:
+        _split_k_store(acc0, acc1, acc2, acc3, up0, up1, up2, up3, ws_ptr, ticket_ptr + pid, bias_ptr, out_ptr,
+                       offs_n, cols, N, M, stride_om, BLOCK_M, HAS_BIAS, GATED, SPLIT_K, INTERPRET)  # fmt: skip
+    else:
+        _store_row(acc0, up0, bias_ptr, out_ptr, offs_n, cols, N, M, 0, HAS_BIAS, GATED, INTERPRET)
+        if BLOCK_M > 1:
+            _store_row(acc1, up1, bias_ptr, out_ptr + stride_om, offs_n, cols, N, M, 1, HAS_BIAS, GATED,
+                       INTERPRET)  # fmt: skip
+        if BLOCK_M > 2:
+            _store_row(acc2, up2, bias_ptr, out_ptr + 2 * stride_om, offs_n, cols, N, M, 2, HAS_BIAS, GATED,
+                       INTERPRET)  # fmt: skip
+            _store_row(acc3, up3, bias_ptr, out_ptr + 3 * stride_om, offs_n, cols, N, M, 3, HAS_BIAS, GATED,
+                       INTERPRET)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -353,6 +425,7 @@ class W4A16GemvConfig:
     num_warps: int = 1
     num_stages: int = 1
     prefetch: bool = True  # each program's weight rows into the L2 first (CUDA, K a multiple of 32)
+    split_k: int = 1  # programs per column block, each over K / split_k values (_split_k_store)
 
 
 MIN_WARPS = 8 * 132  # eight warps per SM of an H200: fewer leave its four schedulers short of work
@@ -384,6 +457,67 @@ def default_config(m: int, n: int, k: int, gated: bool = False) -> W4A16GemvConf
     while m > 1 and warps < 4 and programs * warps < MIN_WARPS and k % (2 * warps * block_k) == 0:
         warps *= 2
     return W4A16GemvConfig(block_n=block_n, block_k=block_k * warps, num_warps=warps, num_stages=3)
+
+
+class _SplitKScratch:
+    """Per device: the float32 workspace the split-K programs park their sums in, and the column blocks'
+    tickets (int32, zero between calls: the last program of a block resets its own). Both only grow,
+    and a replaced buffer is kept alive, since CUDA graphs captured earlier still point at it."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.retired: list[torch.Tensor] = []
+
+    def get(
+        self, device: torch.device, ws_floats: int, tickets: int, capturing: bool
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(workspace, tickets) with room for the call, or None while a CUDA graph is being captured
+        (`capturing`) and the buffers would have to grow (the call then runs without the split)."""
+        ws, tk = self.buffers.get(device, (None, None))
+        if ws is not None and tk is not None and ws.numel() >= ws_floats and tk.numel() >= tickets:
+            return ws, tk
+        if capturing:
+            return None
+        if ws is not None and tk is not None:
+            self.retired += [ws, tk]
+            ws_floats, tickets = max(ws_floats, ws.numel()), max(tickets, tk.numel())
+        self.buffers[device] = (
+            torch.empty(ws_floats, dtype=torch.float32, device=device),
+            torch.zeros(tickets, dtype=torch.int32, device=device),
+        )
+        return self.buffers[device]
+
+
+_SCRATCH = _SplitKScratch()
+
+
+# Launch configs measured fastest per GPU model and shape (benchmarks/h200/w4a16_gemv_m1.py writes the
+# table): {device name: {"rows,n,k,gated": config fields}}. KVLLM_W4A16_GEMV_CONFIGS names another file.
+TUNED_CONFIGS = Path(__file__).with_name("w4a16_gemv_configs.json")
+TUNED_CONFIGS_ENV = "KVLLM_W4A16_GEMV_CONFIGS"
+
+
+def tuned_key(m: int, n: int, k: int, gated: bool) -> str:
+    """The table's key: compiled rows (block_m_for), the weight's output rows, K, gating."""
+    return f"{block_m_for(m)},{n},{k},{int(gated)}"
+
+
+@functools.cache
+def _tuned_configs(device_index: int) -> dict[str, W4A16GemvConfig]:
+    path = os.environ.get(TUNED_CONFIGS_ENV) or TUNED_CONFIGS
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        table = json.load(f).get(torch.cuda.get_device_name(device_index), {})
+    return {key: W4A16GemvConfig(**fields) for key, fields in table.items()}
+
+
+def tuned_config(device: torch.device, m: int, n: int, k: int, gated: bool) -> W4A16GemvConfig | None:
+    """The table's config for this GPU model and shape, or None (no entry, or not a CUDA device)."""
+    if device.type != "cuda" or interpreting():
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _tuned_configs(index).get(tuned_key(m, n, k, gated))
 
 
 def block_m_for(m: int) -> int:
@@ -457,18 +591,36 @@ def _launch(
         return out
     bw = block_words(k)
     use_pdl = LAUNCH_WITH_PDL and pdl_enabled(x)
-    config = config or default_config(m, qweight.shape[0], k, gated)
-    bk, bn = config.block_k, config.block_n
+    config = (
+        config
+        or tuned_config(x.device, m, qweight.shape[0], k, gated)
+        or default_config(m, qweight.shape[0], k, gated)
+    )
+    bk, bn, split = config.block_k, config.block_n, config.split_k
     if bk & (bk - 1) or bk % (PACK * bw) or bn < 1 or bn & (bn - 1):
         raise ValueError(
             f"block_k must be a power of two and a multiple of the layout's block ({PACK * bw} values for "
             f"K = {k}), block_n a power of two; got {config}"
         )
+    if split < 1 or (split > 1 and k % (split * bk)):
+        raise ValueError(
+            f"split_k {split} must be >= 1 and cut K = {k} into whole tiles of {bk} values; got {config}"
+        )
+    grid_n = triton.cdiv(n, bn)
+    capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+    scratch = _SCRATCH.get(x.device, split * block_m_for(m) * 2 * n, grid_n, capturing) if split > 1 else None
+    if scratch is None:
+        split = 1
+    workspace, tickets = scratch if scratch is not None else (scales, scales)
     prefetch = (
-        config.prefetch and x.is_cuda and not interpreting() and k % 32 == 0 and qweight.data_ptr() % 16 == 0
+        config.prefetch
+        and x.is_cuda
+        and not interpreting()
+        and (k // split) % 32 == 0
+        and qweight.data_ptr() % 16 == 0
     )
-    _w4a16_gemv_kernel[(triton.cdiv(n, bn),)](
-        x, qweight, scales, zeros, bias if bias is not None else scales, out,
+    _w4a16_gemv_kernel[(grid_n, split)](
+        x, qweight, scales, zeros, bias if bias is not None else scales, out, workspace, tickets,
         m, n, k, qweight.stride(0), scales.shape[1],
         x.stride(0) if m > 1 else k,  # a lone row's stride is arbitrary; keep it off the specializations
         out.stride(0),
@@ -484,7 +636,8 @@ def _launch(
         PREFETCH=prefetch,
         PREFETCH_GROUPS=prefetch
         and scales.element_size() == 2
-        and (scales.shape[1] * 2) % 16 == 0
+        and scales.shape[1] % split == 0
+        and (scales.shape[1] // split * 2) % 16 == 0
         and scales.data_ptr() % 16 == 0
         and zeros.data_ptr() % 16 == 0
         and zeros.dtype == scales.dtype,
@@ -493,6 +646,7 @@ def _launch(
         INTERPRET=interpreting(),
         num_warps=config.num_warps,
         NUM_STAGES=config.num_stages,
+        SPLIT_K=split,
         num_stages=config.num_stages,
         **pdl_launch_options(use_pdl),
     )  # fmt: skip
