@@ -14,9 +14,11 @@
 #   w  (carry nothing): the W4A16 GEMV's split K (issue 22): its GPU tests, the M = 1 sweep with split-K
 #      candidates writing a tuned-config table, then the Llama-3-8B-shaped e2e (bf16, AWQ) and AWQ again with
 #      that table (KVLLM_W4A16_GEMV_CONFIGS), under the profiler.
+#   w2 (carry nothing): the same after `paired` (two weight streams per program for plain projections): tests,
+#      sweep and table, then bf16 and AWQ with the table, both under the profiler.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-phase=${1:?usage: session15.sh a|p|w}
+phase=${1:?usage: session15.sh a|p|w|w2}
 default_budget_s=${DEFAULT_BUDGET_S:-570}
 source benchmarks/h200/session_lib.sh
 plan_file=/tmp/session14-plan.txt
@@ -61,8 +63,17 @@ w)
     --out "$d/tuned" --parts e2e --engines awq --quick --profile
   grep -h '"e2e"' "$d/e2e-tuned.log" | cut -c1-220
   ;;
+w2)
+  parallel_tests 100 "quant|tests/gpu/test_quant_gpu.py -k 'split_k or paired or gemv_matches or silu_and_mul'"
+  run_step sweep 200 python3 benchmarks/h200/w4a16_gemv_m1.py --out "$d" --budget-s 150 \
+    --table-out "$d/w4a16_gemv_configs.json"
+  sed -n '/best per shape/,$p' "$d/sweep.log"; tr -d ' \n' < "$d/w4a16_gemv_configs.json"; echo
+  KVLLM_W4A16_GEMV_CONFIGS=$d/w4a16_gemv_configs.json run_step e2e 200 python3 benchmarks/h200/quant_bench.py \
+    --out "$d/e2e" --parts e2e --engines bf16,awq --quick --profile
+  grep -h '"e2e"' "$d/e2e.log" | cut -c1-220
+  ;;
 *)
-  echo "unknown phase $phase (a|p|w)"; exit 2 ;;
+  echo "unknown phase $phase (a|p|w|w2)"; exit 2 ;;
 esac
 kill "$clocks_pid" "${host_probe_pid:-}" 2>/dev/null
 save

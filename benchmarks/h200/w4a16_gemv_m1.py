@@ -33,29 +33,32 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 GROUP = 128
-# (block_n, block_k, warps, stages, split_k). Without a split: the ninth session's candidates around the
-# default (8 columns, 1024 K values per warp, 3 stages). With one: more programs per column, each over fewer
-# tiles (stages 1: no shared-memory pipeline, the warps' number hiding the loads instead).
-CANDIDATES = [(8, 1024, 1, s, 1) for s in (2, 3)] + [(4, 1024, 1, 3, 1), (16, 1024, 1, 2, 1)]
-CANDIDATES += [(8, 1024, 1, s, 2) for s in (1, 2, 3)] + [(8, 1024, 1, s, 4) for s in (1, 2)]
-CANDIDATES += [(8, 512, 1, s, 4) for s in (1, 2, 3)] + [(8, 512, 1, s, 8) for s in (1, 2)]
-CANDIDATES += [(4, 1024, 1, s, 2) for s in (2, 3)] + [
+# (block_n, block_k, warps, stages, split_k[, paired]). The fifteenth session's first H100 sweep: a split
+# helps only without the shared-memory pipeline (stages 1: split 2 best on qkv, gate_up and down, 22-27%
+# under the default), with it 2-4x slower; 4 columns beat 8 with 3 stages (ncu: 8-way bank conflicts on the
+# pipeline's shared-memory reads at 8), and the gated kernel's two 4-column streams (1.71 TB/s) beat every
+# one-stream config, hence `paired` (two streams of block_n columns for a plain projection).
+CANDIDATES = [(8, 1024, 1, s, 1) for s in (2, 3)] + [(4, 1024, 1, s, 1) for s in (3, 4)]
+CANDIDATES += [(2, 1024, 1, 3, 1), (2, 1024, 1, 4, 1), (1, 1024, 1, 3, 1)]
+CANDIDATES += [
+    (8, 1024, 1, 1, 2),
+    (8, 1024, 1, 1, 4),
+    (4, 1024, 1, 1, 2),
     (4, 1024, 1, 1, 4),
-    (4, 512, 1, 2, 4),
-    (4, 512, 1, 1, 8),
+    (8, 512, 1, 1, 8),
 ]
-CANDIDATES += [(16, 1024, 1, 2, 4), (16, 512, 1, 2, 8), (8, 2048, 2, 1, 2), (8, 2048, 2, 2, 2)]
-CANDIDATES += [(8, 1024, 1, 2, 7), (8, 1024, 1, 1, 14), (8, 512, 1, 2, 14)]  # K = 14336 = 7 x 2048
-GATED = [(4, 1024, 1, s, 1) for s in (2, 3)] + [(8, 1024, 1, 3, 1)]
-GATED += [(4, 1024, 1, s, 2) for s in (1, 2, 3)] + [(4, 1024, 1, 1, 4), (4, 512, 1, 1, 8)]
-GATED += [(4, 512, 1, s, 4) for s in (1, 2)] + [(8, 1024, 1, 2, 2), (8, 512, 1, 2, 4), (2, 1024, 1, 2, 2)]
+CANDIDATES += [(8, 1024, 1, 1, 7), (8, 1024, 1, 1, 14)]  # K = 14336 = 7 x 2048
+CANDIDATES += [(4, 1024, 1, s, 1, True) for s in (1, 2, 3, 4)] + [(2, 1024, 1, s, 1, True) for s in (3, 4)]
+CANDIDATES += [(8, 1024, 1, 3, 1, True), (4, 512, 1, 3, 1, True), (4, 2048, 1, 3, 1, True)]
+GATED = [(4, 1024, 1, s, 1) for s in (2, 3, 4)] + [(2, 1024, 1, s, 1) for s in (3, 4)]
+GATED += [(8, 1024, 1, 3, 1), (4, 512, 1, 3, 1), (4, 2048, 1, 3, 1), (4, 1024, 1, 1, 2), (2, 1024, 1, 1, 2)]
 
 
 def _config(cfg: tuple[int, ...]) -> Any:
     from kvllm.layers.quantization.ops.w4a16_gemv import W4A16GemvConfig
 
-    block_n, block_k, warps, stages, split = cfg
-    return W4A16GemvConfig(block_n, block_k, warps, stages, split_k=split)
+    block_n, block_k, warps, stages, split, *paired = cfg
+    return W4A16GemvConfig(block_n, block_k, warps, stages, split_k=split, paired=bool(paired and paired[0]))
 
 
 def _compile(job: tuple[tuple[int, int, int, int], int, bool]) -> str:
@@ -171,7 +174,7 @@ def main() -> int:
                 conf = _config(cfg) if cfg else default_config(1, n, k, gated)
             fn = w4a16_gemv_silu_and_mul if gated else w4a16_gemv
             rec = base | {"impl": f"w4a16 {kind}", "config": [conf.block_n, conf.block_k, conf.num_warps, conf.num_stages,
-                          conf.split_k], "prefetch": conf.prefetch, "default": cfg is None}  # fmt: skip
+                          conf.split_k, conf.paired], "prefetch": conf.prefetch, "default": cfg is None}  # fmt: skip
             try:
                 got = fn(x, *w4[0], GROUP, config=conf).float()
                 expected = act if gated else ref
@@ -200,7 +203,7 @@ def main() -> int:
             key = tuned_key(1, rec["n"], rec["k"], rec["impl"].endswith("+silu"))
             if key not in table or rec["us"] < table[key]["us"]:
                 table[key] = rec
-        fields = ("block_n", "block_k", "num_warps", "num_stages", "split_k")
+        fields = ("block_n", "block_k", "num_warps", "num_stages", "split_k", "paired")
         entries = {key: dict(zip(fields, rec["config"])) for key, rec in table.items()}
         Path(args.table_out).write_text(json.dumps({torch.cuda.get_device_name(): entries}, indent=1) + "\n")
         print(f"tuned-config table: {args.table_out}")

@@ -393,3 +393,28 @@ def test_w4a16_gemv_tuned_table_is_read_per_gpu_model(tmp_path, monkeypatch) -> 
                 rows, n, k, gated = map(int, key.split(","))
                 config = mod.W4A16GemvConfig(**fields)
                 assert k % (config.block_k * config.split_k) == 0 and rows in (1, 2, 4) and gated in (0, 1)
+
+
+@pytest.mark.parametrize(
+    "m,n,k,group,with_bias,dtype",
+    [
+        (1, 48, 512, 128, True, torch.bfloat16),
+        (4, 16, 256, 32, False, torch.float32),
+        (3, 32, 384, 128, True, torch.float16),
+    ],
+)
+def test_w4a16_gemv_paired_matches_float32_reference(m, n, k, group, with_bias, dtype) -> None:
+    """Paired programs (2 x block_n columns as two weight streams): the same sums as one stream, the
+    second half's columns and bias where they belong."""
+    from kvllm.layers.quantization.ops.w4a16_gemv import W4A16GemvConfig, w4a16_gemv
+
+    qweight, scales, zeros = random_int4(n, k, group, dtype, seed=m + n + k)
+    x = torch.randn(m, k, generator=_gen(k - m)).to(dtype)
+    bias = torch.randn(n, generator=_gen(n)).to(dtype) if with_bias else None
+    out = w4a16_gemv(x, qweight, scales, zeros, group, bias, W4A16GemvConfig(4, 128, 1, 2, paired=True))
+    expected = x.float() @ dequantize(qweight, scales, zeros, group).T + (bias.float() if with_bias else 0)
+    rtol, atol = TOLERANCES[dtype]
+    torch.testing.assert_close(out.float(), expected, rtol=rtol, atol=atol)
+    with pytest.raises(ValueError, match="paired needs split_k 1 and N = 20 a multiple of 2 x block_n"):
+        q20, s20, z20 = random_int4(20, k, group, dtype, seed=1)
+        w4a16_gemv(x, q20, s20, z20, group, None, W4A16GemvConfig(4, 128, paired=True))

@@ -28,7 +28,7 @@ from kvllm.layers.quantization.ops.w4a16_gemv import _w4a16_gemv_kernel as kerne
 
 def compile_(block_n, gated, stages, split_k=1):
     constexprs = dict(SPLIT_K=split_k, GROUP_SIZE=128, BW=16, BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=1024, PER_NIBBLE=False,
-                      EVEN_N=True, EVEN_K=True, HAS_BIAS=False, GATED=gated, USE_PDL=True, PREFETCH=True, PREFETCH_GROUPS=True,
+                      EVEN_N=True, EVEN_K=True, HAS_BIAS=False, GATED=gated, PAIRED=False, USE_PDL=True, PREFETCH=True, PREFETCH_GROUPS=True,
                       NUM_STAGES=stages, INTERPRET=False)
     signature, attrs = {}, {}
     for i, name in enumerate(kernel.arg_names):

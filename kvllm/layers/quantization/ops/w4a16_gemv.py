@@ -215,6 +215,23 @@ def _store_row(acc, acc_up, bias_ptr, out_ptr, offs_n, cols, N, M, ROW: tl.const
 
 
 @triton.jit
+def _store_rows(a0, a1, a2, a3, u0, u1, u2, u3, bias_ptr, out_ptr, offs_n, cols, N, M, stride_om,
+                BLOCK_M: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
+                INTERPRET: tl.constexpr):  # fmt: skip
+    """_store_row for each of the BLOCK_M rows."""
+    _store_row(a0, u0, bias_ptr, out_ptr, offs_n, cols, N, M, 0, HAS_BIAS, GATED, INTERPRET)
+    if BLOCK_M > 1:
+        _store_row(a1, u1, bias_ptr, out_ptr + stride_om, offs_n, cols, N, M, 1, HAS_BIAS, GATED, INTERPRET)
+    if BLOCK_M > 2:
+        _store_row(
+            a2, u2, bias_ptr, out_ptr + 2 * stride_om, offs_n, cols, N, M, 2, HAS_BIAS, GATED, INTERPRET
+        )
+        _store_row(
+            a3, u3, bias_ptr, out_ptr + 3 * stride_om, offs_n, cols, N, M, 3, HAS_BIAS, GATED, INTERPRET
+        )
+
+
+@triton.jit
 def _rows_sum(words, x0, x1, x2, x3, x_mask, s, z, s_ptrs, z_ptrs, g_mask, a0, a1, a2, a3,
               BLOCK_M: tl.constexpr, BW: tl.constexpr, GROUP_SIZE: tl.constexpr,
               PER_NIBBLE: tl.constexpr):  # fmt: skip
@@ -302,6 +319,7 @@ def _w4a16_gemv_kernel(
     EVEN_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     GATED: tl.constexpr,
+    PAIRED: tl.constexpr,
     USE_PDL: tl.constexpr,
     PREFETCH: tl.constexpr,
     PREFETCH_GROUPS: tl.constexpr,
@@ -311,11 +329,13 @@ def _w4a16_gemv_kernel(
 ):  # fmt: skip
     # GATED: N is the output width d; the weight has 2d rows (gate, then up), out gets silu(gate) * up.
     # SPLIT_K > 1: program (pid, s) sums the s-th K / SPLIT_K values of its columns (_split_k_store).
+    # PAIRED (not GATED, N a multiple of 2 * BLOCK_N, no split): a program owns 2 * BLOCK_N columns and
+    # reads them as two weight streams of BLOCK_N, the gated kernel's loop (two tiles per iteration).
     NBT: tl.constexpr = BLOCK_K // (8 * BW)  # blocks per tile
     pid = tl.program_id(0)
     k_len = K // SPLIT_K
     k_start = tl.program_id(1) * k_len
-    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = pid * (2 * BLOCK_N if PAIRED else BLOCK_N) + tl.arange(0, BLOCK_N)
     if EVEN_N:
         offs_n = cols
     else:
@@ -345,8 +365,14 @@ def _w4a16_gemv_kernel(
     g_ptrs = (offs_n[:, None] * num_groups + blk_k[None, :] // GROUP_SIZE)[:, :, None] + tl.zeros(
         (1, 1, BW // V), dtype=tl.int32
     )
-    up_words = N.to(tl.int64) * stride_wn  # GATED: the up half's rows follow the gate half's
-    up_groups = N * num_groups
+    # The second weight stream: GATED, the up half's rows after the gate half's; PAIRED, the program's
+    # second BLOCK_N columns.
+    if PAIRED:
+        up_words = tl.full((), BLOCK_N, tl.int64) * stride_wn
+        up_groups = BLOCK_N * num_groups
+    else:
+        up_words = N.to(tl.int64) * stride_wn
+        up_groups = N * num_groups
     shape: tl.constexpr = (BLOCK_N, NBT, BW // V)
     acc0 = tl.zeros(shape, dtype=tl.float32)
     acc1 = tl.zeros(shape, dtype=tl.float32)
@@ -366,14 +392,14 @@ def _w4a16_gemv_kernel(
         # an SM holds, and with PDL the fetch overlaps the previous kernel.
         rows = qw_ptr + offs_n.to(tl.int64) * stride_wn + k_start // 8
         _prefetch_rows_l2(rows, (offs_n * 0 + k_len // 2).to(tl.int32))
-        if GATED:
+        if GATED or PAIRED:
             _prefetch_rows_l2(rows + up_words, (offs_n * 0 + k_len // 2).to(tl.int32))
         if PREFETCH_GROUPS:  # and the scales and zeros, loaded in the loop without cp.async (16 bits)
             g_bytes = (offs_n * 0 + (num_groups // SPLIT_K) * 2).to(tl.int32)
             g_rows = offs_n.to(tl.int64) * num_groups + k_start // GROUP_SIZE
             _prefetch_rows_l2(s_ptr + g_rows, g_bytes)
             _prefetch_rows_l2(z_ptr + g_rows, g_bytes)
-            if GATED:
+            if GATED or PAIRED:
                 _prefetch_rows_l2(s_ptr + up_groups + g_rows, g_bytes)
                 _prefetch_rows_l2(z_ptr + up_groups + g_rows, g_bytes)
     wait_for_previous_kernel(USE_PDL)  # nothing above reads an activation or writes
@@ -392,7 +418,7 @@ def _w4a16_gemv_kernel(
             words, x_ptrs + k0, x1 + k0, x2 + k0, x3 + k0, w_mask, s, z, s_ptrs, z_ptrs, g_mask,
             acc0, acc1, acc2, acc3, BLOCK_M, BW, GROUP_SIZE, PER_NIBBLE,
         )  # fmt: skip
-        if GATED:
+        if GATED or PAIRED:
             wu, su, zu = _weights(qw_ptrs + up_words, s_ptrs + up_groups, z_ptrs + up_groups, w_mask, g_mask,
                                   PER_NIBBLE)  # fmt: skip
             up0, up1, up2, up3 = _rows_sum(
@@ -403,16 +429,14 @@ def _w4a16_gemv_kernel(
     if SPLIT_K > 1:
         _split_k_store(acc0, acc1, acc2, acc3, up0, up1, up2, up3, ws_ptr, ticket_ptr + pid, bias_ptr, out_ptr,
                        offs_n, cols, N, M, stride_om, BLOCK_M, HAS_BIAS, GATED, SPLIT_K, INTERPRET)  # fmt: skip
+    elif PAIRED:  # the first BLOCK_N columns, then the next BLOCK_N (N - BLOCK_N masks cols + BLOCK_N < N)
+        _store_rows(acc0, acc1, acc2, acc3, acc0, acc1, acc2, acc3, bias_ptr, out_ptr, offs_n, cols, N, M,
+                    stride_om, BLOCK_M, HAS_BIAS, False, INTERPRET)  # fmt: skip
+        _store_rows(up0, up1, up2, up3, up0, up1, up2, up3, bias_ptr + BLOCK_N, out_ptr + BLOCK_N, offs_n, cols,
+                    N - BLOCK_N, M, stride_om, BLOCK_M, HAS_BIAS, False, INTERPRET)  # fmt: skip
     else:
-        _store_row(acc0, up0, bias_ptr, out_ptr, offs_n, cols, N, M, 0, HAS_BIAS, GATED, INTERPRET)
-        if BLOCK_M > 1:
-            _store_row(acc1, up1, bias_ptr, out_ptr + stride_om, offs_n, cols, N, M, 1, HAS_BIAS, GATED,
-                       INTERPRET)  # fmt: skip
-        if BLOCK_M > 2:
-            _store_row(acc2, up2, bias_ptr, out_ptr + 2 * stride_om, offs_n, cols, N, M, 2, HAS_BIAS, GATED,
-                       INTERPRET)  # fmt: skip
-            _store_row(acc3, up3, bias_ptr, out_ptr + 3 * stride_om, offs_n, cols, N, M, 3, HAS_BIAS, GATED,
-                       INTERPRET)  # fmt: skip
+        _store_rows(acc0, acc1, acc2, acc3, up0, up1, up2, up3, bias_ptr, out_ptr, offs_n, cols, N, M, stride_om,
+                    BLOCK_M, HAS_BIAS, GATED, INTERPRET)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -426,6 +450,7 @@ class W4A16GemvConfig:
     num_stages: int = 1
     prefetch: bool = True  # each program's weight rows into the L2 first (CUDA, K a multiple of 32)
     split_k: int = 1  # programs per column block, each over K / split_k values (_split_k_store)
+    paired: bool = False  # 2 x block_n columns per program, read as two streams (not gated, no split)
 
 
 MIN_WARPS = 8 * 132  # eight warps per SM of an H200: fewer leave its four schedulers short of work
@@ -606,7 +631,10 @@ def _launch(
         raise ValueError(
             f"split_k {split} must be >= 1 and cut K = {k} into whole tiles of {bk} values; got {config}"
         )
-    grid_n = triton.cdiv(n, bn)
+    paired = config.paired and not gated
+    if paired and (split > 1 or n % (2 * bn)):
+        raise ValueError(f"paired needs split_k 1 and N = {n} a multiple of 2 x block_n; got {config}")
+    grid_n = triton.cdiv(n, 2 * bn if paired else bn)
     capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
     scratch = _SCRATCH.get(x.device, split * block_m_for(m) * 2 * n, grid_n, capturing) if split > 1 else None
     if scratch is None:
@@ -643,6 +671,7 @@ def _launch(
         and zeros.dtype == scales.dtype,
         HAS_BIAS=bias is not None,
         GATED=gated,
+        PAIRED=paired,
         INTERPRET=interpreting(),
         num_warps=config.num_warps,
         NUM_STAGES=config.num_stages,
