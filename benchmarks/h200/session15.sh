@@ -16,9 +16,12 @@
 #      that table (KVLLM_W4A16_GEMV_CONFIGS), under the profiler.
 #   w2 (carry nothing): the same after `paired` (two weight streams per program for plain projections): tests,
 #      sweep and table, then bf16 and AWQ with the table, both under the profiler.
+#   b1 (carry nothing): batch-1 decode with its KV split into segments (the graph default, sized for
+#      max_model_len) against one unsplit launch (KVLLM_TRITON_DECODE_PLAN=1:64,2,2,1), alternating twice, with
+#      step profiles at context 128 and 3,968; then AWQ at batch 1 unsplit.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-phase=${1:?usage: session15.sh a|p|w|w2}
+phase=${1:?usage: session15.sh a|p|w|w2|b1}
 default_budget_s=${DEFAULT_BUDGET_S:-570}
 source benchmarks/h200/session_lib.sh
 plan_file=/tmp/session14-plan.txt
@@ -72,8 +75,22 @@ w2)
     --out "$d/e2e" --parts e2e --engines bf16,awq --quick --profile
   grep -h '"e2e"' "$d/e2e.log" | cut -c1-220
   ;;
+b1)
+  plan="1:64,2,2,1"  # batch 1 unsplit (default tiles): no segments, no reduce kernel
+  bench warm 60 --engine kvllm --backend TRITON_ATTN --only latency --iters 2 --warmups 1 --out "$d/warm"
+  for round in 1 2; do
+    extra=(); [ $round = 1 ] && extra=(--profile-batches 1 --profile-long 1x3968)
+    bench "split-$round" 70 --engine kvllm --backend TRITON_ATTN --only latency --iters 5 --warmups 2 \
+      "${extra[@]}" --out "$d/split-$round"
+    KVLLM_TRITON_DECODE_PLAN=$plan bench "unsplit-$round" 70 --engine kvllm --backend TRITON_ATTN --only latency \
+      --iters 5 --warmups 2 "${extra[@]}" --out "$d/unsplit-$round"
+  done
+  KVLLM_W4A16_GEMV_CONFIGS=kvllm/layers/quantization/ops/w4a16_gemv_configs.json KVLLM_TRITON_DECODE_PLAN=$plan \
+    run_step e2e-awq 90 python3 benchmarks/h200/quant_bench.py --out "$d/e2e" --parts e2e --engines awq --quick
+  grep -h '"e2e"' "$d/e2e-awq.log" | cut -c1-200
+  ;;
 *)
-  echo "unknown phase $phase (a|p|w|w2)"; exit 2 ;;
+  echo "unknown phase $phase (a|p|w|w2|b1)"; exit 2 ;;
 esac
 kill "$clocks_pid" "${host_probe_pid:-}" 2>/dev/null
 save

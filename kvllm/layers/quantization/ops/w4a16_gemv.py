@@ -463,23 +463,28 @@ LAUNCH_WITH_PDL = False
 
 
 def default_config(m: int, n: int, k: int, gated: bool = False) -> W4A16GemvConfig:
-    """Programs of eight columns at one row (gated: four of each stream), four at two, two at four
-    (the rows' activations and sums take the registers), over K tiles of 1024 values per warp with
-    three pipeline stages. At one row each program is one warp: on the H200 (w4a16_gemv_m1.py, ninth
-    session) splitting K over two or four warps for narrow outputs was slower on every Llama-3-8B
-    projection (qkv 24.5 against 18.3 us, o 16.9 against 12.8, down 39.5 against 35.4). At two and
-    four rows (not measured on a GPU yet) narrow outputs still split K over up to four warps, for at
-    least MIN_WARPS warps (from the offline sm_90 compile: 3.1 SASS instructions per weight value at
-    one row, 128 registers, no spills)."""
+    """For a GPU without an entry in the tuned table (TUNED_CONFIGS). At one row: two weight streams of
+    four columns per one-warp program (gated: gate and up; plain: `paired`, when N is a multiple of 8),
+    K tiles of 1024 values, three pipeline stages, the fastest config on every Llama-3-8B projection on
+    an H100 (fifteenth session, w4a16_gemv_m1.py: qkv 13.0 us against 20.3 for one stream of eight
+    columns, o 9.0 / 14.0, down 22.8 / 34.1, gate_up 42.4 / 68.7). Fewer columns per stream read the
+    pipeline's shared memory with fewer bank conflicts (ncu: 8-way at eight), two streams keep two tiles
+    in flight. Four columns at two rows, two at four (the rows' activations and sums take the
+    registers), where narrow outputs split K over up to four warps for at least MIN_WARPS warps (not
+    measured on a GPU yet)."""
     block_k = PACK * block_words(k)
     while block_k < 1024 and k % (2 * block_k) == 0:
         block_k *= 2
-    block_n = 8 if m == 1 else 4 if m == 2 else 2
+    if m == 1:
+        paired = not gated and n % 8 == 0
+        block_n = 4 if gated or paired else 8
+        return W4A16GemvConfig(block_n=block_n, block_k=block_k, num_warps=1, num_stages=3, paired=paired)
+    block_n = 4 if m == 2 else 2
     if gated:  # two weight streams per program
         block_n = max(1, block_n // 2)
     programs = triton.cdiv(n // 2 if gated else n, block_n)
     warps = 1
-    while m > 1 and warps < 4 and programs * warps < MIN_WARPS and k % (2 * warps * block_k) == 0:
+    while warps < 4 and programs * warps < MIN_WARPS and k % (2 * warps * block_k) == 0:
         warps *= 2
     return W4A16GemvConfig(block_n=block_n, block_k=block_k * warps, num_warps=warps, num_stages=3)
 
