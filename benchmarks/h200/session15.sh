@@ -19,9 +19,11 @@
 #   b1 (carry nothing): batch-1 decode with its KV split into segments (the graph default, sized for
 #      max_model_len) against one unsplit launch (KVLLM_TRITON_DECODE_PLAN=1:64,2,2,1), alternating twice, with
 #      step profiles at context 128 and 3,968; then AWQ at batch 1 unsplit.
+#   n  (carry nothing): ncu's warp-state detail (stall reasons) for the W4A16 GEMV's paired default and its
+#      split-K / one-stream alternatives on qkv and gate_up.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-phase=${1:?usage: session15.sh a|p|w|w2|b1}
+phase=${1:?usage: session15.sh a|p|w|w2|b1|n}
 default_budget_s=${DEFAULT_BUDGET_S:-570}
 source benchmarks/h200/session_lib.sh
 plan_file=/tmp/session14-plan.txt
@@ -89,8 +91,19 @@ b1)
     run_step e2e-awq 90 python3 benchmarks/h200/quant_bench.py --out "$d/e2e" --parts e2e --engines awq --quick
   grep -h '"e2e"' "$d/e2e-awq.log" | cut -c1-200
   ;;
+n)
+  for spec in "qkv 4,1024,1,3,1,1" "qkv 8,1024,1,1,2,0" "gate_up 4,1024,1,3,1,1" "gate_up 8,1024,1,3,1,0"; do
+    set -- $spec; tag="$1-${2//,/_}"
+    run_step "ncu-$tag" 60 /usr/local/cuda/bin/ncu --kernel-name regex:w4a16 --launch-skip 3 --launch-count 1 \
+      --section SpeedOfLight --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis_Tables \
+      --section LaunchStats --section SchedulerStats --print-details all \
+      python3 benchmarks/h200/w4a16_one_shape.py --shape "$1" --config "$2"
+    echo "== $tag"; grep -iE "Duration|DRAM Throughput|Achieved Occupancy|Registers Per|Eligible Warps|Stall|stall|bank|Warp Cycles Per Issued" \
+      "$d/ncu-$tag.log" | cut -c1-140 | head -n 40
+  done
+  ;;
 *)
-  echo "unknown phase $phase (a|p|w|w2|b1)"; exit 2 ;;
+  echo "unknown phase $phase (a|p|w|w2|b1|n)"; exit 2 ;;
 esac
 kill "$clocks_pid" "${host_probe_pid:-}" 2>/dev/null
 save
