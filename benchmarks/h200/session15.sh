@@ -21,9 +21,11 @@
 #      step profiles at context 128 and 3,968; then AWQ at batch 1 unsplit.
 #   n  (carry nothing): ncu's warp-state detail (stall reasons) for the W4A16 GEMV's paired default and its
 #      split-K / one-stream alternatives on qkv and gate_up.
+#   v  (carry nothing): the W4A16 GPU tests at the final defaults (paired at one row) and the quantized-model
+#      tests; on an H200 also its tuned table and the e2e with it.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-phase=${1:?usage: session15.sh a|p|w|w2|b1|n}
+phase=${1:?usage: session15.sh a|p|w|w2|b1|n|v}
 default_budget_s=${DEFAULT_BUDGET_S:-570}
 source benchmarks/h200/session_lib.sh
 plan_file=/tmp/session14-plan.txt
@@ -102,8 +104,19 @@ n)
       "$d/ncu-$tag.log" | cut -c1-140 | head -n 40
   done
   ;;
+v)
+  parallel_tests 150 "quant|tests/gpu/test_quant_gpu.py -k 'gemv or paired or split_k or quantized_model or dispatch'"
+  if grep -q H200 "$d/gpu.txt"; then  # the H200's own tuned table, then the e2e with it
+    run_step sweep 150 python3 benchmarks/h200/w4a16_gemv_m1.py --out "$d" --budget-s 100 \
+      --table-out "$d/w4a16_gemv_configs.json"
+    sed -n '/best per shape/,$p' "$d/sweep.log"
+    KVLLM_W4A16_GEMV_CONFIGS=$d/w4a16_gemv_configs.json run_step e2e 200 python3 benchmarks/h200/quant_bench.py \
+      --out "$d/e2e" --parts e2e --engines bf16,awq --quick
+    grep -h '"e2e"' "$d/e2e.log" | cut -c1-200
+  fi
+  ;;
 *)
-  echo "unknown phase $phase (a|p|w|w2|b1|n)"; exit 2 ;;
+  echo "unknown phase $phase (a|p|w|w2|b1|n|v)"; exit 2 ;;
 esac
 kill "$clocks_pid" "${host_probe_pid:-}" 2>/dev/null
 save
