@@ -23,9 +23,11 @@
 #      split-K / one-stream alternatives on qkv and gate_up.
 #   v  (carry nothing): the W4A16 GPU tests at the final defaults (paired at one row) and the quantized-model
 #      tests; on an H200 also its tuned table and the e2e with it.
+#   w3 (carry nothing): the sweep with no-prefetch twins (the table now records prefetch), then AWQ's e2e
+#      with that table.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-phase=${1:?usage: session15.sh a|p|w|w2|b1|n|v}
+phase=${1:?usage: session15.sh a|p|w|w2|b1|n|v|w3}
 default_budget_s=${DEFAULT_BUDGET_S:-570}
 source benchmarks/h200/session_lib.sh
 plan_file=/tmp/session14-plan.txt
@@ -115,8 +117,16 @@ v)
     grep -h '"e2e"' "$d/e2e.log" | cut -c1-200
   fi
   ;;
+w3)
+  run_step sweep 120 python3 benchmarks/h200/w4a16_gemv_m1.py --out "$d" --budget-s 80 \
+    --table-out "$d/w4a16_gemv_configs.json"
+  sed -n '/best per shape/,$p' "$d/sweep.log"; tr -d ' \n' < "$d/w4a16_gemv_configs.json"; echo
+  KVLLM_W4A16_GEMV_CONFIGS=$d/w4a16_gemv_configs.json run_step e2e 120 python3 benchmarks/h200/quant_bench.py \
+    --out "$d/e2e" --parts e2e --engines awq --quick
+  grep -h '"e2e"' "$d/e2e.log" | cut -c1-200
+  ;;
 *)
-  echo "unknown phase $phase (a|p|w|w2|b1|n|v)"; exit 2 ;;
+  echo "unknown phase $phase (a|p|w|w2|b1|n|v|w3)"; exit 2 ;;
 esac
 kill "$clocks_pid" "${host_probe_pid:-}" 2>/dev/null
 save
