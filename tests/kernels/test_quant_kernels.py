@@ -292,8 +292,9 @@ def test_w4a16_gemv_default_is_two_streams_of_four_columns_at_one_row() -> None:
         config = default_config(1, n, k)
         assert (config.block_n, config.block_k, config.num_warps, config.num_stages) == (4, 1024, 1, 3)
         assert config.paired and config.split_k == 1
+        assert not config.prefetch
     gated = default_config(1, 28672, 4096, gated=True)
-    assert (gated.block_n, gated.paired) == (4, False)
+    assert (gated.block_n, gated.block_k, gated.paired, gated.prefetch) == (4, 512, False, False)
     assert not default_config(1, 20, 4096).paired
     assert default_config(2, 4096, 4096).num_warps == 2
 

@@ -7,7 +7,9 @@ byte, so each value gets a quarter of the instructions. The kernel spends about 
 on a value at one row (sm_90, 8 columns per program; 3.0 at 16), 1.1 of them outside the decode and FMA:
 
 - a program owns BLOCK_N output columns and the whole of K (as kvllm/layers/ops/gemv.py's bf16 GEMV:
-  small programs, enough of them for any width, no split-K reduce);
+  small programs, enough of them for any width), or 2 x BLOCK_N read as two weight streams (`paired`,
+  the gated kernel's loop; the default at one row), or its columns' K / split_k values (`split_k`: the
+  last program of a column block sums the parts, in split order);
 - it loads [BLOCK_N, blocks, B / 4, 4] words (16-byte vectors along K) and reads nibble j of every
   word in place: `w & (0xF << 4p)` viewed as a float32 is the subnormal q * 2^(4p - 149), one logic
   op per value, and the FMA with x * 2^(100 - 4p) (scaled once per activation, shared by the
@@ -25,10 +27,12 @@ on a value at one row (sm_90, 8 columns per program; 3.0 at 16), 1.1 of them out
   SM: carried in registers instead, ptxas issued the next tile's loads only after most of the
   current tile's arithmetic.
 
-Before anything else each program asks the L2 for its columns' whole weight, scale and zero rows
-(sm_90's bulk prefetch, one instruction per row: fire and forget, no registers); under programmatic
-dependent launch (kvllm/utils/pdl.py) that comes before the wait for the previous kernel, whose tail
-it overlaps, and every load comes after it (the pipeline's first tiles load x too).
+With `prefetch` (off by default: 10-20% slower on an H100), each program first asks the L2 for its
+columns' whole weight, scale and zero rows (sm_90's bulk prefetch, one instruction per row: fire and
+forget, no registers); under programmatic dependent launch (kvllm/utils/pdl.py) that comes before the
+wait for the previous kernel, whose tail it overlaps, and every load comes after it (the pipeline's
+first tiles load x too). Launch configs per GPU model come from a tuned table (TUNED_CONFIGS), else
+`default_config`.
 
 Accumulation is in float32 throughout; the dequantized weight is never rounded to 16 bits, so results
 are the float32 product of x with the exact dequantized weight, rounded once.
@@ -448,7 +452,9 @@ class W4A16GemvConfig:
     block_k: int
     num_warps: int = 1
     num_stages: int = 1
-    prefetch: bool = True  # each program's weight rows into the L2 first (CUDA, K a multiple of 32)
+    # Each program's weight rows into the L2 before its loop (CUDA, K a multiple of 32). Off by default:
+    # 10-20% slower on every Llama-3-8B projection on an H100 (fifteenth session's third sweep).
+    prefetch: bool = False
     split_k: int = 1  # programs per column block, each over K / split_k values (_split_k_store)
     paired: bool = False  # 2 x block_n columns per program, read as two streams (not gated, no split)
 
@@ -465,15 +471,17 @@ LAUNCH_WITH_PDL = False
 def default_config(m: int, n: int, k: int, gated: bool = False) -> W4A16GemvConfig:
     """For a GPU without an entry in the tuned table (TUNED_CONFIGS). At one row: two weight streams of
     four columns per one-warp program (gated: gate and up; plain: `paired`, when N is a multiple of 8),
-    K tiles of 1024 values, three pipeline stages, the fastest config on every Llama-3-8B projection on
-    an H100 (fifteenth session, w4a16_gemv_m1.py: qkv 13.0 us against 20.3 for one stream of eight
-    columns, o 9.0 / 14.0, down 22.8 / 34.1, gate_up 42.4 / 68.7). Fewer columns per stream read the
+    three pipeline stages, K tiles of 1024 values (gated 512), no L2 prefetch: the fastest configs on
+    every Llama-3-8B projection on an H100 (fifteenth session, w4a16_gemv_m1.py, us per call against
+    one stream of eight columns with the prefetch: qkv 10.5 / 20.1, o 8.2 / 14.1, down 19.8 / 34.5,
+    gate_up with SiLU 34.0 / 42.5 for the gated kernel's old default). Fewer columns per stream read the
     pipeline's shared memory with fewer bank conflicts (ncu: 8-way at eight), two streams keep two tiles
     in flight. Four columns at two rows, two at four (the rows' activations and sums take the
     registers), where narrow outputs split K over up to four warps for at least MIN_WARPS warps (not
     measured on a GPU yet)."""
     block_k = PACK * block_words(k)
-    while block_k < 1024 and k % (2 * block_k) == 0:
+    limit = 512 if gated and m == 1 else 1024
+    while block_k < limit and k % (2 * block_k) == 0:
         block_k *= 2
     if m == 1:
         paired = not gated and n % 8 == 0
