@@ -390,6 +390,14 @@ def test_w4a16_gemv_tuned_table_is_read_per_gpu_model(tmp_path, monkeypatch) -> 
         monkeypatch.setattr(mod.torch.cuda, "get_device_name", lambda index: "NVIDIA H200")
         mod._tuned_configs.cache_clear()
         assert mod.tuned_config(cuda, 1, 6144, 4096, False) is None
+        table.write_text(json.dumps({"NVIDIA H200": {"1,8,64,0": {"block_n": 8, "tiles": 2}}}))
+        mod._tuned_configs.cache_clear()
+        with pytest.raises(ValueError, match="entry '1,8,64,0' is not a W4A16GemvConfig"):
+            mod.tuned_config(cuda, 1, 8, 64, False)
+        monkeypatch.setenv(mod.TUNED_CONFIGS_ENV, str(tmp_path / "missing.json"))
+        mod._tuned_configs.cache_clear()
+        with pytest.raises(ValueError, match="missing.json: no such file"):
+            mod.tuned_config(cuda, 1, 8, 64, False)
     finally:
         mod._tuned_configs.cache_clear()
     if mod.TUNED_CONFIGS.exists():

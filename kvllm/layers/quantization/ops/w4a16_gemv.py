@@ -542,12 +542,22 @@ def tuned_key(m: int, n: int, k: int, gated: bool) -> str:
 
 @functools.cache
 def _tuned_configs(device_index: int) -> dict[str, W4A16GemvConfig]:
-    path = os.environ.get(TUNED_CONFIGS_ENV) or TUNED_CONFIGS
-    if not os.path.exists(path):
+    named = os.environ.get(TUNED_CONFIGS_ENV)
+    path = Path(named) if named else TUNED_CONFIGS
+    if not path.exists():
+        if named:
+            raise ValueError(
+                f"{TUNED_CONFIGS_ENV}={named}: no such file (a table from w4a16_gemv_m1.py --table-out)"
+            )
         return {}
-    with open(path) as f:
-        table = json.load(f).get(torch.cuda.get_device_name(device_index), {})
-    return {key: W4A16GemvConfig(**fields) for key, fields in table.items()}
+    table = json.loads(path.read_text()).get(torch.cuda.get_device_name(device_index), {})
+    configs = {}
+    for key, fields in table.items():
+        try:
+            configs[key] = W4A16GemvConfig(**fields)
+        except TypeError as e:
+            raise ValueError(f"{path}: entry {key!r} is not a W4A16GemvConfig ({e})") from None
+    return configs
 
 
 def tuned_config(device: torch.device, m: int, n: int, k: int, gated: bool) -> W4A16GemvConfig | None:
