@@ -25,9 +25,11 @@
 #      tests; on an H200 also its tuned table and the e2e with it.
 #   w3 (carry nothing): the sweep with no-prefetch twins (the table now records prefetch), then AWQ's e2e
 #      with that table.
+#   w4 (carry nothing): paired streams with K split too (qkv, o, down), then AWQ's e2e with that table (the
+#      gated gate_up takes the default, the w3 table's config).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-phase=${1:?usage: session15.sh a|p|w|w2|b1|n|v|w3}
+phase=${1:?usage: session15.sh a|p|w|w2|b1|n|v|w3|w4}
 default_budget_s=${DEFAULT_BUDGET_S:-570}
 source benchmarks/h200/session_lib.sh
 plan_file=/tmp/session14-plan.txt
@@ -125,8 +127,16 @@ w3)
     --out "$d/e2e" --parts e2e --engines awq --quick
   grep -h '"e2e"' "$d/e2e.log" | cut -c1-200
   ;;
+w4)
+  run_step sweep 90 python3 benchmarks/h200/w4a16_gemv_m1.py --out "$d" --budget-s 60 --set split-paired \
+    --shapes qkv,o,down --table-out "$d/w4a16_gemv_configs.json"
+  sed -n '/best per shape/,$p' "$d/sweep.log"; tr -d ' \n' < "$d/w4a16_gemv_configs.json"; echo
+  KVLLM_W4A16_GEMV_CONFIGS=$d/w4a16_gemv_configs.json run_step e2e 120 python3 benchmarks/h200/quant_bench.py \
+    --out "$d/e2e" --parts e2e --engines awq --quick
+  grep -h '"e2e"' "$d/e2e.log" | cut -c1-200
+  ;;
 *)
-  echo "unknown phase $phase (a|p|w|w2|b1|n|v|w3)"; exit 2 ;;
+  echo "unknown phase $phase (a|p|w|w2|b1|n|v|w3|w4)"; exit 2 ;;
 esac
 kill "$clocks_pid" "${host_probe_pid:-}" 2>/dev/null
 save

@@ -55,6 +55,20 @@ GATED += [
 ]
 
 
+# --set split-paired: paired streams with K split over programs (more warps for the narrow projections:
+# qkv and o leave 4-6 one-warp programs per SM paired), no prefetch; plain projections only.
+SPLIT_PAIRED = [(4, 1024, 1, 3, 1, True, False)]
+SPLIT_PAIRED += [(4, 1024, 1, s, 2, True, False) for s in (1, 2, 3)] + [
+    (4, 512, 1, s, 4, True, False) for s in (1, 2)
+]
+SPLIT_PAIRED += [
+    (4, 1024, 1, 1, 4, True, False),
+    (4, 512, 1, 1, 2, True, False),
+    (2, 1024, 1, 1, 2, True, False),
+]
+SPLIT_PAIRED += [(4, 1024, 1, s, 7, True, False) for s in (1, 2)] + [(4, 2048, 1, 1, 7, True, False)]
+
+
 def _config(cfg: tuple[int, ...]) -> Any:
     from kvllm.layers.quantization.ops.w4a16_gemv import W4A16GemvConfig
 
@@ -93,10 +107,16 @@ def main() -> int:
     parser.add_argument("--out", default="gpu-out")
     parser.add_argument("--budget-s", type=float, default=60.0)
     parser.add_argument("--table-out", help="write the fastest config per shape as a tuned-config table")
+    parser.add_argument("--set", choices=["all", "split-paired"], default="all", help="the candidate set")
+    parser.add_argument("--shapes", default=",".join(SHAPES), help="comma list of " + ", ".join(SHAPES))
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
+    global CANDIDATES, GATED
+    if args.set == "split-paired":
+        CANDIDATES, GATED = SPLIT_PAIRED, []
+    shapes = {name: SHAPES[name] for name in args.shapes.split(",")}
     jobs = [(c, k, False) for c in CANDIDATES for k in (4096, 14336) if k % (c[1] * c[4]) == 0]
     jobs += [(c, 4096, True) for c in GATED]
     import multiprocessing
@@ -130,7 +150,7 @@ def main() -> int:
         log.write(line + "\n")
         log.flush()
 
-    for shape, (n, k) in SHAPES.items():
+    for shape, (n, k) in shapes.items():
 
         def make_w4(n: int = n, k: int = k) -> tuple:
             q = pack_kernel_layout(torch.randint(0, 16, (n, k), device=dev))
@@ -215,7 +235,7 @@ def main() -> int:
         Path(args.table_out).write_text(json.dumps({torch.cuda.get_device_name(): entries}, indent=1) + "\n")
         print(f"tuned-config table: {args.table_out}")
     print("\nbest per shape (M = 1):")
-    for shape in SHAPES:
+    for shape in shapes:
         for kind in ("w4a16 gemv", "w4a16 gemv+silu"):
             timed = [r for r in records if r.get("shape") == shape and r.get("impl") == kind and "us" in r]
             bf = [

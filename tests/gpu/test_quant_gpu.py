@@ -89,15 +89,19 @@ def test_w4a16_gemv_matches_float32(n, k, group, dtype, m) -> None:
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (264, 384)])
 @pytest.mark.parametrize("m", [1, 3])
 def test_w4a16_gemv_paired_matches_float32(n, k, m) -> None:
-    """Two 4-column weight streams per program, each half's columns where they belong."""
+    """Two 4-column weight streams per program, each half's columns where they belong, with K split
+    too (the same bits on a second call)."""
     from kvllm.layers.quantization.ops.w4a16_gemv import W4A16GemvConfig, w4a16_gemv
 
     qweight, scales, zeros = random_int4(n, k, 128, torch.bfloat16, seed=n + m)
     x = torch.randn(m, k, generator=_gen(m), device=CUDA).bfloat16()
     bias = torch.randn(n, generator=_gen(n), device=CUDA).bfloat16()
-    out = w4a16_gemv(x, qweight, scales, zeros, 128, bias, W4A16GemvConfig(4, 128, 1, 3, paired=True))
     expected = x.float() @ dequantize(qweight, scales, zeros, 128).T + bias.float()
-    assert_close_scaled(out, expected, 1e-2)
+    for split in (1, 3 if k % 384 == 0 else 2):
+        config = W4A16GemvConfig(4, 128, 1, 3, split_k=split, paired=True)
+        out = w4a16_gemv(x, qweight, scales, zeros, 128, bias, config)
+        assert_close_scaled(out, expected, 1e-2)
+        assert torch.equal(w4a16_gemv(x, qweight, scales, zeros, 128, bias, config), out)
 
 
 @pytest.mark.parametrize("n,k,split", [(6144, 4096, 4), (4096, 14336, 7), (28672, 4096, 2), (264, 384, 3)])

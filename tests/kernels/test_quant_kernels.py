@@ -424,10 +424,15 @@ def test_w4a16_gemv_paired_matches_float32_reference(m, n, k, group, with_bias, 
     qweight, scales, zeros = random_int4(n, k, group, dtype, seed=m + n + k)
     x = torch.randn(m, k, generator=_gen(k - m)).to(dtype)
     bias = torch.randn(n, generator=_gen(n)).to(dtype) if with_bias else None
-    out = w4a16_gemv(x, qweight, scales, zeros, group, bias, W4A16GemvConfig(4, 128, 1, 2, paired=True))
     expected = x.float() @ dequantize(qweight, scales, zeros, group).T + (bias.float() if with_bias else 0)
     rtol, atol = TOLERANCES[dtype]
-    torch.testing.assert_close(out.float(), expected, rtol=rtol, atol=atol)
-    with pytest.raises(ValueError, match="paired needs split_k 1 and N = 20 a multiple of 2 x block_n"):
+    for split in (
+        1,
+        3 if k == 384 else 2,
+    ):  # K split too: both streams' parts parked, each half stored in place
+        config = W4A16GemvConfig(4, 128, 1, 2, split_k=split, paired=True)
+        out = w4a16_gemv(x, qweight, scales, zeros, group, bias, config)
+        torch.testing.assert_close(out.float(), expected, rtol=rtol, atol=atol)
+    with pytest.raises(ValueError, match="paired needs N = 20 a multiple of 2 x block_n"):
         q20, s20, z20 = random_int4(20, k, group, dtype, seed=1)
         w4a16_gemv(x, q20, s20, z20, group, None, W4A16GemvConfig(4, 128, paired=True))

@@ -251,61 +251,64 @@ def _rows_sum(words, x0, x1, x2, x3, x_mask, s, z, s_ptrs, z_ptrs, g_mask, a0, a
 
 
 @triton.jit
-def _park_row(acc, acc_up, part_ptr, cols, N, ROW: tl.constexpr, GATED: tl.constexpr):
-    """Store one row's float32 part sums (gate, then up) in this program's workspace slice [rows, 2N]."""
+def _park_row(acc, acc_up, part_ptr, cols, N, ROW: tl.constexpr, TWO_STREAMS: tl.constexpr):
+    """Store one row's float32 part sums (the second stream's after N) in this program's workspace slice
+    [rows, 2N]."""
     tl.store(part_ptr + ROW * 2 * N + cols, tl.sum(tl.sum(acc, axis=2), axis=1), mask=cols < N)
-    if GATED:
+    if TWO_STREAMS:
         tl.store(part_ptr + ROW * 2 * N + N + cols, tl.sum(tl.sum(acc_up, axis=2), axis=1), mask=cols < N)
 
 
 @triton.jit
 def _finish_row(ws_ptr, split_stride, bias_ptr, out_ptr, offs_n, cols, N, M, ROW: tl.constexpr,
-                HAS_BIAS: tl.constexpr, GATED: tl.constexpr, SPLIT_K: tl.constexpr,
+                HAS_BIAS: tl.constexpr, GATED: tl.constexpr, PAIRED: tl.constexpr, SPLIT_K: tl.constexpr,
                 INTERPRET: tl.constexpr):  # fmt: skip
     """The last program of a column block: the row's parts summed in split order (the same bits on every
-    run), stored as _store_row stores a whole-K program's sums. The parts bypass L1 (.cg): other SMs
-    wrote them."""
+    run), stored as _store_row stores a whole-K program's sums (PAIRED: the second stream's sums to the
+    next BLOCK_N columns). The parts bypass L1 (.cg): other SMs wrote them."""
     total = tl.zeros(cols.shape, dtype=tl.float32)
     total_up = tl.zeros(cols.shape, dtype=tl.float32)
     for split in tl.static_range(SPLIT_K):
         row = ws_ptr + split * split_stride + ROW * 2 * N
         total += tl.load(row + offs_n, cache_modifier=".cg")
-        if GATED:
+        if GATED or PAIRED:
             total_up += tl.load(row + N + offs_n, cache_modifier=".cg")
     # As [BLOCK_N, 1, 1] sums: _store_row sums them over the two unit axes.
-    _store_row(total[:, None, None], total_up[:, None, None], bias_ptr, out_ptr, offs_n, cols, N, M, ROW,
-               HAS_BIAS, GATED, INTERPRET)  # fmt: skip
+    if PAIRED:
+        BLOCK_N: tl.constexpr = cols.shape[0]
+        _store_row(total[:, None, None], total[:, None, None], bias_ptr, out_ptr, offs_n, cols, N, M, ROW,
+                   HAS_BIAS, False, INTERPRET)  # fmt: skip
+        _store_row(total_up[:, None, None], total_up[:, None, None], bias_ptr + BLOCK_N, out_ptr + BLOCK_N,
+                   offs_n, cols, N - BLOCK_N, M, ROW, HAS_BIAS, False, INTERPRET)  # fmt: skip
+    else:
+        _store_row(total[:, None, None], total_up[:, None, None], bias_ptr, out_ptr, offs_n, cols, N, M, ROW,
+                   HAS_BIAS, GATED, INTERPRET)  # fmt: skip
 
 
 @triton.jit
 def _split_k_store(acc0, acc1, acc2, acc3, up0, up1, up2, up3, ws_ptr, ticket_ptr, bias_ptr, out_ptr,
                    offs_n, cols, N, M, stride_om, BLOCK_M: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   GATED: tl.constexpr, SPLIT_K: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
+                   GATED: tl.constexpr, PAIRED: tl.constexpr, SPLIT_K: tl.constexpr,
+                   INTERPRET: tl.constexpr):  # fmt: skip
     """Split K: every program parks its sums (still scaled by 2^-49) in its slice of a float32 workspace
     [SPLIT_K, BLOCK_M, 2N], then takes a ticket for its column block; the SPLIT_K-th program to arrive
     adds the slices in split order, stores the output (bias, SiLU, rounding as without the split) and
     puts the ticket back to zero, so the tickets serve every call (and CUDA-graph replay) with no memset."""
     split_stride = BLOCK_M * 2 * N
     part_ptr = ws_ptr + tl.program_id(1) * split_stride
-    _park_row(acc0, up0, part_ptr, cols, N, 0, GATED)
+    two: tl.constexpr = GATED or PAIRED
+    _park_row(acc0, up0, part_ptr, cols, N, 0, two)
     if BLOCK_M > 1:
-        _park_row(acc1, up1, part_ptr, cols, N, 1, GATED)
+        _park_row(acc1, up1, part_ptr, cols, N, 1, two)
     if BLOCK_M > 2:
-        _park_row(acc2, up2, part_ptr, cols, N, 2, GATED)
-        _park_row(acc3, up3, part_ptr, cols, N, 3, GATED)
+        _park_row(acc2, up2, part_ptr, cols, N, 2, two)
+        _park_row(acc3, up3, part_ptr, cols, N, 3, two)
     tl.debug_barrier()  # every thread's parts precede the ticket (released with it)
     ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel")
     if ticket == SPLIT_K - 1:
-        _finish_row(ws_ptr, split_stride, bias_ptr, out_ptr, offs_n, cols, N, M, 0, HAS_BIAS, GATED, SPLIT_K,
-                    INTERPRET)  # fmt: skip
-        if BLOCK_M > 1:
-            _finish_row(ws_ptr, split_stride, bias_ptr, out_ptr + stride_om, offs_n, cols, N, M, 1, HAS_BIAS,
-                        GATED, SPLIT_K, INTERPRET)  # fmt: skip
-        if BLOCK_M > 2:
-            _finish_row(ws_ptr, split_stride, bias_ptr, out_ptr + 2 * stride_om, offs_n, cols, N, M, 2,
-                        HAS_BIAS, GATED, SPLIT_K, INTERPRET)  # fmt: skip
-            _finish_row(ws_ptr, split_stride, bias_ptr, out_ptr + 3 * stride_om, offs_n, cols, N, M, 3,
-                        HAS_BIAS, GATED, SPLIT_K, INTERPRET)  # fmt: skip
+        for row in tl.static_range(BLOCK_M):
+            _finish_row(ws_ptr, split_stride, bias_ptr, out_ptr + row * stride_om, offs_n, cols, N, M, row,
+                        HAS_BIAS, GATED, PAIRED, SPLIT_K, INTERPRET)  # fmt: skip
         tl.atomic_xchg(ticket_ptr, 0)
 
 
@@ -333,7 +336,7 @@ def _w4a16_gemv_kernel(
 ):  # fmt: skip
     # GATED: N is the output width d; the weight has 2d rows (gate, then up), out gets silu(gate) * up.
     # SPLIT_K > 1: program (pid, s) sums the s-th K / SPLIT_K values of its columns (_split_k_store).
-    # PAIRED (not GATED, N a multiple of 2 * BLOCK_N, no split): a program owns 2 * BLOCK_N columns and
+    # PAIRED (not GATED, N a multiple of 2 * BLOCK_N): a program owns 2 * BLOCK_N columns and
     # reads them as two weight streams of BLOCK_N, the gated kernel's loop (two tiles per iteration).
     NBT: tl.constexpr = BLOCK_K // (8 * BW)  # blocks per tile
     pid = tl.program_id(0)
@@ -432,7 +435,8 @@ def _w4a16_gemv_kernel(
         qw_ptrs += BLOCK_K // 8
     if SPLIT_K > 1:
         _split_k_store(acc0, acc1, acc2, acc3, up0, up1, up2, up3, ws_ptr, ticket_ptr + pid, bias_ptr, out_ptr,
-                       offs_n, cols, N, M, stride_om, BLOCK_M, HAS_BIAS, GATED, SPLIT_K, INTERPRET)  # fmt: skip
+                       offs_n, cols, N, M, stride_om, BLOCK_M, HAS_BIAS, GATED, PAIRED, SPLIT_K,
+                       INTERPRET)  # fmt: skip
     elif PAIRED:  # the first BLOCK_N columns, then the next BLOCK_N (N - BLOCK_N masks cols + BLOCK_N < N)
         _store_rows(acc0, acc1, acc2, acc3, acc0, acc1, acc2, acc3, bias_ptr, out_ptr, offs_n, cols, N, M,
                     stride_om, BLOCK_M, HAS_BIAS, False, INTERPRET)  # fmt: skip
@@ -456,7 +460,7 @@ class W4A16GemvConfig:
     # 10-20% slower on every Llama-3-8B projection on an H100 (fifteenth session's third sweep).
     prefetch: bool = False
     split_k: int = 1  # programs per column block, each over K / split_k values (_split_k_store)
-    paired: bool = False  # 2 x block_n columns per program, read as two streams (not gated, no split)
+    paired: bool = False  # 2 x block_n columns per program, read as two streams (not gated)
 
 
 MIN_WARPS = 8 * 132  # eight warps per SM of an H200: fewer leave its four schedulers short of work
@@ -655,8 +659,8 @@ def _launch(
             f"split_k {split} must be >= 1 and cut K = {k} into whole tiles of {bk} values; got {config}"
         )
     paired = config.paired and not gated
-    if paired and (split > 1 or n % (2 * bn)):
-        raise ValueError(f"paired needs split_k 1 and N = {n} a multiple of 2 x block_n; got {config}")
+    if paired and n % (2 * bn):
+        raise ValueError(f"paired needs N = {n} a multiple of 2 x block_n; got {config}")
     grid_n = triton.cdiv(n, 2 * bn if paired else bn)
     capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
     scratch = _SCRATCH.get(x.device, split * block_m_for(m) * 2 * n, grid_n, capturing) if split > 1 else None
