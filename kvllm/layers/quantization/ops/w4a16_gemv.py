@@ -481,8 +481,8 @@ def default_config(m: int, n: int, k: int, gated: bool = False) -> W4A16GemvConf
     gate_up with SiLU 34.0 / 42.5 for the gated kernel's old default). Fewer columns per stream read the
     pipeline's shared memory with fewer bank conflicts (ncu: 8-way at eight), two streams keep two tiles
     in flight. Four columns at two rows, two at four (the rows' activations and sums take the
-    registers), where narrow outputs split K over up to four warps for at least MIN_WARPS warps (not
-    measured on a GPU yet)."""
+    registers), where narrow outputs split K over up to four warps for at least MIN_WARPS warps; no
+    prefetch there either (two and four rows: not measured on a GPU yet)."""
     block_k = PACK * block_words(k)
     limit = 512 if gated and m == 1 else 1024
     while block_k < limit and k % (2 * block_k) == 0:
