@@ -25,8 +25,8 @@
 #      tests; on an H200 also its tuned table and the e2e with it.
 #   w3 (carry nothing): the sweep with no-prefetch twins (the table now records prefetch), then AWQ's e2e
 #      with that table.
-#   w4 (carry nothing): paired streams with K split too (qkv, o, down), then AWQ's e2e with that table (the
-#      gated gate_up takes the default, the w3 table's config).
+#   w4 (carry nothing; not run yet): the W4A16 GEMV's next candidates (`--set next`: flat_tile, paired with
+#      split K, on the 16-byte copies restored after the last call), then AWQ's e2e with that table.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 phase=${1:?usage: session15.sh a|p|w|w2|b1|n|v|w3|w4}
@@ -128,8 +128,8 @@ w3)
   grep -h '"e2e"' "$d/e2e.log" | cut -c1-200
   ;;
 w4)
-  run_step sweep 90 python3 benchmarks/h200/w4a16_gemv_m1.py --out "$d" --budget-s 60 --set split-paired \
-    --shapes qkv,o,down --table-out "$d/w4a16_gemv_configs.json"
+  run_step sweep 150 python3 benchmarks/h200/w4a16_gemv_m1.py --out "$d" --budget-s 110 --set next \
+    --table-out "$d/w4a16_gemv_configs.json"
   sed -n '/best per shape/,$p' "$d/sweep.log"; tr -d ' \n' < "$d/w4a16_gemv_configs.json"; echo
   KVLLM_W4A16_GEMV_CONFIGS=$d/w4a16_gemv_configs.json run_step e2e 120 python3 benchmarks/h200/quant_bench.py \
     --out "$d/e2e" --parts e2e --engines awq --quick

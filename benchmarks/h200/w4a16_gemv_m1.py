@@ -55,18 +55,26 @@ GATED += [
 ]
 
 
-# --set split-paired: paired streams with K split over programs (more warps for the narrow projections:
-# qkv and o leave 4-6 one-warp programs per SM paired), no prefetch; plain projections only.
-SPLIT_PAIRED = [(4, 1024, 1, 3, 1, True, False)]
-SPLIT_PAIRED += [(4, 1024, 1, s, 2, True, False) for s in (1, 2, 3)] + [
-    (4, 512, 1, s, 4, True, False) for s in (1, 2)
+# --set next (written after the fifteenth session's last call, not run yet): the shipped configs (paired /
+# gated, 4 columns, no prefetch) against the same with `flat_tile` (a row-major shared-memory copy: Triton
+# orders the 4-D tile's copy otherwise, and ncu saw bank conflicts on its reads and writes), 8 columns
+# again with it, and paired streams with K split too (qkv and o leave 4-6 one-warp programs per SM paired).
+# The 16-byte copies of the weight tiles, lost to the split's offset in every config of this session's
+# sweeps and restored since, apply to all of them.
+NEXT = [
+    (4, 1024, 1, 3, 1, True, False),
+    (4, 1024, 1, 3, 1, True, False, True),
+    (4, 512, 1, 3, 1, True, False, True),
 ]
-SPLIT_PAIRED += [
-    (4, 1024, 1, 1, 4, True, False),
-    (4, 512, 1, 1, 2, True, False),
-    (2, 1024, 1, 1, 2, True, False),
+NEXT += [(8, 1024, 1, s, 1, False, False, True) for s in (2, 3)] + [(8, 1024, 1, 3, 1, True, False, True)]
+NEXT += [(4, 1024, 1, s, 2, True, False) for s in (1, 3)] + [(4, 1024, 1, 3, 2, True, False, True)]
+NEXT += [
+    (4, 512, 1, 1, 4, True, False),
+    (4, 1024, 1, 1, 7, True, False),
+    (4, 2048, 1, 3, 7, True, False, True),
 ]
-SPLIT_PAIRED += [(4, 1024, 1, s, 7, True, False) for s in (1, 2)] + [(4, 2048, 1, 1, 7, True, False)]
+NEXT_GATED = [(4, 512, 1, 3, 1, False, False), (4, 512, 1, 3, 1, False, False, True)]
+NEXT_GATED += [(4, 1024, 1, 3, 1, False, False, True), (8, 1024, 1, 3, 1, False, False, True)]
 
 
 def _config(cfg: tuple[int, ...]) -> Any:
@@ -75,8 +83,9 @@ def _config(cfg: tuple[int, ...]) -> Any:
     block_n, block_k, warps, stages, split, *flags = cfg
     paired = bool(flags[0]) if flags else False
     prefetch = bool(flags[1]) if len(flags) > 1 else True
-    return W4A16GemvConfig(block_n, block_k, warps, stages, prefetch=bool(prefetch), split_k=split,
-                           paired=bool(paired))  # fmt: skip
+    flat = bool(flags[2]) if len(flags) > 2 else False
+    return W4A16GemvConfig(block_n, block_k, warps, stages, prefetch=prefetch, split_k=split, paired=paired,
+                           flat_tile=flat)  # fmt: skip
 
 
 def _compile(job: tuple[tuple[int, int, int, int], int, bool]) -> str:
@@ -107,15 +116,15 @@ def main() -> int:
     parser.add_argument("--out", default="gpu-out")
     parser.add_argument("--budget-s", type=float, default=60.0)
     parser.add_argument("--table-out", help="write the fastest config per shape as a tuned-config table")
-    parser.add_argument("--set", choices=["all", "split-paired"], default="all", help="the candidate set")
+    parser.add_argument("--set", choices=["all", "next"], default="all", help="the candidate set")
     parser.add_argument("--shapes", default=",".join(SHAPES), help="comma list of " + ", ".join(SHAPES))
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     global CANDIDATES, GATED
-    if args.set == "split-paired":
-        CANDIDATES, GATED = SPLIT_PAIRED, []
+    if args.set == "next":
+        CANDIDATES, GATED = NEXT, NEXT_GATED
     shapes = {name: SHAPES[name] for name in args.shapes.split(",")}
     jobs = [(c, k, False) for c in CANDIDATES for k in (4096, 14336) if k % (c[1] * c[4]) == 0]
     jobs += [(c, 4096, True) for c in GATED]
@@ -198,7 +207,8 @@ def main() -> int:
                 conf = _config(cfg) if cfg else default_config(1, n, k, gated)
             fn = w4a16_gemv_silu_and_mul if gated else w4a16_gemv
             rec = base | {"impl": f"w4a16 {kind}", "config": [conf.block_n, conf.block_k, conf.num_warps, conf.num_stages,
-                          conf.split_k, conf.paired], "prefetch": conf.prefetch, "default": cfg is None}  # fmt: skip
+                          conf.split_k, conf.paired], "prefetch": conf.prefetch, "flat_tile": conf.flat_tile,
+                          "default": cfg is None}  # fmt: skip
             try:
                 got = fn(x, *w4[0], GROUP, config=conf).float()
                 expected = act if gated else ref
@@ -229,7 +239,8 @@ def main() -> int:
                 table[key] = rec
         fields = ("block_n", "block_k", "num_warps", "num_stages", "split_k", "paired")
         entries = {
-            key: dict(zip(fields, rec["config"])) | {"prefetch": rec["prefetch"]}
+            key: dict(zip(fields, rec["config"]))
+            | {"prefetch": rec["prefetch"], "flat_tile": rec["flat_tile"]}
             for key, rec in table.items()
         }
         Path(args.table_out).write_text(json.dumps({torch.cuda.get_device_name(): entries}, indent=1) + "\n")

@@ -90,15 +90,20 @@ def test_w4a16_gemv_matches_float32(n, k, group, dtype, m) -> None:
 @pytest.mark.parametrize("m", [1, 3])
 def test_w4a16_gemv_paired_matches_float32(n, k, m) -> None:
     """Two 4-column weight streams per program, each half's columns where they belong, with K split
-    too (the same bits on a second call)."""
+    too (the same bits on a second call), with the 4-D and the flat tile."""
     from kvllm.layers.quantization.ops.w4a16_gemv import W4A16GemvConfig, w4a16_gemv
 
     qweight, scales, zeros = random_int4(n, k, 128, torch.bfloat16, seed=n + m)
     x = torch.randn(m, k, generator=_gen(m), device=CUDA).bfloat16()
     bias = torch.randn(n, generator=_gen(n), device=CUDA).bfloat16()
     expected = x.float() @ dequantize(qweight, scales, zeros, 128).T + bias.float()
-    for split in (1, 3 if k % 384 == 0 else 2):
-        config = W4A16GemvConfig(4, 128, 1, 3, split_k=split, paired=True)
+    for split, flat in (
+        (1, False),
+        (1, True),
+        (3 if k % 384 == 0 else 2, False),
+        (3 if k % 384 == 0 else 2, True),
+    ):
+        config = W4A16GemvConfig(4, 128, 1, 3, split_k=split, paired=True, flat_tile=flat)
         out = w4a16_gemv(x, qweight, scales, zeros, 128, bias, config)
         assert_close_scaled(out, expected, 1e-2)
         assert torch.equal(w4a16_gemv(x, qweight, scales, zeros, 128, bias, config), out)

@@ -436,3 +436,31 @@ def test_w4a16_gemv_paired_matches_float32_reference(m, n, k, group, with_bias, 
     with pytest.raises(ValueError, match="paired needs N = 20 a multiple of 2 x block_n"):
         q20, s20, z20 = random_int4(20, k, group, dtype, seed=1)
         w4a16_gemv(x, q20, s20, z20, group, None, W4A16GemvConfig(4, 128, paired=True))
+
+
+@pytest.mark.parametrize(
+    "m,n,k,group,config",
+    [
+        (1, 48, 512, 128, dict(block_n=4, block_k=256, num_stages=2, paired=True)),
+        (3, 24, 384, 128, dict(block_n=2, block_k=256, num_warps=2)),  # a partial last tile (masked blocks)
+        (4, 36, 512, 32, dict(block_n=8, block_k=512)),  # groups shorter than a block, N not a multiple
+        (2, 16, 192, 64, dict(block_n=4, block_k=64, split_k=3)),  # 8-word blocks, and a split
+    ],
+)
+def test_w4a16_gemv_flat_tile_matches_the_four_dimensional_tile(m, n, k, group, config) -> None:
+    """flat_tile loads the same words as [block_n, words] and reshapes them: the same sums, bit for bit,
+    plain and gated."""
+    from kvllm.layers.quantization.ops.w4a16_gemv import W4A16GemvConfig, w4a16_gemv, w4a16_gemv_silu_and_mul
+
+    qweight, scales, zeros = random_int4(n, k, group, torch.bfloat16, seed=m + n + k + group)
+    x = torch.randn(m, k, generator=_gen(m * k)).to(torch.bfloat16)
+    four_d, flat = W4A16GemvConfig(**config), W4A16GemvConfig(**config, flat_tile=True)
+    out = w4a16_gemv(x, qweight, scales, zeros, group, None, flat)
+    assert torch.equal(out, w4a16_gemv(x, qweight, scales, zeros, group, None, four_d))
+    expected = x.float() @ dequantize(qweight, scales, zeros, group).T
+    torch.testing.assert_close(out.float(), expected, rtol=1e-2, atol=1e-2)
+    if not config.get("paired"):
+        gated = w4a16_gemv_silu_and_mul(x, qweight[: n // 2 * 2], scales[: n // 2 * 2], zeros[: n // 2 * 2], group,
+                                        None, flat)  # fmt: skip
+        assert torch.equal(gated, w4a16_gemv_silu_and_mul(x, qweight[: n // 2 * 2], scales[: n // 2 * 2],
+                                                          zeros[: n // 2 * 2], group, None, four_d))  # fmt: skip

@@ -26,9 +26,9 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kvllm.layers.quantization.ops.w4a16_gemv import _w4a16_gemv_kernel as kernel
 
-def compile_(block_n, gated, stages, split_k=1):
+def compile_(block_n, gated, stages, split_k=1, flat=False):
     constexprs = dict(SPLIT_K=split_k, GROUP_SIZE=128, BW=16, BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=1024, PER_NIBBLE=False,
-                      EVEN_N=True, EVEN_K=True, HAS_BIAS=False, GATED=gated, PAIRED=False, USE_PDL=True, PREFETCH=True, PREFETCH_GROUPS=True,
+                      EVEN_N=True, EVEN_K=True, HAS_BIAS=False, GATED=gated, PAIRED=False, FLAT_TILE=flat, USE_PDL=True, PREFETCH=True, PREFETCH_GROUPS=True,
                       NUM_STAGES=stages, INTERPRET=False)
     signature, attrs = {}, {}
     for i, name in enumerate(kernel.arg_names):
@@ -59,8 +59,8 @@ def loop_body(sass):
             ops[re.sub(r"^@!?U?P\w+\s+", "", m.group(1)).split()[0].split(".")[0]] += 1
     return ops
 
-def facts(block_n, gated, stages):
-    c = compile_(block_n, gated, stages)
+def facts(block_n, gated, stages, split_k=1, flat=False):
+    c = compile_(block_n, gated, stages, split_k, flat)
     ptx = c.asm["ptx"]
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(c.asm["cubin"])
@@ -72,13 +72,16 @@ def facts(block_n, gated, stages):
     values_per_thread = block_n * 1024 * (2 if gated else 1) // 32
     return {
         "cp_async": ptx.count("cp.async.cg") + ptx.count("cp.async.ca"),
+        "cp_async_16_bytes": ptx.count("cp.async.cg"),  # .cg copies 16 bytes; the weights' tiles take it
+        "shared_orders": re.findall(r"#shared\d* = #ttg.swizzled_shared<\{[^}]*order = \[([0-9, ]+)\]", c.asm["ttgir"]),
         "before_wait": [op for op in ("ld.global", "cp.async.cg", "cp.async.ca", "cp.async.bulk.prefetch", "st.global")
                         if op in ptx[:wait]],
         "loop_ops": dict(ops),
         "per_value": sum(ops.values()) / values_per_thread,
     }
 
-print(json.dumps({"gemv": facts(8, False, 3), "gated": facts(4, True, 3)}))
+print(json.dumps({"gemv": facts(8, False, 3), "gated": facts(4, True, 3), "split": facts(8, False, 3, split_k=2),
+                  "flat": facts(4, False, 3, flat=True)}))
 """
 
 
@@ -87,11 +90,26 @@ def compiled() -> dict[str, dict]:
     return run_compile_script(SCRIPT)
 
 
-@pytest.mark.parametrize("kind", ["gemv", "gated"])
+@pytest.mark.parametrize("kind", ["gemv", "gated", "split", "flat"])
 def test_loop_is_pipelined_with_cp_async(compiled, kind) -> None:
     facts = compiled[kind]
     assert facts["cp_async"] > 0
     assert facts["loop_ops"].get("LDGSTS", 0) > 0  # the copies are issued in the loop, for later tiles
+
+
+@pytest.mark.parametrize("kind", ["gemv", "gated", "split", "flat"])
+def test_weight_tiles_copy_16_bytes_at_a_time(compiled, kind) -> None:
+    """The split's K offset once cost the weights their 16-byte alignment (8-byte copies, twice the
+    instructions) for every config, split or not; multiple_of keeps it."""
+    assert compiled[kind]["cp_async_16_bytes"] > 0
+
+
+def test_flat_tile_copies_into_row_major_shared_memory(compiled) -> None:
+    """Triton orders the 4-D tile's shared copy otherwise than row-major ([3, 0, 2, 1] at 8 columns,
+    [3, 1, 0, 2] at 4: bank conflicts on an H100, ncu); the flat tile's copy is row-major."""
+    four_d = [order for order in compiled["gemv"]["shared_orders"] if order.count(",") == 3]
+    assert four_d and "3, 2, 1, 0" not in four_d[:1], compiled["gemv"]["shared_orders"]
+    assert "1, 0" in compiled["flat"]["shared_orders"], compiled["flat"]["shared_orders"]
 
 
 @pytest.mark.parametrize("kind", ["gemv", "gated"])

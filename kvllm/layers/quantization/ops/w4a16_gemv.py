@@ -104,9 +104,13 @@ def _x_scale(J: tl.constexpr):
 
 
 @triton.jit
-def _weights(qw_ptrs, s_ptrs, z_ptrs, w_mask, g_mask, PER_NIBBLE: tl.constexpr):
-    """A tile's words and, unless groups are smaller than a block, each block's scale and zero."""
+def _weights(qw_ptrs, s_ptrs, z_ptrs, w_mask, g_mask, PER_NIBBLE: tl.constexpr, TILE: tl.constexpr,
+             FLAT: tl.constexpr):  # fmt: skip
+    """A tile's words as TILE [BLOCK_N, blocks, BW / V, V] and, unless groups are smaller than a block,
+    each block's scale and zero. FLAT: the words come as [BLOCK_N, blocks x BW], reshaped after the load."""
     words = _load(qw_ptrs, w_mask)
+    if FLAT:
+        words = tl.reshape(words, TILE)
     if PER_NIBBLE:  # loaded per nibble in _tile_sum
         s = tl.zeros((words.shape[0], words.shape[1], words.shape[2]), dtype=tl.float32)
         z = tl.zeros((words.shape[0], words.shape[1], words.shape[2]), dtype=tl.float32)
@@ -327,6 +331,7 @@ def _w4a16_gemv_kernel(
     HAS_BIAS: tl.constexpr,
     GATED: tl.constexpr,
     PAIRED: tl.constexpr,
+    FLAT_TILE: tl.constexpr,
     USE_PDL: tl.constexpr,
     PREFETCH: tl.constexpr,
     PREFETCH_GROUPS: tl.constexpr,
@@ -341,7 +346,10 @@ def _w4a16_gemv_kernel(
     NBT: tl.constexpr = BLOCK_K // (8 * BW)  # blocks per tile
     pid = tl.program_id(0)
     k_len = K // SPLIT_K
-    k_start = tl.program_id(1) * k_len
+    if SPLIT_K > 1:  # a whole number of tiles (the launcher checks): the tile loads keep their 16 bytes
+        k_start = tl.multiple_of(tl.program_id(1) * k_len, BLOCK_K)
+    else:
+        k_start = 0
     cols = pid * (2 * BLOCK_N if PAIRED else BLOCK_N) + tl.arange(0, BLOCK_N)
     if EVEN_N:
         offs_n = cols
@@ -354,13 +362,21 @@ def _w4a16_gemv_kernel(
     # Tiles are [BLOCK_N, blocks, BW / V, V]: a last dimension of V = 4 words (16 bytes) makes Triton
     # give the weight words and the activations (4 x 16 bits) the same register layout, so the
     # activations broadcast over the columns without a layout conversion.
-    qw_ptrs = (
-        qw_ptr
-        + offs_n[:, None, None, None].to(tl.int64) * stride_wn
-        + k_start // 8
-        + (blk * BW)[None, :, None, None]
-        + bv[None, None, :, :]
-    )
+    TILE: tl.constexpr = (BLOCK_N, NBT, BW // V, V)
+    if FLAT_TILE:
+        # Loaded as [BLOCK_N, NBT * BW] and reshaped: the pipeline's shared-memory copy is then row-major
+        # (Triton orders the 4-D tile's copy [3, 1, 0, 2], whose reads and writes conflict in the banks).
+        qw_ptrs = (
+            qw_ptr + offs_n[:, None].to(tl.int64) * stride_wn + k_start // 8 + tl.arange(0, NBT * BW)[None, :]
+        )
+    else:
+        qw_ptrs = (
+            qw_ptr
+            + offs_n[:, None, None, None].to(tl.int64) * stride_wn
+            + k_start // 8
+            + (blk * BW)[None, :, None, None]
+            + bv[None, None, :, :]
+        )
     # x rows past M read row M - 1 (never stored), so no load needs a row mask.
     x_ptrs = x_ptr + blk_k[None, :, None, None] + bv[None, None, :, :]
     x1 = x_ptrs + tl.minimum(1, M - 1) * stride_xm
@@ -392,6 +408,7 @@ def _w4a16_gemv_kernel(
     # Masks of a K tile: None for whole tiles; K is a multiple of the block, so the blocks of a
     # partial tile are whole or absent.
     w_mask = None
+    x_mask = None
     g_mask = None
     if PREFETCH:
         # Each column's whole packed row into the L2 at once (one instruction per column), before the
@@ -416,20 +433,24 @@ def _w4a16_gemv_kernel(
     # nothing stays in flight (sm_90 SASS).
     for k0 in tl.range(k_start, k_start + k_len, BLOCK_K, num_stages=NUM_STAGES):
         if not EVEN_K:
-            w_mask = ((k0 + blk_k) < K)[None, :, None, None]
+            x_mask = ((k0 + blk_k) < K)[None, :, None, None]
+            if FLAT_TILE:
+                w_mask = ((k0 + (tl.arange(0, NBT * BW) // BW) * (8 * BW)) < K)[None, :]
+            else:
+                w_mask = x_mask
             g_mask = ((k0 + blk_k) < K)[None, :, None]
         s_ptrs = s_ptr + g_ptrs + k0 // GROUP_SIZE
         z_ptrs = z_ptr + g_ptrs + k0 // GROUP_SIZE
-        words, s, z = _weights(qw_ptrs, s_ptrs, z_ptrs, w_mask, g_mask, PER_NIBBLE)
+        words, s, z = _weights(qw_ptrs, s_ptrs, z_ptrs, w_mask, g_mask, PER_NIBBLE, TILE, FLAT_TILE)
         acc0, acc1, acc2, acc3 = _rows_sum(
-            words, x_ptrs + k0, x1 + k0, x2 + k0, x3 + k0, w_mask, s, z, s_ptrs, z_ptrs, g_mask,
+            words, x_ptrs + k0, x1 + k0, x2 + k0, x3 + k0, x_mask, s, z, s_ptrs, z_ptrs, g_mask,
             acc0, acc1, acc2, acc3, BLOCK_M, BW, GROUP_SIZE, PER_NIBBLE,
         )  # fmt: skip
         if GATED or PAIRED:
             wu, su, zu = _weights(qw_ptrs + up_words, s_ptrs + up_groups, z_ptrs + up_groups, w_mask, g_mask,
-                                  PER_NIBBLE)  # fmt: skip
+                                  PER_NIBBLE, TILE, FLAT_TILE)  # fmt: skip
             up0, up1, up2, up3 = _rows_sum(
-                wu, x_ptrs + k0, x1 + k0, x2 + k0, x3 + k0, w_mask, su, zu, s_ptrs + up_groups,
+                wu, x_ptrs + k0, x1 + k0, x2 + k0, x3 + k0, x_mask, su, zu, s_ptrs + up_groups,
                 z_ptrs + up_groups, g_mask, up0, up1, up2, up3, BLOCK_M, BW, GROUP_SIZE, PER_NIBBLE,
             )  # fmt: skip
         qw_ptrs += BLOCK_K // 8
@@ -461,6 +482,7 @@ class W4A16GemvConfig:
     prefetch: bool = False
     split_k: int = 1  # programs per column block, each over K / split_k values (_split_k_store)
     paired: bool = False  # 2 x block_n columns per program, read as two streams (not gated)
+    flat_tile: bool = False  # load each tile's words as [block_n, words] and reshape (see the kernel)
 
 
 MIN_WARPS = 8 * 132  # eight warps per SM of an H200: fewer leave its four schedulers short of work
@@ -699,6 +721,7 @@ def _launch(
         HAS_BIAS=bias is not None,
         GATED=gated,
         PAIRED=paired,
+        FLAT_TILE=config.flat_tile,
         INTERPRET=interpreting(),
         num_warps=config.num_warps,
         NUM_STAGES=config.num_stages,
