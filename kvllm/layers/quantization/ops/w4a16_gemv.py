@@ -365,7 +365,8 @@ def _w4a16_gemv_kernel(
     TILE: tl.constexpr = (BLOCK_N, NBT, BW // V, V)
     if FLAT_TILE:
         # Loaded as [BLOCK_N, NBT * BW] and reshaped: the pipeline's shared-memory copy is then row-major
-        # (Triton orders the 4-D tile's copy [3, 1, 0, 2], whose reads and writes conflict in the banks).
+        # (Triton orders the 4-D tile's copy [3, 1, 0, 2] or [3, 0, 2, 1], and ncu saw its reads and writes
+        # conflict in the banks).
         qw_ptrs = (
             qw_ptr + offs_n[:, None].to(tl.int64) * stride_wn + k_start // 8 + tl.arange(0, NBT * BW)[None, :]
         )
