@@ -426,10 +426,8 @@ def test_w4a16_gemv_paired_matches_float32_reference(m, n, k, group, with_bias, 
     bias = torch.randn(n, generator=_gen(n)).to(dtype) if with_bias else None
     expected = x.float() @ dequantize(qweight, scales, zeros, group).T + (bias.float() if with_bias else 0)
     rtol, atol = TOLERANCES[dtype]
-    for split in (
-        1,
-        3 if k == 384 else 2,
-    ):  # K split too: both streams' parts parked, each half stored in place
+    # K split too: both streams' parts parked, each half stored in place.
+    for split in (1, 3 if k == 384 else 2):
         config = W4A16GemvConfig(4, 128, 1, 2, split_k=split, paired=True)
         out = w4a16_gemv(x, qweight, scales, zeros, group, bias, config)
         torch.testing.assert_close(out.float(), expected, rtol=rtol, atol=atol)
@@ -459,8 +457,6 @@ def test_w4a16_gemv_flat_tile_matches_the_four_dimensional_tile(m, n, k, group, 
     assert torch.equal(out, w4a16_gemv(x, qweight, scales, zeros, group, None, four_d))
     expected = x.float() @ dequantize(qweight, scales, zeros, group).T
     torch.testing.assert_close(out.float(), expected, rtol=1e-2, atol=1e-2)
-    if not config.get("paired"):
-        gated = w4a16_gemv_silu_and_mul(x, qweight[: n // 2 * 2], scales[: n // 2 * 2], zeros[: n // 2 * 2], group,
-                                        None, flat)  # fmt: skip
-        assert torch.equal(gated, w4a16_gemv_silu_and_mul(x, qweight[: n // 2 * 2], scales[: n // 2 * 2],
-                                                          zeros[: n // 2 * 2], group, None, four_d))  # fmt: skip
+    if not config.get("paired"):  # the weight's rows as gate, then up (n is even)
+        gated = w4a16_gemv_silu_and_mul(x, qweight, scales, zeros, group, None, flat)
+        assert torch.equal(gated, w4a16_gemv_silu_and_mul(x, qweight, scales, zeros, group, None, four_d))
