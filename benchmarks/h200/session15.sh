@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# The fifteenth session's first GPU call, on whichever card comes (raw results under /tmp/a/, tarred into
-# $OUT/a.tgz after every step; a short table on stdout). Carry [".vllm/part1"] so that an H200 can go on to
-# `session14.sh b` and `c` (vLLM's parts 2 and 3) in the next two calls on the same warm machine.
-#   - Every card: the GPU tests of the q_out hand-over (b607b33: the fused RoPE kernel writes q straight into
-#     the piecewise graphs' shared query buffer), which had not run on a GPU: the layer-op kernel tests
-#     (kv_write, q_out included) and the graphs-vs-eager test judged against HF float32 for TRITON_ATTN.
-#   - H200: vLLM's first part, then the decode-plan sweep (decode_plan_sweep.py: the plan session14.sh b reads).
-#   - Other cards: nano-vllm after a warm-up run, under the profiler (no direct_copy kernel should be left in
-#     the piecewise steps; the q copy was 504 kernels, 22.7 ms, in the fourteenth session's `f`).
+# The fifteenth session's GPU calls, on whichever card comes (raw results under /tmp/<phase>/, tarred into
+# $OUT/<phase>.tgz after every step; a short table on stdout). docs/benchmarks.md, "H100, fifteenth session".
+#   a  (carry [".vllm/part1"], so that an H200 can go on to `session14.sh b` and `c`, vLLM's parts 2 and 3, in
+#      the next two calls on the same warm machine):
+#      - every card: the GPU tests of the q_out hand-over (b607b33: the fused RoPE kernel writes q straight
+#        into the piecewise graphs' shared query buffer): the layer-op kernel tests (kv_write, q_out
+#        included) and the graphs-vs-eager test judged against HF float32 for TRITON_ATTN;
+#      - H200: vLLM's first part, then the decode-plan sweep (decode_plan_sweep.py: the plan session14.sh b
+#        reads);
+#      - other cards: nano-vllm after a warm-up run, under the profiler (no direct_copy kernel should be left
+#        in the piecewise steps; the q copy was 504 kernels, 22.7 ms, in the fourteenth session's `f`).
 #   p  (probe, carry nothing): which profilers the machine has; the whole-model layer-op test under the HF
 #      judge; FLEX_ATTENTION's build() host time and profile (flex_build_probe.py); with ncu, the W4A16 and
 #      bf16 GEMVs on qkv and gate_up (w4a16_one_shape.py) under `ncu --set full`.
