@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from kvllm.forward_context import get_forward_context
+from kvllm.forward_context import get_forward_context, set_forward_context
 from kvllm.worker.piecewise_graph import PiecewiseGraphRunner, default_token_buckets
 
 HEADS, HEAD_SIZE, HIDDEN = 2, 4, 8
@@ -83,6 +83,20 @@ def _runner(
     return PiecewiseGraphRunner(model, Builder(), ids, positions, slots, buckets, lambda n: f"capture {n}")
 
 
+def _captured_two_layers(
+    layers: list[nn.Module], seed: int
+) -> tuple[Model, torch.Tensor, torch.Tensor, PiecewiseGraphRunner]:
+    """A model of these two layers, 16 random ids and positions, and its runner with the 16-token bucket
+    captured."""
+    model = Model()
+    model.layers = nn.ModuleList(layers)
+    ids = torch.randint(0, 50, (16,), generator=torch.Generator().manual_seed(seed))
+    positions = torch.arange(16, dtype=torch.float32)
+    runner = _runner(model, ids, positions, [16])
+    runner.capture()
+    return model, ids, positions, runner
+
+
 def test_a_padded_step_equals_the_eager_forward_of_its_real_tokens() -> None:
     model = Model()
     ids = torch.randint(0, 50, (32,), generator=torch.Generator().manual_seed(5))
@@ -98,8 +112,6 @@ def test_a_padded_step_equals_the_eager_forward_of_its_real_tokens() -> None:
             got = runner.replay("step", n).clone()
             for layer in model.layers:
                 assert layer.impl.seen_tokens[-1] == n  # attention ran on the real tokens only
-            from kvllm.forward_context import set_forward_context
-
             with set_forward_context(None):
                 want = model(ids[:n], positions[:n])
         assert runner.bucket_for(n) == bucket
@@ -166,12 +178,9 @@ class KVWrittenLayer(Layer):
 def test_stored_kv_is_copied_only_for_a_backend_that_reads_it(reads_kv) -> None:
     """A layer that stored its K/V (kv_written) gets them copied into the shared buffers only when its
     backend reads them then; either way the step equals the eager forward."""
-    model = Model()
-    model.layers = nn.ModuleList([KVWrittenLayer(1, reads_kv), KVWrittenLayer(2, reads_kv)])
-    ids = torch.randint(0, 50, (16,), generator=torch.Generator().manual_seed(6))
-    positions = torch.arange(16, dtype=torch.float32)
-    runner = _runner(model, ids, positions, [16])
-    runner.capture()
+    model, ids, positions, runner = _captured_two_layers(
+        [KVWrittenLayer(1, reads_kv), KVWrittenLayer(2, reads_kv)], 6
+    )
     like = torch.empty(16, HEADS, HEAD_SIZE)
     for role in ("key", "value"):
         runner.shared.get(role, like).fill_(float("nan"))
@@ -180,8 +189,6 @@ def test_stored_kv_is_copied_only_for_a_backend_that_reads_it(reads_kv) -> None:
     with torch.no_grad():
         got = runner.replay("step", 11).clone()
         handed = [kv for layer in model.layers for kv in layer.impl.seen_kv]
-        from kvllm.forward_context import set_forward_context
-
         with set_forward_context(None):
             want = model(ids[:11], positions[:11])
     torch.testing.assert_close(got, want)
@@ -203,7 +210,6 @@ class QueryWritingLayer(KVWrittenLayer):
 
 
 def test_a_query_written_into_the_shared_buffer_is_not_copied(monkeypatch) -> None:
-    from kvllm.forward_context import set_forward_context
     from kvllm.worker import piecewise_graph
 
     same = []
@@ -214,12 +220,9 @@ def test_a_query_written_into_the_shared_buffer_is_not_copied(monkeypatch) -> No
 
     piecewise_graph_same_view = piecewise_graph._same_view
     monkeypatch.setattr(piecewise_graph, "_same_view", spy)
-    model = Model()
-    model.layers = nn.ModuleList([QueryWritingLayer(1, False), QueryWritingLayer(2, False)])
-    ids = torch.randint(0, 50, (16,), generator=torch.Generator().manual_seed(7))
-    positions = torch.arange(16, dtype=torch.float32)
-    runner = _runner(model, ids, positions, [16])
-    runner.capture()
+    model, ids, positions, runner = _captured_two_layers(
+        [QueryWritingLayer(1, False), QueryWritingLayer(2, False)], 7
+    )
     same.clear()
     with torch.no_grad():
         got = runner.replay("step", 13).clone()
