@@ -685,11 +685,14 @@ def _launch(
     if paired and n % (2 * bn):
         raise ValueError(f"paired needs N = {n} a multiple of 2 x block_n; got {config}")
     grid_n = triton.cdiv(n, 2 * bn if paired else bn)
-    capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-    scratch = _SCRATCH.get(x.device, split * block_m_for(m) * 2 * n, grid_n, capturing) if split > 1 else None
-    if scratch is None:
-        split = 1
-    workspace, tickets = scratch if scratch is not None else (scales, scales)
+    workspace, tickets = scales, scales  # unused without a split
+    if split > 1:
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        scratch = _SCRATCH.get(x.device, split * block_m_for(m) * 2 * n, grid_n, capturing)
+        if scratch is None:
+            split = 1
+        else:
+            workspace, tickets = scratch
     prefetch = (
         config.prefetch
         and x.is_cuda
