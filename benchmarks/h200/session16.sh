@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# The sixteenth session's GPU calls: vLLM 0.22 staged in three parts over three calls on one warm machine
+# (each sent within 30 s of the last one's return; /tmp goes with the machine), whichever card comes, so that
+# issue 17's table has vLLM beside kvllm on the same card. Raw results under /tmp/<phase>/, tarred into
+# $OUT/<phase>.tgz after every step; a short table on stdout. docs/benchmarks.md, "sixteenth session".
+# Staging here first: bash ../shared/gpu/vllm/stage-vllm.sh, then bash benchmarks/h200/split-vllm-parts.sh.
+#   a  carry [".vllm/part1"]: vLLM's first piece; the W4A16 GEMV's GPU tests (paired, split K, the quantized
+#      linear's dispatch), then `w4a16_gemv_m1.py --set next` (flat_tile, paired with split K, on the 16-byte
+#      weight copies restored after the fifteenth session's last call) writing a tuned table, then AWQ's
+#      Llama-3-8B-shaped batch-1 e2e with that table.
+#   b  carry [".vllm/part2"]: the second piece; bf16's e2e on the same machine (the ratio's denominator), then
+#      kvllm's graphs-vs-eager test for TRITON_ATTN (main on a GPU).
+#   c  carry [".vllm/part3"]: the third piece; kvllm and vLLM 0.22 on issue 17's table (batch 1-256 latency,
+#      nano-vllm with kvllm's kernel timeline, 256 x 128/128), one process each.
+#   d  carry [".so-lite"] (after c, on the same machine: vLLM is still in /tmp/site-vllm): issue 19's batch-64
+#      structured-outputs bench, kvllm then vLLM.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+phase=${1:?usage: session16.sh a|b|c|d}
+default_budget_s=${DEFAULT_BUDGET_S:-570}
+source benchmarks/h200/session_lib.sh
+
+case "$phase" in
+a)
+  run_step vllm-stage1 40 bash .vllm/part1/remote-stage.sh 1
+  parallel_tests 90 "quant|tests/gpu/test_quant_gpu.py -k 'paired or split_k or dispatch or gemv_matches'"
+  run_step sweep 160 python3 benchmarks/h200/w4a16_gemv_m1.py --out "$d" --budget-s 120 --set next \
+    --table-out "$d/w4a16_gemv_configs.json"
+  sed -n '/best per shape/,$p' "$d/sweep.log"; tr -d ' \n' < "$d/w4a16_gemv_configs.json"; echo
+  cp "$d/w4a16_gemv_configs.json" /tmp/session16-w4a16.json 2>/dev/null
+  KVLLM_W4A16_GEMV_CONFIGS=$d/w4a16_gemv_configs.json run_step e2e-awq 120 python3 benchmarks/h200/quant_bench.py \
+    --out "$d/e2e-awq" --parts e2e --engines awq --quick
+  grep -h '"e2e"' "$d/e2e-awq.log" | cut -c1-200
+  ;;
+b)
+  run_step vllm-stage2 40 bash .vllm/part2/remote-stage.sh 2
+  run_step e2e-bf16 120 python3 benchmarks/h200/quant_bench.py --out "$d/e2e-bf16" --parts e2e --engines bf16 --quick
+  grep -h '"e2e"' "$d/e2e-bf16.log" | cut -c1-200
+  if [ -s /tmp/session16-w4a16.json ]; then
+    KVLLM_W4A16_GEMV_CONFIGS=/tmp/session16-w4a16.json run_step e2e-awq 120 python3 benchmarks/h200/quant_bench.py \
+      --out "$d/e2e-awq" --parts e2e --engines awq --quick
+    grep -h '"e2e"' "$d/e2e-awq.log" | cut -c1-200
+  fi
+  parallel_tests 110 "graphs|tests/gpu/test_cuda_graphs_gpu.py -k TRITON_ATTN"
+  ;;
+c)
+  bash .vllm/part3/remote-stage.sh 3 > "$d/vllm-stage3.log" 2>&1 || { tail -n 5 "$d/vllm-stage3.log"; save; exit 3; }
+  tail -n 3 "$d/vllm-stage3.log"
+  bench kvllm 140 --engine kvllm --backend TRITON_ATTN --only latency,nano,bs256 --iters 3 --warmups 2 \
+    --profile-nano --out "$d/kvllm"
+  (export PYTHONPATH=.:/tmp/site-vllm; bench vllm 250 --engine vllm --only latency,nano,bs256 --iters 3 \
+    --warmups 2 --out "$d/vllm")
+  ;;
+d)
+  structured_outputs
+  if [ -d /tmp/site-vllm ]; then
+    (export PYTHONPATH=.:/tmp/site-vllm:/tmp/so-site
+     run_step so-vllm 150 python3 benchmarks/h200/structured_outputs_bench.py --engine vllm --tokenizer /tmp/so-tok \
+       --out "$d/structured_outputs_vllm.json"
+     tail -n 1 "$d/so-vllm.log")
+  fi
+  ;;
+*)
+  echo "unknown phase $phase (a|b|c|d)"; exit 2 ;;
+esac
+kill "$clocks_pid" "${host_probe_pid:-}" 2>/dev/null
+save
+since "done"
