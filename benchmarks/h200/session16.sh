@@ -14,9 +14,12 @@
 #      nano-vllm with kvllm's kernel timeline, 256 x 128/128), one process each.
 #   d  carry [".so-lite"] (after c, on the same machine: vLLM is still in /tmp/site-vllm): issue 19's batch-64
 #      structured-outputs bench, kvllm then vLLM.
+#   e  carry nothing: is a decode step GPU- or host-bound (decode_graph_probe.py: the engine's decode graph
+#      replayed alone beside the step's wall time, and its kernels under the profiler at batch 1); the W4A16
+#      GPU tests again with the cap `a` lacked, under the table `a` wrote (now shipped).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-phase=${1:?usage: session16.sh a|b|c|d}
+phase=${1:?usage: session16.sh a|b|c|d|e}
 default_budget_s=${DEFAULT_BUDGET_S:-570}
 source benchmarks/h200/session_lib.sh
 
@@ -60,8 +63,13 @@ d)
      tail -n 1 "$d/so-vllm.log")
   fi
   ;;
+e)
+  run_step probe 150 python3 benchmarks/h200/decode_graph_probe.py --out "$d"
+  grep -h '^{' "$d/probe.log" | cut -c1-330
+  parallel_tests 200 "quant|tests/gpu/test_quant_gpu.py -k 'paired or split_k or dispatch or gemv_matches'"
+  ;;
 *)
-  echo "unknown phase $phase (a|b|c|d)"; exit 2 ;;
+  echo "unknown phase $phase (a|b|c|d|e)"; exit 2 ;;
 esac
 kill "$clocks_pid" "${host_probe_pid:-}" 2>/dev/null
 save
