@@ -17,9 +17,12 @@
 #   e  carry nothing: is a decode step GPU- or host-bound (decode_graph_probe.py: the engine's decode graph
 #      replayed alone beside the step's wall time, and its kernels under the profiler at batch 1); the W4A16
 #      GPU tests again with the cap `a` lacked, under the table `a` wrote (now shipped).
+#   f  carry nothing: the pre-norms fused into the qkv / gate_up GEMV (norm_gemv): its GPU tests, the
+#      graphs-vs-eager and whole-model tests under the HF judge, batch 1-256 latency with KVLLM_NORM_GEMV=1 / 0
+#      alternating twice, and the decode graph alone at batch 1 and 8 (decode_graph_probe.py).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-phase=${1:?usage: session16.sh a|b|c|d|e}
+phase=${1:?usage: session16.sh a|b|c|d|e|f}
 default_budget_s=${DEFAULT_BUDGET_S:-570}
 source benchmarks/h200/session_lib.sh
 
@@ -68,8 +71,21 @@ e)
   grep -h '^{' "$d/probe.log" | cut -c1-330
   parallel_tests 200 "quant|tests/gpu/test_quant_gpu.py -k 'paired or split_k or dispatch or gemv_matches'"
   ;;
+f)
+  parallel_tests 150 "norm|tests/gpu/test_gemv_gpu.py -k norm" "graphs|tests/gpu/test_cuda_graphs_gpu.py -k TRITON_ATTN" \
+    "ops|tests/gpu/test_layer_ops_gpu.py -k model"
+  for round in 1 2; do
+    for arm in fused unfused; do
+      flag=1; [ "$arm" = unfused ] && flag=0
+      KVLLM_NORM_GEMV=$flag bench "latency-$arm-$round" 60 --engine kvllm --backend TRITON_ATTN --only latency \
+        --iters 5 --warmups 2 --out "$d/latency-$arm-$round"
+    done
+  done
+  run_step probe 100 python3 benchmarks/h200/decode_graph_probe.py --out "$d" --batches 1,8
+  grep -h '^{' "$d/probe.log" | cut -c1-330
+  ;;
 *)
-  echo "unknown phase $phase (a|b|c|d|e)"; exit 2 ;;
+  echo "unknown phase $phase (a|b|c|d|e|f)"; exit 2 ;;
 esac
 kill "$clocks_pid" "${host_probe_pid:-}" 2>/dev/null
 save
