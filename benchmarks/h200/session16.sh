@@ -17,7 +17,8 @@
 #   e  carry nothing: is a decode step GPU- or host-bound (decode_graph_probe.py: the engine's decode graph
 #      replayed alone beside the step's wall time, and its kernels under the profiler at batch 1); the W4A16
 #      GPU tests again with the cap `a` lacked, under the table `a` wrote (now shipped).
-#   f  carry nothing: the pre-norms fused into the qkv / gate_up GEMV (norm_gemv): its GPU tests, the
+#   f  (ran at f28b7f0, whose norm_gemv is reverted since: no gain) carry nothing: the pre-norms fused into the
+#      qkv / gate_up GEMV (norm_gemv): its GPU tests, the
 #      graphs-vs-eager and whole-model tests under the HF judge, batch 1-256 latency with KVLLM_NORM_GEMV=1 / 0
 #      alternating twice, and the decode graph alone at batch 1 and 8 (decode_graph_probe.py).
 set -uo pipefail

@@ -143,25 +143,6 @@ class Linear(nn.Module):
         out = tensor_model_parallel_all_reduce(self.quant_method.apply(self, x, None))
         return out if self.bias is None else out + self.bias
 
-    def normed(
-        self, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(self(h), x + residual) for a pre-norm layer's h, x + residual = norm(x, residual); without a
-        residual, (self(norm(x)), x). One kernel where the layer's method fuses the norm into its
-        projection for this input (the bf16 GEMV at decode rows), else the norm, then the projection."""
-        fused = self._fused_norm(x, residual, norm, gated=False)
-        if fused is not None:
-            return fused
-        h, residual = (norm(x), x) if residual is None else norm(x, residual)
-        return self(h), residual
-
-    def _fused_norm(
-        self, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module, gated: bool
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        if self.reduce_results:  # a row-parallel output is summed over ranks before its bias
-            return None
-        return self.quant_method.apply_norm(self, x, residual, norm, self.bias, gated)
-
     def _shard_index(self, shard_id: int | str | None) -> int | None:
         if shard_id is None:
             return None
@@ -271,36 +252,21 @@ class MergedLinear(Linear):
             parallel=parallel,
         )
 
-    def _silu_pair(self, act: nn.Module) -> bool:
-        from kvllm.layers.activation import SiluAndMul
-
-        return (
-            type(act) is SiluAndMul
-            and len(self.output_sizes) == 2
-            and self.output_sizes[0] == self.output_sizes[1]
-        )
-
     def gated(self, x: torch.Tensor, act: nn.Module) -> torch.Tensor:
         """act(self(x)) for a gate_up pair ([gate; up], equal halves). SiLU runs as one kernel with the
         activation in its epilogue where the layer's method has one for this input (the bf16 and
         W4A16 GEMVs: decode rows, fused ops on); anything else runs the projection, then `act`."""
-        if self._silu_pair(act):
+        from kvllm.layers.activation import SiluAndMul
+
+        if (
+            type(act) is SiluAndMul
+            and len(self.output_sizes) == 2
+            and self.output_sizes[0] == self.output_sizes[1]
+        ):
             fused = self.quant_method.apply_silu_and_mul(self, x, self.bias)
             if fused is not None:
                 return fused
         return act(self(x))
-
-    def gated_normed(
-        self, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module, act: nn.Module
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(self.gated(h, act), x + residual) for h, x + residual = norm(x, residual) (see `normed`):
-        the norm, the projection and SiLU in one kernel where the layer's method has it."""
-        if self._silu_pair(act):
-            fused = self._fused_norm(x, residual, norm, gated=True)
-            if fused is not None:
-                return fused
-        h, residual = (norm(x), x) if residual is None else norm(x, residual)
-        return self.gated(h, act), residual
 
 
 class QKVLinear(MergedLinear):

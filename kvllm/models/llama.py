@@ -132,17 +132,7 @@ class LlamaAttention(nn.Module):
         return True, q_out
 
     def forward(self, rope: RopeInputs, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self._attend(rope, self.qkv_proj(hidden_states))
-
-    def forward_normed(
-        self, rope: RopeInputs, hidden_states: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(self(norm(hidden_states + residual)), hidden_states + residual), the norm fused into the qkv
-        projection where it can be (`Linear.normed`)."""
-        qkv, residual = self.qkv_proj.normed(hidden_states, residual, norm)
-        return self._attend(rope, qkv), residual
-
-    def _attend(self, rope: RopeInputs, qkv: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden_states)
         kv_written = False
         if rope.cos_sin is None:  # the fused path
             kv_written, q_out = self._fused_qk_norm_rope(rope, qkv)
@@ -191,13 +181,6 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.gate_up_proj.gated(x, self.act_fn))
 
-    def forward_normed(
-        self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(self(norm(x + residual)), x + residual), the norm fused into gate_up where it can be."""
-        h, residual = self.gate_up_proj.gated_normed(x, residual, norm, self.act_fn)
-        return self.down_proj(h), residual
-
 
 def llama_mlp(hf_config: Any, layer_index: int, quant_config: QuantizationConfig | None = None) -> nn.Module:
     """The dense MLP of a decoder layer (the default `LlamaForCausalLM.make_mlp`)."""
@@ -240,14 +223,12 @@ class LlamaDecoderLayer(nn.Module):
         hidden_states: torch.Tensor,
         residual: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # Each norm runs inside the projection after it where that projection can take it (decode rows,
-        # bf16 GEMV: Linear.normed); a mixture of experts takes the norm's output.
-        hidden_states, residual = self.self_attn.forward_normed(
-            rope, hidden_states, residual, self.input_layernorm
-        )
-        mlp_normed = getattr(self.mlp, "forward_normed", None)
-        if mlp_normed is not None:
-            return mlp_normed(hidden_states, residual, self.post_attention_layernorm)
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(rope, hidden_states)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
 

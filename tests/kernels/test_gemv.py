@@ -16,9 +16,7 @@ from kvllm.layers.ops.gemv import (
     default_config,
     gemv,
     gemv_silu_and_mul,
-    norm_gemv,
     use_gemv,
-    use_norm_gemv,
 )
 
 TOLERANCES = {torch.float16: (1e-3, 1e-3), torch.bfloat16: (8e-3, 1e-2), torch.float32: (1e-5, 1e-4)}
@@ -131,95 +129,3 @@ def test_merged_linear_gated_fuses_silu_for_one_row(monkeypatch):
             ref = act(layer(x))
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     assert calls == [1, 2]
-
-
-def unfused_norm(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """RMSNorm's eager path (kvllm.layers.norm): the sum rounded to x's dtype, normalised in float32 and
-    rounded, then the weight product rounded: (h, x + residual)."""
-    s = x if residual is None else (x.float() + residual.float()).to(x.dtype)
-    normed = torch.nn.functional.rms_norm(s.float(), (s.shape[-1],), eps=eps).to(x.dtype)
-    return weight * normed, s
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("m", [1, 3])
-@pytest.mark.parametrize("with_residual", [True, False], ids=["add", "plain"])
-@pytest.mark.parametrize("gated", [False, True], ids=["proj", "gated"])
-def test_norm_gemv_matches_the_norm_then_the_projection(dtype, m, with_residual, gated):
-    n, k, eps = 38, 96, 1e-6  # K = 96 in a 128-wide tile: the norm's sum and mean see a masked tail
-    x = randn(m, k, dtype=dtype, seed=10 + m) * 3
-    residual = randn(m, k, dtype=dtype, seed=20 + m) if with_residual else None
-    norm_weight = 1 + randn(k, dtype=dtype, seed=30) * 0.2
-    w = randn(n, k, dtype=dtype, seed=40) * 0.3
-    bias = randn(n, dtype=dtype, seed=41)
-    out, residual_out = norm_gemv(x, residual, norm_weight, eps, w, bias, gated=gated)
-    h, s = unfused_norm(x, residual, norm_weight, eps)
-    ref = unfused_silu_and_mul(h, w, bias) if gated else reference(h, w, bias)
-    assert out.shape == (m, n // 2 if gated else n) and out.dtype == dtype
-    # x + residual is exact: one rounding of an exact float32 sum, the same in both paths.
-    assert torch.equal(residual_out, s) and (residual is not None or residual_out is x)
-    rtol, atol = TOLERANCES[dtype]
-    torch.testing.assert_close(out.float(), ref.float(), rtol=rtol, atol=atol * k**0.5)
-    # The same within an ulp of the two launches it replaces (the norm kernel, then the GEMV).
-    from kvllm.layers.ops.rms_norm import fused_add_rms_norm, rms_norm
-
-    h2, _ = (
-        fused_add_rms_norm(x, residual, norm_weight, eps)
-        if with_residual
-        else (rms_norm(x, norm_weight, eps), x)
-    )
-    two = gemv_silu_and_mul(h2, w, bias) if gated else gemv(h2, w, bias)
-    torch.testing.assert_close(out.float(), two.float(), rtol=rtol, atol=atol)
-
-
-def test_norm_gemv_predicate_and_errors():
-    x, residual = randn(1, 64, dtype=torch.bfloat16, seed=1), randn(1, 64, dtype=torch.bfloat16, seed=2)
-    norm_weight, w = torch.ones(64, dtype=torch.bfloat16), randn(32, 64, dtype=torch.bfloat16, seed=3)
-    assert use_norm_gemv(x, residual, norm_weight, w, narrow=False)
-    assert use_norm_gemv(x, None, norm_weight, w, narrow=False)
-    assert not use_norm_gemv(x, residual, norm_weight.float(), w, narrow=False)  # would promote h to fp32
-    assert not use_norm_gemv(x, residual[:, :32], norm_weight, w, narrow=False)
-    assert not use_norm_gemv(x, residual.half(), norm_weight, w, narrow=False)
-    assert not use_norm_gemv(x.float(), residual.float(), norm_weight.float(), w, narrow=False)  # GEMV's own
-    long_x = randn(1, 8192, dtype=torch.bfloat16, seed=4)  # two tiles of the default config
-    long_w, long_norm = randn(8, 8192, dtype=torch.bfloat16, seed=5), torch.ones(8192, dtype=torch.bfloat16)
-    assert not use_norm_gemv(long_x, None, long_norm, long_w, narrow=True)
-    with pytest.raises(ValueError, match="use_norm_gemv"):
-        norm_gemv(long_x, None, long_norm, 1e-6, long_w)
-    with pytest.raises(ValueError, match="even number of rows"):
-        norm_gemv(x, residual, norm_weight, 1e-6, w[:-1], gated=True)
-
-
-def test_decoder_layer_runs_its_norms_inside_qkv_and_gate_up(monkeypatch):
-    """A Llama layer at one row: the two pre-norms go into the qkv and gate_up GEMVs (no norm kernel),
-    and the layer's output and residual match the unfused kernels'."""
-    import kvllm.layers.ops.gemv as gemv_ops
-    import kvllm.layers.ops.rms_norm as norm_ops
-    from kvllm.layers.linear import MergedLinear
-    from kvllm.layers.norm import RMSNorm
-    from kvllm.layers.ops.dispatch import fused_ops_mode
-    from kvllm.models.llama import LlamaMLP
-
-    torch.manual_seed(0)
-    mlp, norm = LlamaMLP(64, 96), RMSNorm(64)
-    qkv = MergedLinear(64, [64, 32, 32])
-    for p in (*mlp.parameters(), *qkv.parameters()):
-        p.data.normal_(0, 0.2)
-    norm.weight.data.normal_(1, 0.1)
-    calls = []
-    for module, name in ((gemv_ops, "norm_gemv"), (norm_ops, "fused_add_rms_norm")):
-        real = getattr(module, name)
-        monkeypatch.setattr(module, name, lambda *a, _r=real, _n=name, **kw: calls.append(_n) or _r(*a, **kw))
-    x, residual = torch.randn(1, 64), torch.randn(1, 64)
-    with fused_ops_mode("1"), torch.no_grad():
-        out, res = mlp.forward_normed(x, residual, norm)
-        q, res_q = qkv.normed(x, residual, norm)
-    assert calls == ["norm_gemv", "norm_gemv"]
-    with fused_ops_mode("0"), torch.no_grad():
-        h, ref_res = norm(x, residual)
-        ref, ref_q = mlp(h), qkv(h)
-    assert torch.equal(res, ref_res) and torch.equal(res_q, ref_res)
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(q, ref_q, rtol=1e-5, atol=1e-5)

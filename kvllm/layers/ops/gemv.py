@@ -16,17 +16,10 @@ per weight shape are compiled, all at start-up warm-up.
 silu(gate) * up in the epilogue: each program reads its columns of both halves, so the activation
 kernel and the [M, 2d] intermediate disappear. It rounds where the unfused path does (the projection
 to the activation dtype, silu, the product), so its outputs are the unfused path's.
-
-`norm_gemv` takes a decoder layer's pre-norm into the prologue of the projection after it (qkv, and
-gate_up with SiLU): each program loads the raw rows (K fits one tile), adds the residual, normalises
-them as the RMSNorm kernel does and multiplies on; program 0 writes x + residual for the next layer.
-At batch 1 this removes two of a layer's ten launches; the rows are a few KB that every program reads
-from L2 beside its weight columns.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -47,18 +40,12 @@ def _gemv_kernel(
     w_ptr,
     bias_ptr,
     out_ptr,
-    residual_ptr,
-    residual_out_ptr,
-    norm_w_ptr,
-    eps,
     M,
     N,
     K,
     stride_xm,
     stride_wn,
     stride_om,
-    stride_rm,
-    stride_rom,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -66,15 +53,11 @@ def _gemv_kernel(
     SINGLE_TILE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     GATED: tl.constexpr,
-    NORM: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr,
     PREFETCH_W: tl.constexpr,
     USE_PDL: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     # GATED: N is the output width d; W holds 2d rows (gate, then up) and out gets silu(gate) * up.
-    # NORM (SINGLE_TILE only): x is RMSNorm(x + residual) * norm_w, computed by every program from the
-    # raw rows as the norm kernel does (kvllm/layers/ops/rms_norm.py); program 0 stores x + residual.
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -97,29 +80,13 @@ def _gemv_kernel(
             w = tl.load(w_ptrs, mask=w_mask, other=0.0)
             if GATED:
                 w_up = tl.load(w_ptrs + up_offset, mask=w_mask, other=0.0)
-            if NORM:
-                norm_w = tl.load(norm_w_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
             wait_for_previous_kernel(USE_PDL)
         else:
             wait_for_previous_kernel(USE_PDL)
             w = tl.load(w_ptrs, mask=w_mask, other=0.0)
             if GATED:
                 w_up = tl.load(w_ptrs + up_offset, mask=w_mask, other=0.0)
-            if NORM:
-                norm_w = tl.load(norm_w_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-        x_mask = m_mask[:, None] & k_mask[None, :]
-        x = tl.load(x_ptrs, mask=x_mask, other=0.0).to(tl.float32)
-        if NORM:
-            act_dtype = x_ptr.dtype.element_ty
-            if HAS_RESIDUAL:
-                r_ptrs = residual_ptr + offs_m[:, None] * stride_rm + offs_k[None, :]
-                x = round_to(x + tl.load(r_ptrs, mask=x_mask, other=0.0).to(tl.float32), act_dtype, INTERPRET)
-                if pid == 0:
-                    ro_ptrs = residual_out_ptr + offs_m[:, None] * stride_rom + offs_k[None, :]
-                    tl.store(ro_ptrs, x.to(act_dtype), mask=x_mask)
-            mean_square = tl.math.div_rn(tl.sum(x * x, axis=1), K * 1.0)
-            normed = round_to(x * tl.math.rsqrt(mean_square + eps)[:, None], act_dtype, INTERPRET)
-            x = round_to(normed * norm_w[None, :], act_dtype, INTERPRET)
+        x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
         acc += tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
         if GATED:
             acc_up += tl.sum(x[:, None, :] * w_up.to(tl.float32)[None, :, :], axis=2)
@@ -242,85 +209,6 @@ def gemv_silu_and_mul(
     return _launch(x, weight, bias, weight.shape[0] // 2, config, True, constant_weight)
 
 
-@dataclass(frozen=True)
-class _Norm:
-    """The GEMV's input is RMSNorm(x + residual) * weight (without a residual, RMSNorm(x) * weight), and
-    x + residual goes to residual_out."""
-
-    weight: torch.Tensor
-    eps: float
-    residual: torch.Tensor | None
-    residual_out: torch.Tensor | None
-
-
-def use_norm_gemv(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    norm_weight: torch.Tensor,
-    weight: torch.Tensor,
-    narrow: bool,
-) -> bool:
-    """Whether `norm_gemv` runs for these operands: the GEMV's own conditions (`use_gemv`), K in one
-    tile of the default config, a contiguous norm weight [K] of x's dtype (so the norm's output dtype
-    is x's, as in the unfused path) and a residual of x's shape and dtype with contiguous rows.
-    `KVLLM_NORM_GEMV=0` in the environment turns the fusion off (the benchmarks' A/B switch)."""
-    k = x.shape[-1] if x.dim() == 2 else 0
-    return (
-        os.environ.get("KVLLM_NORM_GEMV", "1") != "0"
-        and use_gemv(x, weight, narrow)
-        and k <= default_config(*weight.shape, x.dtype).block_k
-        and norm_weight.shape == (k,)
-        and norm_weight.dtype == x.dtype
-        and norm_weight.is_contiguous()
-        and norm_weight.device == x.device
-        and (
-            residual is None
-            or (residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(1) == 1)
-        )
-    )
-
-
-def norm_gemv(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    norm_weight: torch.Tensor,
-    eps: float,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    gated: bool = False,
-    constant_weight: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A decoder layer's pre-norm and the projection after it in one launch: (`gemv` of
-    h = RMSNorm(x + residual) * norm_weight, x + residual), or `gemv_silu_and_mul` of h when `gated`.
-    Without a residual: (the projection of RMSNorm(x) * norm_weight, x).
-
-    Rounds where `kvllm.layers.ops.rms_norm.fused_add_rms_norm` and the GEMV do (the sum, the
-    normalised row and h to x's dtype), so it differs from the two launches only by float32 summation
-    order. Every program normalises the rows itself (they are K <= one tile long) and program 0 writes
-    x + residual to a new tensor. Use where `use_norm_gemv` holds.
-    """
-    _check(x, weight, bias)
-    if not use_norm_gemv(x, residual, norm_weight, weight, narrow=True):
-        raise ValueError(
-            f"norm_gemv needs use_norm_gemv's operands: x {tuple(x.shape)} {x.dtype}, norm weight "
-            f"{tuple(norm_weight.shape)} {norm_weight.dtype}, residual "
-            f"{None if residual is None else (tuple(residual.shape), residual.dtype)}"
-        )
-    residual_out = None if residual is None else torch.empty_like(x, memory_format=torch.contiguous_format)
-    norm = _Norm(norm_weight, eps, residual, residual_out)
-    plain = default_config(*weight.shape, x.dtype)
-    if gated:
-        if weight.shape[0] % 2:
-            raise ValueError(
-                f"a gate_up weight has an even number of rows (gate, then up), got {weight.shape[0]}"
-            )
-        config = GemvConfig(max(1, plain.block_n // 2), plain.block_k, plain.num_warps, plain.num_stages)
-        out = _launch(x, weight, bias, weight.shape[0] // 2, config, True, constant_weight, norm)
-    else:
-        out = _launch(x, weight, bias, weight.shape[0], plain, False, constant_weight, norm)
-    return out, x if residual_out is None else residual_out
-
-
 def _launch(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -329,7 +217,6 @@ def _launch(
     config: GemvConfig,
     gated: bool,
     constant_weight: bool,
-    norm: _Norm | None = None,
 ) -> torch.Tensor:
     m, k = x.shape
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -339,18 +226,12 @@ def _launch(
         value = getattr(config, name)
         if value < 1 or value & (value - 1):
             raise ValueError(f"{name} must be a power of two, got {config}")
-    if norm is not None and k > config.block_k:
-        raise ValueError(f"a norm fused into the GEMV needs K in one tile (block_k >= {k}), got {config}")
     use_pdl = pdl_enabled(x)
-    residual = norm.residual if norm is not None and norm.residual is not None else x
-    residual_out = norm.residual_out if norm is not None and norm.residual_out is not None else x
     _gemv_kernel[(triton.cdiv(n, config.block_n),)](
         x, weight, bias if bias is not None else weight, out,
-        residual, residual_out, norm.weight if norm is not None else weight, norm.eps if norm is not None else 0.0,
         m, n, k,
         x.stride(0) if m > 1 else k,  # a lone row's stride is arbitrary; keep it off the specializations
         weight.stride(0), out.stride(0),
-        residual.stride(0) if m > 1 else k, residual_out.stride(0) if m > 1 else k,
         BLOCK_M=block_m_for(m),
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
@@ -358,8 +239,6 @@ def _launch(
         SINGLE_TILE=k <= config.block_k,
         HAS_BIAS=bias is not None,
         GATED=gated,
-        NORM=norm is not None,
-        HAS_RESIDUAL=norm is not None and norm.residual is not None,
         PREFETCH_W=constant_weight,
         USE_PDL=use_pdl,
         INTERPRET=interpreting(),

@@ -92,20 +92,6 @@ class LinearMethodBase(ABC):
         the activation)."""
         return None
 
-    def apply_norm(
-        self,
-        layer: nn.Module,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        norm: nn.Module,
-        bias: torch.Tensor | None,
-        gated: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(the projection of norm(x + residual), x + residual) in one fused kernel (silu(gate) * up of
-        it when `gated`; without a residual, of norm(x), and x), or None where the method has none for
-        this input (the caller then runs the norm and `apply`)."""
-        return None
-
 
 class UnquantizedLinearMethod(LinearMethodBase):
     """A dense weight [output, input] in the model's dtype: F.linear, or the GEMV / small-M kernels for
@@ -144,29 +130,6 @@ class UnquantizedLinearMethod(LinearMethodBase):
         if use_gemv(x, layer.weight, narrow=is_narrow(layer.weight)):
             return gemv_silu_and_mul(x, layer.weight, bias, constant_weight=True)
         return None
-
-    def apply_norm(
-        self,
-        layer: nn.Module,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        norm: nn.Module,
-        bias: torch.Tensor | None,
-        gated: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The GEMV with an RMSNorm (and the residual add) in its prologue, for one row (or up to four
-        of a narrow output) where fused ops are on: at batch 1 the norm's own launch is a tenth of a
-        decode step's kernels."""
-        from kvllm.layers.norm import RMSNorm
-
-        if type(norm) is not RMSNorm or not use_fused_ops(x):
-            return None
-        from kvllm.layers.ops.gemv import norm_gemv, use_norm_gemv
-        from kvllm.layers.ops.linear import is_narrow
-
-        if not use_norm_gemv(x, residual, norm.weight, layer.weight, narrow=is_narrow(layer.weight)):
-            return None
-        return norm_gemv(x, residual, norm.weight, norm.eps, layer.weight, bias, gated, constant_weight=True)
 
 
 class QuantizationConfig(ABC):
