@@ -21,9 +21,12 @@
 #      qkv / gate_up GEMV (norm_gemv): its GPU tests, the
 #      graphs-vs-eager and whole-model tests under the HF judge, batch 1-256 latency with KVLLM_NORM_GEMV=1 / 0
 #      alternating twice, and the decode graph alone at batch 1 and 8 (decode_graph_probe.py).
+#   g  carry [".so-lite"]: where the host's time goes: a batch-1 latency run under cProfile
+#      (fast_path_bench.py --cprofile-bs1) and the batch-64 structured-outputs bench, host clock and one run
+#      of each arm under cProfile.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-phase=${1:?usage: session16.sh a|b|c|d|e|f}
+phase=${1:?usage: session16.sh a|b|c|d|e|f|g}
 default_budget_s=${DEFAULT_BUDGET_S:-570}
 source benchmarks/h200/session_lib.sh
 
@@ -85,8 +88,19 @@ f)
   run_step probe 100 python3 benchmarks/h200/decode_graph_probe.py --out "$d" --batches 1,8
   grep -h '^{' "$d/probe.log" | cut -c1-330
   ;;
+g)
+  bench cprofile 90 --engine kvllm --backend TRITON_ATTN --only latency --iters 3 --warmups 2 --cprofile-bs1 \
+    --out "$d/cprofile"
+  if stage_structured_outputs; then
+    (export PYTHONPATH=.:/tmp/so-site KVLLM_QWEN3_TOKENIZER=/tmp/so-tok
+     run_step so-bench 150 python3 benchmarks/h200/structured_outputs_bench.py --tokenizer /tmp/so-tok \
+       --repeats 2 --host-clock --cprofile-dir "$d/so-cprofile" --out "$d/structured_outputs.json"
+     tail -n 1 "$d/so-bench.log")
+  fi
+  head -n 30 "$d"/cprofile/cprofile-latency.txt 2>/dev/null | cut -c1-160
+  ;;
 *)
-  echo "unknown phase $phase (a|b|c|d|e|f)"; exit 2 ;;
+  echo "unknown phase $phase (a|b|c|d|e|f|g)"; exit 2 ;;
 esac
 kill "$clocks_pid" "${host_probe_pid:-}" 2>/dev/null
 save

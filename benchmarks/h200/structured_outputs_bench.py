@@ -83,6 +83,22 @@ class HostClock:
         return taken
 
 
+def cprofile_call(call, path: Path) -> None:
+    """Run `call` once under cProfile; write its 40 costliest functions by own time to `path`."""
+    import cProfile
+    import pstats
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    profiler = cProfile.Profile()
+    start = time.perf_counter()
+    profiler.enable()
+    call()
+    profiler.disable()
+    with open(path, "w") as f:
+        f.write(f"one run under cProfile: {time.perf_counter() - start:.3f} s\n")
+        pstats.Stats(profiler, stream=f).sort_stats("tottime").print_stats(40)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokenizer", required=True, type=Path)
@@ -105,6 +121,11 @@ def main() -> None:
         type=Path,
         help="after the timed runs, one more run of each under torch.profiler: GPU busy and op tables here",
     )
+    parser.add_argument(
+        "--cprofile-dir",
+        type=Path,
+        help="after the timed runs, one more run of each under cProfile: the 40 costliest functions here",
+    )
     args = parser.parse_args()
 
     import torch
@@ -120,11 +141,13 @@ def main() -> None:
         if (
             args.host_clock
             or args.profile_dir
+            or args.cprofile_dir
             or args.threaded_fill_min_rows is not None
             or args.grammar_process
         ):
             parser.error(
-                "--host-clock, --profile-dir, --threaded-fill-min-rows and --grammar-process are kvllm's only"
+                "--host-clock, --profile-dir, --cprofile-dir, --threaded-fill-min-rows and --grammar-process are "
+                "kvllm's only"
             )
         import os
 
@@ -214,6 +237,12 @@ def main() -> None:
                 lambda params=params: llm.generate(prompts, params, use_tqdm=False),
                 args.profile_dir / f"so-profile-{name}.txt",
                 name,
+            )
+            clock.take()
+        if args.cprofile_dir:
+            cprofile_call(
+                lambda params=params: llm.generate(prompts, params, use_tqdm=False),
+                args.cprofile_dir / f"so-cprofile-{name}.txt",
             )
             clock.take()
     loss = 1 - result["json_schema"]["tokens_per_s"] / result["unconstrained"]["tokens_per_s"]
