@@ -76,6 +76,23 @@ NEXT += [
 NEXT_GATED = [(4, 512, 1, 3, 1, False, False), (4, 512, 1, 3, 1, False, False, True)]
 NEXT_GATED += [(4, 1024, 1, 3, 1, False, False, True), (8, 1024, 1, 3, 1, False, False, True)]
 
+# --set warps (sixteenth session, after `next` made flat_tile the plain projections' default): more warps per
+# program (K split across them), deeper and shallower pipelines, and split K beside flat_tile.
+WARPS = [(4, 1024, 1, 3, 1, True, False, True), (4, 512, 1, 3, 1, True, False, True)]
+WARPS += [(4, 2048, 2, 3, 1, True, False, True), (8, 2048, 2, 3, 1, True, False, True)]
+WARPS += [(4, 4096, 4, 3, 1, True, False, True), (4, 1024, 2, 3, 1, True, False, True)]
+WARPS += [(4, 512, 1, s, 1, True, False, True) for s in (2, 4)] + [(4, 512, 1, 3, 2, True, False, True)]
+WARPS_GATED = [
+    (4, 512, 1, 3, 1, False, False),
+    (4, 1024, 2, 3, 1, False, False),
+    (4, 2048, 4, 3, 1, False, False),
+]
+WARPS_GATED += [
+    (4, 512, 1, 4, 1, False, False),
+    (2, 512, 1, 3, 1, False, False, True),
+    (4, 256, 1, 4, 1, False, False),
+]
+
 
 def _config(cfg: tuple[int, ...]) -> Any:
     from kvllm.layers.quantization.ops.w4a16_gemv import W4A16GemvConfig
@@ -116,7 +133,7 @@ def main() -> int:
     parser.add_argument("--out", default="gpu-out")
     parser.add_argument("--budget-s", type=float, default=60.0)
     parser.add_argument("--table-out", help="write the fastest config per shape as a tuned-config table")
-    parser.add_argument("--set", choices=["all", "next"], default="all", help="the candidate set")
+    parser.add_argument("--set", choices=["all", "next", "warps"], default="all", help="the candidate set")
     parser.add_argument("--shapes", default=",".join(SHAPES), help="comma list of " + ", ".join(SHAPES))
     args = parser.parse_args()
     out = Path(args.out)
@@ -125,6 +142,8 @@ def main() -> int:
     global CANDIDATES, GATED
     if args.set == "next":
         CANDIDATES, GATED = NEXT, NEXT_GATED
+    elif args.set == "warps":
+        CANDIDATES, GATED = WARPS, WARPS_GATED
     shapes = {name: SHAPES[name] for name in args.shapes.split(",")}
     jobs = [(c, k, False) for c in CANDIDATES for k in (4096, 14336) if k % (c[1] * c[4]) == 0]
     jobs += [(c, 4096, True) for c in GATED]

@@ -173,6 +173,22 @@ def test_fresh_prefills_beside_decodes(block_size: int, feature: str, num_kv_hea
     check(out, batch.reference(128**-0.5, sliding_window=window, logits_soft_cap=soft_cap), torch.bfloat16)
 
 
+@pytest.mark.parametrize("query_lens", [[1024, 512, 512], [300, 37, 129]], ids=["fills_2048", "padded"])
+@pytest.mark.parametrize("feature", ["plain", "window"])
+def test_a_step_of_fresh_prefills(query_lens: list[int], feature: str) -> None:
+    """Prompts only, nothing cached: the compiled kernel's output is the step's (no zeroed copy); q, k and
+    v go in as the step's strided views when they fill the packed length (2,048), else padded."""
+    window = 100 if feature == "window" else None
+    batch = make_paged_batch(
+        query_lens, [0] * len(query_lens), 16, 8, 128, 16, torch.bfloat16, DEVICE, seed=9
+    )
+    qkv = torch.cat([batch.query.flatten(1), batch.new_keys.flatten(1), batch.new_values.flatten(1)], dim=1)
+    q, k, v = qkv.split([16 * 128, 8 * 128, 8 * 128], dim=1)  # views of a fused qkv, as the model passes them
+    batch.query, batch.new_keys, batch.new_values = (t.view(-1, h, 128) for t, h in ((q, 16), (k, 8), (v, 8)))
+    out = run(batch, 16, 8, 128, torch.bfloat16, window=window)
+    check(out, batch.reference(128**-0.5, sliding_window=window), torch.bfloat16)
+
+
 @pytest.mark.parametrize("window", [None, 8])
 def test_encoder_only(window: int | None) -> None:
     validate(64, torch.bfloat16, None, attn_type="encoder_only", use_non_causal=True)

@@ -58,6 +58,28 @@ def test_decodes_and_fresh_prefills_match_reference(query_lens, context_lens, wi
     assert case.rel_max_error() < 1e-5
 
 
+@pytest.mark.parametrize(
+    ("query_lens", "window"), [([128, 128], None), ([200, 56], 24), ([100, 7, 29], None)]
+)
+def test_a_step_of_fresh_prefills_returns_the_kernels_output(query_lens, window, monkeypatch) -> None:
+    """No decodes: the output is the kernel's own (no zeroed copy); rows that fill the packed length
+    (256 = 2 tiles) go in as the step's views, others as a padded copy; graph-padding rows come out zero."""
+    copies = []
+    real_pad = flex._pad_rows
+    monkeypatch.setattr(flex, "_pad_rows", lambda x, n: copies.append(n) or real_pad(x, n))
+    case = run_backend_case(
+        FlexAttentionBackend, query_lens, [0] * len(query_lens), 8, 2, 32, 16, torch.float32, "cpu", seed=5,
+        sliding_window=window, pad_tokens=3, impl_attrs={"decode_path_eager": True},
+    )  # fmt: skip
+    assert case.metadata.num_decodes == 0 and case.metadata.fresh_prefill_from == 0
+    assert case.rel_max_error() < 1e-5
+    assert case.out.shape == case.query.shape and torch.equal(
+        case.out[sum(query_lens) :], case.out.new_zeros(3, 8, 32)
+    )
+    # The reference run and the backend's: q, k, v padded (three copies each) only when 256 rows do not fill it.
+    assert copies == ([] if sum(query_lens) == 256 else [256] * len(copies)) and len(copies) % 3 == 0
+
+
 def test_prefills_with_cached_context_take_the_general_path() -> None:
     batch = make_paged_batch([1, 1, 7], [5, 40, 3], 4, 2, 32, 16, seed=0)
     case = prepare_backend_case(FlexAttentionBackend, batch, impl_attrs={"decode_path_eager": True})

@@ -284,17 +284,24 @@ def test_gated_int4_layer_fuses_silu_for_decode_rows() -> None:
 
 def test_w4a16_gemv_default_is_two_streams_of_four_columns_at_one_row() -> None:
     """At M = 1 every Llama-3-8B projection takes one warp per program and two 4-column weight streams
-    (the H100 sweep's fastest on each); an odd width keeps one stream; at two rows narrow outputs still
+    (the H100 sweep's fastest on each), copied row-major into shared memory (gated: as Triton orders it);
+    an odd width keeps one stream; at two rows narrow outputs still
     split K for enough warps."""
     from kvllm.layers.quantization.ops.w4a16_gemv import default_config
 
     for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)):
         config = default_config(1, n, k)
         assert (config.block_n, config.block_k, config.num_warps, config.num_stages) == (4, 1024, 1, 3)
-        assert config.paired and config.split_k == 1
+        assert config.paired and config.flat_tile and config.split_k == 1
         assert not config.prefetch
     gated = default_config(1, 28672, 4096, gated=True)
-    assert (gated.block_n, gated.block_k, gated.paired, gated.prefetch) == (4, 512, False, False)
+    assert (gated.block_n, gated.block_k, gated.paired, gated.prefetch, gated.flat_tile) == (
+        4,
+        512,
+        False,
+        False,
+        False,
+    )
     assert not default_config(1, 20, 4096).paired
     assert default_config(2, 4096, 4096).num_warps == 2
 

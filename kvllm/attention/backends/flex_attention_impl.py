@@ -328,9 +328,10 @@ class FlexAttentionImpl(AttentionImpl):
         kernel: Callable[..., torch.Tensor],
     ) -> torch.Tensor:
         """Decodes through the decoding kernel, then fresh prefills over the step's own K/V."""
-        out = query.new_zeros(query.shape)  # rows past the step's tokens (padding) stay zero
+        out = None  # rows past the step's tokens (padding) are zero
         num_decodes = meta.num_decodes
         if num_decodes:
+            out = query.new_zeros(query.shape)
             out[:num_decodes] = self._attend_decode(query, key_src, value_src, meta, dtype, kernel)
         if meta.fresh_prefill_from is not None:
             mask_key = ("fresh", self.sliding_window)
@@ -342,9 +343,7 @@ class FlexAttentionImpl(AttentionImpl):
             rows = slice(fresh.start, fresh.start + fresh.num_tokens)
             length = fresh.block_mask.seq_lengths[0]
             # The cache dtype's rounding of the new K/V, as the cache holds them.
-            q, k, v = (
-                _pad_rows(t[rows].to(dtype), length).transpose(0, 1).unsqueeze(0) for t in (query, key, value)
-            )
+            q, k, v = (_packed(t[rows].to(dtype), length) for t in (query, key, value))
             result = kernel(
                 q,
                 k,
@@ -353,8 +352,15 @@ class FlexAttentionImpl(AttentionImpl):
                 block_mask=fresh.block_mask,
                 scale=self.scale,
                 enable_gqa=self.num_heads != self.num_kv_heads,
-            )
-            out[rows] = result[0].transpose(0, 1)[: fresh.num_tokens].to(query.dtype)
+            )[0].transpose(0, 1)  # [length, heads, head_size]: FlexAttention lays its output out as q
+            if out is None and fresh.start == 0 and length >= query.shape[0] and result.dtype == query.dtype:
+                # A step of fresh prefills only: the output is the step's (no copy into a zeroed tensor).
+                out = result[: query.shape[0]].contiguous()
+                out[fresh.num_tokens :].zero_()
+                return out
+            if out is None:
+                out = query.new_zeros(query.shape)
+            out[rows] = result[: fresh.num_tokens].to(query.dtype)
         return out
 
     def _attend_decode(
@@ -475,9 +481,19 @@ def _pad_rows(x: torch.Tensor, length: int) -> torch.Tensor:
     """A fresh contiguous [length, ...] copy, zero past x's rows. Always a copy: compiled graphs
     are specialized on strides, and the caller's views (e.g. q split from a fused qkv) vary.
     """
-    out = x.new_zeros((length, *x.shape[1:]))
+    out = x.new_empty((length, *x.shape[1:]))
     out[: x.shape[0]] = x
+    out[x.shape[0] :].zero_()
     return out
+
+
+def _packed(rows: torch.Tensor, length: int) -> torch.Tensor:
+    """[tokens, heads, head_size] rows as FlexAttention's [1, heads, length, head_size] packed sequence:
+    the rows themselves when they already fill `length` (a view: its strides are the layer's, one more
+    compiled variant at most), else a zero-padded copy."""
+    if rows.shape[0] != length or rows.stride(-1) != 1:
+        rows = _pad_rows(rows, length)
+    return rows.transpose(0, 1).unsqueeze(0)
 
 
 def _soft_cap_score_mod(cap: float) -> ScoreMod:

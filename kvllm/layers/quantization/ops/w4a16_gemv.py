@@ -503,7 +503,9 @@ def default_config(m: int, n: int, k: int, gated: bool = False) -> W4A16GemvConf
     one stream of eight columns with the prefetch: qkv 10.5 / 20.1, o 8.2 / 14.1, down 19.8 / 34.5,
     gate_up with SiLU 34.0 / 42.5 for the gated kernel's old default). Fewer columns per stream read the
     pipeline's shared memory with fewer bank conflicts (ncu: 8-way at eight), two streams keep two tiles
-    in flight. Four columns at two rows, two at four (the rows' activations and sums take the
+    in flight. The plain projections copy their tiles row-major (`flat_tile`): with 16-byte weight copies
+    (sixteenth session, H100) that took qkv 13.4 -> 11.2 us, o 10.6 -> 8.4, down 28.0 -> 21.9; the gated
+    kernel was the same either way (30.9). Four columns at two rows, two at four (the rows' activations and sums take the
     registers), where narrow outputs split K over up to four warps for at least MIN_WARPS warps; no
     prefetch there either (two and four rows: not measured on a GPU yet)."""
     block_k = PACK * block_words(k)
@@ -513,7 +515,9 @@ def default_config(m: int, n: int, k: int, gated: bool = False) -> W4A16GemvConf
     if m == 1:
         paired = not gated and n % 8 == 0
         block_n = 4 if gated or paired else 8
-        return W4A16GemvConfig(block_n=block_n, block_k=block_k, num_warps=1, num_stages=3, paired=paired)
+        return W4A16GemvConfig(
+            block_n=block_n, block_k=block_k, num_warps=1, num_stages=3, paired=paired, flat_tile=not gated
+        )
     block_n = 4 if m == 2 else 2
     if gated:  # two weight streams per program
         block_n = max(1, block_n // 2)
