@@ -24,9 +24,13 @@
 #   g  carry [".so-lite"]: where the host's time goes: a batch-1 latency run under cProfile
 #      (fast_path_bench.py --cprofile-bs1) and the batch-64 structured-outputs bench, host clock and one run
 #      of each arm under cProfile.
+#   h  carry [".ab"] (.ab/flex_attention_impl_before.py: git show 20d19dc~1:kvllm/attention/backends/flex_attention_impl.py):
+#      FLEX_ATTENTION's fresh prefills without the zeroed copies: its GPU tests (and the W4A16 paired / dispatch
+#      tests under the flat_tile default), the FLEX rows after and before on decode 256 x 1k and prefill
+#      8 x 2048 / 8 x 2000, then the W4A16 GEMV's `--set warps` sweep.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-phase=${1:?usage: session16.sh a|b|c|d|e|f|g}
+phase=${1:?usage: session16.sh a|b|c|d|e|f|g|h}
 default_budget_s=${DEFAULT_BUDGET_S:-570}
 source benchmarks/h200/session_lib.sh
 
@@ -99,8 +103,26 @@ g)
   fi
   head -n 30 "$d"/cprofile/cprofile-latency.txt 2>/dev/null | cut -c1-160
   ;;
+h)
+  parallel_tests 150 "flex|tests/gpu/test_flex_attention_gpu.py -k 'fresh or decode_only'" \
+    "quant|tests/gpu/test_quant_gpu.py -k 'paired or dispatch'"
+  flex_rows() {
+    run_step "flex-$1" 90 python3 -m kvllm.benchmarks.attention --backends FLEX_ATTENTION --peers flex,sdpa \
+      --only-shapes --shape "decode b256 x ctx1k:256x1@1023" --shape "prefill 8x2048 causal:8x2048@0" \
+      --shape "prefill 8x2000 causal:8x2000@0" --output-json "$d/flex-$1.json"
+    grep -E "FLEX_ATTENTION|flex|sdpa" "$d/flex-$1.log" | grep -v skipped | head -n 9
+  }
+  flex_rows after
+  cp kvllm/attention/backends/flex_attention_impl.py /tmp/flex_after.py
+  cp .ab/flex_attention_impl_before.py kvllm/attention/backends/flex_attention_impl.py
+  flex_rows before
+  cp /tmp/flex_after.py kvllm/attention/backends/flex_attention_impl.py
+  run_step sweep 110 python3 benchmarks/h200/w4a16_gemv_m1.py --out "$d" --budget-s 75 --set warps \
+    --table-out "$d/w4a16_gemv_configs.json"
+  sed -n '/best per shape/,$p' "$d/sweep.log"
+  ;;
 *)
-  echo "unknown phase $phase (a|b|c|d|e|f|g)"; exit 2 ;;
+  echo "unknown phase $phase (a|b|c|d|e|f|g|h)"; exit 2 ;;
 esac
 kill "$clocks_pid" "${host_probe_pid:-}" 2>/dev/null
 save
