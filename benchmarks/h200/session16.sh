@@ -28,9 +28,11 @@
 #      FLEX_ATTENTION's fresh prefills without the zeroed copies: its GPU tests (and the W4A16 paired / dispatch
 #      tests under the flat_tile default), the FLEX rows after and before on decode 256 x 1k and prefill
 #      8 x 2048 / 8 x 2000, then the W4A16 GEMV's `--set warps` sweep.
+#   i  carry nothing: the fresh-prefill GPU test fixed after `h` (its step fit max_model_len), the quantized
+#      linear's dispatch tests, and AWQ's batch-1 e2e beside bf16 under the table `h` wrote (now shipped).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-phase=${1:?usage: session16.sh a|b|c|d|e|f|g|h}
+phase=${1:?usage: session16.sh a|b|c|d|e|f|g|h|i}
 default_budget_s=${DEFAULT_BUDGET_S:-570}
 source benchmarks/h200/session_lib.sh
 
@@ -121,8 +123,15 @@ h)
     --table-out "$d/w4a16_gemv_configs.json"
   sed -n '/best per shape/,$p' "$d/sweep.log"
   ;;
+i)
+  parallel_tests 80 "flex|tests/gpu/test_flex_attention_gpu.py -k a_step_of_fresh" \
+    "quant|tests/gpu/test_quant_gpu.py -k 'dispatch or quantized_model'"
+  run_step e2e-awq 80 python3 benchmarks/h200/quant_bench.py --out "$d/e2e-awq" --parts e2e --engines awq --quick
+  run_step e2e-bf16 60 python3 benchmarks/h200/quant_bench.py --out "$d/e2e-bf16" --parts e2e --engines bf16 --quick
+  grep -h '"e2e"' "$d"/e2e-*.log | cut -c1-200
+  ;;
 *)
-  echo "unknown phase $phase (a|b|c|d|e|f|g|h)"; exit 2 ;;
+  echo "unknown phase $phase (a|b|c|d|e|f|g|h|i)"; exit 2 ;;
 esac
 kill "$clocks_pid" "${host_probe_pid:-}" 2>/dev/null
 save
