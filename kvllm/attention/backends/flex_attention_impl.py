@@ -483,7 +483,8 @@ def _pad_rows(x: torch.Tensor, length: int) -> torch.Tensor:
     """
     out = x.new_empty((length, *x.shape[1:]))
     out[: x.shape[0]] = x
-    out[x.shape[0] :].zero_()
+    if x.shape[0] < length:
+        out[x.shape[0] :].zero_()
     return out
 
 
