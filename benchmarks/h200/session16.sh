@@ -30,9 +30,12 @@
 #      8 x 2048 / 8 x 2000, then the W4A16 GEMV's `--set warps` sweep.
 #   i  carry nothing: the fresh-prefill GPU test fixed after `h` (its step fit max_model_len), the quantized
 #      linear's dispatch tests, and AWQ's batch-1 e2e beside bf16 under the table `h` wrote (now shipped).
+#   k  carry [".so-lite"]: the grammar process with its sampling deferred to the next step's start (the
+#      engine thread schedules while the process fills the masks): the structured-outputs GPU tests, then
+#      the batch-64 bench with --grammar-process and without, alternating twice.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-phase=${1:?usage: session16.sh a|b|c|d|e|f|g|h|i}
+phase=${1:?usage: session16.sh a|b|c|d|e|f|g|h|i|k}
 default_budget_s=${DEFAULT_BUDGET_S:-570}
 source benchmarks/h200/session_lib.sh
 
@@ -130,8 +133,19 @@ i)
   run_step e2e-bf16 60 python3 benchmarks/h200/quant_bench.py --out "$d/e2e-bf16" --parts e2e --engines bf16 --quick
   grep -h '"e2e"' "$d"/e2e-*.log | cut -c1-200
   ;;
+k)
+  stage_structured_outputs || { since "no .so-lite"; exit 3; }
+  export PYTHONPATH=.:/tmp/so-site KVLLM_QWEN3_TOKENIZER=/tmp/so-tok
+  run_step so-tests 50 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/gpu/test_structured_outputs_gpu.py
+  for arm in process thread process thread; do
+    i=$((${i:-0} + 1)); flag=""; [ "$arm" = process ] && flag=--grammar-process
+    run_step "so-$arm-$i" 40 python3 benchmarks/h200/structured_outputs_bench.py --tokenizer /tmp/so-tok --repeats 2 \
+      $flag --out "$d/so-$arm-$i.json"
+    tail -n 1 "$d/so-$arm-$i.log"
+  done
+  ;;
 *)
-  echo "unknown phase $phase (a|b|c|d|e|f|g|h|i)"; exit 2 ;;
+  echo "unknown phase $phase (a|b|c|d|e|f|g|h|i|k)"; exit 2 ;;
 esac
 kill "$clocks_pid" "${host_probe_pid:-}" 2>/dev/null
 save

@@ -14,8 +14,11 @@ if TYPE_CHECKING:
 
 # Structured outputs: called by the worker between a step's forward pass and its sampling, with the
 # positions in `scheduled` of the rows that sample; returns the packed allowed-token bits of those
-# rows (int32 [rows, ceil(vocab / 32)] on the host, all bits set on unconstrained rows) or None.
-GrammarBitmaskFn = Callable[[list[int]], "torch.Tensor | None"]
+# rows (int32 [rows, ceil(vocab / 32)] on the host, all bits set on unconstrained rows) or None, or a
+# PendingMask: the masks are being filled elsewhere (the grammar process), and an in-process worker
+# may then launch the step's sampling later (when the next step starts or the result is asked for).
+PendingMask = Callable[[], "torch.Tensor | None"]
+GrammarBitmaskFn = Callable[[list[int]], "torch.Tensor | PendingMask | None"]
 
 
 @dataclass

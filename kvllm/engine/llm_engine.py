@@ -14,7 +14,7 @@ from kvllm.core.kv_cache_manager import KVCacheManager
 from kvllm.core.request import Request
 from kvllm.core.sched_output import SchedulerOutput
 from kvllm.core.scheduler import Scheduler
-from kvllm.core.step_result import GrammarBitmaskFn, PendingStep, ResolvedStep
+from kvllm.core.step_result import GrammarBitmaskFn, PendingMask, PendingStep, ResolvedStep
 from kvllm.engine.input_processor import InputProcessor, PromptType, truncate_prompt
 from kvllm.engine.output_processor import OutputProcessor
 from kvllm.engine.pooling import check_pooling_params, pooling_request, pooling_scheduler_settings
@@ -356,10 +356,13 @@ class LLMEngine:
         forward pass instead of the device's idle time. Only the grammars are advanced before the masks
         are asked for (their critical path, while the device waits to sample). The rest of that step's
         output work runs while the grammar process fills the masks or, with the matchers on this thread,
-        follows the launch in step(). A step with verified drafts is processed whole, into `outputs`."""
+        follows the launch in step(). With the grammar process the masks are answered as a PendingMask:
+        the worker takes them (and launches the sampling) when the next step starts, so this thread
+        returns and schedules that step while the process fills them. A step with verified drafts is
+        processed whole, into `outputs`."""
         manager = self.structured_output_manager
 
-        def fill(rows: list[int]) -> torch.Tensor | None:
+        def fill(rows: list[int]) -> torch.Tensor | PendingMask | None:
             taken = None
             if self._previous is not None:
                 previous_plan, previous = self._previous
@@ -375,9 +378,11 @@ class LLMEngine:
                 request = plan.scheduled[i].request
                 grammars.append(None if request.is_finished else request.structured_output_request)
             manager.start_bitmask(grammars)
-            if taken is not None and manager.matchers_in_process:
-                outputs.extend(self._update(*taken, grammar_accepted=True))
-            elif taken is not None:
+            if manager.matchers_in_process:
+                if taken is not None:
+                    outputs.extend(self._update(*taken, grammar_accepted=True))
+                return manager.finish_bitmask
+            if taken is not None:
                 self._grammar_taken = taken
             return manager.finish_bitmask()
 

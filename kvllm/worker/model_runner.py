@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,7 +19,7 @@ from kvllm.attention.selector import choose_attention_backend, explain_kv_cache_
 from kvllm.config.backend_names import is_auto_tune
 from kvllm.config.engine import EngineArgs
 from kvllm.core.sched_output import SchedulerOutput
-from kvllm.core.step_result import GrammarBitmaskFn, StepResult
+from kvllm.core.step_result import GrammarBitmaskFn, PendingMask, StepResult
 from kvllm.forward_context import set_forward_context
 from kvllm.layers.attention import Attention
 from kvllm.layers.linear import kv_heads_per_rank
@@ -28,7 +30,8 @@ from kvllm.models.model_config import ModelConfig
 from kvllm.outputs import PositionLogprobs
 from kvllm.platforms.interface import DeviceInfo
 from kvllm.sample.logprobs import position_logprobs
-from kvllm.sample.sampler import HostCopy, Sampler
+from kvllm.sample.metadata import SamplingMetadata
+from kvllm.sample.sampler import HostCopy, Sampler, SamplerOutput
 from kvllm.sample.structured import GrammarBitmaskInputs
 from kvllm.spec_decode.draft_model import DraftModelProposer, needs_step_tokens
 from kvllm.spec_decode.eagle import EagleProposer
@@ -65,8 +68,18 @@ class PendingStepResult:
     pooled: dict[int, torch.Tensor] | None = None  # pooling runner: scheduled index -> embedding
     verification: PendingVerification | None = None
     draft_token_ids: dict[int, list[int]] | None = None
+    # Set while the step's sampling waits for grammar masks filled elsewhere: launches it and returns
+    # the copy of its tokens (ModelRunner launches it when the next step starts, result() if sooner).
+    deferred_sampling: Callable[[], HostCopy] | None = None
+
+    def launch_sampling(self) -> None:
+        """Launch the step's deferred sampling, if it has one not launched yet."""
+        if self.deferred_sampling is not None:
+            launch, self.deferred_sampling = self.deferred_sampling, None
+            self.copy = launch()
 
     def result(self) -> StepResult:
+        self.launch_sampling()
         output = self.copy.wait() if self.copy is not None else None
         pooled = {i: v.cpu() for i, v in self.pooled.items()} if self.pooled else {}
         spec = self.verification.wait() if self.verification is not None else {}
@@ -139,6 +152,7 @@ class ModelRunner:
                 model_config.architecture,
             )
         self.sampler = Sampler()
+        self._deferred: PendingStepResult | None = None  # a step whose sampling waits for grammar masks
         # The pooling runner embeds prompts instead of sampling (kvllm/worker/pooler.py).
         self.pooler = Pooler(model_config.pooler_config) if model_config.is_pooling else None
         self.model: torch.nn.Module | None = None
@@ -446,8 +460,13 @@ class ModelRunner:
         waiting. Only prompt logprobs, when asked for, read results back before this returns.
 
         `grammar_bitmask` is called once the forward pass and logits are queued, so the host fills the
-        grammar masks (and may first take the previous step's tokens) while the device computes."""
+        grammar masks (and may first take the previous step's tokens) while the device computes. When it
+        answers with a PendingMask (the masks are being filled by the grammar process), the sampling of a
+        step without drafts is launched by the next step's start or the result's `result()`, whichever
+        comes first: the host schedules the next step meanwhile instead of waiting for the masks, and the
+        device is still busy with this step's forward pass."""
         assert self.input_batch is not None and self.metadata_builder is not None
+        self.launch_deferred_sampling()  # the previous step's tokens feed this step's inputs
         graph = self._graph_for(step)
         if graph is None:
             inputs = self.input_batch.prepare(step)
@@ -500,14 +519,15 @@ class ModelRunner:
             sampled_hidden = hidden[inputs.logits_indices]
         logits = self.model.compute_logits(sampled_hidden, upcast=False)
         metadata = inputs.sampling_metadata
-        if grammar_bitmask is not None:
-            masks = grammar_bitmask(inputs.sampling_request_indices)
-            if masks is not None:
-                # A copy: the decode fast path may reuse this step's metadata for the next step.
-                grammar = GrammarBitmaskInputs(masks.to(self.device, non_blocking=True))
-                metadata = dataclasses.replace(metadata, grammar=grammar)
-        sampled = self.sampler.sample(logits, metadata)
-        self.input_batch.record_sampled_on_device(sampled.token_ids)
+        masks = None if grammar_bitmask is None else grammar_bitmask(inputs.sampling_request_indices)
+        if callable(masks):
+            if inputs.spec is None and self.drafter is None and self.medusa is None and self.eagle is None:
+                pending = PendingStepResult(inputs.sampling_request_indices, None, prompt_logprobs)
+                pending.deferred_sampling = functools.partial(self._sample_masked, logits, metadata, masks)
+                self._deferred = pending
+                return pending
+            masks = masks()  # drafts and verification need this step's tokens now
+        sampled = self._sample(logits, metadata, masks)
         verification = None
         if inputs.spec is not None:
             verification = verify_drafts(
@@ -529,6 +549,30 @@ class ModelRunner:
             verification=verification,
             draft_token_ids=drafts,
         )
+
+    def _sample(
+        self, logits: torch.Tensor, metadata: SamplingMetadata, masks: torch.Tensor | None
+    ) -> SamplerOutput:
+        """Sample the step's rows (constrained by `masks` where given) and record the ids on the device
+        for the next step's inputs."""
+        if masks is not None:
+            # A copy: the decode fast path may reuse this step's metadata for the next step.
+            grammar = GrammarBitmaskInputs(masks.to(self.device, non_blocking=True))
+            metadata = dataclasses.replace(metadata, grammar=grammar)
+        sampled = self.sampler.sample(logits, metadata)
+        self.input_batch.record_sampled_on_device(sampled.token_ids)
+        return sampled
+
+    def _sample_masked(
+        self, logits: torch.Tensor, metadata: SamplingMetadata, masks: PendingMask
+    ) -> HostCopy:
+        return self._sample(logits, metadata, masks()).copy_to_host()
+
+    def launch_deferred_sampling(self) -> None:
+        """Launch the sampling a step left waiting for its grammar masks (see execute_model_async)."""
+        if self._deferred is not None:
+            pending, self._deferred = self._deferred, None
+            pending.launch_sampling()
 
     def _propose_medusa(
         self, inputs: ModelInputs, hidden: torch.Tensor, verification: PendingVerification | None

@@ -239,12 +239,32 @@ def _mixed_batch() -> list[SamplingParams]:
     return rows
 
 
-def test_grammar_process_gives_the_engine_threads_tokens(tiny_qwen3_real_tokenizer_path):
+def test_grammar_process_gives_the_engine_threads_tokens(tiny_qwen3_real_tokenizer_path, monkeypatch):
     """Seeded, overlapped scheduling on: the same texts with the matchers on the engine's thread and in
     the grammar process, and with overlap off in the process. The KV cache holds 256 tokens, so
-    requests are preempted and recomputed (counted), and their grammars must not see a token twice."""
-    texts, preempted = {}, {}
+    requests are preempted and recomputed (counted), and their grammars must not see a token twice.
+    With the process the constrained steps' sampling waits for the masks; with overlap on, the next
+    step's start launches it (the engine thread schedules meanwhile), without overlap its result."""
+    from kvllm.worker import model_runner
+
+    deferred, by_next_step = [], []
+    launch_sampling = model_runner.PendingStepResult.launch_sampling
+    launch_deferred = model_runner.ModelRunner.launch_deferred_sampling
+
+    def counting_launch(pending):  # noqa: ANN001, ANN202
+        deferred.append(pending.deferred_sampling is not None)
+        launch_sampling(pending)
+
+    def counting_next_step(runner):  # noqa: ANN001, ANN202
+        by_next_step.append(runner._deferred is not None and runner._deferred.deferred_sampling is not None)
+        launch_deferred(runner)
+
+    monkeypatch.setattr(model_runner.PendingStepResult, "launch_sampling", counting_launch)
+    monkeypatch.setattr(model_runner.ModelRunner, "launch_deferred_sampling", counting_next_step)
+    texts, preempted, launches = {}, {}, {}
     for grammar_process, async_scheduling in ((False, True), (True, True), (True, False)):
+        deferred.clear()
+        by_next_step.clear()
         llm = _tiny_llm(
             tiny_qwen3_real_tokenizer_path,
             kv_cache_memory_bytes=1 << 18,
@@ -257,7 +277,11 @@ def test_grammar_process_gives_the_engine_threads_tokens(tiny_qwen3_real_tokeniz
         stats = llm.llm_engine.stats()
         assert stats.num_free_blocks == stats.num_blocks, "KV blocks leaked"
         preempted[key] = stats.num_preemptions
+        launches[key] = (sum(deferred), sum(by_next_step))
         llm.llm_engine.shutdown()
+    assert launches[(False, True)] == (0, 0)
+    assert launches[(True, True)][1] > 0 and launches[(True, True)][0] >= launches[(True, True)][1]
+    assert launches[(True, False)][0] > 0 and launches[(True, False)][1] == 0
     assert texts[(True, True)] == texts[(False, True)]
     assert texts[(True, False)] == texts[(False, True)]
     assert min(preempted.values()) > 0, preempted
