@@ -563,6 +563,7 @@ class ModelRunner:
         self.input_batch.record_sampled_on_device(sampled.token_ids)
         return sampled
 
+    @torch.inference_mode()  # also when the engine's result() launches it, outside execute_model_async
     def _sample_masked(
         self, logits: torch.Tensor, metadata: SamplingMetadata, masks: PendingMask
     ) -> HostCopy:

@@ -503,11 +503,11 @@ def default_config(m: int, n: int, k: int, gated: bool = False) -> W4A16GemvConf
     one stream of eight columns with the prefetch: qkv 10.5 / 20.1, o 8.2 / 14.1, down 19.8 / 34.5,
     gate_up with SiLU 34.0 / 42.5 for the gated kernel's old default). Fewer columns per stream read the
     pipeline's shared memory with fewer bank conflicts (ncu: 8-way at eight), two streams keep two tiles
-    in flight. The plain projections copy their tiles row-major (`flat_tile`): with 16-byte weight copies
-    (sixteenth session, H100) that took qkv 13.4 -> 11.2 us, o 10.6 -> 8.4, down 28.0 -> 21.9; the gated
-    kernel was the same either way (30.9). Four columns at two rows, two at four (the rows' activations and sums take the
-    registers), where narrow outputs split K over up to four warps for at least MIN_WARPS warps; no
-    prefetch there either (two and four rows: not measured on a GPU yet)."""
+    in flight. The plain projections copy their tiles row-major (`flat_tile`): with 16-byte weight
+    copies (sixteenth session, H100) that took qkv 13.4 -> 11.2 us, o 10.6 -> 8.4, down 28.0 -> 21.9;
+    the gated kernel was the same either way (30.9). Four columns at two rows, two at four (the rows'
+    activations and sums take the registers), where narrow outputs split K over up to four warps for at
+    least MIN_WARPS warps; no prefetch there either (two and four rows: not measured on a GPU yet)."""
     block_k = PACK * block_words(k)
     limit = 512 if gated and m == 1 else 1024
     while block_k < limit and k % (2 * block_k) == 0:
