@@ -331,8 +331,11 @@ class FlexAttentionImpl(AttentionImpl):
         out = None  # rows past the step's tokens (padding) are zero
         num_decodes = meta.num_decodes
         if num_decodes:
+            decoded = self._attend_decode(query, key_src, value_src, meta, dtype, kernel)
+            if meta.fresh_prefill_from is None and num_decodes == query.shape[0]:
+                return decoded  # a step of decodes only, no padding rows: the kernel's rows as they are
             out = query.new_zeros(query.shape)
-            out[:num_decodes] = self._attend_decode(query, key_src, value_src, meta, dtype, kernel)
+            out[:num_decodes] = decoded
         if meta.fresh_prefill_from is not None:
             mask_key = ("fresh", self.sliding_window)
             if mask_key not in meta.masks:
