@@ -4,10 +4,12 @@
 
 Per batch size (1, 8, 64, 256): a latency run as fast_path_bench.py's (32 in / 128 out, temperature 1.0),
 then the engine's captured decode graph of that size replayed back to back, timed with CUDA events (its
-buffers hold the run's last step, so attention reads ~160 tokens of context), and the step's work outside
-the graph timed the same way: the lm_head GEMM on the graph's hidden rows. When the graph plus lm_head is
-close to the run's ms per output token the step is GPU-bound, and kernels are what to cut; when it is well
-below, the host is the wall. One JSON line per batch size to DIR/decode_graph_probe.jsonl and stdout.
+buffers hold the run's last step, so attention reads ~160 tokens of context), and the step's largest work
+outside the graph timed the same way: an lm_head GEMM of the model's shape (random rows and weight). When
+the graph plus lm_head is close to the run's ms per output token the step is GPU-bound, and kernels are
+what to cut; when it is well below, the host is the wall. For the `--profile` batch sizes the replays also
+run under torch.profiler, for each kernel's microseconds per replay. One JSON line per batch size to
+DIR/decode_graph_probe.jsonl and stdout.
 """
 
 from __future__ import annotations
