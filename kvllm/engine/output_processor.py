@@ -48,6 +48,10 @@ class SequenceState:
     detokenize: bool = True
     # No text, no grammar, no logprobs: a token is appended and checked against the ids and lengths.
     token_only: bool = False
+    # Text wanted once, at the end (FINAL_ONLY), and no stop string to watch: the ids are held and
+    # detokenized in one pass when the sequence finishes, not one call per token per step.
+    final_text_only: bool = False
+    held_ids: list[int] = field(default_factory=list)
     _text: str = ""
     _pieces: list[str] = field(default_factory=list)
     _unreported: list[str] = field(default_factory=list)
@@ -58,8 +62,17 @@ class SequenceState:
             self._pieces.append(piece)
             self._unreported.append(piece)
 
+    def release_held_ids(self, stop_terminated: bool = False) -> None:
+        """Detokenize the ids `final_text_only` held (the last one a stop or EOS token when
+        `stop_terminated`), as the per-token updates would have, in one call."""
+        if self.held_ids:
+            held, self.held_ids = self.held_ids, []
+            self.detokenizer.update(held, stop_terminated=stop_terminated)
+            self.add_text(self.detokenizer.get_next_delta_text())
+
     @property
     def text(self) -> str:
+        self.release_held_ids()
         if self._pieces:
             self._text += "".join(self._pieces)
             self._pieces.clear()
@@ -124,6 +137,11 @@ class OutputProcessor:
                         not params.detokenize
                         and params.logprobs is None
                         and request.structured_output_request is None
+                    ),
+                    final_text_only=(
+                        params.detokenize
+                        and not params.stop
+                        and params.output_kind is RequestOutputKind.FINAL_ONLY
                     ),
                 )
             )
@@ -284,9 +302,11 @@ class OutputProcessor:
         if token_id in seq.may_stop_ids and num_out >= seq.min_tokens:
             stop_token = token_id in seq.stop_token_ids
             eos = not stop_token
-        stop_string = (
-            seq.detokenizer.update([token_id], stop_terminated=stop_token or eos) if seq.detokenize else None
-        )
+        stop_string = None
+        if seq.final_text_only:
+            seq.held_ids.append(token_id)
+        elif seq.detokenize:
+            stop_string = seq.detokenizer.update([token_id], stop_terminated=stop_token or eos)
         if stop_token:
             self._finish(seq, "stop", token_id)
         elif eos:
@@ -295,13 +315,16 @@ class OutputProcessor:
             self._finish(seq, "stop", stop_string)
         elif num_out >= request.max_tokens or len(request.all_token_ids) >= self.max_model_len:
             self._finish(seq, "length", None)
-        if seq.detokenize:
+        if seq.detokenize and not (seq.final_text_only and request.finish_reason is None):
             seq.add_text(seq.detokenizer.get_next_delta_text())
 
     def _finish(self, seq: SequenceState, reason: str, stop_reason: int | str | None) -> None:
         seq.request.finish_reason = reason
         seq.request.stop_reason = stop_reason
         if seq.request.sampling_params.detokenize:
+            # Held ids end with the token that finished the sequence: a stop token or EOS when the reason
+            # is "stop" (a sequence that holds its ids has no stop strings).
+            seq.release_held_ids(stop_terminated=reason == "stop")
             seq.detokenizer.finish()
 
     def _make_output(self, parent: ParentRequest, finished: bool) -> RequestOutput | PoolingRequestOutput:
