@@ -18,13 +18,18 @@ from kvllm.structured_output.request import StructuredOutputRequest
 if TYPE_CHECKING:
     import torch
 
+    from kvllm.core.step_result import PendingMask
+
 # Either kind of a sequence's grammar: its matcher here, or in the grammar process.
 Grammar = StructuredOutputRequest | GrammarProcessRequest
 
 
-def mask_by_value(mask: torch.Tensor | None) -> torch.Tensor | None:
+def mask_by_value(mask: torch.Tensor | PendingMask | None) -> torch.Tensor | None:
     """A step's mask to send to another process: its own compact copy (the manager's buffer is reused
-    two calls later, and pickling a view would carry the whole, possibly larger, buffer)."""
+    two calls later, and pickling a view would carry the whole, possibly larger, buffer). A PendingMask
+    (the grammar process's) is waited for here: workers in other processes sample when it arrives."""
+    if callable(mask):
+        mask = mask()
     return None if mask is None else mask.clone()
 
 

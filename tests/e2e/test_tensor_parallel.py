@@ -85,6 +85,16 @@ def test_tp2_over_gloo_matches_tp1_and_its_workers_exit(family: str, tmp_path: P
     assert _wait_gone(pids) == []
 
 
+def test_tp2_with_the_grammar_process_matches_tp1(tiny_llama_path: Path) -> None:
+    """The grammar process answers the driver with a pending mask, which the driver waits for before it
+    sends the masks to the ranks (they sample in their own processes)."""
+    expected = _generate(LLM(str(tiny_llama_path), **ENGINE))
+    llm = LLM(str(tiny_llama_path), tensor_parallel_size=2, grammar_process=True, **ENGINE)
+    assert _generate(llm) == expected
+    assert llm.llm_engine.structured_output_manager.grammar_process.num_steps > 0
+    llm.llm_engine.shutdown()
+
+
 @pytest.fixture
 def local_ray():
     ray = pytest.importorskip("ray")
