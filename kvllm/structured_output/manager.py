@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -18,13 +18,11 @@ from kvllm.structured_output.request import StructuredOutputRequest
 if TYPE_CHECKING:
     import torch
 
-    from kvllm.core.step_result import PendingMask
-
 # Either kind of a sequence's grammar: its matcher here, or in the grammar process.
 Grammar = StructuredOutputRequest | GrammarProcessRequest
 
 
-def mask_by_value(mask: torch.Tensor | PendingMask | None) -> torch.Tensor | None:
+def mask_by_value(mask: torch.Tensor | Callable[[], torch.Tensor | None] | None) -> torch.Tensor | None:
     """A step's mask to send to another process: its own compact copy (the manager's buffer is reused
     two calls later, and pickling a view would carry the whole, possibly larger, buffer). A PendingMask
     (the grammar process's) is waited for here: workers in other processes sample when it arrives."""
