@@ -8,8 +8,9 @@ buffers hold the run's last step, so attention reads ~160 tokens of context), an
 outside the graph timed the same way: an lm_head GEMM of the model's shape (random rows and weight). When
 the graph plus lm_head is close to the run's ms per output token the step is GPU-bound, and kernels are
 what to cut; when it is well below, the host is the wall. For the `--profile` batch sizes the replays also
-run under torch.profiler, for each kernel's microseconds per replay. One JSON line per batch size to
-DIR/decode_graph_probe.jsonl and stdout.
+run under torch.profiler, summarized by kernel_timeline.py (exclusive time by kernel and kind). One JSON
+line per batch size to DIR/decode_graph_probe.jsonl and stdout. (The sixteenth session's raw files have
+`kernel_us_per_replay` instead: each kernel's own span, which overlaps the next one's under PDL.)
 """
 
 from __future__ import annotations
@@ -41,25 +42,13 @@ def replay_ms(replay, replays: int = 200) -> float:
     return start.elapsed_time(end) / replays
 
 
-def kernel_us_per_replay(replay, replays: int = 20) -> dict[str, float]:
-    """Each kernel's GPU microseconds per replay under torch.profiler (name cut to 60 characters), and
-    their sum as `_busy`: the replay's time less this is the gaps between the graph's kernels."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
+def kernels_over_replays(replay, replays: int = 20) -> dict:
+    """`replays` replays under torch.profiler, summarized by kernel_timeline (each kernel charged only the
+    time it extends the timeline: under PDL a kernel's own span includes its wait for the one before)."""
+    from benchmarks.h200.kernel_timeline import profile_kernels
 
     replay()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(replays):
-            replay()
-        torch.cuda.synchronize()
-    totals: dict[str, float] = {}
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            name = event.name[:60]
-            totals[name] = totals.get(name, 0.0) + event.time_range.elapsed_us() / replays
-    ranked = dict(sorted(((k, round(v, 2)) for k, v in totals.items()), key=lambda kv: -kv[1]))
-    return {"_busy": round(sum(totals.values()), 2), **ranked}
+    return {"replays": replays, **profile_kernels(lambda: [replay() for _ in range(replays)])[1]}
 
 
 def main() -> int:
@@ -99,7 +88,7 @@ def main() -> int:
             lambda i, x=x: torch.nn.functional.linear(x, lm_head), calls=20, replays=20
         )
         gpu_ms = graph_ms + lm_head_ms if graph_ms is not None else None
-        kernels = kernel_us_per_replay(entry.graph.replay) if entry is not None and bs in profiled else {}
+        kernels = kernels_over_replays(entry.graph.replay) if entry is not None and bs in profiled else {}
         record = {
             "bench": "decode_graph_probe",
             "batch_size": bs,
@@ -108,7 +97,7 @@ def main() -> int:
             "lm_head_ms": round(lm_head_ms, 4),
             "graph_plus_lm_head_ms": None if gpu_ms is None else round(gpu_ms, 4),
             "gpu_share_of_step": None if gpu_ms is None else round(gpu_ms / step_ms, 3),
-            "kernel_us_per_replay": kernels,
+            "kernels": kernels,
             "unix": time.time(),
             "gpu": torch.cuda.get_device_name(),
         }
