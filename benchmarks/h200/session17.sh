@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# The seventeenth session's GPU calls. The card decides: on an H200 (none came in the fourteenth to sixteenth
+# sessions) vLLM 0.22 is staged in three parts over three calls on one warm machine (each sent within 30 s of
+# the last one's return; /tmp goes with the machine) for issue 17's and 19's tables beside it on that card;
+# on an H100 those tables exist (sixteenth session) and the call measures what changed since instead.
+# Raw results under /tmp/<phase>/, tarred into $OUT/<phase>.tgz after every step; a short table on stdout.
+#   a  carry [".vllm/part1", ".so-lite"]: on an H200, vLLM's first piece, then the W4A16 GEMV sweep
+#      (`--set warps`: the H100's leaders and their neighbours) writing the H200's tuned table, and AWQ's
+#      Llama-3-8B-shaped batch-1 e2e under it beside bf16's (issue 22). On an H100 instead: the grammar
+#      process with its sampling deferred to the next step's start against the engine thread, alternating
+#      twice (issue 19).
+#   b  carry [".vllm/part2", ".so-lite"]: vLLM's second piece; batch-1..256 latency of main (issue 17's first
+#      rows, before the heavy runs of c); on an H200, a's grammar-process pairs.
+#   c  carry [".vllm/part3"]: the third piece; kvllm and vLLM 0.22 on issue 17's table (batch 1-256 latency,
+#      nano-vllm with kvllm's kernel timeline, 256 x 128/128), one process each.
+#   d  carry [".so-lite"] (after c, on the same machine: vLLM is still in /tmp/site-vllm): issue 19's batch-64
+#      structured-outputs bench, kvllm then vLLM.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+phase=${1:?usage: session17.sh a|b|c|d}
+default_budget_s=${DEFAULT_BUDGET_S:-570}
+source benchmarks/h200/session_lib.sh
+
+on_h200() { grep -q H200 "$d/gpu.txt"; }
+so_pairs() {  # the grammar process (deferred sampling) against the engine thread, alternating twice
+  stage_structured_outputs || { since "no .so-lite"; return; }
+  (export PYTHONPATH=.:/tmp/so-site KVLLM_QWEN3_TOKENIZER=/tmp/so-tok
+   run_step so-tests 50 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/gpu/test_structured_outputs_gpu.py
+   i=0
+   for arm in process thread process thread; do
+     i=$((i + 1)); flag=""; [ "$arm" = process ] && flag=--grammar-process
+     run_step "so-$arm-$i" 45 python3 benchmarks/h200/structured_outputs_bench.py --tokenizer /tmp/so-tok --repeats 2 \
+       $flag --out "$d/so-$arm-$i.json"
+     tail -n 1 "$d/so-$arm-$i.log"
+   done)
+}
+
+case "$phase" in
+a)
+  if on_h200; then
+    run_step vllm-stage1 40 bash .vllm/part1/remote-stage.sh 1
+    run_step sweep 110 python3 benchmarks/h200/w4a16_gemv_m1.py --out "$d" --budget-s 75 --set warps \
+      --table-out "$d/w4a16_gemv_configs.json"
+    sed -n '/best per shape/,$p' "$d/sweep.log"; tr -d ' \n' < "$d/w4a16_gemv_configs.json"; echo
+    KVLLM_W4A16_GEMV_CONFIGS=$d/w4a16_gemv_configs.json run_step e2e-awq 100 python3 benchmarks/h200/quant_bench.py \
+      --out "$d/e2e-awq" --parts e2e --engines awq --quick
+    run_step e2e-bf16 80 python3 benchmarks/h200/quant_bench.py --out "$d/e2e-bf16" --parts e2e --engines bf16 --quick
+    grep -h '"e2e"' "$d"/e2e-*.log | cut -c1-200
+  else
+    so_pairs
+  fi
+  ;;
+b)
+  on_h200 && run_step vllm-stage2 40 bash .vllm/part2/remote-stage.sh 2
+  bench latency 150 --engine kvllm --backend TRITON_ATTN --only latency --iters 5 --warmups 2 --out "$d/latency"
+  on_h200 && so_pairs
+  ;;
+c)
+  bash .vllm/part3/remote-stage.sh 3 > "$d/vllm-stage3.log" 2>&1 || { tail -n 5 "$d/vllm-stage3.log"; save; exit 3; }
+  tail -n 3 "$d/vllm-stage3.log"
+  bench kvllm 140 --engine kvllm --backend TRITON_ATTN --only latency,nano,bs256 --iters 3 --warmups 2 \
+    --profile-nano --out "$d/kvllm"
+  (export PYTHONPATH=.:/tmp/site-vllm; bench vllm 250 --engine vllm --only latency,nano,bs256 --iters 3 \
+    --warmups 2 --out "$d/vllm")
+  ;;
+d)
+  structured_outputs
+  if [ -d /tmp/site-vllm ]; then
+    (export PYTHONPATH=.:/tmp/site-vllm:/tmp/so-site
+     run_step so-vllm 150 python3 benchmarks/h200/structured_outputs_bench.py --engine vllm --tokenizer /tmp/so-tok \
+       --out "$d/structured_outputs_vllm.json"
+     tail -n 1 "$d/so-vllm.log")
+  fi
+  ;;
+*)
+  echo "unknown phase $phase (a|b|c|d)"; exit 2 ;;
+esac
+kill "$clocks_pid" "${host_probe_pid:-}" 2>/dev/null
+save
+since "done"
