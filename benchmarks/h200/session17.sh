@@ -8,7 +8,8 @@
 #      (`--set warps`: the H100's leaders and their neighbours) writing the H200's tuned table, and AWQ's
 #      Llama-3-8B-shaped batch-1 e2e under it beside bf16's (issue 22). On an H100 instead: the grammar
 #      process with its sampling deferred to the next step's start against the engine thread, alternating
-#      twice (issue 19).
+#      twice (issue 19). Then, on any card, FLEX_ATTENTION's decode 256 x 1k and prefill 8 x 2048 rows timed
+#      with `--timing queued` (host out of the loop) and do_bench (issue 23).
 #   b  carry [".vllm/part2", ".so-lite"]: vLLM's second piece; batch-1..256 latency of main (issue 17's first
 #      rows, before the heavy runs of c); on an H200, a's grammar-process pairs.
 #   c  carry [".vllm/part3"]: the third piece; kvllm and vLLM 0.22 on issue 17's table (batch 1-256 latency,
@@ -35,6 +36,15 @@ so_pairs() {  # the grammar process (deferred sampling) against the engine threa
    done)
 }
 
+flex_rows() {  # issue 23: FLEX_ATTENTION's rows timed both ways (do_bench's flushed single calls; queued)
+  for timing in queued bench; do
+    run_step "flex-$timing" 80 python3 -m kvllm.benchmarks.attention --backends FLEX_ATTENTION --peers flex,sdpa \
+      --only-shapes --shape "decode b256 x ctx1k:256x1@1023" --shape "prefill 8x2048 causal:8x2048@0" \
+      --timing "$timing" --output-json "$d/flex-$timing.json"
+    grep -E "FLEX_ATTENTION|flex|sdpa" "$d/flex-$timing.log" | grep -v skipped | head -n 6 | cut -c1-220
+  done
+}
+
 case "$phase" in
 a)
   if on_h200; then
@@ -49,6 +59,7 @@ a)
   else
     so_pairs
   fi
+  flex_rows
   ;;
 b)
   on_h200 && run_step vllm-stage2 40 bash .vllm/part2/remote-stage.sh 2

@@ -30,6 +30,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from kvllm.benchmarks.attention.peers import PEERS, Peers
 from kvllm.benchmarks.attention.shapes import STANDARD_SHAPES, TINY_SHAPES, Shape, parse_shape
@@ -80,6 +81,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--head-size", type=int, default=None, help="128 (--tiny: 64)")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--rep-ms", type=int, default=200, help="do_bench timing window per kernel")
+    parser.add_argument(
+        "--timing",
+        choices=["bench", "queued"],
+        default="bench",
+        help="bench: triton's do_bench, one call between events after an L2 flush (a call whose host "
+        "launch outlasts the flush is timed with the host's gap in it); queued: calls enqueued back to "
+        "back between one pair of events, the GPU's own rate while the host runs ahead of it (for shapes "
+        "whose data is far beyond L2; the host's time per call is reported beside it)",
+    )
     parser.add_argument("--sweep", action="store_true", help="also time TRITON_ATTN tile configs")
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args(argv)
@@ -138,12 +148,15 @@ class _Bench:
         self.device = device
         self.on_gpu = on_gpu
         self.peers = Peers(args, dtype, device, on_gpu)
+        self.host_ms_per_call: list[float] = []  # queued timing: the host's enqueue time, last call last
 
     # ---- timing -----------------------------------------------------------------------------
 
     def time_ms(self, fn: Callable[[], object]) -> float:
         from kvllm.attention.ops.triton_unified_attention import is_interpreter
 
+        if self.on_gpu and self.args.timing == "queued":
+            return queued_ms(fn, self.args.rep_ms, self.host_ms_per_call)
         if self.on_gpu:
             import triton.testing
 
@@ -257,7 +270,14 @@ class _Bench:
         def add(res) -> None:
             if res.status == "ok":
                 row = self._ok_row(
-                    shape, res.kernel, res.ms, flops, kv_bytes, copy_tbps, res.rel_error, res.note
+                    shape,
+                    res.kernel,
+                    res.ms,
+                    flops,
+                    kv_bytes,
+                    copy_tbps,
+                    res.rel_error,
+                    res.note + self._timing_note(),
                 )
             else:
                 row = Row(shape.name, res.kernel, res.status, rel_error=res.rel_error, note=res.note)
@@ -290,7 +310,15 @@ class _Bench:
             return Row(shape.name, label, "error", note=f"{type(exc).__name__}: {str(exc)[:200]}")
         nbytes = bytes_override if bytes_override is not None else kv_bytes
         return self._ok_row(shape, label, ms, 0.0 if bytes_override is not None else flops, nbytes, copy_tbps,
-                            err, note)  # fmt: skip
+                            err, note + self._timing_note())  # fmt: skip
+
+    def _timing_note(self) -> str:
+        """Queued timing: the host's enqueue time per call for the row just timed."""
+        if not self.host_ms_per_call:
+            return ""
+        host_ms = self.host_ms_per_call.pop()
+        self.host_ms_per_call.clear()
+        return f"; queued, host {host_ms:.3f} ms a call"
 
     @staticmethod
     def _ok_row(shape, label, ms, flops, nbytes, copy_tbps, err, note) -> Row:
@@ -298,6 +326,48 @@ class _Bench:
         tflops = flops / (ms * 1e-3) / 1e12
         return Row(shape.name, label, "ok", ms=ms, tflops=tflops, tbps=tbps, frac_copy_bw=tbps / copy_tbps,
                    frac_peak_flops=tflops / PEAK_TFLOPS, rel_error=err, note=note)  # fmt: skip
+
+
+def queued_ms(
+    fn: Callable[[], object],
+    window_ms: float,
+    host_log: list[float],
+    *,
+    new_event: Callable[[], Any] | None = None,
+    synchronize: Callable[[], None] | None = None,
+    repeats: int = 5,
+) -> float:
+    """The GPU's milliseconds per call of `fn` with calls enqueued back to back between one pair of events
+    (the median of `repeats` windows of about `window_ms`): while the host enqueues a call faster than the
+    GPU runs one, the queue stays full and the host's launch time leaves the measure. Appends the host's
+    milliseconds per call (enqueue time over the window) to `host_log`: when it is near the result, the
+    call was host-bound and the number is the host's rate, not the kernels'."""
+    if new_event is None or synchronize is None:
+        import torch
+
+        new_event = new_event or (lambda: torch.cuda.Event(enable_timing=True))
+        synchronize = synchronize or torch.cuda.synchronize
+    for _ in range(3):
+        fn()
+    synchronize()
+    start, end = new_event(), new_event()
+    start.record()
+    fn()
+    end.record()
+    synchronize()
+    calls = max(3, min(1000, int(window_ms / max(start.elapsed_time(end), 1e-3) / repeats)))
+    per_call, host_per_call = [], []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        host_per_call.append((time.perf_counter() - started) * 1e3 / calls)
+        synchronize()
+        per_call.append(start.elapsed_time(end) / calls)
+    host_log.append(statistics.median(host_per_call))
+    return statistics.median(per_call)
 
 
 def _versions() -> dict[str, str]:

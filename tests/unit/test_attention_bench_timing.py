@@ -1,0 +1,62 @@
+"""The attention benchmark's queued timing (kvllm/benchmarks/attention/main.py: queued_ms), on a virtual GPU
+clock: each call adds its kernel time to the clock, events read it, so nothing depends on this machine."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvllm.benchmarks.attention.main import main, queued_ms
+
+
+class VirtualGpu:
+    def __init__(self, kernel_ms: list[float]) -> None:
+        self.clock_ms = 0.0
+        self.kernel_ms = kernel_ms
+        self.calls = 0
+
+    def call(self) -> None:
+        self.clock_ms += self.kernel_ms[self.calls % len(self.kernel_ms)]
+        self.calls += 1
+
+    def new_event(self) -> VirtualEvent:
+        return VirtualEvent(self)
+
+
+class VirtualEvent:
+    def __init__(self, gpu: VirtualGpu) -> None:
+        self.gpu = gpu
+        self.at_ms = None
+
+    def record(self) -> None:
+        self.at_ms = self.gpu.clock_ms
+
+    def elapsed_time(self, end: VirtualEvent) -> float:
+        return end.at_ms - self.at_ms
+
+
+def test_queued_ms_is_the_kernel_time_per_call_and_fills_the_window() -> None:
+    kernel_ms = random.uniform(0.05, 0.5)
+    gpu = VirtualGpu([kernel_ms])
+    host_log: list[float] = []
+    ms = queued_ms(gpu.call, 100.0, host_log, new_event=gpu.new_event, synchronize=lambda: None, repeats=5)
+    assert ms == pytest.approx(kernel_ms)
+    calls_per_window = int(100.0 / kernel_ms / 5)
+    assert gpu.calls == 3 + 1 + 5 * calls_per_window  # warm-up, the sizing call, five windows
+    assert len(host_log) == 1 and host_log[0] >= 0.0
+
+
+def test_queued_ms_takes_the_median_window() -> None:
+    # Warm-up and sizing take calls 0-3 (1 ms each), so 9 ms over 3 windows is 3 calls a window: calls 4-6,
+    # 7-9 and 10-12. Only the second holds the slow call 8: its mean is 3 ms, the others' 1 ms.
+    gpu = VirtualGpu([1.0] * 8 + [7.0] + [1.0] * 8)
+    ms = queued_ms(gpu.call, 9.0, [], new_event=gpu.new_event, synchronize=lambda: None, repeats=3)
+    assert gpu.calls == 13
+    assert ms == pytest.approx(1.0)
+
+
+def test_an_unknown_timing_mode_is_a_usage_error() -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["--timing", "nonsense"])
+    assert exc.value.code == 2
