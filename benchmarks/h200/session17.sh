@@ -4,14 +4,13 @@
 # the last one's return; /tmp goes with the machine) for issue 17's and 19's tables beside it on that card;
 # on an H100 those tables exist (sixteenth session) and the call measures what changed since instead.
 # Raw results under /tmp/<phase>/, tarred into $OUT/<phase>.tgz after every step; a short table on stdout.
-#   a  carry [".vllm/part1", ".so-lite"]: on an H200, vLLM's first piece, then the W4A16 GEMV sweep
-#      (`--set warps`: the H100's leaders and their neighbours) writing the H200's tuned table, and AWQ's
-#      Llama-3-8B-shaped batch-1 e2e under it beside bf16's (issue 22). On an H100 instead: the grammar
-#      process with its sampling deferred to the next step's start against the engine thread, alternating
-#      twice (issue 19). Then, on any card, FLEX_ATTENTION's decode 256 x 1k and prefill 8 x 2048 rows timed
-#      with `--timing queued` (host out of the loop) and do_bench (issue 23).
-#   b  carry [".vllm/part2", ".so-lite"]: vLLM's second piece; batch-1..256 latency of main (issue 17's first
-#      rows, before the heavy runs of c); on an H200, a's grammar-process pairs.
+#   a  carry [".vllm/part1", ".so-lite"]: on an H200, vLLM's first piece and main's batch 1-256 latency (issue 17's
+#      first rows, before the heavy runs of c). On an H100 (ran: the first call): the grammar process with its
+#      sampling deferred to the next step's start against the engine thread, alternating twice (issue 19).
+#      Then, on any card, FLEX_ATTENTION's decode 256 x 1k and prefill 8 x 2048 rows timed with `--timing
+#      queued` (host out of the loop) and do_bench (issue 23).
+#   b  carry [".vllm/part2"] (H200 only): vLLM's second piece; AWQ's Llama-3-8B-shaped batch-1 e2e beside bf16's
+#      (issue 22; the H200 has no tuned W4A16 table, so its configs are default_config's).
 #   c  carry [".vllm/part3"]: the third piece; kvllm and vLLM 0.22 on issue 17's table (batch 1-256 latency,
 #      nano-vllm with kvllm's kernel timeline, 256 x 128/128), one process each.
 #   d  carry [".so-lite"] (after c, on the same machine: vLLM is still in /tmp/site-vllm): issue 19's batch-64
@@ -49,22 +48,17 @@ case "$phase" in
 a)
   if on_h200; then
     run_step vllm-stage1 40 bash .vllm/part1/remote-stage.sh 1
-    run_step sweep 110 python3 benchmarks/h200/w4a16_gemv_m1.py --out "$d" --budget-s 75 --set warps \
-      --table-out "$d/w4a16_gemv_configs.json"
-    sed -n '/best per shape/,$p' "$d/sweep.log"; tr -d ' \n' < "$d/w4a16_gemv_configs.json"; echo
-    KVLLM_W4A16_GEMV_CONFIGS=$d/w4a16_gemv_configs.json run_step e2e-awq 100 python3 benchmarks/h200/quant_bench.py \
-      --out "$d/e2e-awq" --parts e2e --engines awq --quick
-    run_step e2e-bf16 80 python3 benchmarks/h200/quant_bench.py --out "$d/e2e-bf16" --parts e2e --engines bf16 --quick
-    grep -h '"e2e"' "$d"/e2e-*.log | cut -c1-200
+    bench latency 150 --engine kvllm --backend TRITON_ATTN --only latency --iters 5 --warmups 2 --out "$d/latency"
   else
     so_pairs
   fi
   flex_rows
   ;;
 b)
-  on_h200 && run_step vllm-stage2 40 bash .vllm/part2/remote-stage.sh 2
-  bench latency 150 --engine kvllm --backend TRITON_ATTN --only latency --iters 5 --warmups 2 --out "$d/latency"
-  on_h200 && so_pairs
+  run_step vllm-stage2 40 bash .vllm/part2/remote-stage.sh 2
+  run_step e2e-awq 100 python3 benchmarks/h200/quant_bench.py --out "$d/e2e-awq" --parts e2e --engines awq --quick
+  run_step e2e-bf16 80 python3 benchmarks/h200/quant_bench.py --out "$d/e2e-bf16" --parts e2e --engines bf16 --quick
+  grep -h '"e2e"' "$d"/e2e-*.log | cut -c1-200
   ;;
 c)
   bash .vllm/part3/remote-stage.sh 3 > "$d/vllm-stage3.log" 2>&1 || { tail -n 5 "$d/vllm-stage3.log"; save; exit 3; }
