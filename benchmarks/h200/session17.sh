@@ -15,9 +15,13 @@
 #      nano-vllm with kvllm's kernel timeline, 256 x 128/128), one process each.
 #   d  carry [".so-lite"] (after c, on the same machine: vLLM is still in /tmp/site-vllm): issue 19's batch-64
 #      structured-outputs bench, kvllm then vLLM.
+#   e  carry [".so-lite"], any card: where FLEX_ATTENTION's fresh prefill loses to torch's compiled FlexAttention
+#      (flex_prefill_probe.py: the kernel alone on the backend's inputs, contiguous, with kernel options, and the
+#      peer's layout), then batch-64 structured outputs on the engine thread with the host clock (issue 19:
+#      which host work the 7-8% loss is).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-phase=${1:?usage: session17.sh a|b|c|d}
+phase=${1:?usage: session17.sh a|b|c|d|e}
 default_budget_s=${DEFAULT_BUDGET_S:-570}
 source benchmarks/h200/session_lib.sh
 
@@ -77,8 +81,18 @@ d)
      tail -n 1 "$d/so-vllm.log")
   fi
   ;;
+e)
+  run_step flex-probe 200 python3 benchmarks/h200/flex_prefill_probe.py --out "$d"
+  sed -n '/^row /,$p' "$d/flex-probe.log"
+  if stage_structured_outputs; then
+    (export PYTHONPATH=.:/tmp/so-site KVLLM_QWEN3_TOKENIZER=/tmp/so-tok
+     run_step so-host-clock 60 python3 benchmarks/h200/structured_outputs_bench.py --tokenizer /tmp/so-tok \
+       --repeats 2 --host-clock --out "$d/so-host-clock.json"
+     tail -n 1 "$d/so-host-clock.log")
+  fi
+  ;;
 *)
-  echo "unknown phase $phase (a|b|c|d)"; exit 2 ;;
+  echo "unknown phase $phase (a|b|c|d|e)"; exit 2 ;;
 esac
 kill "$clocks_pid" "${host_probe_pid:-}" 2>/dev/null
 save
