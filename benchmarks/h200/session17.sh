@@ -19,9 +19,12 @@
 #      (flex_prefill_probe.py: the kernel alone on the backend's inputs, contiguous, with kernel options, and the
 #      peer's layout), then batch-64 structured outputs on the engine thread with the host clock (issue 19:
 #      which host work the 7-8% loss is).
+#   h  carry nothing, an H200 with too little device time left for vLLM's three calls: kvllm alone on issue 17's
+#      table (against the vLLM 0.22 numbers of earlier H200 leases), AWQ beside bf16 at batch 1 (issue 22) and
+#      the FLEX rows (issue 23).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-phase=${1:?usage: session17.sh a|b|c|d|e}
+phase=${1:?usage: session17.sh a|b|c|d|e|h}
 default_budget_s=${DEFAULT_BUDGET_S:-570}
 source benchmarks/h200/session_lib.sh
 
@@ -91,8 +94,16 @@ e)
      tail -n 1 "$d/so-host-clock.log")
   fi
   ;;
+h)
+  bench kvllm 150 --engine kvllm --backend TRITON_ATTN --only latency,nano,bs256 --iters 3 --warmups 2 \
+    --profile-nano --out "$d/kvllm"
+  run_step e2e-awq 90 python3 benchmarks/h200/quant_bench.py --out "$d/e2e-awq" --parts e2e --engines awq --quick
+  run_step e2e-bf16 70 python3 benchmarks/h200/quant_bench.py --out "$d/e2e-bf16" --parts e2e --engines bf16 --quick
+  grep -h '"e2e"' "$d"/e2e-*.log | cut -c1-200
+  flex_rows
+  ;;
 *)
-  echo "unknown phase $phase (a|b|c|d|e)"; exit 2 ;;
+  echo "unknown phase $phase (a|b|c|d|e|h)"; exit 2 ;;
 esac
 kill "$clocks_pid" "${host_probe_pid:-}" 2>/dev/null
 save
