@@ -347,14 +347,18 @@ def _stop(conn: Connection, proc: BaseProcess) -> None:
 
 
 class _Matchers:
-    """The child's matchers by handle; compiles land from a thread, so the table has a lock."""
+    """The child's matchers by handle; compiles land from a thread, so the table has a lock.
+
+    A matcher that rejected a token or terminated (it accepts a stop token; see StructuredOutputRequest)
+    constrains nothing more: its handle is in `_done`, so a step asks no matcher whether it terminated."""
 
     def __init__(self, backend: XgrammarBackend) -> None:
         self.backend = backend
         self._lock = threading.Lock()
         self._matchers: dict[int, Any] = {}
         self._compiling: set[int] = set()
-        self._rejected: set[int] = set()
+        self._done: set[int] = set()
+        self._stop_token_ids = frozenset(backend.tokenizer_info.stop_token_ids)
 
     def expect(self, handle: int) -> None:
         """`handle`'s compile is on its way (a `free` before it lands drops it)."""
@@ -391,17 +395,19 @@ class _Matchers:
         rejected = []
         for handle, token in zip(accepts[::2], accepts[1::2], strict=True):
             matcher = self._matchers.get(handle)
-            if matcher is None or handle in self._rejected or matcher.is_terminated():
+            if matcher is None or handle in self._done:
                 continue
             if not matcher.accept_token(token):
-                self._rejected.add(handle)
+                self._done.add(handle)
                 rejected.append((handle, token))
+            elif token in self._stop_token_ids and matcher.is_terminated():
+                self._done.add(handle)
         return rejected
 
     def constraining(self, handle: int) -> Any:
         """The matcher that constrains `handle`'s next token, or None."""
         matcher = self._matchers.get(handle)
-        if matcher is None or handle in self._rejected or matcher.is_terminated():
+        if matcher is None or handle in self._done:
             return None
         return matcher
 
@@ -410,7 +416,7 @@ class _Matchers:
             for handle in handles:
                 self._compiling.discard(handle)
                 self._matchers.pop(handle, None)
-                self._rejected.discard(handle)
+                self._done.discard(handle)
 
 
 def serve(
