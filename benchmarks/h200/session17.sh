@@ -19,7 +19,7 @@
 #      (flex_prefill_probe.py: the kernel alone on the backend's inputs, contiguous, with kernel options, and the
 #      peer's layout), then batch-64 structured outputs on the engine thread with the host clock (issue 19:
 #      which host work the 7-8% loss is), and the grammar's termination kept beside its matcher against
-#      asking xgrammar each step (carry ".ab" too: .ab/request_before.py, from 13a6e13), alternating twice.
+#      asking xgrammar each step (carry ".ab" too: .ab/request_before.py: git show 8936cb7~1:kvllm/structured_output/request.py), alternating twice.
 #   h  carry nothing, an H200 with too little device time left for vLLM's three calls: kvllm alone on issue 17's
 #      table (against the vLLM 0.22 numbers of earlier H200 leases), AWQ beside bf16 at batch 1 (issue 22) and
 #      the FLEX rows (issue 23).
