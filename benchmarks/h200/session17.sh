@@ -49,6 +49,9 @@ flex_rows() {  # issue 23: FLEX_ATTENTION's rows timed both ways (do_bench's flu
       --only-shapes --shape "decode b256 x ctx1k:256x1@1023" --shape "prefill 8x2048 causal:8x2048@0" \
       --timing "$timing" --output-json "$d/flex-$timing.json"
     grep -E "FLEX_ATTENTION|flex|sdpa" "$d/flex-$timing.log" | grep -v skipped | head -n 6 | cut -c1-220
+    python3 -c "import json,sys; [print(r['shape'], 'build', r['build_ms'], 'at a 0.1 ms switch interval',
+      r['extra'].get('build_ms_switch_100us'), r['extra'].get('python_threads')) for r in json.load(open(sys.argv[1]))['rows']
+      if r['kernel'] == 'FLEX_ATTENTION' and r.get('build_ms')]" "$d/flex-$timing.json"
   done
 }
 
@@ -86,6 +89,7 @@ d)
   fi
   ;;
 e)
+  flex_rows
   run_step flex-probe 200 python3 benchmarks/h200/flex_prefill_probe.py --out "$d"
   sed -n '/^row /,$p' "$d/flex-probe.log"
   if stage_structured_outputs; then
