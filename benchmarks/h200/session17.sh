@@ -44,7 +44,7 @@ so_pairs() {  # the grammar process (deferred sampling) against the engine threa
 }
 
 flex_rows() {  # issue 23: FLEX_ATTENTION's rows timed both ways (do_bench's flushed single calls; queued)
-  for timing in queued bench; do
+  for timing in ${@:-queued bench}; do
     run_step "flex-$timing" 80 python3 -m kvllm.benchmarks.attention --backends FLEX_ATTENTION --peers flex,sdpa \
       --only-shapes --shape "decode b256 x ctx1k:256x1@1023" --shape "prefill 8x2048 causal:8x2048@0" \
       --timing "$timing" --output-json "$d/flex-$timing.json"
@@ -89,8 +89,8 @@ d)
   fi
   ;;
 e)
-  flex_rows
-  run_step flex-probe 200 python3 benchmarks/h200/flex_prefill_probe.py --out "$d"
+  flex_rows queued
+  run_step flex-probe 170 python3 benchmarks/h200/flex_prefill_probe.py --out "$d"
   sed -n '/^row /,$p' "$d/flex-probe.log"
   if stage_structured_outputs; then
     (export PYTHONPATH=.:/tmp/so-site KVLLM_QWEN3_TOKENIZER=/tmp/so-tok
