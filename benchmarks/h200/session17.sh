@@ -23,9 +23,10 @@
 #   h  carry nothing, an H200 with too little device time left for vLLM's three calls: kvllm alone on issue 17's
 #      table (against the vLLM 0.22 numbers of earlier H200 leases), AWQ beside bf16 at batch 1 (issue 22) and
 #      the FLEX rows (issue 23).
+#   x  carry [".so-lite", ".ab"]: h on an H200, else e (whichever card a call gets).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-phase=${1:?usage: session17.sh a|b|c|d|e|h}
+phase=${1:?usage: session17.sh a|b|c|d|e|h|x}
 default_budget_s=${DEFAULT_BUDGET_S:-570}
 source benchmarks/h200/session_lib.sh
 
@@ -53,6 +54,39 @@ flex_rows() {  # issue 23: FLEX_ATTENTION's rows timed both ways (do_bench's flu
       r['extra'].get('build_ms_switch_100us'), r['extra'].get('python_threads')) for r in json.load(open(sys.argv[1]))['rows']
       if r['kernel'] == 'FLEX_ATTENTION' and r.get('build_ms')]" "$d/flex-$timing.json"
   done
+}
+
+phase_e() {
+  flex_rows queued
+  run_step flex-probe 170 python3 benchmarks/h200/flex_prefill_probe.py --out "$d"
+  sed -n '/^row /,$p' "$d/flex-probe.log"
+  if stage_structured_outputs; then
+    (export PYTHONPATH=.:/tmp/so-site KVLLM_QWEN3_TOKENIZER=/tmp/so-tok
+     run_step so-host-clock 60 python3 benchmarks/h200/structured_outputs_bench.py --tokenizer /tmp/so-tok \
+       --repeats 2 --host-clock --out "$d/so-host-clock.json"
+     tail -n 1 "$d/so-host-clock.log"
+     if [ -f .ab/request_before.py ]; then  # the termination kept beside the matcher, against asking xgrammar
+       req=kvllm/structured_output/request.py
+       cp "$req" /tmp/request_after.py
+       i=0
+       for arm in before after before after; do
+         i=$((i + 1))
+         if [ "$arm" = before ]; then cp .ab/request_before.py "$req"; else cp /tmp/request_after.py "$req"; fi
+         run_step "so-$arm-$i" 45 python3 benchmarks/h200/structured_outputs_bench.py --tokenizer /tmp/so-tok \
+           --repeats 2 --out "$d/so-$arm-$i.json"
+         tail -n 1 "$d/so-$arm-$i.log"
+       done
+       cp /tmp/request_after.py "$req"
+     fi)
+  fi
+}
+phase_h() {
+  bench kvllm 150 --engine kvllm --backend TRITON_ATTN --only latency,nano,bs256 --iters 3 --warmups 2 \
+    --profile-nano --out "$d/kvllm"
+  run_step e2e-awq 90 python3 benchmarks/h200/quant_bench.py --out "$d/e2e-awq" --parts e2e --engines awq --quick
+  run_step e2e-bf16 70 python3 benchmarks/h200/quant_bench.py --out "$d/e2e-bf16" --parts e2e --engines bf16 --quick
+  grep -h '"e2e"' "$d"/e2e-*.log | cut -c1-200
+  flex_rows
 }
 
 case "$phase" in
@@ -89,39 +123,16 @@ d)
   fi
   ;;
 e)
-  flex_rows queued
-  run_step flex-probe 170 python3 benchmarks/h200/flex_prefill_probe.py --out "$d"
-  sed -n '/^row /,$p' "$d/flex-probe.log"
-  if stage_structured_outputs; then
-    (export PYTHONPATH=.:/tmp/so-site KVLLM_QWEN3_TOKENIZER=/tmp/so-tok
-     run_step so-host-clock 60 python3 benchmarks/h200/structured_outputs_bench.py --tokenizer /tmp/so-tok \
-       --repeats 2 --host-clock --out "$d/so-host-clock.json"
-     tail -n 1 "$d/so-host-clock.log"
-     if [ -f .ab/request_before.py ]; then  # the termination kept beside the matcher, against asking xgrammar
-       req=kvllm/structured_output/request.py
-       cp "$req" /tmp/request_after.py
-       i=0
-       for arm in before after before after; do
-         i=$((i + 1))
-         if [ "$arm" = before ]; then cp .ab/request_before.py "$req"; else cp /tmp/request_after.py "$req"; fi
-         run_step "so-$arm-$i" 45 python3 benchmarks/h200/structured_outputs_bench.py --tokenizer /tmp/so-tok \
-           --repeats 2 --out "$d/so-$arm-$i.json"
-         tail -n 1 "$d/so-$arm-$i.log"
-       done
-       cp /tmp/request_after.py "$req"
-     fi)
-  fi
+  phase_e
   ;;
 h)
-  bench kvllm 150 --engine kvllm --backend TRITON_ATTN --only latency,nano,bs256 --iters 3 --warmups 2 \
-    --profile-nano --out "$d/kvllm"
-  run_step e2e-awq 90 python3 benchmarks/h200/quant_bench.py --out "$d/e2e-awq" --parts e2e --engines awq --quick
-  run_step e2e-bf16 70 python3 benchmarks/h200/quant_bench.py --out "$d/e2e-bf16" --parts e2e --engines bf16 --quick
-  grep -h '"e2e"' "$d"/e2e-*.log | cut -c1-200
-  flex_rows
+  phase_h
+  ;;
+x)
+  if on_h200; then phase_h; else phase_e; fi
   ;;
 *)
-  echo "unknown phase $phase (a|b|c|d|e|h)"; exit 2 ;;
+  echo "unknown phase $phase (a|b|c|d|e|h|x)"; exit 2 ;;
 esac
 kill "$clocks_pid" "${host_probe_pid:-}" 2>/dev/null
 save
