@@ -17,9 +17,8 @@
 #      structured-outputs bench, kvllm then vLLM.
 #   e  carry [".so-lite", ".ab"], any card: where FLEX_ATTENTION's fresh prefill loses to torch's compiled FlexAttention
 #      (flex_prefill_probe.py: the kernel alone on the backend's inputs, contiguous, with kernel options, and the
-#      peer's layout), then batch-64 structured outputs on the engine thread with the host clock (issue 19:
-#      which host work the 7-8% loss is), and the grammar's termination kept beside its matcher against
-#      asking xgrammar each step (carry ".ab" too: .ab/request_before.py: git show 8936cb7~1:kvllm/structured_output/request.py), alternating twice.
+#      peer's layout), then batch-64 structured outputs on the engine thread (issue 19): the grammar's
+#      termination kept beside its matcher against asking xgrammar each step (carry ".ab" too: .ab/request_before.py: git show 8936cb7~1:kvllm/structured_output/request.py), alternating twice.
 #   h  carry nothing, an H200 with too little device time left for vLLM's three calls: kvllm alone on issue 17's
 #      table (against the vLLM 0.22 numbers of earlier H200 leases), AWQ beside bf16 at batch 1 (issue 22) and
 #      the FLEX rows (issue 23).
@@ -62,9 +61,6 @@ phase_e() {
   sed -n '/^row /,$p' "$d/flex-probe.log"
   if stage_structured_outputs; then
     (export PYTHONPATH=.:/tmp/so-site KVLLM_QWEN3_TOKENIZER=/tmp/so-tok
-     run_step so-host-clock 60 python3 benchmarks/h200/structured_outputs_bench.py --tokenizer /tmp/so-tok \
-       --repeats 2 --host-clock --out "$d/so-host-clock.json"
-     tail -n 1 "$d/so-host-clock.log"
      if [ -f .ab/request_before.py ]; then  # the termination kept beside the matcher, against asking xgrammar
        req=kvllm/structured_output/request.py
        cp "$req" /tmp/request_after.py
