@@ -42,9 +42,10 @@ def _phase_timer_class():
     return module.PhaseTimer
 
 
-# Parts of a phase, reported beside it: the engine's output processing (OutputProcessor.process_step)
-# and the input batch's per-request pass (InputBatch.update_states, inside prepare).
-SUBPHASES = ("outputs", "rows")
+# Parts of a phase, reported beside it: the engine's output processing (OutputProcessor.process_step),
+# the input batch's per-request pass (InputBatch.update_states, inside prepare) and, under a grammar, the
+# grammars' accepts of the previous step's tokens (OutputProcessor.accept_grammar_tokens, inside engine).
+SUBPHASES = ("outputs", "rows", "accepts")
 
 
 class EagerDecodeReplay:
@@ -151,6 +152,7 @@ def profile_batch(
     timer.wrap(runner.input_batch, "update_states", "rows")
     timer.wrap(engine.output_processor, "process_step", "outputs")
     if grammar:  # the engine thread's share of the masks (with the grammar process: send, then wait)
+        timer.wrap(engine.output_processor, "accept_grammar_tokens", "accepts")
         timer.wrap(engine.structured_output_manager, "start_bitmask", "mask")
         timer.wrap(engine.structured_output_manager, "finish_bitmask", "mask")
     timer.wrap(engine, "step", "step")
@@ -298,6 +300,7 @@ def main() -> int:
         "wait",
         "engine",
         "outputs",
+        "accepts",
     ]
     detok = "on" if args.detokenize else "off"
     path = "graph decode path" if args.graph_path else "eager path"
