@@ -22,10 +22,11 @@
 #   h  carry nothing, an H200 with too little device time left for vLLM's three calls: kvllm alone on issue 17's
 #      table (against the vLLM 0.22 numbers of earlier H200 leases), AWQ beside bf16 at batch 1 (issue 22) and
 #      the FLEX rows (issue 23).
+#   f  carry nothing, any card, when little device time is left: e's FLEX parts only.
 #   x  carry [".so-lite", ".ab"]: h on an H200, else e (whichever card a call gets).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-phase=${1:?usage: session17.sh a|b|c|d|e|h|x}
+phase=${1:?usage: session17.sh a|b|c|d|e|f|h|x}
 default_budget_s=${DEFAULT_BUDGET_S:-570}
 source benchmarks/h200/session_lib.sh
 
@@ -127,8 +128,13 @@ h)
 x)
   if on_h200; then phase_h; else phase_e; fi
   ;;
+f)
+  flex_rows queued
+  run_step flex-probe 170 python3 benchmarks/h200/flex_prefill_probe.py --out "$d"
+  sed -n '/^row /,$p' "$d/flex-probe.log"
+  ;;
 *)
-  echo "unknown phase $phase (a|b|c|d|e|h|x)"; exit 2 ;;
+  echo "unknown phase $phase (a|b|c|d|e|f|h|x)"; exit 2 ;;
 esac
 kill "$clocks_pid" "${host_probe_pid:-}" 2>/dev/null
 save
