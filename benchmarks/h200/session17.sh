@@ -103,21 +103,10 @@ b)
   grep -h '"e2e"' "$d"/e2e-*.log | cut -c1-200
   ;;
 c)
-  bash .vllm/part3/remote-stage.sh 3 > "$d/vllm-stage3.log" 2>&1 || { tail -n 5 "$d/vllm-stage3.log"; save; exit 3; }
-  tail -n 3 "$d/vllm-stage3.log"
-  bench kvllm 140 --engine kvllm --backend TRITON_ATTN --only latency,nano,bs256 --iters 3 --warmups 2 \
-    --profile-nano --out "$d/kvllm"
-  (export PYTHONPATH=.:/tmp/site-vllm; bench vllm 250 --engine vllm --only latency,nano,bs256 --iters 3 \
-    --warmups 2 --out "$d/vllm")
+  issue17_beside_vllm
   ;;
 d)
-  structured_outputs
-  if [ -d /tmp/site-vllm ]; then
-    (export PYTHONPATH=.:/tmp/site-vllm:/tmp/so-site
-     run_step so-vllm 150 python3 benchmarks/h200/structured_outputs_bench.py --engine vllm --tokenizer /tmp/so-tok \
-       --out "$d/structured_outputs_vllm.json"
-     tail -n 1 "$d/so-vllm.log")
-  fi
+  issue19_beside_vllm
   ;;
 e)
   phase_e

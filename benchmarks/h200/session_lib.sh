@@ -69,6 +69,24 @@ structured_outputs() {  # issue 19: the batch-64 bench and the GPU tests
    run_step so-tests "${SO_TESTS_CAP:-50}" python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
      tests/gpu/test_structured_outputs_gpu.py)
 }
+issue17_beside_vllm() {  # vLLM's third staged part, then kvllm and vLLM 0.22 on issue 17's table (batch 1-256
+  # latency, nano-vllm with kvllm's kernel timeline, 256 x 128/128), one process each
+  bash .vllm/part3/remote-stage.sh 3 > "$d/vllm-stage3.log" 2>&1 || { tail -n 5 "$d/vllm-stage3.log"; save; exit 3; }
+  tail -n 3 "$d/vllm-stage3.log"
+  bench kvllm 140 --engine kvllm --backend TRITON_ATTN --only latency,nano,bs256 --iters 3 --warmups 2 \
+    --profile-nano --out "$d/kvllm"
+  (export PYTHONPATH=.:/tmp/site-vllm; bench vllm 250 --engine vllm --only latency,nano,bs256 --iters 3 \
+    --warmups 2 --out "$d/vllm")
+}
+issue19_beside_vllm() {  # the batch-64 structured-outputs bench, kvllm then vLLM (staged by an earlier call)
+  structured_outputs
+  if [ -d /tmp/site-vllm ]; then
+    (export PYTHONPATH=.:/tmp/site-vllm:/tmp/so-site
+     run_step so-vllm 150 python3 benchmarks/h200/structured_outputs_bench.py --engine vllm --tokenizer /tmp/so-tok \
+       --out "$d/structured_outputs_vllm.json"
+     tail -n 1 "$d/so-vllm.log")
+  fi
+}
 nvidia-smi --query-gpu=name,compute_cap,driver_version,clocks.max.sm --format=csv,noheader | tee "$d/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$d/gpu.txt"
 nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,utilization.gpu --format=csv -lms 250 \
