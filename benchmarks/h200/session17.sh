@@ -24,9 +24,11 @@
 #      the FLEX rows (issue 23).
 #   f  carry nothing, any card, when little device time is left: e's FLEX parts only.
 #   x  carry [".so-lite", ".ab"]: h on an H200, else e (whichever card a call gets).
+#   y  carry [".vllm/part1", ".so-lite", ".ab"] (the eighteenth session's first call): a on an H200, so that b, c
+#      and d can follow on the same machine; else e.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-phase=${1:?usage: session17.sh a|b|c|d|e|f|h|x}
+phase=${1:?usage: session17.sh a|b|c|d|e|f|h|x|y}
 default_budget_s=${DEFAULT_BUDGET_S:-570}
 source benchmarks/h200/session_lib.sh
 
@@ -117,13 +119,22 @@ h)
 x)
   if on_h200; then phase_h; else phase_e; fi
   ;;
+y)
+  if on_h200; then
+    run_step vllm-stage1 40 bash .vllm/part1/remote-stage.sh 1
+    bench latency 150 --engine kvllm --backend TRITON_ATTN --only latency --iters 5 --warmups 2 --out "$d/latency"
+    flex_rows
+  else
+    phase_e
+  fi
+  ;;
 f)
   flex_rows queued
   run_step flex-probe 170 python3 benchmarks/h200/flex_prefill_probe.py --out "$d"
   sed -n '/^row /,$p' "$d/flex-probe.log"
   ;;
 *)
-  echo "unknown phase $phase (a|b|c|d|e|f|h|x)"; exit 2 ;;
+  echo "unknown phase $phase (a|b|c|d|e|f|h|x|y)"; exit 2 ;;
 esac
 kill "$clocks_pid" "${host_probe_pid:-}" 2>/dev/null
 save
