@@ -16,6 +16,8 @@ Run on the H200: `pytest -m gpu tests/gpu/test_flex_attention_gpu.py`.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -62,7 +64,14 @@ def device_info() -> DeviceInfo:
     return DeviceInfo(platform, torch.cuda.get_device_capability(DEVICE))
 
 
-def run(
+def run(batch: PagedBatch, num_heads: int, num_kv_heads: int, head_size: int, cache_dtype: torch.dtype,
+        **options: Any) -> torch.Tensor:  # fmt: skip
+    out = prepare(batch, num_heads, num_kv_heads, head_size, cache_dtype, **options)()
+    assert not flex.compile_failures(), flex.compile_failures()
+    return out
+
+
+def prepare(
     batch: PagedBatch,
     num_heads: int,
     num_kv_heads: int,
@@ -74,7 +83,8 @@ def run(
     causal: bool = True,
     attn_type: str = "decoder",
     kv_cache_dtype: str = "auto",
-) -> torch.Tensor:
+) -> Callable[[], torch.Tensor]:
+    """One step of `batch` as the engine runs it: the metadata build, then the layer's forward."""
     builder = make_builder(Backend, batch, cache_dtype, kv_cache_dtype, (MAX_NUM_REQS, 2048, MAX_MODEL_LEN))
     impl = make_impl(Backend, num_heads, head_size, num_kv_heads, sliding_window=window, logits_soft_cap=soft_cap,
                      attn_type=attn_type, kv_cache_dtype=kv_cache_dtype)  # fmt: skip
@@ -85,11 +95,9 @@ def run(
         shape = Backend.get_kv_cache_shape(batch.num_blocks, batch.block_size, num_kv_heads, head_size)
         kv_cache = (torch.randn(shape, device=DEVICE) * 100).to(cache_dtype)
         batch.fill_cache(kv_cache[0], kv_cache[1])
-    out = impl.forward(
+    return lambda: impl.forward(
         None, batch.query, batch.new_keys, batch.new_values, kv_cache, builder.build(batch.metadata)
     )
-    assert not flex.compile_failures(), flex.compile_failures()
-    return out
 
 
 def check(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
@@ -187,6 +195,29 @@ def test_a_step_of_fresh_prefills(query_lens: list[int], feature: str) -> None:
     batch.query, batch.new_keys, batch.new_values = (t.view(-1, h, 128) for t, h in ((q, 16), (k, 8), (v, 8)))
     out = run(batch, 16, 8, 128, torch.bfloat16, window=window)
     check(out, batch.reference(128**-0.5, sliding_window=window), torch.bfloat16)
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="the sync debug mode is CUDA's")
+@pytest.mark.parametrize(
+    ("query_lens", "context_lens"),
+    [([1] * 6, [0, 15, 80, 130, 255, 300]), ([1, 1, 37, 300], [15, 80, 0, 0]), (QUERY_LENS, CONTEXT_LENS)],
+    ids=["decodes", "fresh_prefills_beside_decodes", "general"],
+)
+def test_a_step_never_waits_for_the_device(query_lens: list[int], context_lens: list[int]) -> None:
+    """The metadata build and the forward (block masks, the K/V write, the kernels) only enqueue work,
+    so the host can prepare the next layer and step while the GPU runs (issue 23): torch's sync debug
+    mode raises on any synchronizing call in a step after the first (which compiles)."""
+    batch = make_paged_batch(query_lens, context_lens, 16, 8, 128, 16, torch.bfloat16, DEVICE, seed=12)
+    step = prepare(batch, 16, 8, 128, torch.bfloat16)
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert not flex.compile_failures(), flex.compile_failures()
+    check(out, batch.reference(128**-0.5), torch.bfloat16)
 
 
 @pytest.mark.parametrize("window", [None, 8])

@@ -45,6 +45,7 @@ from kvllm.attention.backends.flex_attention_mask import (
 from kvllm.attention.backends.flex_attention_prefill import fresh_prefill
 from kvllm.attention.impl import AttentionImpl, AttentionLayer, AttentionMetadataBuilder
 from kvllm.attention.metadata import CommonAttentionMetadata
+from kvllm.attention.ops.paged_cache_write import write_kv_to_paged_cache
 
 __all__ = ["FlexAttentionImpl", "FlexAttentionMetadata", "FlexAttentionMetadataBuilder", "StepMask"]
 
@@ -182,12 +183,9 @@ class FlexAttentionMetadataBuilder(AttentionMetadataBuilder):
         max_blocks = -(-self.max_model_len // block_size)
         cols = min(max_blocks, common.block_table.shape[1])
         block_table = torch.zeros(self.max_num_reqs + 1, max_blocks, dtype=torch.int32, device=device)
-        block_table[:num_reqs, :cols] = common.block_table[:num_reqs, :cols].to(device, torch.int32)
+        block_table[:num_reqs, :cols].copy_(common.block_table[:num_reqs, :cols], non_blocking=True)
         seq_lens = torch.zeros(self.max_num_reqs + 1, dtype=torch.int32, device=device)
-        seq_lens[:num_reqs] = common.seq_lens[:num_reqs].to(device, torch.int32)
-
-        slot_mapping = common.slot_mapping[:num_tokens].to(device)
-        write_tokens = torch.nonzero(slot_mapping >= 0).flatten()
+        seq_lens[:num_reqs].copy_(common.seq_lens[:num_reqs], non_blocking=True)
         # Split into a decode part and a fresh-prefill part when every prefill has nothing cached.
         num_decodes = common.num_decodes if common.num_decode_tokens == common.num_decodes else 0
         fresh = bool((context_lens[num_decodes:] == 0).all()) and num_reqs > num_decodes
@@ -202,12 +200,11 @@ class FlexAttentionMetadataBuilder(AttentionMetadataBuilder):
             seq_lens_cpu=seq_lens_cpu,
             context_lens_cpu=context_lens,
             q_req_cpu=q_req_cpu,
-            q_req=q_req_cpu.to(device, torch.int32),
-            q_pos=q_pos_cpu.to(device, torch.int32),
+            q_req=q_req_cpu.to(device, torch.int32, non_blocking=True),
+            q_pos=q_pos_cpu.to(device, torch.int32, non_blocking=True),
             block_table=block_table,
             seq_lens=seq_lens,
-            write_tokens=write_tokens,
-            write_slots=slot_mapping[write_tokens],
+            slot_mapping=common.slot_mapping[:num_tokens].to(device, non_blocking=True),
             decode_masks=self.decode_masks if split and num_decodes else None,
             num_decodes=num_decodes if split else 0,
             fresh_prefill_from=num_decodes if split and fresh else None,
@@ -281,7 +278,8 @@ class FlexAttentionImpl(AttentionImpl):
             value_src = value[: meta.num_actual_tokens].contiguous()
         else:
             key_cache, value_cache = kv_cache[0], kv_cache[1]
-            self._write_cache(key_cache, value_cache, key, value, meta)
+            rows = meta.num_actual_tokens
+            write_kv_to_paged_cache(key_cache, value_cache, key[:rows], value[:rows], meta.slot_mapping)
             dtype = key_cache.dtype
             key_src = key_cache.reshape(-1, self.num_kv_heads, self.head_size)
             value_src = value_cache.reshape(-1, self.num_kv_heads, self.head_size)
@@ -413,19 +411,6 @@ class FlexAttentionImpl(AttentionImpl):
             sliding_window=self.sliding_window is not None,
             soft_cap=self.score_mod is not None,
         )
-
-    def _write_cache(
-        self,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        meta: FlexAttentionMetadata,
-    ) -> None:
-        slots, tokens = meta.write_slots, meta.write_tokens
-        blocks, offsets = slots // meta.block_size, slots % meta.block_size
-        key_cache[blocks, offsets] = key[tokens].to(key_cache.dtype)
-        value_cache[blocks, offsets] = value[tokens].to(value_cache.dtype)
 
     def _attend(
         self,

@@ -49,8 +49,7 @@ class FlexAttentionMetadata:
     q_pos: torch.Tensor  # int32 [num_actual_tokens]: absolute position of each query token
     block_table: torch.Tensor  # int32 [pad_req + 1, max_blocks_per_req]; fixed shape across steps
     seq_lens: torch.Tensor  # int32 [pad_req + 1]; 0 past num_reqs
-    write_tokens: torch.Tensor  # int64: query tokens whose K/V go into the cache (slot >= 0)
-    write_slots: torch.Tensor  # int64: their slots
+    slot_mapping: torch.Tensor  # int64 [num_actual_tokens]: each query token's cache slot, -1 = not written
     # Split steps (decodes first, then only fresh prefills, or decodes only): the decodes run on the
     # builder's persistent decode masks (flex_attention_decode), the fresh prefills over the step's
     # own K/V (flex_attention_prefill). None = the general path for the whole step.
@@ -115,17 +114,22 @@ def paged_kv_blocks(
     """kv_num_blocks [num_q_tiles] and kv_indices [num_q_tiles, width] (int32, device): for each
     query tile the distinct physical pages it reads, ascending. Pages shared by several requests
     of a tile (prefix caching) are listed once: a page listed twice would be attended twice.
+    Fixed-size device ops only (a sort, not torch.unique), so building it never waits for the device.
     """
     device = meta.block_table.device
-    tile, req, logical = tile_pages(meta, causal, sliding_window)
-    pages = meta.block_table[req.to(device), logical.to(device)].long()
-    keys = torch.unique(tile.to(device) * num_blocks + pages)  # sorted: by tile, then page
+    tile, req, logical = (t.to(device, non_blocking=True) for t in tile_pages(meta, causal, sliding_window))
+    keys = torch.sort(tile * num_blocks + meta.block_table[req, logical].long()).values  # by tile, then page
+    distinct = torch.ones_like(keys, dtype=torch.bool)
+    distinct[1:] = keys[1:] != keys[:-1]
     key_tile, key_page = keys // num_blocks, keys % num_blocks
-    counts = torch.bincount(key_tile, minlength=num_q_tiles)
-    column = torch.arange(len(keys), device=device) - (torch.cumsum(counts, 0) - counts)[key_tile]
-    kv_indices = torch.zeros(num_q_tiles, width, dtype=torch.int32, device=device)
+    counts = torch.zeros(num_q_tiles, dtype=torch.long, device=device).scatter_add_(
+        0, key_tile, distinct.long()
+    )
+    column = torch.cumsum(distinct.long(), 0) - 1 - (torch.cumsum(counts, 0) - counts)[key_tile]
+    column = torch.where(distinct, column, width)  # repeats go to a spare column, dropped below
+    kv_indices = torch.zeros(num_q_tiles, width + 1, dtype=torch.int32, device=device)
     kv_indices[key_tile, column] = key_page.to(torch.int32)
-    return counts.to(torch.int32), kv_indices
+    return counts.to(torch.int32), kv_indices[:, :width].contiguous()
 
 
 def physical_to_logical(meta: FlexAttentionMetadata, num_blocks: int) -> torch.Tensor:
@@ -209,7 +213,10 @@ def encoder_kv_blocks(meta: FlexAttentionMetadata, num_q_tiles: int) -> tuple[to
     kv_indices = torch.zeros(num_q_tiles, num_q_tiles, dtype=torch.int64)
     kv_indices[:num_real] = (lo[:, None] + torch.arange(num_q_tiles)).clamp(max=num_q_tiles - 1)
     device = meta.block_table.device
-    return counts.to(device, torch.int32), kv_indices.to(device, torch.int32)
+    return (
+        counts.to(device, torch.int32, non_blocking=True),
+        kv_indices.to(device, torch.int32, non_blocking=True),
+    )
 
 
 def _pad(x: torch.Tensor, length: int, value: int) -> torch.Tensor:

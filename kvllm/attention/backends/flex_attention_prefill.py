@@ -4,7 +4,7 @@ A prefill with no cached context reads only the keys and values it writes in the
 those arrive contiguous. So the step's fresh prefills run as one packed sequence over the step's
 own K/V (no page gathering), with a document-causal mask and FlexAttention's large default tiles
 (TILE x TILE BlockMask blocks) instead of one page per KV tile. The block structure is computed
-on the host from the scheduler's CPU offsets (no device sync): per query tile, the KV tiles from
+on the host from the scheduler's CPU offsets and copied without waiting for the device: per query tile, the KV tiles from
 the first document it touches (or the window's edge) to the diagonal; tiles wholly inside one
 document, below the diagonal and inside the window are *full* (the kernel skips the mask there).
 """
@@ -70,14 +70,14 @@ def fresh_prefill(
     # Partial tiles: [lo, full_lo) and the diagonal; full tiles: [full_lo, tile).
     partial = torch.where(cols[None] < (full_lo - lo)[:, None], lo[:, None] + cols[None], tiles[:, None])
     full = (full_lo[:, None] + cols[None]).clamp(max=num_tiles - 1)
-    to_device = lambda t: t.to(device=device, dtype=torch.int32)[None, None]  # noqa: E731
+    to_device = lambda t: t.to(device=device, dtype=torch.int32, non_blocking=True)[None, None]  # noqa: E731
     block_mask = BlockMask.from_kv_blocks(
         to_device(partial_count),
         to_device(partial.clamp(max=num_tiles - 1)),
         to_device(full_count),
         to_device(full),
         BLOCK_SIZE=(TILE, TILE),
-        mask_mod=document_causal_mask_mod(doc.to(device), sliding_window),
+        mask_mod=document_causal_mask_mod(doc.to(device, non_blocking=True), sliding_window),
         seq_lengths=(length, length),
         compute_q_blocks=False,
     )
