@@ -7,18 +7,21 @@
 #      (the new sync-debug-mode test included), the decode 256 x 1k and prefill 8 x 2048 rows timed both
 #      ways (their build column), the prefill probe; then issue 19's batch-64 bench with the host clock and
 #      cProfile on the engine thread (where a constrained step's host time goes now).
-#   b  carry nothing: issue 22's Llama-3-8B-shaped batch-1 AWQ beside bf16 with a torch.profiler kernel table
-#      each (where AWQ's 3.24 ms a token goes beyond the GEMVs); on an H200 first kvllm alone on issue 17's
-#      table (against earlier H200 leases' vLLM 0.22 numbers).
+#   b  carry nothing (an H100), or [".vllm/part2"] (an H200, after p; vLLM's second piece staged first): issue
+#      22's Llama-3-8B-shaped batch-1 AWQ beside bf16 with a torch.profiler kernel table each (where AWQ's
+#      3.24 ms a token goes beyond the GEMVs).
+#   p  carry [".vllm/part1", ".so-lite"], the first call on whichever card comes: a on an H100; on an H200
+#      vLLM's first piece, then a's FLEX tests and queued rows only, so that b, then session17.sh c and d
+#      (vLLM's third piece, issue 17's and 19's tables beside vLLM 0.22) follow on the same machine.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-phase=${1:?usage: session18.sh a|b}
+phase=${1:?usage: session18.sh a|b|p}
 default_budget_s=${DEFAULT_BUDGET_S:-570}
 source benchmarks/h200/session_lib.sh
 
 on_h200() { grep -q H200 "$d/gpu.txt"; }
 flex_rows() {  # issue 23: FLEX_ATTENTION's rows, queued (host out of the loop) and do_bench
-  for timing in queued bench; do
+  for timing in ${@:-queued bench}; do
     run_step "flex-$timing" 80 python3 -m kvllm.benchmarks.attention --backends FLEX_ATTENTION --peers flex,sdpa \
       --only-shapes --shape "decode b256 x ctx1k:256x1@1023" --shape "prefill 8x2048 causal:8x2048@0" \
       --timing "$timing" --output-json "$d/flex-$timing.json"
@@ -26,9 +29,11 @@ flex_rows() {  # issue 23: FLEX_ATTENTION's rows, queued (host out of the loop) 
   done
 }
 
-case "$phase" in
-a)
-  parallel_tests 170 "flex|tests/gpu/test_flex_attention_gpu.py -k 'never_waits or fresh or decode_only or test_dtypes or many_pages'"
+flex_tests() {
+  parallel_tests "$1" "flex|tests/gpu/test_flex_attention_gpu.py -k 'never_waits or fresh or decode_only or test_dtypes or many_pages'"
+}
+phase_a() {
+  flex_tests 170
   flex_rows
   run_step flex-probe 100 python3 benchmarks/h200/flex_prefill_probe.py --out "$d"
   sed -n '/^row /,$p' "$d/flex-probe.log"
@@ -38,19 +43,30 @@ a)
        --host-clock --cprofile-dir "$d/so-cprofile" --out "$d/so-clock.json"
      tail -n 3 "$d/so-clock.log")
   fi
+}
+
+case "$phase" in
+a)
+  phase_a
+  ;;
+p)
+  if on_h200; then
+    run_step vllm-stage1 40 bash .vllm/part1/remote-stage.sh 1
+    flex_tests 120
+    flex_rows queued
+  else
+    phase_a
+  fi
   ;;
 b)
-  if on_h200; then
-    bench kvllm 150 --engine kvllm --backend TRITON_ATTN --only latency,nano,bs256 --iters 3 --warmups 2 \
-      --profile-nano --out "$d/kvllm"
-  fi
+  if [ -d .vllm/part2 ]; then run_step vllm-stage2 40 bash .vllm/part2/remote-stage.sh 2; fi
   run_step e2e 240 python3 benchmarks/h200/quant_bench.py --out "$d/e2e" --parts e2e --engines awq,bf16 --quick \
     --profile
   grep -h '"e2e"' "$d/e2e.log" | cut -c1-200
   for f in "$d"/e2e/e2e-profile-*.txt; do echo "== $f"; head -n 30 "$f" | cut -c1-180; done
   ;;
 *)
-  echo "unknown phase $phase (a|b)"; exit 2 ;;
+  echo "unknown phase $phase (a|b|p)"; exit 2 ;;
 esac
 kill "$clocks_pid" "${host_probe_pid:-}" 2>/dev/null
 save
