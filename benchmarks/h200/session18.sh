@@ -13,9 +13,11 @@
 #   p  carry [".vllm/part1", ".so-lite"], the first call on whichever card comes: a on an H100; on an H200
 #      vLLM's first piece, then a's FLEX tests and queued rows only, so that b, then session17.sh c and d
 #      (vLLM's third piece, issue 17's and 19's tables beside vLLM 0.22) follow on the same machine.
+#   s  carry [".vllm/part2"] (an H200, after p, when too little device time is left for b's AWQ runs as well as
+#      session17.sh c and d): vLLM's second piece only.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-phase=${1:?usage: session18.sh a|b|p}
+phase=${1:?usage: session18.sh a|b|p|s}
 default_budget_s=${DEFAULT_BUDGET_S:-570}
 source benchmarks/h200/session_lib.sh
 
@@ -65,8 +67,11 @@ b)
   grep -h '"e2e"' "$d/e2e.log" | cut -c1-200
   for f in "$d"/e2e/e2e-profile-*.txt; do echo "== $f"; head -n 30 "$f" | cut -c1-180; done
   ;;
+s)
+  run_step vllm-stage2 40 bash .vllm/part2/remote-stage.sh 2
+  ;;
 *)
-  echo "unknown phase $phase (a|b|p)"; exit 2 ;;
+  echo "unknown phase $phase (a|b|p|s)"; exit 2 ;;
 esac
 kill "$clocks_pid" "${host_probe_pid:-}" 2>/dev/null
 save
