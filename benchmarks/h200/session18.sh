@@ -13,11 +13,14 @@
 #   p  carry [".vllm/part1", ".so-lite"], the first call on whichever card comes: a on an H100; on an H200
 #      vLLM's first piece, then a's FLEX tests and queued rows only, so that b, then session17.sh c and d
 #      (vLLM's third piece, issue 17's and 19's tables beside vLLM 0.22) follow on the same machine.
+#   q  carry [".so-lite"], a first call with too little device time left for vLLM's pieces: a on an H100; on an
+#      H200 a's FLEX tests and queued rows, then kvllm alone on issue 17's table (against the vLLM 0.22
+#      numbers of earlier H200 leases).
 #   s  carry [".vllm/part2"] (an H200, after p, when too little device time is left for b's AWQ runs as well as
 #      session17.sh c and d): vLLM's second piece only.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-phase=${1:?usage: session18.sh a|b|p|s}
+phase=${1:?usage: session18.sh a|b|p|q|s}
 default_budget_s=${DEFAULT_BUDGET_S:-570}
 source benchmarks/h200/session_lib.sh
 
@@ -67,11 +70,21 @@ b)
   grep -h '"e2e"' "$d/e2e.log" | cut -c1-200
   for f in "$d"/e2e/e2e-profile-*.txt; do echo "== $f"; head -n 30 "$f" | cut -c1-180; done
   ;;
+q)
+  if on_h200; then
+    flex_tests 120
+    flex_rows queued
+    bench kvllm 150 --engine kvllm --backend TRITON_ATTN --only latency,nano,bs256 --iters 3 --warmups 2 \
+      --profile-nano --out "$d/kvllm"
+  else
+    phase_a
+  fi
+  ;;
 s)
   run_step vllm-stage2 40 bash .vllm/part2/remote-stage.sh 2
   ;;
 *)
-  echo "unknown phase $phase (a|b|p|s)"; exit 2 ;;
+  echo "unknown phase $phase (a|b|p|q|s)"; exit 2 ;;
 esac
 kill "$clocks_pid" "${host_probe_pid:-}" 2>/dev/null
 save
