@@ -4,8 +4,8 @@
 # $OUT/<phase>.tgz after every step; a short table on stdout.
 #   a  carry [".so-lite"]: issue 23's FLEX_ATTENTION without host syncs (the build's nonzero gone, the K/V
 #      written by the Triton kernel, masks copied without waiting): the GPU tests of the paths it touches
-#      (the new sync-debug-mode test included), the decode 256 x 1k and prefill 8 x 2048 rows timed both
-#      ways (their build column), the prefill probe; then issue 19's batch-64 bench with the host clock and
+#      (the new sync-debug-mode test included), the decode 256 x 1k and prefill 8 x 2048 rows timed
+#      queued (and their build column), the prefill probe; then issue 19's batch-64 bench with the host clock and
 #      cProfile on the engine thread (where a constrained step's host time goes now).
 #   b  carry nothing (an H100), or [".vllm/part2"] (an H200, after p; vLLM's second piece staged first): issue
 #      22's Llama-3-8B-shaped batch-1 AWQ beside bf16 with a torch.profiler kernel table each (where AWQ's
@@ -38,8 +38,8 @@ flex_tests() {
   parallel_tests "$1" "flex|tests/gpu/test_flex_attention_gpu.py -k 'never_waits or fresh or decode_only or test_dtypes or many_pages'"
 }
 phase_a() {
-  flex_tests 170
-  flex_rows
+  flex_tests 150
+  flex_rows queued
   run_step flex-probe 100 python3 benchmarks/h200/flex_prefill_probe.py --out "$d"
   sed -n '/^row /,$p' "$d/flex-probe.log"
   if stage_structured_outputs; then
