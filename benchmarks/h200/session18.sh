@@ -35,7 +35,7 @@ flex_rows() {  # issue 23: FLEX_ATTENTION's rows, queued (host out of the loop) 
 }
 
 flex_tests() {
-  parallel_tests "$1" "flex|tests/gpu/test_flex_attention_gpu.py -k 'never_waits or fresh or decode_only or test_dtypes or many_pages'"
+  parallel_tests "$1" "flex|tests/gpu/test_flex_attention_gpu.py -k 'never_waits or fresh or decode_only or test_dtypes or many_pages or float16_cache'"
 }
 phase_a() {
   flex_tests 150
