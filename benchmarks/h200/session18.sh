@@ -16,11 +16,16 @@
 #   q  carry [".so-lite"], a first call with too little device time left for vLLM's pieces: a on an H100; on an
 #      H200 a's FLEX tests and queued rows, then kvllm alone on issue 17's table (against the vLLM 0.22
 #      numbers of earlier H200 leases).
+#   c  carry [".so-lite", ".ab"]: issue 19's mask off the step's critical path (the masks' copy on a stream of its
+#      own, overlapping the forward; the fused sampling pass reading the bitmask instead of a masked copy of
+#      the logits): the structured-outputs and sampling GPU tests, then the batch-64 bench alternating before
+#      (.ab/{gumbel,sampler,model_runner}_before.py, main before the change) and after, twice; then b's AWQ
+#      e2e with its kernel tables if the device time allows.
 #   s  carry [".vllm/part2"] (an H200, after p, when too little device time is left for b's AWQ runs as well as
 #      session17.sh c and d): vLLM's second piece only.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-phase=${1:?usage: session18.sh a|b|p|q|s}
+phase=${1:?usage: session18.sh a|b|c|p|q|s}
 default_budget_s=${DEFAULT_BUDGET_S:-570}
 source benchmarks/h200/session_lib.sh
 
@@ -80,11 +85,34 @@ q)
     phase_a
   fi
   ;;
+c)
+  if stage_structured_outputs; then
+    (export PYTHONPATH=.:/tmp/so-site KVLLM_QWEN3_TOKENIZER=/tmp/so-tok
+     parallel_tests 120 "so|tests/gpu/test_structured_outputs_gpu.py tests/gpu/test_sampling_gpu.py"
+     files="kvllm/sample/gumbel.py kvllm/sample/sampler.py kvllm/worker/model_runner.py"
+     for f in $files; do cp "$f" "/tmp/$(basename "$f" .py)_after.py"; done
+     i=0
+     for arm in before after before after; do
+       i=$((i + 1))
+       for f in $files; do
+         if [ "$arm" = before ]; then cp ".ab/$(basename "$f" .py)_before.py" "$f"; else cp "/tmp/$(basename "$f" .py)_after.py" "$f"; fi
+       done
+       run_step "so-$arm-$i" 45 python3 benchmarks/h200/structured_outputs_bench.py --tokenizer /tmp/so-tok \
+         --repeats 2 --out "$d/so-$arm-$i.json"
+       tail -n 1 "$d/so-$arm-$i.log"
+     done
+     for f in $files; do cp "/tmp/$(basename "$f" .py)_after.py" "$f"; done)
+  fi
+  run_step e2e 240 python3 benchmarks/h200/quant_bench.py --out "$d/e2e" --parts e2e --engines awq,bf16 --quick \
+    --profile
+  grep -h '"e2e"' "$d/e2e.log" | cut -c1-200
+  for f in "$d"/e2e/e2e-profile-*.txt; do echo "== $f"; head -n 30 "$f" | cut -c1-180; done
+  ;;
 s)
   run_step vllm-stage2 40 bash .vllm/part2/remote-stage.sh 2
   ;;
 *)
-  echo "unknown phase $phase (a|b|p|q|s)"; exit 2 ;;
+  echo "unknown phase $phase (a|b|c|p|q|s)"; exit 2 ;;
 esac
 kill "$clocks_pid" "${host_probe_pid:-}" 2>/dev/null
 save

@@ -11,7 +11,8 @@ this kernel: with one call per token it took 119.6 ms of nano-vllm's run on an H
 one per four tokens 78.7 ms on an H100 (same SM count and clock). Each element position keeps its running
 best over a chunk's blocks, reduced across the program once at the chunk's end. Used for rows
 without top-k / top-p / min-p and without a per-request seed; the sampler keeps the torch path for
-everything else.
+everything else. A structured-output step passes its grammar bitmask in: forbidden tokens read as -inf,
+so the masked logits are never written (no copy of the logits, no masking launch before the draw).
 """
 
 from __future__ import annotations
@@ -39,9 +40,13 @@ def _gumbel_chunk_kernel(
     blocks_per_chunk,
     num_chunks,
     seed,
+    bitmask_ptr,
+    stride_bitmask_row,
+    bitmask_vocab,
     HAS_TEMPERATURE: tl.constexpr,
     HAS_GREEDY: tl.constexpr,
     ALL_GREEDY: tl.constexpr,
+    HAS_BITMASK: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0)
@@ -74,6 +79,12 @@ def _gumbel_chunk_kernel(
             # -log(-log(u)): u = 0 gives -inf (never chosen), never NaN.
             x = x * inv_t - tl.log(-tl.log(u))
             x = tl.where(in_vocab, x, float("-inf"))
+        if (
+            HAS_BITMASK
+        ):  # bit t % 32 of word t // 32 allows token t; tokens past the grammar's vocabulary never
+            in_grammar = offs < bitmask_vocab
+            words = tl.load(bitmask_ptr + row * stride_bitmask_row + (offs >> 5), mask=in_grammar, other=0)
+            x = tl.where(in_grammar & (((words >> (offs & 31)) & 1) != 0), x, float("-inf"))
         better = x > run_best
         run_index = tl.where(better, offs, run_index)
         run_best = tl.where(better, x, run_best)
@@ -106,8 +117,11 @@ def gumbel_sample(
     seed: int,
     all_greedy: bool = False,
     num_chunks: int | None = None,  # chunks per row, at most one per block; None = automatic
+    bitmask: torch.Tensor | None = None,  # int32 [>= N, W]: the grammar's allowed tokens (structured outputs)
 ) -> torch.Tensor:
     """One token id per row (int64 [N]): greedy rows argmax, the others a draw from softmax(logits / T).
+    With `bitmask`, row i draws from the tokens bit t % 32 of bitmask[i, t // 32] allows (tokens past 32 W
+    are forbidden): the same ids as masking the logits to -inf first.
 
     Two launches: (row, chunk) programs each find their chunk's best (value, index), then one program
     per row picks the best chunk. The ids do not depend on the number of chunks.
@@ -117,6 +131,16 @@ def gumbel_sample(
     num_rows, vocab_size = logits.shape
     if vocab_size == 0:
         raise ValueError("logits have an empty vocabulary")
+    if bitmask is not None and (
+        bitmask.dtype != torch.int32
+        or bitmask.dim() != 2
+        or bitmask.shape[0] < num_rows
+        or bitmask.stride(1) != 1
+    ):
+        raise ValueError(
+            f"bitmask must be int32 [>= {num_rows}, words] with contiguous rows, got {bitmask.dtype} "
+            f"{tuple(bitmask.shape)}"
+        )
     out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
     if num_rows == 0:
         return out
@@ -139,9 +163,13 @@ def gumbel_sample(
         blocks_per_chunk,
         num_chunks,
         seed,
+        bitmask if bitmask is not None else dummy,
+        bitmask.stride(0) if bitmask is not None else 0,
+        min(bitmask.shape[1] * 32, vocab_size) if bitmask is not None else 0,
         HAS_TEMPERATURE=temperature is not None,
         HAS_GREEDY=is_greedy is not None,
         ALL_GREEDY=all_greedy,
+        HAS_BITMASK=bitmask is not None,
         BLOCK=BLOCK_V,
         num_warps=8,
     )

@@ -144,8 +144,14 @@ class Sampler:
         """Sample one token per row; enqueues device work only (no host reads)."""
         if logits.dim() != 2 or logits.shape[0] != md.num_rows:
             raise ValueError(f"logits must be [num_rows={md.num_rows}, vocab], got {tuple(logits.shape)}")
-        if md.grammar is not None:  # structured outputs: first, so logprobs are the constrained ones
-            logits = apply_grammar_bitmask(logits, md.grammar)
+        # Structured outputs: the grammar's mask goes first, so logprobs are the constrained ones. A draw that
+        # needs nothing else of the logits (the fused pass, no penalties, no logprobs) reads the mask itself.
+        bitmask = None
+        if md.grammar is not None:
+            if self._fused_reads_mask(logits, md):
+                bitmask = md.grammar.bitmask
+            else:
+                logits = apply_grammar_bitmask(logits, md.grammar)
         # Penalties and the torch path work in float32; the fused pass reads the model's dtype.
         needs_float = has_sequence_processors(md) or not self._can_fuse(logits, md)
         raw = logits.float() if needs_float else logits
@@ -155,7 +161,9 @@ class Sampler:
 
             # A fresh Philox seed per step from the host generator (seeded by the engine's seed).
             seed = int(torch.randint(0, 2**31 - 1, (1,)).item()) if not md.all_greedy else 0
-            token_ids = gumbel_sample(work, md.temperature, md.is_greedy, seed, all_greedy=md.all_greedy)
+            token_ids = gumbel_sample(
+                work, md.temperature, md.is_greedy, seed, all_greedy=md.all_greedy, bitmask=bitmask
+            )
         elif md.all_greedy:
             token_ids = work.argmax(dim=-1)
         else:
@@ -177,6 +185,16 @@ class Sampler:
         elif md.need_sampled_logprobs:
             out.sampled_logprobs = raw.gather(1, token_ids.unsqueeze(1)).squeeze(1) - raw.logsumexp(dim=-1)
         return out
+
+    def _fused_reads_mask(self, logits: torch.Tensor, md: SamplingMetadata) -> bool:
+        """Whether the grammar's mask can be left to the fused pass: nothing before or after the draw
+        reads the masked logits."""
+        return (
+            self._can_fuse(logits, md)
+            and not has_sequence_processors(md)
+            and md.num_logprobs is None
+            and not md.need_sampled_logprobs
+        )
 
     def _can_fuse(self, logits: torch.Tensor, md: SamplingMetadata) -> bool:
         enabled = logits.is_cuda if self.fused is None else self.fused

@@ -153,6 +153,7 @@ class ModelRunner:
             )
         self.sampler = Sampler()
         self._deferred: PendingStepResult | None = None  # a step whose sampling waits for grammar masks
+        self._mask_stream: torch.cuda.Stream | None = None  # the grammar masks' host-to-device copies
         # The pooling runner embeds prompts instead of sampling (kvllm/worker/pooler.py).
         self.pooler = Pooler(model_config.pooler_config) if model_config.is_pooling else None
         self.model: torch.nn.Module | None = None
@@ -557,11 +558,27 @@ class ModelRunner:
         for the next step's inputs."""
         if masks is not None:
             # A copy: the decode fast path may reuse this step's metadata for the next step.
-            grammar = GrammarBitmaskInputs(masks.to(self.device, non_blocking=True))
+            grammar = GrammarBitmaskInputs(self._upload_masks(masks))
             metadata = dataclasses.replace(metadata, grammar=grammar)
         sampled = self.sampler.sample(logits, metadata)
         self.input_batch.record_sampled_on_device(sampled.token_ids)
         return sampled
+
+    def _upload_masks(self, masks: torch.Tensor) -> torch.Tensor:
+        """The grammar masks on the device. On CUDA the copy runs on a stream of its own, so it overlaps the
+        forward pass still running on the step's stream (which waits for it only where the sampling starts)
+        instead of queueing behind it. The host buffer is not refilled before this step's tokens are read,
+        which is after the sampling, so after the copy."""
+        if self.device.type != "cuda":
+            return masks.to(self.device)
+        if self._mask_stream is None:
+            self._mask_stream = torch.cuda.Stream(self.device)
+        step_stream = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self._mask_stream):
+            on_device = masks.to(self.device, non_blocking=True)
+        step_stream.wait_stream(self._mask_stream)
+        on_device.record_stream(step_stream)  # allocated on the copy's stream, read on the step's
+        return on_device
 
     @torch.inference_mode()  # also when the engine's result() launches it, outside execute_model_async
     def _sample_masked(

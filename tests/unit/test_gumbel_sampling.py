@@ -111,3 +111,59 @@ def test_rejects_bad_layouts(dtype):
         gumbel_sample(torch.randn(64, 4, dtype=dtype).t(), None, None, seed=0)
     with pytest.raises(ValueError, match="empty vocabulary"):
         gumbel_sample(torch.randn(3, 0, dtype=dtype), None, None, seed=0)
+
+
+def _random_bitmask(rows: int, words: int, generator: torch.Generator) -> torch.Tensor:
+    bits = torch.randint(-(2**31), 2**31 - 1, (rows, words), dtype=torch.int32, generator=generator)
+    bits[0] = -1  # an unconstrained row: every bit set
+    bits[1] = 0
+    bits[1, 5] = 1 << 9  # one allowed token: 5 * 32 + 9
+    return bits
+
+
+@pytest.mark.parametrize("num_chunks", [1, 3, None])
+def test_a_bitmask_draws_as_the_logits_masked_first(num_chunks):
+    """The grammar's bitmask read inside the pass gives the ids of masking the logits to -inf first (the
+    noise is keyed by token id), forbidden tokens and those past the mask's words are never drawn."""
+    from kvllm.sample.structured import GrammarBitmaskInputs, apply_grammar_bitmask, unpack_bitmask
+
+    g = torch.Generator().manual_seed(21)
+    vocab = 2 * BLOCK_V + 300
+    words = vocab // 32 - 3  # narrower than the vocabulary: its last 108 tokens are forbidden
+    logits = (torch.randn(5, vocab, generator=g) * 4).to(torch.float16)
+    bitmask = _random_bitmask(5, words, g)
+    temps = torch.tensor([1.0, 0.7, 1.3, 1.0, 2.0])
+    is_greedy = torch.tensor([False, False, False, True, False])
+    masked = apply_grammar_bitmask(logits, GrammarBitmaskInputs(bitmask))
+    allowed = unpack_bitmask(bitmask, vocab)
+    for seed in (3, 4, 5):
+        got = gumbel_sample(logits, temps, is_greedy, seed=seed, num_chunks=num_chunks, bitmask=bitmask)
+        want = gumbel_sample(masked, temps, is_greedy, seed=seed, num_chunks=num_chunks)
+        assert torch.equal(got, want), (got, want)
+        assert all(allowed[r, t] for r, t in enumerate(got.tolist()))
+        assert got[1] == 5 * 32 + 9
+    with pytest.raises(ValueError, match="bitmask must be int32"):
+        gumbel_sample(logits, None, None, seed=0, bitmask=bitmask.long())
+
+
+def test_sampler_leaves_the_mask_to_the_fused_pass_unless_logprobs_need_it(monkeypatch):
+    import kvllm.sample.sampler as sampler_module
+    from kvllm.sample.metadata import SamplingMetadata
+    from kvllm.sample.structured import GrammarBitmaskInputs, unpack_bitmask
+
+    calls = []
+    real = sampler_module.apply_grammar_bitmask
+    monkeypatch.setattr(sampler_module, "apply_grammar_bitmask", lambda *a: calls.append(1) or real(*a))
+    g = torch.Generator().manual_seed(22)
+    logits = torch.randn(4, 200, generator=g)
+    bitmask = _random_bitmask(4, 6, g)  # 192 tokens: the last 8 are forbidden
+    allowed = unpack_bitmask(bitmask, 200)
+    for logprobs, applied in ((None, 0), (0, 1)):
+        calls.clear()
+        md = SamplingMetadata.from_params(
+            [SamplingParams(temperature=1.0, logprobs=logprobs)] * 4, logits.device, 200
+        )
+        md.grammar = GrammarBitmaskInputs(bitmask)
+        token_ids = Sampler(fused=True).sample(logits, md).token_ids.tolist()
+        assert len(calls) == applied
+        assert all(allowed[r, t] for r, t in enumerate(token_ids))
