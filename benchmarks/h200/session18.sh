@@ -88,7 +88,7 @@ q)
 c)
   if stage_structured_outputs; then
     (export PYTHONPATH=.:/tmp/so-site KVLLM_QWEN3_TOKENIZER=/tmp/so-tok
-     parallel_tests 120 "so|tests/gpu/test_structured_outputs_gpu.py tests/gpu/test_sampling_gpu.py"
+     parallel_tests 80 "so|tests/gpu/test_structured_outputs_gpu.py tests/gpu/test_sampling_gpu.py"
      files="kvllm/sample/gumbel.py kvllm/sample/sampler.py kvllm/worker/model_runner.py"
      for f in $files; do cp "$f" "/tmp/$(basename "$f" .py)_after.py"; done
      i=0
