@@ -79,9 +79,8 @@ def _gumbel_chunk_kernel(
             # -log(-log(u)): u = 0 gives -inf (never chosen), never NaN.
             x = x * inv_t - tl.log(-tl.log(u))
             x = tl.where(in_vocab, x, float("-inf"))
-        if (
-            HAS_BITMASK
-        ):  # bit t % 32 of word t // 32 allows token t; tokens past the grammar's vocabulary never
+        # The grammar's mask: bit t % 32 of word t // 32 allows token t; tokens past its words never.
+        if HAS_BITMASK:
             in_grammar = offs < bitmask_vocab
             words = tl.load(bitmask_ptr + row * stride_bitmask_row + (offs >> 5), mask=in_grammar, other=0)
             x = tl.where(in_grammar & (((words >> (offs & 31)) & 1) != 0), x, float("-inf"))
