@@ -18,9 +18,9 @@
 #      numbers of earlier H200 leases).
 #   c  carry [".so-lite", ".ab"]: issue 19's mask off the step's critical path (the masks' copy on a stream of its
 #      own, overlapping the forward; the fused sampling pass reading the bitmask instead of a masked copy of
-#      the logits): the structured-outputs and sampling GPU tests, then the batch-64 bench alternating before
-#      (.ab/{gumbel,sampler,model_runner}_before.py, main before the change) and after, twice; then b's AWQ
-#      e2e with its kernel tables if the device time allows.
+#      the logits): the batch-64 bench alternating after and before (.ab/{gumbel,sampler,model_runner}_before.py,
+#      main before the change) as ABBA, then the structured-outputs and sampling GPU tests; then b's AWQ e2e
+#      with its kernel tables if the device time allows.
 #   s  carry [".vllm/part2"] (an H200, after p, when too little device time is left for b's AWQ runs as well as
 #      session17.sh c and d): vLLM's second piece only.
 set -uo pipefail
@@ -88,11 +88,10 @@ q)
 c)
   if stage_structured_outputs; then
     (export PYTHONPATH=.:/tmp/so-site KVLLM_QWEN3_TOKENIZER=/tmp/so-tok
-     parallel_tests 80 "so|tests/gpu/test_structured_outputs_gpu.py tests/gpu/test_sampling_gpu.py"
      files="kvllm/sample/gumbel.py kvllm/sample/sampler.py kvllm/worker/model_runner.py"
      for f in $files; do cp "$f" "/tmp/$(basename "$f" .py)_after.py"; done
      i=0
-     for arm in before after before after; do
+     for arm in ${SO_ARMS:-after before before after}; do  # ABBA: a fresh machine's first minutes run slow
        i=$((i + 1))
        for f in $files; do
          if [ "$arm" = before ]; then cp ".ab/$(basename "$f" .py)_before.py" "$f"; else cp "/tmp/$(basename "$f" .py)_after.py" "$f"; fi
@@ -101,7 +100,8 @@ c)
          --repeats 2 --out "$d/so-$arm-$i.json"
        tail -n 1 "$d/so-$arm-$i.log"
      done
-     for f in $files; do cp "/tmp/$(basename "$f" .py)_after.py" "$f"; done)
+     for f in $files; do cp "/tmp/$(basename "$f" .py)_after.py" "$f"; done
+     parallel_tests 80 "so|tests/gpu/test_structured_outputs_gpu.py tests/gpu/test_sampling_gpu.py")
   fi
   if (( end - $(date +%s) > 200 )); then
     run_step e2e 240 python3 benchmarks/h200/quant_bench.py --out "$d/e2e" --parts e2e --engines awq,bf16 --quick \
