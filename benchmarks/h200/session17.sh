@@ -88,11 +88,15 @@ phase_h() {
   flex_rows
 }
 
+h200_first() {  # vLLM's first piece, then main's batch 1-256 latency
+  run_step vllm-stage1 40 bash .vllm/part1/remote-stage.sh 1
+  bench latency 150 --engine kvllm --backend TRITON_ATTN --only latency --iters 5 --warmups 2 --out "$d/latency"
+}
+
 case "$phase" in
 a)
   if on_h200; then
-    run_step vllm-stage1 40 bash .vllm/part1/remote-stage.sh 1
-    bench latency 150 --engine kvllm --backend TRITON_ATTN --only latency --iters 5 --warmups 2 --out "$d/latency"
+    h200_first
   else
     so_pairs
   fi
@@ -121,8 +125,7 @@ x)
   ;;
 y)
   if on_h200; then
-    run_step vllm-stage1 40 bash .vllm/part1/remote-stage.sh 1
-    bench latency 150 --engine kvllm --backend TRITON_ATTN --only latency --iters 5 --warmups 2 --out "$d/latency"
+    h200_first
     flex_rows
   else
     phase_e
