@@ -36,6 +36,10 @@ flex_rows() {  # issue 23: FLEX_ATTENTION's rows, queued (host out of the loop) 
       --only-shapes --shape "decode b256 x ctx1k:256x1@1023" --shape "prefill 8x2048 causal:8x2048@0" \
       --timing "$timing" --output-json "$d/flex-$timing.json"
     grep -E "^  (FLEX_ATTENTION|Flex|SDPA)" "$d/flex-$timing.log" | head -n 6 | cut -c1-250
+    python3 -c "import json,sys; [print(r['shape'], 'build', r['build_ms'], 'without its sync',
+      r['extra'].get('build_ms_without_sync'), 'sync alone', r['extra'].get('sync_alone_ms'))
+      for r in json.load(open(sys.argv[1]))['rows'] if r['kernel'] == 'FLEX_ATTENTION' and r.get('build_ms')]" \
+      "$d/flex-$timing.json"
   done
 }
 

@@ -64,6 +64,7 @@ def test_attention_tiny_run_checks_before_timing(tmp_path):
             assert r["status"] == "ok", r
             assert r["rel_error"] < 1e-4 and r["ms"] > 0 and r["build_ms"] > 0, r
             assert "KV write" in r["note"] and r["extra"]["first_layer_ms"] > 0, r
+            assert r["extra"]["build_ms_without_sync"] > 0 and r["extra"]["sync_alone_ms"] >= 0, r
     # Backends not valid here are reported with their reasons, not left out.
     for name in set(report["backends"]) - {"CPU_ATTN", "FLEX_ATTENTION", "TRITON_ATTN"}:
         mine = [r for r in rows if r["kernel"] == name]

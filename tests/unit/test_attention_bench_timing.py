@@ -60,22 +60,3 @@ def test_an_unknown_timing_mode_is_a_usage_error() -> None:
     with pytest.raises(SystemExit) as exc:
         main(["--timing", "nonsense"])
     assert exc.value.code == 2
-
-
-def test_build_timed_at_another_switch_interval_restores_it() -> None:
-    import sys
-
-    from kvllm.benchmarks.attention.backends import host_ms_with_switch_interval
-
-    before = sys.getswitchinterval()
-    seen: list[float] = []
-    host_ms_with_switch_interval(lambda: seen.append(sys.getswitchinterval()), lambda: None, 1.0, 1e-4)
-    assert seen and all(abs(s - 1e-4) < 1e-9 for s in seen)
-    assert sys.getswitchinterval() == before
-
-    def fails() -> None:
-        raise RuntimeError("a build that fails")
-
-    with pytest.raises(RuntimeError):
-        host_ms_with_switch_interval(fails, lambda: None, 1.0, 1e-4)
-    assert sys.getswitchinterval() == before
