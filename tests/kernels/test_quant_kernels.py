@@ -80,6 +80,17 @@ def test_w4a16_split_k_and_unpack_configs(split_k, gather) -> None:
     torch.testing.assert_close(out.float(), expected, rtol=2e-3, atol=2e-3)
 
 
+@pytest.mark.parametrize("m,block_m", [(20, 16), (33, 32), (64, 64)])
+def test_w4a16_split_k_beyond_sixteen_rows(m, block_m) -> None:
+    """Split K with more rows than the small-M tile: each split's partial holds every row."""
+    qweight, scales, zeros = random_int4(40, 512, 128, torch.float16, seed=m)
+    x = torch.randn(m, 512, generator=_gen(m + 1)).half()
+    bias = torch.randn(40, generator=_gen(m + 2)).half()
+    out = w4a16_triton(x, qweight, scales, zeros, 128, bias, config=W4A16Config(block_m, 32, 128, 4))
+    expected = x.float() @ dequantize(qweight, scales, zeros, 128).half().float().T + bias.float()
+    torch.testing.assert_close(out.float(), expected, rtol=2e-3, atol=2e-3)
+
+
 @pytest.mark.parametrize("block_k", [128, 256], ids=["four_groups_per_tile", "eight_groups_per_tile"])
 def test_w4a16_tiles_spanning_groups(block_k) -> None:
     qweight, scales, zeros = random_int4(40, 256, 32, torch.float16, seed=6)
@@ -233,11 +244,17 @@ def test_w4a16_gemv_rejects_bad_operands() -> None:
 
 
 @pytest.mark.parametrize("group", [128, 32])
-def test_dequantize_kernel_matches_reference(group) -> None:
+@pytest.mark.parametrize(
+    "block_n,values_per_row,num_warps",
+    [(16, 256, 4), (32, 512, 8), (8, 1024, 4)],
+    ids=["default", "wide", "long"],
+)
+def test_dequantize_kernel_matches_reference(group, block_n, values_per_row, num_warps) -> None:
+    """Every launch shape gives the same weight (rows and K blocks past the edge masked)."""
     from kvllm.layers.quantization.ops.w4a16 import dequantize_triton
 
     qweight, scales, zeros = random_int4(40, 384, group, torch.float16, seed=group)
-    out = dequantize_triton(qweight, scales, zeros, group, torch.float16)
+    out = dequantize_triton(qweight, scales, zeros, group, torch.float16, block_n, values_per_row, num_warps)
     torch.testing.assert_close(out, dequantize(qweight, scales, zeros, group).half(), rtol=0, atol=0)
 
 

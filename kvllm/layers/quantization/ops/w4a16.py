@@ -149,7 +149,14 @@ def _dequantize_kernel(
 
 
 def dequantize_triton(
-    qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int, dtype: torch.dtype
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group_size: int,
+    dtype: torch.dtype,
+    block_n: int = 16,
+    values_per_row: int = 256,  # K values of a row per program (rounded to whole layout blocks)
+    num_warps: int = 4,
 ) -> torch.Tensor:
     """`dequantize` rounded to `dtype`, one Triton launch: the weight [N, K] for cuBLAS."""
     n, k = qweight.shape[0], qweight.shape[1] * PACK
@@ -157,12 +164,12 @@ def dequantize_triton(
     out = torch.empty((n, k), dtype=dtype, device=qweight.device)
     if n == 0:
         return out
-    block_n, nbt = 16, max(1, 256 // (PACK * bw))
+    nbt = max(1, values_per_row // (PACK * bw))
     grid = (triton.cdiv(n, block_n), triton.cdiv(k // (PACK * bw), nbt))
     _dequantize_kernel[grid](
         qweight, scales, zeros, out, n, k, scales.shape[1],
         GROUP_SIZE=min(group_size, k), BW=bw, BLOCK_N=block_n, NBT=nbt, INTERPRET=interpreting(),
-        num_warps=4,
+        num_warps=num_warps,
     )  # fmt: skip
     return out
 
@@ -312,9 +319,11 @@ def w4a16_triton(
         )
     k_per_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
     split = triton.cdiv(k, k_per_split)
-    if split > 1 and m > SMALL_M:
-        raise ValueError(f"split-K is for at most {SMALL_M} rows, got {m}")
-    partial = torch.empty((split, SMALL_M, n), dtype=torch.float32, device=x.device) if split > 1 else out
+    # Rows of each split's float32 partial: a power of two (one compile per size class, not per M).
+    partial_rows = max(SMALL_M, triton.next_power_of_2(m))
+    partial = (
+        torch.empty((split, partial_rows, n), dtype=torch.float32, device=x.device) if split > 1 else out
+    )
     bias_arg = bias if bias is not None else scales
     interpret = interpreting()
     grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n), split)
@@ -327,7 +336,7 @@ def w4a16_triton(
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         SPLIT_K=split,
-        PARTIAL_ROWS=SMALL_M,
+        PARTIAL_ROWS=partial_rows,
         HAS_BIAS=bias is not None,
         GATHER=config.gather,
         INTERPRET=interpret,
@@ -335,5 +344,5 @@ def w4a16_triton(
         num_stages=config.num_stages,
     )  # fmt: skip
     if split > 1:
-        reduce_split_k(partial, bias, out, split, SMALL_M)
+        reduce_split_k(partial, bias, out, split, partial_rows)
     return out
