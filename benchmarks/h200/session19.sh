@@ -5,14 +5,19 @@
 #      shapes, and the Triton GEMM with split K at 32 and 64 rows, beside dequantize + cuBLAS), then issue 19's
 #      batch-64 A/B of 89834d4 (.ab/{gumbel,sampler,model_runner}_before.py) for two more pairs, and one
 #      constrained run of main under torch.profiler (the device's busy share and its kernels).
+#   b  carry [".so-lite", ".ab"]: issue 22's new W4A16 routes (the split-K GEMM up to 64 rows, the dequantize
+#      launch's new shape): the Llama-3-8B-shaped batch-1 e2e, AWQ and bf16 with main (kernel tables), then AWQ
+#      with .ab/w4a16_before.py (main before the change); the quantization GPU tests; the GEMM against
+#      dequantize + cuBLAS at 128 rows (where the route changes). Then, time allowing, whether the sampling
+#      kernel's bitmask arguments slow the unconstrained batch-64 run (89834d4's gumbel.py and sampler.py, ABBA).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-phase=${1:?usage: session19.sh a}
+phase=${1:?usage: session19.sh a|b}
 default_budget_s=${DEFAULT_BUDGET_S:-560}
 source benchmarks/h200/session_lib.sh
 
 so_ab() {  # arms...: the batch-64 structured-outputs bench with main's files, or 89834d4~1's for "before"
-  local files="kvllm/sample/gumbel.py kvllm/sample/sampler.py kvllm/worker/model_runner.py" f i=0 arm
+  local files=${SO_FILES:-kvllm/sample/gumbel.py kvllm/sample/sampler.py kvllm/worker/model_runner.py} f i=0 arm
   for f in $files; do cp "$f" "/tmp/$(basename "$f" .py)_after.py"; done
   for arm in "$@"; do
     i=$((i + 1))
@@ -38,8 +43,27 @@ a)
      tail -n 2 "$d/so-profile.log"; grep -h "kernel time" "$d"/so-profile/*.txt)
   fi
   ;;
+b)
+  run_step e2e 160 python3 benchmarks/h200/quant_bench.py --out "$d/e2e" --parts e2e --engines awq,bf16 --quick \
+    --profile
+  grep -h '^e2e ' "$d/e2e.log"
+  for f in "$d"/e2e/e2e-profile-*.txt; do echo "== $f"; head -n 1 "$f"; sed -n '/Self CUDA %/,$p' "$f" | sed -n 3,12p | cut -c1-60,150-230; done
+  w=kvllm/layers/quantization/ops/w4a16.py
+  cp "$w" /tmp/w4a16_after.py; cp .ab/w4a16_before.py "$w"
+  run_step e2e-before 80 python3 benchmarks/h200/quant_bench.py --out "$d/e2e-before" --parts e2e --engines awq --quick
+  cp /tmp/w4a16_after.py "$w"
+  grep -h '^e2e ' "$d/e2e-before.log"
+  parallel_tests 100 "quant|tests/gpu/test_quant_gpu.py"
+  run_step crossover 75 python3 benchmarks/h200/w4a16_prefill_probe.py --out "$d/crossover" --rows 128 \
+    --gemm-block-m 64 --dequant-default-only --budget-s 55
+  sed -n '/^shape /,$p' "$d/crossover.log"
+  if (( end - $(date +%s) > 110 )) && stage_structured_outputs; then
+    (export PYTHONPATH=.:/tmp/so-site KVLLM_QWEN3_TOKENIZER=/tmp/so-tok SO_FILES="kvllm/sample/gumbel.py kvllm/sample/sampler.py"
+     so_ab after before before after)
+  fi
+  ;;
 *)
-  echo "unknown phase $phase (a)"; exit 2 ;;
+  echo "unknown phase $phase (a|b)"; exit 2 ;;
 esac
 kill "$clocks_pid" "${host_probe_pid:-}" 2>/dev/null
 save

@@ -1,10 +1,11 @@
 """Where a short W4A16 prefill's time goes, and what could take it (issue 22).
 
     PYTHONPATH=. python3 benchmarks/h200/w4a16_prefill_probe.py --out DIR [--rows 32,64] [--budget-s 150]
+        [--gemm-block-m 64|128] [--dequant-default-only]
 
-At 17 rows and more a W4A16 linear dequantizes its weight to bf16 (one Triton launch), then cuBLAS
-multiplies. In the batch-1 e2e run (32 prompt tokens) that prefill took 18 ms of dequantizing for 128
-linears on an H100 (141 us a call, about 1 TB/s), more than the 127 decode steps' GEMVs of 16 tokens.
+From DEQUANT_MIN_ROWS rows a W4A16 linear dequantizes its weight to bf16 (one Triton launch), then
+cuBLAS multiplies. When that was from 17 rows, the batch-1 e2e run's 32-token prefill spent 18 ms (H100)
+dequantizing for its 128 linears (141 us a call, about 1 TB/s): 0.14 ms a token over its 128 output tokens.
 Here, on Llama-3-8B's four projections (group 128, cold weight copies, CUDA-graph timing as
 quant_bench.py's kernels):
   - the dequantize launch alone for each (block_n, values per row, warps) candidate, its output checked
@@ -31,12 +32,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks.h200.quant_bench import GROUP, SHAPES, copies, graph_us  # noqa: E402
 
 # (block_n, values per row, warps); the first is dequantize_triton's default
-DEQUANT_CANDIDATES = [(16, 256, 4)] + [
+DEQUANT_CANDIDATES = [(8, 512, 4)] + [
     (bn, v, w)
     for bn in (8, 16, 32, 64)
     for v in (256, 512, 1024)
     for w in (4, 8)
-    if (bn, v, w) != (16, 256, 4)
+    if (bn, v, w) != (8, 512, 4)
 ]
 # (block_m, block_n, block_k, split_k, warps, stages) of _w4a16_kernel
 GEMM_CANDIDATES = [
@@ -125,7 +126,17 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--rows", default="32,64")
     parser.add_argument("--budget-s", type=float, default=150.0)
+    parser.add_argument(
+        "--gemm-block-m", type=int, help="only the GEMM candidates with this many rows a tile"
+    )
+    parser.add_argument("--dequant-default-only", action="store_true", help="skip the dequantize candidates")
     args = parser.parse_args()
+    if args.gemm_block_m:
+        GEMM_CANDIDATES[:] = [c for c in GEMM_CANDIDATES if c[0] == args.gemm_block_m]
+        if args.gemm_block_m == 128:
+            GEMM_CANDIDATES[:] = [(128, 128, 128, s, 8, 3) for s in (1, 2, 4)] + [(128, 64, 128, 1, 4, 3)]
+    if args.dequant_default_only:
+        del DEQUANT_CANDIDATES[1:]
     args.out.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + args.budget_s
     log = (args.out / "w4a16_prefill_probe.jsonl").open("w")

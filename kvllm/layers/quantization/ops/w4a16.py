@@ -28,9 +28,10 @@ from kvllm.layers.ops.dispatch import use_fused_ops
 from kvllm.layers.quantization.ops.int4_layout import PACK, block_words, dequantize
 
 SMALL_M = 16
-# From this many rows: dequantize the weight, then cuBLAS. H200 sweep: at 16 rows the Triton GEMM
-# (16-row tiles) is 2.2-2.4x faster than dequantize + cuBLAS, at 64 rows 1.4-2.1x slower.
-DEQUANT_MIN_ROWS = 17
+# From this many rows: dequantize the weight, then cuBLAS. H100 probe (nineteenth session, Llama-3-8B
+# projections): at 32 and 64 rows the Triton GEMM with split K is 2.0-2.7x faster than dequantize + cuBLAS
+# (at 64 rows without split K and 64 columns it was 1.4-2.1x slower: the H200 sweep that set 17 here).
+DEQUANT_MIN_ROWS = 65
 TARGET_PROGRAMS = 264  # two per SM on an H200
 
 
@@ -154,11 +155,13 @@ def dequantize_triton(
     zeros: torch.Tensor,
     group_size: int,
     dtype: torch.dtype,
-    block_n: int = 16,
-    values_per_row: int = 256,  # K values of a row per program (rounded to whole layout blocks)
+    block_n: int = 8,
+    values_per_row: int = 512,  # K values of a row per program (rounded to whole layout blocks)
     num_warps: int = 4,
 ) -> torch.Tensor:
-    """`dequantize` rounded to `dtype`, one Triton launch: the weight [N, K] for cuBLAS."""
+    """`dequantize` rounded to `dtype`, one Triton launch: the weight [N, K] for cuBLAS. The default launch
+    shape was the H100 probe's fastest on Llama-3-8B's projections (1.3-1.5 TB/s; 16 x 256 values with 4
+    warps, the one before, ran at 0.9-1.2)."""
     n, k = qweight.shape[0], qweight.shape[1] * PACK
     bw = block_words(k)
     out = torch.empty((n, k), dtype=dtype, device=qweight.device)
@@ -188,18 +191,29 @@ class W4A16Config:
 
 
 def default_config(m: int, n: int, k: int, group_size: int) -> W4A16Config:
-    """Small M: 16 rows, 32 columns, K split 4 ways below 4 * TARGET_PROGRAMS column tiles (the H200
-    sweep's best at M = 16 on Llama-3-8B qkv and o: 1.4-2.8x faster than 64 columns); large M: 64 or
-    128 rows (measured slower than dequantize + cuBLAS there, which the dispatch takes). K tiles of
-    whole layout blocks (128 values), or one group where groups are longer."""
+    """Up to 16 rows: 16 rows, 32 columns, K split 4 ways below 4 * TARGET_PROGRAMS column tiles (the H200
+    sweep's best at M = 16 on Llama-3-8B qkv and o: 1.4-2.8x faster than 64 columns). Up to 32 rows: 32 x 32
+    tiles, K split 4 ways below TARGET_PROGRAMS tiles, else 2; up to 64 rows: 64 x 128 tiles, K split into the
+    most of 1, 2, 4, 8 that keeps the programs within TARGET_PROGRAMS (the H100 probe's best or within 6% of
+    it on each Llama-3-8B projection; 64-column tiles ran 2-4x slower at every split). More rows: 128 x 128,
+    for explicit configs (the dispatch dequantizes there). K tiles of whole layout blocks (128 values), or one
+    group where groups are longer."""
     block_k = max(PACK * block_words(k), min(128, group_size))
+    blocks = max(1, k // block_k)
     if m <= SMALL_M:
         block_n = 32
         tiles = triton.cdiv(n, block_n)
-        split = max(1, min(4, k // block_k)) if tiles < 4 * TARGET_PROGRAMS else 1
+        split = max(1, min(4, blocks)) if tiles < 4 * TARGET_PROGRAMS else 1
         return W4A16Config(SMALL_M, block_n, block_k, split, num_warps=4, num_stages=4)
+    if m <= 32:
+        split = 4 if triton.cdiv(n, 32) < TARGET_PROGRAMS else 2
+        return W4A16Config(32, 32, block_k, min(split, blocks), num_warps=4, num_stages=3)
     if m <= 64:
-        return W4A16Config(64, 64, block_k, num_warps=4, num_stages=4)
+        tiles = triton.cdiv(n, 128)
+        split = 1
+        while split < 8 and tiles * split * 2 <= TARGET_PROGRAMS and split * 2 <= blocks:
+            split *= 2
+        return W4A16Config(64, 128, block_k, split, num_warps=4, num_stages=3)
     return W4A16Config(128, 128, block_k, num_warps=8, num_stages=3)
 
 
