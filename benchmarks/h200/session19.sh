@@ -10,9 +10,12 @@
 #      with .ab/w4a16_before.py (main before the change); the quantization GPU tests; the GEMM against
 #      dequantize + cuBLAS at 128 rows (where the route changes). Then, time allowing, whether the sampling
 #      kernel's bitmask arguments slow the unconstrained batch-64 run (89834d4's gumbel.py and sampler.py, ABBA).
+#   c  carry [".ab"]: the sampling kernel alone, main's against 89834d4~1's (gumbel_bench.py --baseline), and
+#      the W4A16 GEMM's GPU tests at 32, 64 and 256 rows (b's run of the whole file was cut at its cap after
+#      the gather variant failed at 256 rows).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-phase=${1:?usage: session19.sh a|b}
+phase=${1:?usage: session19.sh a|b|c}
 default_budget_s=${DEFAULT_BUDGET_S:-560}
 source benchmarks/h200/session_lib.sh
 
@@ -62,8 +65,16 @@ b)
      so_ab after before before after)
   fi
   ;;
+c)
+  run_step gumbel 60 python3 benchmarks/h200/gumbel_bench.py --baseline .ab/gumbel_before.py
+  tail -n 12 "$d/gumbel.log"
+  run_step quant-tests 120 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/gpu/test_quant_gpu.py \
+    -k "test_w4a16_matches_float32 and (-32- or -64- or -256-)"
+  grep -E "^(FAILED|ERROR)|passed|failed" "$d/quant-tests.log" | head -n 30
+  grep -m 3 -B 2 -A 12 "^E " "$d/quant-tests.log" | head -n 60
+  ;;
 *)
-  echo "unknown phase $phase (a|b)"; exit 2 ;;
+  echo "unknown phase $phase (a|b|c)"; exit 2 ;;
 esac
 kill "$clocks_pid" "${host_probe_pid:-}" 2>/dev/null
 save

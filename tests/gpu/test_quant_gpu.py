@@ -52,7 +52,7 @@ def assert_close_scaled(out: torch.Tensor, expected: torch.Tensor, rel: float) -
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("n,k", SHAPES)
-@pytest.mark.parametrize("m", [1, 16, 33, 256])
+@pytest.mark.parametrize("m", [1, 16, 32, 33, 64, 256])
 @pytest.mark.parametrize("gather", [False, True], ids=["reshape", "gather"])
 def test_w4a16_matches_float32(dtype, n, k, m, gather) -> None:
     """The Triton GEMM (tensor cores), forced at every M."""
