@@ -65,7 +65,10 @@ def quantize_fp8(x: torch.Tensor, group_size: int | None = None) -> tuple[torch.
             )  # fmt: skip
         return q, scale
     xg = x.float().view(m, k // group, group)
-    scale = (xg.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)
+    # Over a tensor, not the Python number: on CUDA torch multiplies by a number's reciprocal, which rounds
+    # differently from the IEEE division of the kernel (and of torch on the CPU).
+    fp8_max = torch.full((), FP8_MAX, dtype=torch.float32, device=x.device)
+    scale = (xg.abs().amax(dim=-1, keepdim=True) / fp8_max).clamp(min=MIN_SCALE)
     q = (xg / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q.view(m, k), scale.view(m, k // group)
 
