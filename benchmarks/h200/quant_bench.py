@@ -14,7 +14,8 @@ kernels  Llama-3-8B's four projections (qkv, o, gate_up, down). Decode rows (M =
 e2e      Llama-3-8B-shaped model, dummy weights generated on the GPU, bf16 activations, CUDA graphs, one
          engine per subprocess: bf16, awq (W4A16 from a config with AWQ's quantization_config), fp8
          (online per-channel from the bf16 dummy weights), fp8-block (quantization_config with
-         weight_block_size [128, 128]), fp8-tensor (a per-tensor fp8 checkpoint's quantization_config).
+         weight_block_size [128, 128]), fp8-tensor (a per-tensor fp8 checkpoint's quantization_config);
+         named only: awq-pdl (awq with the decode GEMV under programmatic dependent launch).
          Batch 1: 32 random prompt tokens, 128 output tokens, EOS ignored, ms per output token = wall
          time / 128 (median of 3 after a warm-up). Batch 256: 256 x 128 in / 128 out, output tokens per
          second (after a warm-up batch). --profile: one more batch-1 request per engine under
@@ -60,6 +61,10 @@ ENGINES = {
     ),
     "fp8-tensor": ({"quant_method": "fp8", "activation_scheme": "dynamic"}, None),
 }
+# Variants of an engine above, run only when named in --engines: AWQ with its decode GEMV launched under
+# programmatic dependent launch (w4a16_gemv.LAUNCH_WITH_PDL, off since the eleventh session measured the
+# kernel of then slower with it).
+VARIANTS = {"awq-pdl": "awq"}
 
 
 def graph_us(fn: Callable[[int], Any]) -> float:
@@ -227,6 +232,10 @@ def engine_child(
     from kvllm import LLM, SamplingParams
     from kvllm.benchmarks.datasets import random_requests
 
+    if name == "awq-pdl":
+        from kvllm.layers.quantization.ops import w4a16_gemv
+
+        w4a16_gemv.LAUNCH_WITH_PDL = True
     start = time.perf_counter()
     llm = LLM(folder, load_format="dummy", dtype="bfloat16", max_model_len=2048, max_num_seqs=256,
               enable_prefix_caching=False, quantization=quantization)  # fmt: skip
@@ -267,7 +276,7 @@ def e2e_records(
 
     records = []
     for name in engines:
-        config, quantization = ENGINES[name]
+        config, quantization = ENGINES[VARIANTS.get(name, name)]
         folder = write_shape_only_model("Llama-3-8B", out / "models" / name, config)
         cmd = [sys.executable, __file__, "--child", name, "--folder", str(folder)]
         cmd += ["--quantization", quantization] if quantization else []

@@ -13,9 +13,11 @@
 #   c  carry [".ab"]: the sampling kernel alone, main's against 89834d4~1's (gumbel_bench.py --baseline), and
 #      the W4A16 GEMM's GPU tests at 32, 64 and 256 rows (b's run of the whole file was cut at its cap after
 #      the gather variant failed at 256 rows).
+#   d  carry nothing (written after the session's device time was spent): issue 22's decode GEMV under
+#      programmatic dependent launch (quant_bench.py's awq-pdl) against without, batch 1 e2e, ABBA, bf16 once.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-phase=${1:?usage: session19.sh a|b|c}
+phase=${1:?usage: session19.sh a|b|c|d}
 default_budget_s=${DEFAULT_BUDGET_S:-560}
 source benchmarks/h200/session_lib.sh
 
@@ -73,8 +75,15 @@ c)
   grep -E "^(FAILED|ERROR)|passed|failed" "$d/quant-tests.log" | head -n 30
   grep -m 3 -B 2 -A 12 "^E " "$d/quant-tests.log" | head -n 60
   ;;
+d)
+  for order in awq,awq-pdl,bf16 awq-pdl,awq; do
+    run_step "e2e-$order" 200 python3 benchmarks/h200/quant_bench.py --out "$d/e2e-$order" --parts e2e \
+      --engines "$order" --quick
+    grep -h '^e2e ' "$d/e2e-$order.log"
+  done
+  ;;
 *)
-  echo "unknown phase $phase (a|b|c)"; exit 2 ;;
+  echo "unknown phase $phase (a|b|c|d)"; exit 2 ;;
 esac
 kill "$clocks_pid" "${host_probe_pid:-}" 2>/dev/null
 save
