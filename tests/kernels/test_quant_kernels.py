@@ -246,8 +246,8 @@ def test_w4a16_gemv_rejects_bad_operands() -> None:
 @pytest.mark.parametrize("group", [128, 32])
 @pytest.mark.parametrize(
     "block_n,values_per_row,num_warps",
-    [(16, 256, 4), (32, 512, 8), (8, 1024, 4)],
-    ids=["default", "wide", "long"],
+    [(8, 512, 4), (16, 256, 4), (32, 512, 8), (8, 1024, 4)],
+    ids=["default", "previous_default", "wide", "long"],
 )
 def test_dequantize_kernel_matches_reference(group, block_n, values_per_row, num_warps) -> None:
     """Every launch shape gives the same weight (rows and K blocks past the edge masked)."""
