@@ -92,19 +92,7 @@ q)
 c)
   if stage_structured_outputs; then
     (export PYTHONPATH=.:/tmp/so-site KVLLM_QWEN3_TOKENIZER=/tmp/so-tok
-     files="kvllm/sample/gumbel.py kvllm/sample/sampler.py kvllm/worker/model_runner.py"
-     for f in $files; do cp "$f" "/tmp/$(basename "$f" .py)_after.py"; done
-     i=0
-     for arm in ${SO_ARMS:-after before before after}; do  # ABBA: a fresh machine's first minutes run slow
-       i=$((i + 1))
-       for f in $files; do
-         if [ "$arm" = before ]; then cp ".ab/$(basename "$f" .py)_before.py" "$f"; else cp "/tmp/$(basename "$f" .py)_after.py" "$f"; fi
-       done
-       run_step "so-$arm-$i" 45 python3 benchmarks/h200/structured_outputs_bench.py --tokenizer /tmp/so-tok \
-         --repeats 2 --out "$d/so-$arm-$i.json"
-       tail -n 1 "$d/so-$arm-$i.log"
-     done
-     for f in $files; do cp "/tmp/$(basename "$f" .py)_after.py" "$f"; done
+     so_ab ${SO_ARMS:-after before before after}  # ABBA: a fresh machine's first minutes run slow
      parallel_tests 80 "so|tests/gpu/test_structured_outputs_gpu.py tests/gpu/test_sampling_gpu.py")
   fi
   if (( end - $(date +%s) > 200 )); then

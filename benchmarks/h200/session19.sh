@@ -21,21 +21,6 @@ phase=${1:?usage: session19.sh a|b|c|d}
 default_budget_s=${DEFAULT_BUDGET_S:-560}
 source benchmarks/h200/session_lib.sh
 
-so_ab() {  # arms...: the batch-64 structured-outputs bench with main's files, or 89834d4~1's for "before"
-  local files=${SO_FILES:-kvllm/sample/gumbel.py kvllm/sample/sampler.py kvllm/worker/model_runner.py} f i=0 arm
-  for f in $files; do cp "$f" "/tmp/$(basename "$f" .py)_after.py"; done
-  for arm in "$@"; do
-    i=$((i + 1))
-    for f in $files; do
-      if [ "$arm" = before ]; then cp ".ab/$(basename "$f" .py)_before.py" "$f"; else cp "/tmp/$(basename "$f" .py)_after.py" "$f"; fi
-    done
-    run_step "so-$arm-$i" 45 python3 benchmarks/h200/structured_outputs_bench.py --tokenizer /tmp/so-tok \
-      --repeats 2 --out "$d/so-$arm-$i.json"
-    tail -n 1 "$d/so-$arm-$i.log"
-  done
-  for f in $files; do cp "/tmp/$(basename "$f" .py)_after.py" "$f"; done
-}
-
 case "$phase" in
 a)
   run_step prefill-probe 200 python3 benchmarks/h200/w4a16_prefill_probe.py --out "$d/prefill" --budget-s 170

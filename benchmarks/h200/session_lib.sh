@@ -69,6 +69,21 @@ structured_outputs() {  # issue 19: the batch-64 bench and the GPU tests
    run_step so-tests "${SO_TESTS_CAP:-50}" python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
      tests/gpu/test_structured_outputs_gpu.py)
 }
+so_ab() {  # arms...: the batch-64 structured-outputs bench (issue 19), each arm with main's $SO_FILES ("after")
+  # or .ab/<name>_before.py for each ("before"); main's files are put back at the end
+  local files=${SO_FILES:-kvllm/sample/gumbel.py kvllm/sample/sampler.py kvllm/worker/model_runner.py} f i=0 arm
+  for f in $files; do cp "$f" "/tmp/$(basename "$f" .py)_after.py"; done
+  for arm in "$@"; do
+    i=$((i + 1))
+    for f in $files; do
+      if [ "$arm" = before ]; then cp ".ab/$(basename "$f" .py)_before.py" "$f"; else cp "/tmp/$(basename "$f" .py)_after.py" "$f"; fi
+    done
+    run_step "so-$arm-$i" 45 python3 benchmarks/h200/structured_outputs_bench.py --tokenizer /tmp/so-tok \
+      --repeats 2 --out "$d/so-$arm-$i.json"
+    tail -n 1 "$d/so-$arm-$i.log"
+  done
+  for f in $files; do cp "/tmp/$(basename "$f" .py)_after.py" "$f"; done
+}
 issue17_beside_vllm() {  # vLLM's third staged part, then kvllm and vLLM 0.22 on issue 17's table (batch 1-256
   # latency, nano-vllm with kvllm's kernel timeline, 256 x 128/128), one process each
   bash .vllm/part3/remote-stage.sh 3 > "$d/vllm-stage3.log" 2>&1 || { tail -n 5 "$d/vllm-stage3.log"; save; exit 3; }
