@@ -15,9 +15,12 @@
 #      the gather variant failed at 256 rows).
 #   d  carry nothing (written after the session's device time was spent): issue 22's decode GEMV under
 #      programmatic dependent launch (quant_bench.py's awq-pdl) against without, batch 1 e2e, ABBA, bf16 once.
+#   e  carry [".so-lite", ".ab"] with .ab/{gumbel,sampler}_same.py (copies of main's files) beside the _before.py
+#      ones: whether the unconstrained runs' 3-6% in "after" arms comes from copying the files in (after against
+#      same: one code, two copies) or from the code (then before runs faster than both).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-phase=${1:?usage: session19.sh a|b|c|d}
+phase=${1:?usage: session19.sh a|b|c|d|e}
 default_budget_s=${DEFAULT_BUDGET_S:-560}
 source benchmarks/h200/session_lib.sh
 
@@ -67,8 +70,14 @@ d)
     grep -h '^e2e ' "$d/e2e-$order.log"
   done
   ;;
+e)
+  if stage_structured_outputs; then
+    (export PYTHONPATH=.:/tmp/so-site KVLLM_QWEN3_TOKENIZER=/tmp/so-tok SO_FILES="kvllm/sample/gumbel.py kvllm/sample/sampler.py"
+     so_ab ${SO_ARMS:-after same same after before before})
+  fi
+  ;;
 *)
-  echo "unknown phase $phase (a|b|c|d)"; exit 2 ;;
+  echo "unknown phase $phase (a|b|c|d|e)"; exit 2 ;;
 esac
 kill "$clocks_pid" "${host_probe_pid:-}" 2>/dev/null
 save

@@ -70,13 +70,13 @@ structured_outputs() {  # issue 19: the batch-64 bench and the GPU tests
      tests/gpu/test_structured_outputs_gpu.py)
 }
 so_ab() {  # arms...: the batch-64 structured-outputs bench (issue 19), each arm with main's $SO_FILES ("after")
-  # or .ab/<name>_before.py for each ("before"); main's files are put back at the end
+  # or .ab/<name>_<arm>.py for each (e.g. "before"); main's files are put back at the end
   local files=${SO_FILES:-kvllm/sample/gumbel.py kvllm/sample/sampler.py kvllm/worker/model_runner.py} f i=0 arm
   for f in $files; do cp "$f" "/tmp/$(basename "$f" .py)_after.py"; done
   for arm in "$@"; do
     i=$((i + 1))
     for f in $files; do
-      if [ "$arm" = before ]; then cp ".ab/$(basename "$f" .py)_before.py" "$f"; else cp "/tmp/$(basename "$f" .py)_after.py" "$f"; fi
+      if [ "$arm" = after ]; then cp "/tmp/$(basename "$f" .py)_after.py" "$f"; else cp ".ab/$(basename "$f" .py)_$arm.py" "$f"; fi
     done
     run_step "so-$arm-$i" 45 python3 benchmarks/h200/structured_outputs_bench.py --tokenizer /tmp/so-tok \
       --repeats 2 --out "$d/so-$arm-$i.json"
