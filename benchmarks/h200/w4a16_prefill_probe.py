@@ -157,7 +157,7 @@ def main() -> None:
     log.close()
     print(f"{'shape':8} {'M':>3} {'route':22} {'us':>8}  config")
     for (shape, m, impl), (us, cfg) in sorted(best.items()):
-        print(f"{shape:8} {m:>3} {impl:22} {us:8.2f}  {cfg}")
+        print(f"{shape:8} {m or '-':>3} {impl:22} {us:8.2f}  {cfg}")  # M - : the dequantize launch alone
 
 
 if __name__ == "__main__":
