@@ -45,10 +45,25 @@ GEMM_CANDIDATES = [
 ]
 
 
+def gemm_candidates(block_m: int | None) -> list[tuple[int, ...]]:
+    """GEMM_CANDIDATES, or those with `block_m` rows a tile (128: the large-M tiles, not in the list)."""
+    if block_m == 128:
+        return [(128, 128, 128, s, 8, 3) for s in (1, 2, 4)] + [(128, 64, 128, 1, 4, 3)]
+    return [c for c in GEMM_CANDIDATES if block_m is None or c[0] == block_m]
+
+
 def probe_shape(
-    shape: str, n: int, k: int, rows: list[int], deadline: float, emit: Callable[..., None]
+    shape: str,
+    n: int,
+    k: int,
+    rows: list[int],
+    deadline: float,
+    emit: Callable[..., None],
+    dequant_candidates: list[tuple[int, int, int]] = DEQUANT_CANDIDATES,
+    gemm_configs: list[tuple[int, ...]] = GEMM_CANDIDATES,
 ) -> None:
-    """One projection: the dequantize candidates, then each route at each row count."""
+    """One projection: the dequantize candidates (the first is the default), then each route at each row
+    count."""
     import torch
     import torch.nn.functional as F
 
@@ -67,11 +82,11 @@ def probe_shape(
     w4 = copies(make_w4, w4_bytes + n * k * 2)
     reference = dequantize_triton(*w4[0], GROUP, torch.bfloat16)
 
-    def dequant(i: int, cfg: tuple[int, int, int] = DEQUANT_CANDIDATES[0]) -> torch.Tensor:
+    def dequant(i: int, cfg: tuple[int, int, int] = dequant_candidates[0]) -> torch.Tensor:
         return dequantize_triton(*w4[i % len(w4)], GROUP, torch.bfloat16, *cfg)
 
     dequant_us: dict[tuple[int, int, int], float] = {}
-    for cfg in DEQUANT_CANDIDATES:
+    for cfg in dequant_candidates:
         if time.monotonic() > deadline:
             break
         rec: dict[str, Any] = {"shape": shape, "impl": "dequantize", "config": cfg}
@@ -84,7 +99,7 @@ def probe_shape(
         except Exception as e:  # a config that does not compile here: recorded, not fatal
             rec["error"] = repr(e)[:300]
         emit(rec, (shape, 0, "dequantize") if rec.get("equal") else None)
-    fastest = min(dequant_us, key=dequant_us.__getitem__) if dequant_us else DEQUANT_CANDIDATES[0]
+    fastest = min(dequant_us, key=dequant_us.__getitem__) if dequant_us else dequant_candidates[0]
     bf16 = copies(lambda: (torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02,), n * k * 2)
     for m in rows:
         if time.monotonic() > deadline:
@@ -102,7 +117,7 @@ def probe_shape(
                 {"shape": shape, "m": m, "impl": impl, "us": round(us, 2), "config": fastest},
                 (shape, m, impl),
             )
-        for cfg in GEMM_CANDIDATES:
+        for cfg in gemm_configs:
             if time.monotonic() > deadline:
                 break
             if cfg[0] > 16 and cfg[0] > m:
@@ -131,12 +146,8 @@ def main() -> None:
     )
     parser.add_argument("--dequant-default-only", action="store_true", help="skip the dequantize candidates")
     args = parser.parse_args()
-    if args.gemm_block_m:
-        GEMM_CANDIDATES[:] = [c for c in GEMM_CANDIDATES if c[0] == args.gemm_block_m]
-        if args.gemm_block_m == 128:
-            GEMM_CANDIDATES[:] = [(128, 128, 128, s, 8, 3) for s in (1, 2, 4)] + [(128, 64, 128, 1, 4, 3)]
-    if args.dequant_default_only:
-        del DEQUANT_CANDIDATES[1:]
+    dequant_candidates = DEQUANT_CANDIDATES[:1] if args.dequant_default_only else DEQUANT_CANDIDATES
+    gemm_configs = gemm_candidates(args.gemm_block_m)
     args.out.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + args.budget_s
     log = (args.out / "w4a16_prefill_probe.jsonl").open("w")
@@ -152,7 +163,8 @@ def main() -> None:
         if time.monotonic() > deadline:
             print(f"budget spent before {shape}", flush=True)
             break
-        probe_shape(shape, n, k, [int(r) for r in args.rows.split(",")], deadline, emit)
+        rows = [int(r) for r in args.rows.split(",")]
+        probe_shape(shape, n, k, rows, deadline, emit, dequant_candidates, gemm_configs)
         torch.cuda.empty_cache()
     log.close()
     print(f"{'shape':8} {'M':>3} {'route':22} {'us':>8}  config")
