@@ -32,32 +32,6 @@ phase=${1:?usage: session17.sh a|b|c|d|e|f|h|x|y}
 default_budget_s=${DEFAULT_BUDGET_S:-570}
 source benchmarks/h200/session_lib.sh
 
-on_h200() { grep -q H200 "$d/gpu.txt"; }
-so_pairs() {  # the grammar process (deferred sampling) against the engine thread, alternating twice
-  stage_structured_outputs || { since "no .so-lite"; return; }
-  (export PYTHONPATH=.:/tmp/so-site KVLLM_QWEN3_TOKENIZER=/tmp/so-tok
-   run_step so-tests 50 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/gpu/test_structured_outputs_gpu.py
-   i=0
-   for arm in process thread process thread; do
-     i=$((i + 1)); flag=""; [ "$arm" = process ] && flag=--grammar-process
-     run_step "so-$arm-$i" 45 python3 benchmarks/h200/structured_outputs_bench.py --tokenizer /tmp/so-tok --repeats 2 \
-       $flag --out "$d/so-$arm-$i.json"
-     tail -n 1 "$d/so-$arm-$i.log"
-   done)
-}
-
-flex_rows() {  # issue 23: FLEX_ATTENTION's rows timed both ways (do_bench's flushed single calls; queued)
-  for timing in ${@:-queued bench}; do
-    run_step "flex-$timing" 80 python3 -m kvllm.benchmarks.attention --backends FLEX_ATTENTION --peers flex,sdpa \
-      --only-shapes --shape "decode b256 x ctx1k:256x1@1023" --shape "prefill 8x2048 causal:8x2048@0" \
-      --timing "$timing" --output-json "$d/flex-$timing.json"
-    grep -E "FLEX_ATTENTION|flex|sdpa" "$d/flex-$timing.log" | grep -v skipped | head -n 6 | cut -c1-220
-    python3 -c "import json,sys; [print(r['shape'], 'build', r['build_ms'], 'at a 0.1 ms switch interval',
-      r['extra'].get('build_ms_switch_100us'), r['extra'].get('python_threads')) for r in json.load(open(sys.argv[1]))['rows']
-      if r['kernel'] == 'FLEX_ATTENTION' and r.get('build_ms')]" "$d/flex-$timing.json"
-  done
-}
-
 phase_e() {
   flex_rows queued
   run_step flex-probe 170 python3 benchmarks/h200/flex_prefill_probe.py --out "$d"
@@ -86,11 +60,6 @@ phase_h() {
   run_step e2e-bf16 70 python3 benchmarks/h200/quant_bench.py --out "$d/e2e-bf16" --parts e2e --engines bf16 --quick
   grep -h '"e2e"' "$d"/e2e-*.log | cut -c1-200
   flex_rows
-}
-
-h200_first() {  # vLLM's first piece, then main's batch 1-256 latency
-  run_step vllm-stage1 40 bash .vllm/part1/remote-stage.sh 1
-  bench latency 150 --engine kvllm --backend TRITON_ATTN --only latency --iters 5 --warmups 2 --out "$d/latency"
 }
 
 case "$phase" in

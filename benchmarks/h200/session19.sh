@@ -26,19 +26,6 @@ phase=${1:?usage: session19.sh a|b|c|d|e|next}
 default_budget_s=${DEFAULT_BUDGET_S:-560}
 source benchmarks/h200/session_lib.sh
 
-gemv_pdl_ab() {  # issue 22: AWQ's batch-1 e2e with the decode GEMV under PDL and without, ABBA, bf16 once
-  for order in awq,awq-pdl,bf16 awq-pdl,awq; do
-    run_step "e2e-$order" 200 python3 benchmarks/h200/quant_bench.py --out "$d/e2e-$order" --parts e2e \
-      --engines "$order" --quick
-    grep -h '^e2e ' "$d/e2e-$order.log"
-  done
-}
-sampling_files_aab() {  # issue 19: main's sampling files copied in two ways, then 89834d4~1's (see e above)
-  if stage_structured_outputs; then
-    (export PYTHONPATH=.:/tmp/so-site KVLLM_QWEN3_TOKENIZER=/tmp/so-tok SO_FILES="kvllm/sample/gumbel.py kvllm/sample/sampler.py"
-     so_ab ${SO_ARMS:-after same same after before before})
-  fi
-}
 
 case "$phase" in
 a)

@@ -102,6 +102,49 @@ issue19_beside_vllm() {  # the batch-64 structured-outputs bench, kvllm then vLL
      tail -n 1 "$d/so-vllm.log")
   fi
 }
+on_h200() { grep -q H200 "$d/gpu.txt"; }
+so_pairs() {  # the grammar process (deferred sampling) against the engine thread, alternating twice
+  stage_structured_outputs || { since "no .so-lite"; return; }
+  (export PYTHONPATH=.:/tmp/so-site KVLLM_QWEN3_TOKENIZER=/tmp/so-tok
+   run_step so-tests 50 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/gpu/test_structured_outputs_gpu.py
+   i=0
+   for arm in process thread process thread; do
+     i=$((i + 1)); flag=""; [ "$arm" = process ] && flag=--grammar-process
+     run_step "so-$arm-$i" 45 python3 benchmarks/h200/structured_outputs_bench.py --tokenizer /tmp/so-tok --repeats 2 \
+       $flag --out "$d/so-$arm-$i.json"
+     tail -n 1 "$d/so-$arm-$i.log"
+   done)
+}
+h200_first() {  # vLLM's first piece, then main's batch 1-256 latency
+  run_step vllm-stage1 40 bash .vllm/part1/remote-stage.sh 1
+  bench latency 150 --engine kvllm --backend TRITON_ATTN --only latency --iters 5 --warmups 2 --out "$d/latency"
+}
+
+flex_rows() {  # issue 23: FLEX_ATTENTION's rows timed both ways (do_bench's flushed single calls; queued)
+  for timing in ${@:-queued bench}; do
+    run_step "flex-$timing" 80 python3 -m kvllm.benchmarks.attention --backends FLEX_ATTENTION --peers flex,sdpa \
+      --only-shapes --shape "decode b256 x ctx1k:256x1@1023" --shape "prefill 8x2048 causal:8x2048@0" \
+      --timing "$timing" --output-json "$d/flex-$timing.json"
+    grep -E "FLEX_ATTENTION|flex|sdpa" "$d/flex-$timing.log" | grep -v skipped | head -n 6 | cut -c1-220
+    python3 -c "import json,sys; [print(r['shape'], 'build', r['build_ms'], 'at a 0.1 ms switch interval',
+      r['extra'].get('build_ms_switch_100us'), r['extra'].get('python_threads')) for r in json.load(open(sys.argv[1]))['rows']
+      if r['kernel'] == 'FLEX_ATTENTION' and r.get('build_ms')]" "$d/flex-$timing.json"
+  done
+}
+
+gemv_pdl_ab() {  # issue 22: AWQ's batch-1 e2e with the decode GEMV under PDL and without, ABBA, bf16 once
+  for order in awq,awq-pdl,bf16 awq-pdl,awq; do
+    run_step "e2e-$order" 200 python3 benchmarks/h200/quant_bench.py --out "$d/e2e-$order" --parts e2e \
+      --engines "$order" --quick
+    grep -h '^e2e ' "$d/e2e-$order.log"
+  done
+}
+sampling_files_aab() {  # issue 19: main's sampling files copied in two ways, then 89834d4~1's (session19.sh e)
+  if stage_structured_outputs; then
+    (export PYTHONPATH=.:/tmp/so-site KVLLM_QWEN3_TOKENIZER=/tmp/so-tok SO_FILES="kvllm/sample/gumbel.py kvllm/sample/sampler.py"
+     so_ab ${SO_ARMS:-after same same after before before})
+  fi
+}
 nvidia-smi --query-gpu=name,compute_cap,driver_version,clocks.max.sm --format=csv,noheader | tee "$d/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$d/gpu.txt"
 nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,utilization.gpu --format=csv -lms 250 \
