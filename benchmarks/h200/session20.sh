@@ -3,12 +3,14 @@
 # fourteenth to nineteenth sessions) vLLM 0.22 is staged over three calls on one warm machine (each sent
 # within 30 s of the last one's return), then session17.sh c and d put kvllm beside it (issues 17 and 19).
 # Raw results under /tmp/<phase>/, tarred into $OUT/<phase>.tgz after every step; a short table on stdout.
-#   first   carry [".vllm/part1", ".so-lite", ".ab"]: on an H200, vLLM's first piece, issue 22's batch-1 AWQ
-#           against bf16 with the decode GEMV under PDL and without (gemv_pdl_ab: the issue's ratio on its card),
-#           and main's batch 1-256 latency. On an H100, session19.sh next (gemv_pdl_ab, then the sampling
-#           files' A/A/B for issue 19's unconstrained puzzle).
-#   second  carry [".vllm/part2"] (H200, after first): vLLM's second piece and FLEX_ATTENTION's rows (issue 23).
-#   then    session17.sh c with carry [".vllm/part3"], and session17.sh d with carry [".so-lite"].
+#   first   carry [".vllm/part1", ".so-lite", ".ab"]: on an H200, vLLM's first piece and issue 22's batch-1 AWQ
+#           against bf16 with the decode GEMV under PDL and without (gemv_pdl_ab: the issue's ratio on its card).
+#           On an H100, session19.sh next (gemv_pdl_ab, then the sampling files' A/A/B for issue 19's
+#           unconstrained puzzle).
+#   second  carry [".vllm/part2"] (H200, after first): vLLM's second piece, and FLEX_ATTENTION's rows (issue 23)
+#           when SECOND_FLEX=1 (the session's device time is short: the default stages only).
+#   then    session17.sh c with carry [".vllm/part3"] (issue 17's table beside vLLM, latency included), and
+#           session17.sh d with carry [".so-lite"] if the device time allows.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 phase=${1:?usage: session20.sh first|second}
@@ -18,7 +20,7 @@ source benchmarks/h200/session_lib.sh
 case "$phase" in
 first)
   if on_h200; then
-    h200_first
+    run_step vllm-stage1 40 bash .vllm/part1/remote-stage.sh 1
     gemv_pdl_ab
   else
     gemv_pdl_ab
@@ -27,7 +29,7 @@ first)
   ;;
 second)
   run_step vllm-stage2 40 bash .vllm/part2/remote-stage.sh 2
-  flex_rows
+  if [ "${SECOND_FLEX:-0}" = 1 ]; then flex_rows; fi
   ;;
 *)
   echo "unknown phase $phase (first|second)"; exit 2 ;;
