@@ -128,12 +128,12 @@ class XgrammarBackend:
 
 
 class BitmaskFiller:
-    """Fills the rows of a token bitmask from their matchers: one row at a time on the calling thread,
-    or through xgrammar's thread pool (`fill_threads` threads) from THREADED_FILL_MIN_ROWS rows on."""
+    """Fills the rows of a token bitmask from their matchers in one xgrammar call: on the calling thread
+    below THREADED_FILL_MIN_ROWS rows, through xgrammar's thread pool (`fill_threads` threads) from there."""
 
     def __init__(self, fill_threads: int) -> None:
         self.fill_threads = fill_threads
-        self._batch_matcher: Any = None
+        self._batch_matchers: dict[int, Any] = {}  # threads -> xgrammar BatchGrammarMatcher
         self.num_threaded_fills = 0  # fills that went through xgrammar's thread pool (tests count them)
 
     def fill(self, bitmask: torch.Tensor, matchers: Sequence[Any]) -> bool:
@@ -148,17 +148,18 @@ class BitmaskFiller:
             for i, matcher in enumerate(matchers):
                 if matcher is None:
                     bitmask[i].fill_(-1)
-        if len(rows) < THREADED_FILL_MIN_ROWS or self.fill_threads == 1:
-            # A row costs microseconds (about 6 us at batch 64 with Qwen3's vocabulary on this
-            # project's CPU): handing rows to a thread pool costs more than it saves, and a pool
-            # thread that is not scheduled at once stalls the whole step.
-            for row in rows:
-                matchers[row].fill_next_token_bitmask(bitmask, row)
-            return True
-        import xgrammar as xgr
+        # One thread below the threshold: a row costs microseconds (about 2 us at batch 64 with Qwen3's
+        # vocabulary on this project's CPU), so handing rows to a pool costs more than it saves, and a
+        # pool thread that is not scheduled at once stalls the whole step. Still one call for the batch:
+        # 15% less than a Python loop over the rows' fill_next_token_bitmask at 64 rows
+        # (benchmarks/xgrammar_gil.py: 0.126 against 0.149 ms, docs/benchmarks/cpu/xgrammar_gil.json).
+        threads = self.fill_threads if len(rows) >= THREADED_FILL_MIN_ROWS else 1
+        if threads > 1:
+            self.num_threaded_fills += 1
+        batch_matcher = self._batch_matchers.get(threads)
+        if batch_matcher is None:
+            import xgrammar as xgr
 
-        if self._batch_matcher is None:
-            self._batch_matcher = xgr.BatchGrammarMatcher(max_threads=self.fill_threads)
-        self.num_threaded_fills += 1
-        self._batch_matcher.batch_fill_next_token_bitmask([matchers[i] for i in rows], bitmask, indices=rows)
+            batch_matcher = self._batch_matchers[threads] = xgr.BatchGrammarMatcher(max_threads=threads)
+        batch_matcher.batch_fill_next_token_bitmask([matchers[i] for i in rows], bitmask, indices=rows)
         return True

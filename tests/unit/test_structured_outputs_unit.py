@@ -3,6 +3,8 @@ parameter checks and the mapping of OpenAI's response_format."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -181,6 +183,41 @@ def test_grammar_bitmask_reuses_two_buffers_and_fills_on_the_calling_thread(tmp_
     assert manager.num_threaded_fills == 0
     manager.grammar_bitmask(grammars + grammars[:2])  # a larger batch: that buffer grows, once
     assert manager.num_buffer_allocations == 3
+    manager.shutdown()
+
+
+def test_large_batches_fill_through_xgrammars_thread_pool_with_the_same_masks(tmp_path):
+    """From THREADED_FILL_MIN_ROWS constrained rows the masks come from xgrammar's thread pool, and
+    they are bit for bit each matcher's own (grammars at different points, unconstrained rows all ones)."""
+    import xgrammar as xgr
+    from transformers import AutoTokenizer
+
+    from kvllm.structured_output.backend_xgrammar import THREADED_FILL_MIN_ROWS
+
+    vocab = write_tokenizer(tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    manager = StructuredOutputManager(tokenizer, vocab + 7, (EOS_ID,))
+    manager._filler.fill_threads = 2
+    rows = THREADED_FILL_MIN_ROWS * 7 // 6 + 8  # every seventh row unconstrained: still over the threshold
+    grammars = [manager.make_request(StructuredOutputsParams(regex="(ab|ba)+c")) for _ in range(rows)]
+    for g in grammars:
+        while not g.is_ready():
+            g.wait(1.0)
+    rng = random.Random(0)
+    for g in grammars:  # each grammar a random number of tokens into its language
+        for _ in range(rng.randrange(4)):
+            allowed = xgr.allocate_token_bitmask(1, vocab + 7)
+            g.matcher.fill_next_token_bitmask(allowed, 0)
+            g.accept_token(int(rng.choice(unpack_bitmask(allowed, vocab)[0].nonzero().flatten().tolist())))
+    live = [None if i % 7 == 0 else g for i, g in enumerate(grammars)]
+    threaded_before = manager.num_threaded_fills
+    mask = manager.grammar_bitmask(live)
+    assert manager.num_threaded_fills == threaded_before + 1
+    for row, g in enumerate(live):
+        expected = torch.full((1, mask.shape[1]), -1, dtype=torch.int32)
+        if g is not None:
+            g.matcher.fill_next_token_bitmask(expected, 0)
+        assert torch.equal(mask[row], expected[0]), row
     manager.shutdown()
 
 
