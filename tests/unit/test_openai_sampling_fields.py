@@ -11,6 +11,7 @@ from fastapi.testclient import TestClient
 from kvllm.engine.input_processor import bad_words_token_ids
 from kvllm.engine.llm_engine import LLMEngine
 from kvllm.entrypoints.openai.server import build_app
+from tests.unit.attention_fixtures import kvllm_logs  # noqa: F401
 from tests.unit.test_openai_server import (
     API_KEY,
     AUTH,
@@ -226,4 +227,38 @@ def test_unsupported_vllm_fields_are_refused_unless_default(client, engine, endp
     assert_openai_error(post(client, endpoint, {**body, name: value}), 400, name, "not supported")
     default = {"use_beam_search": False, "length_penalty": 1.0, "priority": 0}[name]
     assert post(client, endpoint, {**body, name: default, "some_client_field": 1}).status_code == 200
+    assert_engine_idle(engine)
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "body"),
+    [
+        ("/v1/completions", {"prompt": "hello", "max_tokens": 2}),
+        ("/v1/chat/completions", {"messages": USER, "max_tokens": 2}),
+        ("/v1/embeddings", {"input": "hello"}),
+        ("/v1/responses", {"input": "hello", "max_output_tokens": 2}),
+        ("/tokenize", {"prompt": "hello"}),
+        ("/detokenize", {"tokens": [1, 2]}),
+    ],
+)
+def test_unknown_request_fields_are_ignored_with_a_warning_naming_them(
+    client,
+    engine,
+    kvllm_logs,  # noqa: F811 (the fixture)
+    endpoint,
+    body,
+):
+    """As vLLM logs them: a misspelt field (max_token) is named in a warning, never dropped silently;
+    a request with only known fields (and vLLM's refusable ones at their defaults) warns about nothing."""
+    body = {"model": "tiny", **body}
+    kvllm_logs.clear()
+    post(client, endpoint, {**body, "priority": 0} if endpoint.startswith("/v1/c") else body)
+    assert not [r for r in kvllm_logs.records if "ignored" in r.getMessage()]
+    post(client, endpoint, {**body, "max_token": 5, "frobnicate": {"a": 1}})
+    warnings = [
+        r.getMessage() for r in kvllm_logs.records if r.levelname == "WARNING" and "ignored" in r.getMessage()
+    ]
+    assert warnings == [
+        "The following fields were present in the request but ignored: ['frobnicate', 'max_token']"
+    ]
     assert_engine_idle(engine)

@@ -1,7 +1,9 @@
 """Pydantic models of the OpenAI-compatible API (requests, responses, stream chunks, errors).
 
 Field names follow OpenAI's API, plus vLLM's sampling extras (top_k, min_p, repetition_penalty, ...)
-in the request body. Unknown request fields are ignored, as OpenAI clients send optional ones freely.
+in the request body. Unknown request fields are ignored, as OpenAI clients send optional ones freely, and
+each request that has any logs a warning naming them (as vLLM does): a misspelt field is never silently
+dropped.
 """
 
 from __future__ import annotations
@@ -10,7 +12,11 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from kvllm.logger import init_logger
+
+logger = init_logger(__name__)
 
 
 def random_id(prefix: str) -> str:
@@ -73,7 +79,22 @@ UNSUPPORTED_VLLM_FIELDS: dict[str, Any] = {
 }
 
 
-class SamplingExtras(OpenAIBaseModel):
+class RequestModel(OpenAIBaseModel):
+    """Base of the request bodies: fields the model does not declare are ignored with a warning that
+    names them (vLLM's fields that kvllm refuses are named by the handlers' 400 instead)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _warn_about_unknown_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            known = cls.model_fields.keys() | {f.alias for f in cls.model_fields.values() if f.alias}
+            unknown = sorted(str(key) for key in data.keys() - known - UNSUPPORTED_VLLM_FIELDS.keys())
+            if unknown:
+                logger.warning("The following fields were present in the request but ignored: %s", unknown)
+        return data
+
+
+class SamplingExtras(RequestModel):
     """Sampling fields shared by completions and chat (OpenAI's, then vLLM's extras).
 
     Unknown fields are kept (`model_extra`) so the handlers can refuse vLLM's unsupported ones.
@@ -290,7 +311,7 @@ class ModelList(OpenAIBaseModel):
     data: list[ModelCard]
 
 
-class TokenizeRequest(OpenAIBaseModel):
+class TokenizeRequest(RequestModel):
     """POST /tokenize: a prompt, or chat messages rendered with the chat template."""
 
     model: str | None = None
@@ -309,7 +330,7 @@ class TokenizeResponse(OpenAIBaseModel):
     tokens: list[int]
 
 
-class DetokenizeRequest(OpenAIBaseModel):
+class DetokenizeRequest(RequestModel):
     """POST /detokenize."""
 
     model: str | None = None

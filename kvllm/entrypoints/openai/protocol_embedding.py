@@ -7,10 +7,10 @@ from typing import Literal
 
 from pydantic import Field
 
-from kvllm.entrypoints.openai.protocol import OpenAIBaseModel
+from kvllm.entrypoints.openai.protocol import OpenAIBaseModel, RequestModel
 
 
-class EmbeddingRequest(OpenAIBaseModel):
+class EmbeddingRequest(RequestModel):
     """OpenAI's embeddings request; vLLM's extras: truncate_prompt_tokens, add_special_tokens,
     use_activation (normalize; `normalize` is its older name)."""
 

@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from kvllm.entrypoints.openai.protocol import OpenAIBaseModel
+from kvllm.entrypoints.openai.protocol import OpenAIBaseModel, RequestModel
 
 
 class InputContentPart(OpenAIBaseModel):
@@ -30,7 +30,7 @@ class InputItem(OpenAIBaseModel):
     content: str | list[InputContentPart] | None = None
 
 
-class ResponsesRequest(OpenAIBaseModel):
+class ResponsesRequest(RequestModel):
     """POST /v1/responses."""
 
     model: str | None = None
