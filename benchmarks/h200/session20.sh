@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The twentieth session's GPU calls. The first call's card decides the rest: on an H200 (none came in the
-# fourteenth to nineteenth sessions) vLLM 0.22 is staged over three calls on one warm machine (each sent
-# within 30 s of the last one's return), then session17.sh c and d put kvllm beside it (issues 17 and 19).
+# The twentieth session's GPU calls. The first call's card and carry decide the rest: on an H200 (none came in
+# the fourteenth to twentieth sessions) with .vllm/part1 carried, vLLM 0.22 is staged over three calls on one
+# warm machine (each sent within 30 s of the last one's return), then session17.sh c and d put kvllm beside it
+# (issues 17 and 19).
 # Raw results under /tmp/<phase>/, tarred into $OUT/<phase>.tgz after every step; a short table on stdout.
 #   first   carry [".vllm/part1", ".so-lite", ".ab"]: on an H200, vLLM's first piece and issue 22's batch-1 AWQ
 #           against bf16 with the decode GEMV under PDL and without (gemv_pdl_ab: the issue's ratio on its card).
