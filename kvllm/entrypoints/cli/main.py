@@ -25,6 +25,7 @@ SUBCOMMAND_MODULES: list[str] = [
     "kvllm.entrypoints.cli.bench",
     "kvllm.entrypoints.cli.backends",
     "kvllm.entrypoints.cli.collect_env",
+    "kvllm.entrypoints.cli.run_batch",
 ]
 
 

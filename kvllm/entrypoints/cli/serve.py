@@ -96,7 +96,22 @@ def register(subparsers: Any) -> None:
         help="After the engine fails, keep answering 503 instead of exiting with code 1 (default: off, "
         "or the VLLM_KEEP_ALIVE_ON_ENGINE_DEATH environment variable, as in vLLM).",
     )
+    add_chat_flags(server)
     server.add_argument(
+        "--config",
+        metavar="YAML",
+        help="Read flags from a YAML file, as vLLM does: keys are flag names (tensor-parallel-size: 1), "
+        "flags on the command line win.",
+    )
+    _add_http_flags(parser)
+    add_limit_flags(parser)
+    add_unsupported_flags(server, FRONTEND_FLAGS)
+    parser.set_defaults(dispatch=run)
+
+
+def add_chat_flags(group: Any) -> None:
+    """The chat-template, tool-calling and reasoning flags (read back by `chat_defaults_from_cli`)."""
+    group.add_argument(
         "--chat-template",
         "--chat_template",
         dest="chat_template",
@@ -105,7 +120,7 @@ def register(subparsers: Any) -> None:
         help="The chat template to render instead of the model's: a Jinja file's path, or the template "
         "itself in single-line form (backslash escapes decoded), as vLLM reads it.",
     )
-    server.add_argument(
+    group.add_argument(
         "--default-chat-template-kwargs",
         "--default_chat_template_kwargs",
         dest="default_chat_template_kwargs",
@@ -114,7 +129,7 @@ def register(subparsers: Any) -> None:
         help='Template variables for every chat request, as a JSON object (e.g. \'{"enable_thinking": '
         "false}'); a request's chat_template_kwargs override them.",
     )
-    server.add_argument(
+    group.add_argument(
         "--enable-auto-tool-choice",
         "--enable_auto_tool_choice",
         dest="enable_auto_tool_choice",
@@ -123,7 +138,7 @@ def register(subparsers: Any) -> None:
         help='Let requests use tool_choice "auto": the calls are parsed out of the output by '
         "--tool-call-parser (as vLLM's flag).",
     )
-    server.add_argument(
+    group.add_argument(
         "--tool-call-parser",
         "--tool_call_parser",
         dest="tool_call_parser",
@@ -132,7 +147,7 @@ def register(subparsers: Any) -> None:
         help="The model family's tool-call format: hermes (Qwen2.5, Qwen3, Hermes), llama3_json "
         "(Llama 3.x), mistral.",
     )
-    server.add_argument(
+    group.add_argument(
         "--exclude-tools-when-tool-choice-none",
         "--exclude_tools_when_tool_choice_none",
         dest="exclude_tools_when_tool_choice_none",
@@ -141,7 +156,7 @@ def register(subparsers: Any) -> None:
         help='Leave the tools out of the prompt when tool_choice is "none" (by default they are rendered '
         "and the output is not parsed, as in vLLM).",
     )
-    server.add_argument(
+    group.add_argument(
         "--chat-template-content-format",
         "--chat_template_content_format",
         dest="chat_template_content_format",
@@ -151,7 +166,7 @@ def register(subparsers: Any) -> None:
         '{"type": "text", "text": ...} parts; auto looks at whether the template loops over content '
         "(as vLLM's flag).",
     )
-    server.add_argument(
+    group.add_argument(
         "--reasoning-parser",
         "--reasoning_parser",
         dest="reasoning_parser",
@@ -160,16 +175,6 @@ def register(subparsers: Any) -> None:
         help="Split the model's thinking into the response's reasoning (reasoning_content) field: qwen3, "
         "deepseek_r1 (as vLLM's flag).",
     )
-    server.add_argument(
-        "--config",
-        metavar="YAML",
-        help="Read flags from a YAML file, as vLLM does: keys are flag names (tensor-parallel-size: 1), "
-        "flags on the command line win.",
-    )
-    _add_http_flags(parser)
-    _add_limit_flags(parser)
-    add_unsupported_flags(server, FRONTEND_FLAGS)
-    parser.set_defaults(dispatch=run)
 
 
 def _flag(group: Any, name: str, **kwargs: Any) -> None:
@@ -276,7 +281,7 @@ def http_options_from_cli(args: argparse.Namespace) -> HttpOptions:
     )
 
 
-def _add_limit_flags(parser: argparse.ArgumentParser) -> None:
+def add_limit_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per ServingLimits field, help and default from the field."""
     group = parser.add_argument_group("request limits", "What one request may ask of the server.")
     for f in fields(ServingLimits):
@@ -297,6 +302,21 @@ def _add_limit_flags(parser: argparse.ArgumentParser) -> None:
                 default=f.default,
                 help=f"{f.metadata['help']} (default: {f.default})",
             )
+
+
+def chat_defaults_from_cli(args: argparse.Namespace) -> ChatTemplateDefaults:
+    """ChatTemplateDefaults from the flags `add_chat_flags` added."""
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (e.g. hermes for Qwen3)")
+    return ChatTemplateDefaults.from_cli(
+        args.chat_template,
+        args.default_chat_template_kwargs,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
+        exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
+        reasoning_parser=args.reasoning_parser,
+        content_format=args.chat_template_content_format,
+    )
 
 
 def _env_flag(name: str) -> bool:
@@ -331,17 +351,7 @@ def run(args: argparse.Namespace) -> int:
             f"--log-stats-interval {args.log_stats_interval} is not valid; allowed: >= 0 (0 = off)"
         )
     limits = ServingLimits.from_kwargs(vars(args))
-    if args.enable_auto_tool_choice and not args.tool_call_parser:
-        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (e.g. hermes for Qwen3)")
-    chat_defaults = ChatTemplateDefaults.from_cli(
-        args.chat_template,
-        args.default_chat_template_kwargs,
-        enable_auto_tool_choice=args.enable_auto_tool_choice,
-        tool_call_parser=args.tool_call_parser,
-        exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
-        reasoning_parser=args.reasoning_parser,
-        content_format=args.chat_template_content_format,
-    )
+    chat_defaults = chat_defaults_from_cli(args)
     http = http_options_from_cli(args)
     log_stats_interval = 0.0 if engine_args.disable_log_stats else args.log_stats_interval
     from kvllm.entrypoints.openai.server import run_server
