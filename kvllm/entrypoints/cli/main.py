@@ -26,6 +26,7 @@ SUBCOMMAND_MODULES: list[str] = [
     "kvllm.entrypoints.cli.backends",
     "kvllm.entrypoints.cli.collect_env",
     "kvllm.entrypoints.cli.run_batch",
+    "kvllm.entrypoints.cli.client",
 ]
 
 
