@@ -7,6 +7,9 @@ Invariants (checked by tests/unit/test_kv_cache_manager.py):
   on a hit, or evicted, least recently freed first, when a new block is needed;
 - only full blocks are hashed; the hash chains the parent block's hash with the block's token
   ids, so equal hashes mean equal whole prefixes (the token ids are compared on a hit anyway);
+- a request's `cache_salt` (vLLM's) takes the place of the first block's parent, and each cached
+  block keeps the salt it was computed under: requests share cached blocks only when their salts
+  are equal (both None included), so one tenant cannot probe another's prompts by cache timing;
 - a request never gets a hit on the block holding its last prompt token, so at least one
   token is always computed and yields logits to sample from.
 """
@@ -25,6 +28,7 @@ class KVBlock:
     ref_cnt: int = 0
     block_hash: int | None = None
     token_ids: tuple[int, ...] | None = None  # the tokens a cached block holds, for the hit check
+    cache_salt: str | None = None  # the salt of the request that computed it, for the hit check
 
 
 class KVCacheManager:
@@ -71,7 +75,7 @@ class KVCacheManager:
         hashes = request.block_hashes
         while len(hashes) < num_full:
             i = len(hashes)
-            parent = hashes[-1] if hashes else None
+            parent = hashes[-1] if hashes else ("cache_salt", request.cache_salt)
             hashes.append(hash((parent, tuple(tokens[i * self.block_size : (i + 1) * self.block_size]))))
 
     def find_cached_prefix(self, request: Request) -> list[int]:
@@ -88,7 +92,8 @@ class KVCacheManager:
             if block_id is None:
                 break
             expected = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
-            if self.blocks[block_id].token_ids != expected:  # a hash collision: treat as a miss
+            block = self.blocks[block_id]
+            if block.token_ids != expected or block.cache_salt != request.cache_salt:  # a hash collision
                 break
             hits.append(block_id)
         return hits
@@ -143,6 +148,7 @@ class KVCacheManager:
         for block in self.blocks:
             block.block_hash = None
             block.token_ids = None
+            block.cache_salt = None
         self.cached_blocks.clear()
         return True
 
@@ -162,6 +168,7 @@ class KVCacheManager:
                 del self.cached_blocks[block.block_hash]
             block.block_hash = None
             block.token_ids = None
+            block.cache_salt = None
         block.ref_cnt = 1
         return block_id
 
@@ -182,5 +189,6 @@ class KVCacheManager:
             if block.block_hash is None:
                 block.block_hash = block_hash
                 block.token_ids = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
+                block.cache_salt = request.cache_salt
                 self.cached_blocks.setdefault(block_hash, block.block_id)
         self.num_hashed_blocks[request.request_id] = num_full

@@ -50,6 +50,7 @@ class Request:
     num_cached_prompt_tokens: int = 0  # prefix-cache hits at the first schedule
     num_preemptions: int = 0
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks, see KVCacheManager
+    cache_salt: str | None = None  # prefix-cache isolation (vLLM's): blocks are shared only under equal salts
     generator: torch.Generator | None = None
     # Draft tokens proposed for the next step (speculative decoding); the scheduler consumes them.
     spec_token_ids: list[int] = field(default_factory=list)

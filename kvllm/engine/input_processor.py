@@ -92,6 +92,15 @@ class InputProcessor:
             "or a dict with 'prompt' or 'prompt_token_ids'"
         )
 
+    @staticmethod
+    def cache_salt(prompt: PromptType) -> str | None:
+        """The prompt dict's `cache_salt` (vLLM's key: prefix-cache blocks are shared only between requests
+        with the same salt), or None; ValueError unless it is a non-empty string."""
+        salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise ValueError(f"cache_salt={salt!r} is not valid; allowed: a non-empty string, or none")
+        return salt
+
     def validate_prompt(self, token_ids: list[int], room_to_generate: bool = True) -> None:
         """ValueError unless the prompt is non-empty, leaves room to generate (a pooling prompt may fill
         max_model_len) and stays in the vocabulary."""

@@ -185,6 +185,7 @@ class LLMEngine:
         self._check_not_sleeping()
         if request_id in self.output_processor.parents:
             raise ValueError(f"Request id {request_id!r} is already in use")
+        cache_salt = self.input_processor.cache_salt(prompt)
         text, token_ids = self.input_processor.tokenize_prompt(prompt)
         token_ids = self.input_processor.truncate_prompt(token_ids, params)
         self.input_processor.validate_prompt(token_ids)
@@ -212,6 +213,7 @@ class LLMEngine:
                 index=i,
                 eos_token_ids=self.model_config.eos_token_ids,
                 generator=generator,
+                cache_salt=cache_salt,
             )
             if params.structured_outputs is not None:
                 request.structured_output_request = self.structured_output_manager.make_request(
@@ -250,11 +252,13 @@ class LLMEngine:
         if request_id in self.output_processor.parents:
             raise ValueError(f"Request id {request_id!r} is already in use")
         check_pooling_params(params, self.model_config)
+        cache_salt = self.input_processor.cache_salt(prompt)
         text, token_ids = self.input_processor.tokenize_prompt(prompt)
         token_ids = truncate_prompt(token_ids, params.truncate_prompt_tokens, self.model_config.max_model_len)
         self.input_processor.validate_prompt(token_ids, room_to_generate=False)
         self._check_fits_cache(token_ids)
         request = pooling_request(request_id, token_ids, params, arrival_time)
+        request.cache_salt = cache_salt
         self.output_processor.add_request(request_id, text, token_ids, [request])
         self.scheduler.add_request(request)
 

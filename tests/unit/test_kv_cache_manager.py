@@ -9,8 +9,10 @@ from kvllm.core.request import Request
 from kvllm.sampling_params import SamplingParams
 
 
-def make_request(rid: str, tokens: list[int]) -> Request:
-    return Request(rid, list(tokens), SamplingParams(), max_tokens=16, eos_token_ids=(0,))
+def make_request(rid: str, tokens: list[int], cache_salt: str | None = None) -> Request:
+    return Request(
+        rid, list(tokens), SamplingParams(), max_tokens=16, eos_token_ids=(0,), cache_salt=cache_salt
+    )
 
 
 def check_invariants(kv: KVCacheManager) -> None:
@@ -97,6 +99,29 @@ def test_hash_collision_is_a_miss(monkeypatch):
     b = make_request("b", [9, 9, 9, 9, 5])
     kv.update_block_hashes(b)
     b.block_hashes[0] = a.block_hashes[0]  # force the same hash for different tokens
+    assert kv.find_cached_prefix(b) == []
+
+
+def test_cache_salt_shares_blocks_only_under_the_same_salt():
+    kv = KVCacheManager(num_blocks=30, block_size=4)
+    prefix = list(range(100, 112))  # 3 full blocks
+    assert schedule_whole(kv, make_request("a", prefix + [1], cache_salt="tenant-a")) == 0
+    assert schedule_whole(kv, make_request("b", prefix + [2], cache_salt="tenant-b")) == 0
+    assert schedule_whole(kv, make_request("unsalted", prefix + [3])) == 0
+    assert schedule_whole(kv, make_request("a2", prefix + [4], cache_salt="tenant-a")) == 12
+    assert schedule_whole(kv, make_request("b2", prefix + [5], cache_salt="tenant-b")) == 12
+    assert schedule_whole(kv, make_request("unsalted2", prefix + [6])) == 12
+    assert kv.get_block_ids("a2")[:3] == kv.get_block_ids("a")[:3] != kv.get_block_ids("b")[:3]
+    check_invariants(kv)
+
+
+def test_cache_salt_mismatch_under_an_equal_hash_is_a_miss():
+    kv = KVCacheManager(num_blocks=10, block_size=4)
+    a = make_request("a", [1, 2, 3, 4, 5], cache_salt="x")
+    schedule_whole(kv, a)
+    b = make_request("b", [1, 2, 3, 4, 5], cache_salt="y")
+    kv.update_block_hashes(b)
+    b.block_hashes[0] = a.block_hashes[0]  # same tokens, same hash, another tenant
     assert kv.find_cached_prefix(b) == []
 
 

@@ -68,7 +68,6 @@ UNSUPPORTED_VLLM_FIELDS: dict[str, Any] = {
     "prompt_embeds": None,
     "priority": 0,
     "return_tokens_as_token_ids": None,
-    "cache_salt": None,
     "kv_transfer_params": None,
     "repetition_detection": None,
     "thinking_token_budget": None,
@@ -132,6 +131,7 @@ class SamplingExtras(RequestModel):
     prompt_logprobs: int | None = None
     vllm_xargs: dict[str, Any] | None = None  # vLLM's: SamplingParams.extra_args, for custom processors
     structured_outputs: dict[str, Any] | None = None  # vLLM's StructuredOutputsParams as an object
+    cache_salt: str | None = None  # vLLM's: prefix-cache blocks are shared only under the same salt
 
 
 # ---- completions -------------------------------------------------------------------------------

@@ -36,6 +36,7 @@ class ResponsesRequest(RequestModel):
     model: str | None = None
     input: str | list[InputItem]
     instructions: str | None = None
+    cache_salt: str | None = None  # vLLM's: prefix-cache blocks are shared only under the same salt
     max_output_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None

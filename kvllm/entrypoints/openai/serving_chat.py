@@ -93,7 +93,9 @@ class OpenAIServingChat(OpenAIServing):
                 params = params.replace(prompt_logprobs=request.top_logprobs)
         self.check_generation_budget([params])
         request_id = random_id("chatcmpl")
-        streams = await self.add_requests(request_id, [({"prompt_token_ids": prompt_ids}, params)])
+        streams = await self.add_requests(
+            request_id, [({"prompt_token_ids": prompt_ids, "cache_salt": request.cache_salt}, params)]
+        )
         echoed = _echoed(request)
         if request.stream:
             return self._stream(request, request_id, streams[0], echoed, len(prompt_ids), tools)

@@ -61,7 +61,7 @@ class OpenAIServingCompletion(OpenAIServing):
             params = self.sampling_params(request, max_tokens, request.logprobs)
             if request.echo and request.logprobs is not None and request.prompt_logprobs is None:
                 params = params.replace(prompt_logprobs=request.logprobs)  # the echoed prompt's logprobs
-            engine_prompt: dict[str, Any] = {"prompt_token_ids": ids}
+            engine_prompt: dict[str, Any] = {"prompt_token_ids": ids, "cache_salt": request.cache_salt}
             if text is not None:
                 engine_prompt["prompt"] = text
             texts.append(text)

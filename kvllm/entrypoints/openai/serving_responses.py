@@ -146,7 +146,9 @@ class OpenAIServingResponses(OpenAIServing):
         params = self._sampling_params(request, max_tokens)
         self.check_generation_budget([params])
         response_id = f"resp_{uuid.uuid4().hex}"
-        streams = await self.add_requests(response_id, [({"prompt_token_ids": prompt_ids}, params)])
+        streams = await self.add_requests(
+            response_id, [({"prompt_token_ids": prompt_ids, "cache_salt": request.cache_salt}, params)]
+        )
         skeleton = ResponsesResponse(
             id=response_id,
             status="in_progress",
