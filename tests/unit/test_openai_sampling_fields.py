@@ -262,3 +262,33 @@ def test_unknown_request_fields_are_ignored_with_a_warning_naming_them(
         "The following fields were present in the request but ignored: ['frobnicate', 'max_token']"
     ]
     assert_engine_idle(engine)
+
+
+def test_return_tokens_as_token_ids_names_the_ids(client):
+    """vLLM's return_tokens_as_token_ids: every logprob token, sampled and top-k, as "token_id:N" for the
+    ids the response also returns; the same request without it shows text."""
+    plain = completion(client, temperature=0, logprobs=2)["choices"][0]
+    as_ids = completion(client, temperature=0, logprobs=2, return_tokens_as_token_ids=True)["choices"][0]
+    assert as_ids["token_ids"] == plain["token_ids"]
+    assert as_ids["logprobs"]["tokens"] == [f"token_id:{t}" for t in as_ids["token_ids"]]
+    assert as_ids["logprobs"]["token_logprobs"] == plain["logprobs"]["token_logprobs"]
+    for top, sampled in zip(as_ids["logprobs"]["top_logprobs"], as_ids["token_ids"]):
+        assert f"token_id:{sampled}" in top and all(k.startswith("token_id:") for k in top)
+    assert not any(t.startswith("token_id:") for t in plain["logprobs"]["tokens"])
+
+    echoed = completion(
+        client, prompt=[5, 6, 7], echo=True, max_tokens=2, logprobs=1, return_tokens_as_token_ids=True
+    )
+    assert echoed["choices"][0]["logprobs"]["tokens"][:3] == ["token_id:5", "token_id:6", "token_id:7"]
+
+    c = chat(client, temperature=0, logprobs=True, top_logprobs=2, return_tokens_as_token_ids=True)[
+        "choices"
+    ][0]
+    content = c["logprobs"]["content"]
+    assert [entry["token"] for entry in content] == [f"token_id:{t}" for t in c["token_ids"]]
+    assert all(entry["bytes"] == list(entry["token"].encode()) for entry in content)
+    assert all(
+        len(entry["top_logprobs"]) == 2
+        and all(t["token"].startswith("token_id:") for t in entry["top_logprobs"])
+        for entry in content
+    )

@@ -139,7 +139,9 @@ FRONTEND_FLAGS: dict[str, Verdict] = {
     "--trust-request-chat-template": SUPPORTED,
     "--default-chat-template-kwargs": SUPPORTED,
     "--response-role": _no("kvllm answers with the role 'assistant'", "assistant"),
-    "--return-tokens-as-token-ids": _off("kvllm returns logprob tokens as text"),
+    "--return-tokens-as-token-ids": _off(
+        "kvllm takes return_tokens_as_token_ids per request (the body's field); there is no server-wide default"
+    ),
     "--enable-auto-tool-choice": SUPPORTED,
     "--exclude-tools-when-tool-choice-none": SUPPORTED,
     "--tool-call-parser": SUPPORTED,

@@ -27,6 +27,7 @@ from kvllm.entrypoints.openai.serving_engine import (
     check_valid_unicode,
     final_output,
     log_client_left,
+    logprob_token,
     merge_streams,
     message_text,
     prompt_logprobs_body,
@@ -140,7 +141,12 @@ class OpenAIServingChat(OpenAIServing):
     ) -> ChatChoiceLogProbs | None:
         if not request.logprobs or c.logprobs is None:
             return None
-        return chat_logprobs(c.token_ids[start:end], c.logprobs[start:end], request.top_logprobs or 0)
+        return chat_logprobs(
+            c.token_ids[start:end],
+            c.logprobs[start:end],
+            request.top_logprobs or 0,
+            bool(request.return_tokens_as_token_ids),
+        )
 
     async def _stream(
         self,
@@ -248,27 +254,30 @@ def _usage(output: RequestOutput) -> UsageInfo:
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
-def chat_logprobs(token_ids: list[int], positions: list[PositionLogprobs], k: int) -> ChatChoiceLogProbs:
-    """OpenAI's chat logprobs: per token, its logprob and the k most likely alternatives by rank."""
+def chat_logprobs(
+    token_ids: list[int], positions: list[PositionLogprobs], k: int, as_token_ids: bool = False
+) -> ChatChoiceLogProbs:
+    """OpenAI's chat logprobs: per token, its logprob and the k most likely alternatives by rank (tokens
+    as "token_id:N" with vLLM's return_tokens_as_token_ids, bytes those of the string sent, as vLLM)."""
     content = []
     for token_id, position in zip(token_ids, positions):
-        sampled = position[token_id]
+        sampled = logprob_token(token_id, position[token_id], as_token_ids)
         top = sorted(
-            (lp for lp in position.values() if lp.rank is not None and lp.rank <= k),
-            key=lambda lp: lp.rank or 0,
+            ((tid, lp) for tid, lp in position.items() if lp.rank is not None and lp.rank <= k),
+            key=lambda item: item[1].rank or 0,
         )
         content.append(
             ChatLogProbsContent(
-                token=sampled.decoded_token or "",
-                logprob=sampled.logprob,
-                bytes=list((sampled.decoded_token or "").encode()),
+                token=sampled,
+                logprob=position[token_id].logprob,
+                bytes=list(sampled.encode()),
                 top_logprobs=[
                     ChatLogProb(
-                        token=lp.decoded_token or "",
+                        token=(token := logprob_token(tid, lp, as_token_ids)),
                         logprob=lp.logprob,
-                        bytes=list((lp.decoded_token or "").encode()),
+                        bytes=list(token.encode()),
                     )
-                    for lp in top
+                    for tid, lp in top
                 ],
             )
         )

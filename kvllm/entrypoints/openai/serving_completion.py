@@ -20,6 +20,7 @@ from kvllm.entrypoints.openai.serving_engine import (
     OpenAIServing,
     check_valid_unicode,
     log_client_left,
+    logprob_token,
     merge_streams,
     prompt_logprobs_body,
     sse,
@@ -154,10 +155,19 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.logprobs is not None and c.logprobs is not None:
             echoed = None
             if prefix and prompt_logprobs is not None:
-                echoed = self._prompt_part(prompt_token_ids, prompt_logprobs, request.logprobs)
+                echoed = self._prompt_part(
+                    prompt_token_ids,
+                    prompt_logprobs,
+                    request.logprobs,
+                    bool(request.return_tokens_as_token_ids),
+                )
                 offset = len(prefix)
             logprobs = completion_logprobs(
-                c.token_ids[start:end], c.logprobs[start:end], request.logprobs, offset
+                c.token_ids[start:end],
+                c.logprobs[start:end],
+                request.logprobs,
+                offset,
+                bool(request.return_tokens_as_token_ids),
             )
             if echoed is not None:
                 for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
@@ -178,11 +188,11 @@ class OpenAIServingCompletion(OpenAIServing):
         return choice
 
     def _prompt_part(
-        self, token_ids: list[int], positions: list[PositionLogprobs | None], k: int
+        self, token_ids: list[int], positions: list[PositionLogprobs | None], k: int, as_token_ids: bool
     ) -> CompletionLogProbs:
         """The echoed prompt's logprobs; the first token has none (nothing predicts it)."""
-        first = self.tokenizer.decode([token_ids[0]])
-        out = completion_logprobs(token_ids[1:], positions[1:], k, offset=len(first))
+        first = f"token_id:{token_ids[0]}" if as_token_ids else self.tokenizer.decode([token_ids[0]])
+        out = completion_logprobs(token_ids[1:], positions[1:], k, len(first), as_token_ids)
         out.tokens.insert(0, first)
         out.token_logprobs.insert(0, None)
         out.top_logprobs.insert(0, None)
@@ -266,17 +276,18 @@ def _num_prompts(prompt: Any) -> int:
 
 
 def completion_logprobs(
-    token_ids: list[int], positions: list[PositionLogprobs], k: int, offset: int
+    token_ids: list[int], positions: list[PositionLogprobs], k: int, offset: int, as_token_ids: bool = False
 ) -> CompletionLogProbs:
-    """OpenAI's completions logprobs: tokens, their logprobs, the top-k per position and text offsets."""
+    """OpenAI's completions logprobs: tokens, their logprobs, the top-k per position and text offsets
+    (tokens as "token_id:N" with vLLM's return_tokens_as_token_ids, offsets then counted as vLLM does)."""
     out = CompletionLogProbs()
     for token_id, position in zip(token_ids, positions):
-        token = position[token_id].decoded_token or ""
+        token = logprob_token(token_id, position[token_id], as_token_ids)
         out.tokens.append(token)
         out.token_logprobs.append(position[token_id].logprob)
         out.top_logprobs.append(
             {
-                (lp.decoded_token or ""): lp.logprob
+                logprob_token(tid, lp, as_token_ids): lp.logprob
                 for tid, lp in position.items()
                 if tid == token_id or (lp.rank is not None and lp.rank <= k)
             }

@@ -36,7 +36,7 @@ from kvllm.entrypoints.openai.protocol import (
 from kvllm.entrypoints.openai.structured_outputs import structured_outputs_params
 from kvllm.entrypoints.openai.tool_calling import template_message
 from kvllm.logger import init_logger
-from kvllm.outputs import PositionLogprobs, RequestOutput
+from kvllm.outputs import Logprob, PositionLogprobs, RequestOutput
 from kvllm.sampling_params import SamplingParams
 
 logger = init_logger(__name__)
@@ -379,6 +379,12 @@ def usage_info(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
         completion_tokens=completion_tokens,
         total_tokens=prompt_tokens + completion_tokens,
     )
+
+
+def logprob_token(token_id: int, logprob: Logprob, as_token_id: bool) -> str:
+    """A logprob entry's token as the response shows it: its text, or "token_id:N" (vLLM's
+    return_tokens_as_token_ids, for tokens whose text cannot stand alone, e.g. part of a UTF-8 character)."""
+    return f"token_id:{token_id}" if as_token_id else logprob.decoded_token or ""
 
 
 def prompt_logprobs_body(positions: list[PositionLogprobs | None] | None) -> PromptLogprobs | None:
