@@ -79,9 +79,13 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Generate completions; returns one RequestOutput per prompt, in prompt order."""
+        """Generate completions; returns one RequestOutput per prompt, in prompt order. `priority` (one
+        per prompt; lower first) needs scheduling_policy="priority", as in vLLM."""
         prompt_list = _as_prompt_list(prompts)
+        if priority is not None and len(priority) != len(prompt_list):
+            raise ValueError(f"Got {len(priority)} priorities for {len(prompt_list)} prompts; pass one each")
         if sampling_params is None:
             params_list = [self.get_default_sampling_params()] * len(prompt_list)
         elif isinstance(sampling_params, SamplingParams):
@@ -92,7 +96,7 @@ class LLM:
                 raise ValueError(
                     f"Got {len(params_list)} sampling_params for {len(prompt_list)} prompts; pass one, or one each"
                 )
-        return self._run(prompt_list, params_list, use_tqdm)
+        return self._run(prompt_list, params_list, use_tqdm, priority)
 
     def embed(
         self,
@@ -235,13 +239,19 @@ class LLM:
             tools=tools,
         )
 
-    def _run(self, prompts: list[PromptType], params: list[Any], use_tqdm: bool) -> list[Any]:
+    def _run(
+        self,
+        prompts: list[PromptType],
+        params: list[Any],
+        use_tqdm: bool,
+        priority: Sequence[int] | None = None,
+    ) -> list[Any]:
         engine = self.llm_engine
         ids = []
         # Only finished requests are returned, so only finished requests need outputs (as vLLM's LLM).
         final_only: dict[int, Any] = {}
         try:
-            for prompt, p in zip(prompts, params):
+            for i, (prompt, p) in enumerate(zip(prompts, params)):
                 if id(p) not in final_only:
                     final_only[id(p)] = (
                         p.replace(output_kind=RequestOutputKind.FINAL_ONLY)
@@ -249,7 +259,9 @@ class LLM:
                         else p
                     )
                 request_id = str(next(self._counter))
-                engine.add_request(request_id, prompt, final_only[id(p)])
+                engine.add_request(
+                    request_id, prompt, final_only[id(p)], priority=priority[i] if priority else 0
+                )
                 ids.append(request_id)
         except Exception:
             engine.abort_request(ids)

@@ -25,6 +25,7 @@ def canonical_dtype(name: str) -> str:
 
 # Tokenizer modes kvllm loads (vLLM's --tokenizer-mode): both mean the Hugging Face tokenizer.
 TOKENIZER_MODES = ("auto", "hf")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 # generation_config.json key -> SamplingParams field, for the keys vLLM takes as sampling defaults
 # (also the keys --override-generation-config may set).
 GENERATION_CONFIG_SAMPLING = {

@@ -22,6 +22,7 @@ from kvllm.config.choices import (
     KV_CACHE_DTYPES,
     LOAD_FORMATS,
     OPTIMIZATION_LEVELS,
+    SCHEDULING_POLICIES,
     TOKENIZER_MODES,
     canonical_dtype,
 )
@@ -99,6 +100,13 @@ class EngineArgs:
         default=True, metadata=_help("Split long prompts into chunks scheduled beside decodes.")
     )
     max_num_seqs: int = field(default=256, metadata=_help("Maximum number of sequences per step."))
+    scheduling_policy: str = field(
+        default="fcfs",
+        metadata=_help(
+            "fcfs: requests run in arrival order; priority: by each request's priority (lower first, then "
+            "arrival), and a step short of KV blocks preempts the lowest-priority running request (vLLM's)."
+        ),
+    )
     max_num_batched_tokens: int | None = field(
         default=None,
         metadata=_help(
@@ -354,6 +362,7 @@ class EngineArgs:
         set_("dtype", canonical_dtype(self.dtype))
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        _check_choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
         _check_choice("load_format", self.load_format, LOAD_FORMATS)
         _check_choice("device", self.device, DEVICES)
         _check_choice("generation_config", self.generation_config, GENERATION_CONFIGS)

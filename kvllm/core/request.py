@@ -51,6 +51,7 @@ class Request:
     num_preemptions: int = 0
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks, see KVCacheManager
     cache_salt: str | None = None  # prefix-cache isolation (vLLM's): blocks are shared only under equal salts
+    priority: int = 0  # with the priority scheduling policy: lower runs first (vLLM's)
     generator: torch.Generator | None = None
     # Draft tokens proposed for the next step (speculative decoding); the scheduler consumes them.
     spec_token_ids: list[int] = field(default_factory=list)

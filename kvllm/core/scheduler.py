@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -12,14 +13,19 @@ from kvllm.core.sched_output import ScheduledRequest, SchedulerOutput
 
 
 class Scheduler:
-    """First come, first served. Each step:
+    """First come, first served (policy "fcfs"), or by priority ("priority": vLLM's order, a request's
+    priority then its arrival, lower first). Each step:
 
-    1. running requests, oldest first, each get their remaining tokens up to the step's token
-       budget (a decode needs one); when blocks run out, the newest running request is
-       preempted (its blocks freed, its tokens recomputed later) until the older one fits;
-    2. waiting requests, oldest first, are admitted while budget, `max_num_seqs` and free
+    1. running requests, first in that order first, each get their remaining tokens up to the step's
+       token budget (a decode needs one); when blocks run out, the last running request in that
+       order (the newest, or the lowest priority) is preempted (its blocks freed, its tokens
+       recomputed later) until the earlier one fits;
+    2. waiting requests, in that order, are admitted while budget, `max_num_seqs` and free
        blocks allow, their cached prefix taken from the prefix cache; a prompt longer than the
        budget is chunked over several steps unless chunked prefill is off.
+
+    Under "priority" both queues are kept sorted by (priority, arrival time), so the victims of
+    step 1 are always behind the request being scheduled, as under "fcfs".
 
     No livelock: a request alone always fits the cache once every other request is preempted or
     finished, except one whose tokens need more blocks than the whole cache; that one is failed
@@ -35,7 +41,11 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         num_lookahead_tokens: int = 0,
         max_model_len: int | None = None,
+        policy: str = "fcfs",
     ) -> None:
+        if policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling policy {policy!r} is not valid; allowed: fcfs, priority")
+        self.by_priority = policy == "priority"
         self.kv = kv_cache_manager
         # Slots beyond a request's scheduled tokens where a draft model writes its drafts' K/V.
         self.num_lookahead_tokens = num_lookahead_tokens
@@ -53,7 +63,10 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
         request.queued_time = time.monotonic()
-        self.waiting.append(request)
+        if self.by_priority:
+            bisect.insort_right(self.waiting, request, key=_priority_order)
+        else:
+            self.waiting.append(request)
 
     def finish_request(self, request: Request) -> None:
         """Remove a finished or aborted request and free its blocks."""
@@ -173,7 +186,10 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
-            self.running.append(request)
+            if self.by_priority:
+                bisect.insort_right(self.running, request, key=_priority_order)
+            else:
+                self.running.append(request)
             item = ScheduledRequest(request, n, self.kv.get_block_ids(request.request_id))
             (decodes if n == 1 else prefills).append(item)
             to_advance.append(item)
@@ -241,7 +257,10 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        if self.by_priority:
+            bisect.insort_left(self.waiting, request, key=_priority_order)
+        else:
+            self.waiting.appendleft(request)
 
     def reject_drafts(self, request: Request, num_rejected: int) -> None:
         """Roll back the KV positions of a request's rejected drafts: they count as not computed, so the
@@ -254,3 +273,7 @@ class Scheduler:
         """Free the requests the output side finished (stop, EOS, length) after a step."""
         for request in requests:
             self.finish_request(request)
+
+
+def _priority_order(request: Request) -> tuple[int, float]:
+    return request.priority, request.arrival_time

@@ -71,6 +71,7 @@ class _Add:
     params: SamplingParams
     arrival_time: float
     done: concurrent.futures.Future[None]
+    priority: int = 0
 
 
 @dataclasses.dataclass
@@ -221,7 +222,12 @@ class AsyncLLM:
     # ---- requests -----------------------------------------------------------------------------
 
     async def add_request(
-        self, request_id: str, prompt: PromptType, params: SamplingParams, arrival_time: float | None = None
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        priority: int = 0,
     ) -> RequestStream:
         """Add a request and return the stream of its outputs; the caller must `close()` the stream.
 
@@ -242,7 +248,7 @@ class AsyncLLM:
         self._idle.clear()
         stream = RequestStream(self, request_id, state)
         done: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._commands.put(_Add(request_id, prompt, params, arrival, done))
+        self._commands.put(_Add(request_id, prompt, params, arrival, done, priority))
         try:
             await asyncio.wrap_future(done)
         except asyncio.CancelledError:
@@ -257,14 +263,19 @@ class AsyncLLM:
         return stream
 
     async def generate(
-        self, prompt: PromptType, params: SamplingParams, request_id: str, arrival_time: float | None = None
+        self,
+        prompt: PromptType,
+        params: SamplingParams,
+        request_id: str,
+        arrival_time: float | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Add a request and yield its (cumulative) outputs until it finishes.
 
         Raises like `add_request`. Leaving the iteration early (a disconnect, a cancellation) aborts
         the request, which frees its KV blocks.
         """
-        stream = await self.add_request(request_id, prompt, params, arrival_time)
+        stream = await self.add_request(request_id, prompt, params, arrival_time, priority)
         try:
             async for output in stream:
                 yield output
@@ -358,7 +369,9 @@ class AsyncLLM:
         if not command.done.set_running_or_notify_cancel():
             return
         try:
-            self.engine.add_request(command.request_id, command.prompt, command.params, command.arrival_time)
+            self.engine.add_request(
+                command.request_id, command.prompt, command.params, command.arrival_time, command.priority
+            )
         except Exception as exc:  # ValueError and anything else fail this request only
             command.done.set_exception(exc)
         else:

@@ -111,6 +111,7 @@ class LLMEngine:
             chunked_prefill,
             num_lookahead_tokens=spec.num_speculative_tokens if spec and spec.uses_draft_kv_cache else 0,
             max_model_len=self.model_config.max_model_len,
+            policy=args.scheduling_policy,
         )
         self.async_scheduling = args.async_scheduling
         self.spec_decode: SpecDecodeCoordinator | None = None
@@ -175,11 +176,14 @@ class LLMEngine:
         prompt: PromptType,
         params: SamplingParams | PoolingParams | None = None,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> None:
         """Validate and queue a request (PoolingParams for a pooling model). Raises ValueError for input
-        the engine cannot serve."""
+        the engine cannot serve. `priority` orders requests under the priority scheduling policy (lower
+        first); it must stay 0 under fcfs."""
+        self._check_priority(priority)
         if self.model_config.is_pooling or isinstance(params, PoolingParams):
-            self._add_pooling_request(request_id, prompt, params or PoolingParams(), arrival_time)
+            self._add_pooling_request(request_id, prompt, params or PoolingParams(), arrival_time, priority)
             return
         params = params or SamplingParams()
         self._check_not_sleeping()
@@ -214,6 +218,7 @@ class LLMEngine:
                 eos_token_ids=self.model_config.eos_token_ids,
                 generator=generator,
                 cache_salt=cache_salt,
+                priority=priority,
             )
             if params.structured_outputs is not None:
                 request.structured_output_request = self.structured_output_manager.make_request(
@@ -227,6 +232,15 @@ class LLMEngine:
         for request in requests:
             self.scheduler.add_request(request)
 
+    def _check_priority(self, priority: int) -> None:
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority={priority!r} is not valid; allowed: an integer (lower runs first)")
+        if priority != 0 and self.args.scheduling_policy != "priority":
+            raise ValueError(
+                f"priority={priority} is not valid: priority scheduling is not enabled (start the engine with "
+                "scheduling_policy='priority', --scheduling-policy priority); allowed: 0"
+            )
+
     def _check_not_sleeping(self) -> None:
         if self.sleep_level:
             raise EngineSleepingError(
@@ -235,7 +249,7 @@ class LLMEngine:
             )
 
     def _add_pooling_request(
-        self, request_id: str, prompt: PromptType, params: Any, arrival_time: float | None
+        self, request_id: str, prompt: PromptType, params: Any, arrival_time: float | None, priority: int = 0
     ) -> None:
         """One prefill whose hidden states are pooled (no token is sampled, no decode is scheduled)."""
         if not self.model_config.is_pooling:
@@ -259,6 +273,7 @@ class LLMEngine:
         self._check_fits_cache(token_ids)
         request = pooling_request(request_id, token_ids, params, arrival_time)
         request.cache_salt = cache_salt
+        request.priority = priority
         self.output_processor.add_request(request_id, text, token_ids, [request])
         self.scheduler.add_request(request)
 

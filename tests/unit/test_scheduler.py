@@ -1,5 +1,7 @@
 """Scheduler: token budget, decodes first, chunked prefill, admission limits and preemption."""
 
+import pytest
+
 from kvllm.core.kv_cache_manager import KVCacheManager
 from kvllm.core.request import Request, RequestStatus
 from kvllm.core.scheduler import Scheduler
@@ -149,3 +151,81 @@ def test_a_prompt_longer_than_the_whole_cache_fails_instead_of_blocking_the_queu
     out = run_step(s)
     assert [i.request for i in out.scheduled] == [small]
     assert out.failed == [huge] and huge.finish_reason == "error"
+
+
+def prioritized(rid: str, num_tokens: int, priority: int, arrival: float, offset: int = 0) -> Request:
+    request = make_request(rid, num_tokens, offset)
+    request.priority, request.arrival_time = priority, arrival
+    return request
+
+
+def test_priority_policy_admits_by_priority_then_arrival():
+    kv = KVCacheManager(100, 4, enable_prefix_caching=False)
+    s = Scheduler(kv, max_num_seqs=1, max_num_batched_tokens=100, policy="priority")
+    for rid, priority, arrival in [
+        ("late-low", 5, 1.0),
+        ("urgent", -1, 3.0),
+        ("mid", 2, 2.0),
+        ("early-low", 5, 0.5),
+    ]:
+        s.add_request(prioritized(rid, 3, priority, arrival, offset=10 * len(s.waiting)))
+    admitted = []
+    while s.waiting or s.running:
+        out = run_step(s)
+        admitted += [i.request.request_id for i in out.scheduled if i.request.request_id not in admitted]
+        s.finish_requests(list(s.running))
+    assert admitted == ["urgent", "mid", "early-low", "late-low"]
+
+    fcfs = Scheduler(KVCacheManager(100, 4, enable_prefix_caching=False), 1, 100)
+    for rid, priority, arrival in [("first", 5, 1.0), ("second", -1, 3.0)]:
+        fcfs.add_request(prioritized(rid, 3, priority, arrival))
+    assert [i.request.request_id for i in run_step(fcfs).scheduled] == ["first"]
+
+
+def test_priority_policy_preempts_the_lowest_priority_running_request():
+    kv = KVCacheManager(num_blocks=6, block_size=4, enable_prefix_caching=False)
+    s = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=100, policy="priority")
+    # Admitted in this order (arrival), but "low" has the worst priority though it is not the newest.
+    low, high, mid = (
+        prioritized("low", 8, 9, 0.0),
+        prioritized("high", 8, 0, 1.0, offset=50),
+        prioritized("mid", 8, 4, 2.0, offset=100),
+    )
+    for r in (low, high, mid):
+        s.add_request(r)
+    run_step(s)  # all prefilled: 2 blocks each, cache full
+    assert kv.num_free_blocks == 0 and [r.request_id for r in s.running] == ["high", "mid", "low"]
+    out = run_step(s)  # "high" and "mid" each need a 3rd block: "low" goes first, then nothing else
+    assert [r.request_id for r in out.preempted] == ["low"]
+    assert low.status == RequestStatus.WAITING and low.num_computed_tokens == 0
+    assert [i.request.request_id for i in out.scheduled] == ["high", "mid"]
+    # Under fcfs the newest ("mid") would have been the victim.
+    kv2 = KVCacheManager(num_blocks=6, block_size=4, enable_prefix_caching=False)
+    f = Scheduler(kv2, max_num_seqs=8, max_num_batched_tokens=100)
+    for r in (
+        prioritized("low", 8, 9, 0.0),
+        prioritized("high", 8, 0, 1.0, 50),
+        prioritized("mid", 8, 4, 2.0, 100),
+    ):
+        f.add_request(r)
+    run_step(f)
+    assert [r.request_id for r in run_step(f).preempted] == ["mid"]
+
+
+def test_a_preempted_request_waits_in_priority_order():
+    kv = KVCacheManager(num_blocks=4, block_size=4, enable_prefix_caching=False)
+    s = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=100, policy="priority")
+    a, b = prioritized("a", 8, 0, 0.0), prioritized("b", 8, 1, 1.0, offset=50)
+    s.add_request(a)
+    s.add_request(b)
+    run_step(s)
+    s.add_request(prioritized("newcomer-better", 3, 0, 5.0, offset=100))
+    s.add_request(prioritized("newcomer-worse", 3, 3, 4.0, offset=150))
+    out = run_step(s)  # "a" needs a block: "b" (priority 1) is preempted and queued by its priority
+    assert [r.request_id for r in out.preempted] == ["b"]
+    assert [r.request_id for r in s.waiting] == ["newcomer-better", "b", "newcomer-worse"]
+
+
+def test_unknown_policy_is_refused():
+    with pytest.raises(ValueError, match="scheduling policy 'lifo' is not valid; allowed: fcfs, priority"):
+        Scheduler(KVCacheManager(10, 4), 1, 10, policy="lifo")

@@ -408,7 +408,7 @@ ENGINE_FLAGS: dict[str, Verdict] = {
     "--max-num-partial-prefills": _no(SCHEDULER, "1"),
     "--max-long-partial-prefills": _no(SCHEDULER, "1"),
     "--long-prefill-token-threshold": _no(SCHEDULER, "0"),
-    "--scheduling-policy": _no("kvllm schedules requests first come, first served", "fcfs"),
+    "--scheduling-policy": SUPPORTED,
     "--enable-chunked-prefill": SUPPORTED,
     "--disable-chunked-mm-input": _off(MULTIMODAL),
     "--scheduler-cls": _no("kvllm's scheduler is not pluggable"),

@@ -66,7 +66,6 @@ UNSUPPORTED_VLLM_FIELDS: dict[str, Any] = {
     "use_beam_search": False,
     "length_penalty": 1.0,
     "prompt_embeds": None,
-    "priority": 0,
     "kv_transfer_params": None,
     "repetition_detection": None,
     "thinking_token_budget": None,
@@ -132,6 +131,7 @@ class SamplingExtras(RequestModel):
     structured_outputs: dict[str, Any] | None = None  # vLLM's StructuredOutputsParams as an object
     cache_salt: str | None = None  # vLLM's: prefix-cache blocks are shared only under the same salt
     return_tokens_as_token_ids: bool | None = None  # vLLM's: logprob tokens as "token_id:N"
+    priority: int = 0  # vLLM's: lower runs first, with --scheduling-policy priority
 
 
 # ---- completions -------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ class EmbeddingRequest(RequestModel):
     user: str | None = None
     truncate_prompt_tokens: int | None = None
     add_special_tokens: bool = True
+    priority: int = 0  # vLLM's: lower runs first, with --scheduling-policy priority
     use_activation: bool | None = None
     normalize: bool | None = None
 

@@ -37,6 +37,7 @@ class ResponsesRequest(RequestModel):
     input: str | list[InputItem]
     instructions: str | None = None
     cache_salt: str | None = None  # vLLM's: prefix-cache blocks are shared only under the same salt
+    priority: int = 0  # vLLM's: lower runs first, with --scheduling-policy priority
     max_output_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None

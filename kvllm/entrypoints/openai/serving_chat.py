@@ -95,7 +95,9 @@ class OpenAIServingChat(OpenAIServing):
         self.check_generation_budget([params])
         request_id = random_id("chatcmpl")
         streams = await self.add_requests(
-            request_id, [({"prompt_token_ids": prompt_ids, "cache_salt": request.cache_salt}, params)]
+            request_id,
+            [({"prompt_token_ids": prompt_ids, "cache_salt": request.cache_salt}, params)],
+            request.priority,
         )
         echoed = _echoed(request)
         if request.stream:

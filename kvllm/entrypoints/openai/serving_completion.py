@@ -69,7 +69,7 @@ class OpenAIServingCompletion(OpenAIServing):
             prompts.append((engine_prompt, params))
         self.check_generation_budget([params for _, params in prompts])
         request_id = random_id("cmpl")
-        streams = await self.add_requests(request_id, prompts)
+        streams = await self.add_requests(request_id, prompts, request.priority)
         if request.stream:
             return self._stream(request, request_id, streams, texts)
         finals: list[RequestOutput | None] = [None] * len(streams)

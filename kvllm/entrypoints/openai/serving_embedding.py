@@ -52,7 +52,9 @@ class OpenAIServingEmbedding(OpenAIServing):
         if len(inputs) > MAX_INPUTS:
             raise OpenAIError(f"input has {len(inputs)} items; allowed: at most {MAX_INPUTS}", param="input")
         request_id = random_id("embd")
-        streams = await self.add_requests(request_id, [(prompt, params) for prompt in inputs])
+        streams = await self.add_requests(
+            request_id, [(prompt, params) for prompt in inputs], request.priority
+        )
         try:
             finals = await asyncio.gather(*(_final(stream) for stream in streams))
         finally:

@@ -333,7 +333,7 @@ class OpenAIServing:
         return self.tokenizer(text, add_special_tokens=False).input_ids
 
     async def add_requests(
-        self, request_id: str, prompts: list[tuple[dict[str, Any], SamplingParams]]
+        self, request_id: str, prompts: list[tuple[dict[str, Any], SamplingParams]], priority: int = 0
     ) -> list[RequestStream]:
         """Add one engine request per prompt (ids `request_id-i`); all or none, with errors mapped to HTTP."""
         arrival = time.monotonic()
@@ -341,7 +341,7 @@ class OpenAIServing:
         try:
             for i, (prompt, params) in enumerate(prompts):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-                streams.append(await self.llm.add_request(rid, prompt, params, arrival))
+                streams.append(await self.llm.add_request(rid, prompt, params, arrival, priority))
         except BaseException as exc:
             for stream in streams:
                 stream.close()

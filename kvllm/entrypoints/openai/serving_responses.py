@@ -147,7 +147,9 @@ class OpenAIServingResponses(OpenAIServing):
         self.check_generation_budget([params])
         response_id = f"resp_{uuid.uuid4().hex}"
         streams = await self.add_requests(
-            response_id, [({"prompt_token_ids": prompt_ids, "cache_salt": request.cache_salt}, params)]
+            response_id,
+            [({"prompt_token_ids": prompt_ids, "cache_salt": request.cache_salt}, params)],
+            request.priority,
         )
         skeleton = ResponsesResponse(
             id=response_id,
