@@ -109,12 +109,8 @@ class AsyncLLMEngine:
         """
         if lora_request is not None:
             raise ValueError("lora_request is not supported: kvllm serves no LoRA adapters")
-        if priority != 0:
-            raise ValueError(
-                f"priority={priority} is not supported: kvllm schedules first come, first served"
-            )
         await self._ensure_started()
-        async for output in self.async_llm.generate(prompt, sampling_params, request_id):
+        async for output in self.async_llm.generate(prompt, sampling_params, request_id, priority=priority):
             yield output
 
     async def encode(
