@@ -490,8 +490,9 @@ MIN_WARPS = 8 * 132  # eight warps per SM of an H200: fewer leave its four sched
 # Launched without programmatic dependent launch, though the kernel supports it (USE_PDL): on the H200 a
 # Llama-3-8B-shaped AWQ model decoded at batch 1 in 6.53 ms per token with it, 5.04 with PDL off everywhere
 # and 5.02 with it off in this kernel only (bf16: 4.43, 4.54, 4.44; eleventh session, quant_bench.py
-# --profile, docs/benchmarks.md). Why PDL slows this kernel was not measured: under PDL the profile's kernel
-# times include their waits.
+# --profile, docs/benchmarks.md). Rerun with today's kernel in the twenty-first session (H200, ABBA): 3.91 /
+# 3.92 ms with PDL against 3.07 / 3.07 without (bf16 4.43). Why PDL slows this kernel was not measured: under
+# PDL the profile's kernel times include their waits.
 LAUNCH_WITH_PDL = False
 
 
