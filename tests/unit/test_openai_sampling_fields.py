@@ -203,9 +203,9 @@ def test_vllm_xargs_reach_extra_args(client, engine, monkeypatch):
     seen = []
     add = engine.add_request
 
-    def spy(request_id, prompt, params=None, arrival_time=None):
+    def spy(request_id, prompt, params=None, *args, **kwargs):
         seen.append(params)
-        return add(request_id, prompt, params, arrival_time)
+        return add(request_id, prompt, params, *args, **kwargs)
 
     monkeypatch.setattr(engine, "add_request", spy)
     completion(client, vllm_xargs={"my_processor": 3}, max_tokens=2)
@@ -217,7 +217,7 @@ def test_vllm_xargs_reach_extra_args(client, engine, monkeypatch):
     [
         ("use_beam_search", True),
         ("length_penalty", 0.5),
-        ("priority", 3),
+        ("thinking_token_budget", 64),
     ],
 )
 @pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
@@ -225,7 +225,7 @@ def test_unsupported_vllm_fields_are_refused_unless_default(client, engine, endp
     body = {"model": "tiny", "max_tokens": 2}
     body.update({"prompt": "hello"} if endpoint == "/v1/completions" else {"messages": USER})
     assert_openai_error(post(client, endpoint, {**body, name: value}), 400, name, "not supported")
-    default = {"use_beam_search": False, "length_penalty": 1.0, "priority": 0}[name]
+    default = {"use_beam_search": False, "length_penalty": 1.0, "thinking_token_budget": None}[name]
     assert post(client, endpoint, {**body, name: default, "some_client_field": 1}).status_code == 200
     assert_engine_idle(engine)
 
