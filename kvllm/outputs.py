@@ -89,6 +89,11 @@ class RequestOutput:
     def num_output_tokens(self) -> int:
         return sum(len(o.token_ids) for o in self.outputs)
 
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens found in the prefix cache (vLLM's attribute)."""
+        return int(self.metrics.get("num_cached_tokens", 0))
+
 
 @dataclass
 class PoolingOutput:

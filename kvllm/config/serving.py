@@ -146,6 +146,17 @@ def parse_json_list(flag: str, text: str) -> tuple[str, ...]:
 
 
 @dataclass(frozen=True)
+class ResponseOptions:
+    """What the server adds to its answers, server-wide (vLLM's flags of these names)."""
+
+    enable_prompt_tokens_details: bool = (
+        False  # usage.prompt_tokens_details.cached_tokens (prefix-cache hits)
+    )
+    enable_force_include_usage: bool = False  # usage at the end of every stream, asked for or not
+    return_tokens_as_token_ids: bool = False  # the default of the request field of that name
+
+
+@dataclass(frozen=True)
 class ChatTemplateDefaults:
     """The server's chat rendering defaults (vLLM's --chat-template, --default-chat-template-kwargs):
     `template` replaces the model's own; `kwargs` are template variables a request's

@@ -8,7 +8,13 @@ from pathlib import Path
 from typing import Any
 
 from kvllm.entrypoints.cli.engine_args import engine_arg_parser, engine_args_from_cli
-from kvllm.entrypoints.cli.serve import add_chat_flags, add_limit_flags, chat_defaults_from_cli
+from kvllm.entrypoints.cli.serve import (
+    add_chat_flags,
+    add_limit_flags,
+    add_response_flags,
+    chat_defaults_from_cli,
+    response_options_from_cli,
+)
 from kvllm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -91,6 +97,7 @@ def register(subparsers: Any) -> None:
         help="Do not show the progress bar.",
     )
     add_chat_flags(batch)
+    add_response_flags(batch)
     add_limit_flags(parser)
     parser.set_defaults(dispatch=run)
 
@@ -129,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
             log_stats_interval=0,
             limits=limits,
             chat_defaults=chat_defaults,
+            response_options=response_options_from_cli(args),
         )
         if args.enable_metrics:
             start_http_server(args.port, addr=args.url, registry=app.state.registry)

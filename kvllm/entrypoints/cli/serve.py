@@ -8,7 +8,13 @@ from collections.abc import Mapping
 from dataclasses import fields
 from typing import Any
 
-from kvllm.config.serving import ChatTemplateDefaults, HttpOptions, ServingLimits, parse_json_list
+from kvllm.config.serving import (
+    ChatTemplateDefaults,
+    HttpOptions,
+    ResponseOptions,
+    ServingLimits,
+    parse_json_list,
+)
 from kvllm.entrypoints.cli.engine_args import engine_arg_parser, engine_args_from_cli
 from kvllm.entrypoints.cli.vllm_flags import FRONTEND_FLAGS, add_unsupported_flags
 from kvllm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
@@ -97,6 +103,7 @@ def register(subparsers: Any) -> None:
         "or the VLLM_KEEP_ALIVE_ON_ENGINE_DEATH environment variable, as in vLLM).",
     )
     add_chat_flags(server)
+    add_response_flags(server)
     server.add_argument(
         "--config",
         metavar="YAML",
@@ -174,6 +181,38 @@ def add_chat_flags(group: Any) -> None:
         choices=sorted(REASONING_PARSERS),
         help="Split the model's thinking into the response's reasoning (reasoning_content) field: qwen3, "
         "deepseek_r1 (as vLLM's flag).",
+    )
+
+
+def add_response_flags(group: Any) -> None:
+    """What the answers carry, server-wide (vLLM's flags; read back by `response_options_from_cli`)."""
+    _flag(
+        group,
+        "enable-prompt-tokens-details",
+        action="store_true",
+        help="Add usage.prompt_tokens_details.cached_tokens (prompt tokens served from the prefix cache) "
+        "when there are any.",
+    )
+    _flag(
+        group,
+        "enable-force-include-usage",
+        action="store_true",
+        help="End every stream with a usage chunk, as if the request set stream_options.include_usage.",
+    )
+    _flag(
+        group,
+        "return-tokens-as-token-ids",
+        action="store_true",
+        help='Show logprob tokens as "token_id:N" in every answer (as if each request set '
+        "return_tokens_as_token_ids, vLLM's flag).",
+    )
+
+
+def response_options_from_cli(args: argparse.Namespace) -> ResponseOptions:
+    return ResponseOptions(
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        enable_force_include_usage=args.enable_force_include_usage,
+        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
     )
 
 
@@ -370,4 +409,5 @@ def run(args: argparse.Namespace) -> int:
         keep_alive_on_engine_death=args.keep_alive_on_engine_death,
         http=http,
         chat_defaults=chat_defaults,
+        response_options=response_options_from_cli(args),
     )

@@ -139,9 +139,7 @@ FRONTEND_FLAGS: dict[str, Verdict] = {
     "--trust-request-chat-template": SUPPORTED,
     "--default-chat-template-kwargs": SUPPORTED,
     "--response-role": _no("kvllm answers with the role 'assistant'", "assistant"),
-    "--return-tokens-as-token-ids": _off(
-        "kvllm takes return_tokens_as_token_ids per request (the body's field); there is no server-wide default"
-    ),
+    "--return-tokens-as-token-ids": SUPPORTED,
     "--enable-auto-tool-choice": SUPPORTED,
     "--exclude-tools-when-tool-choice-none": SUPPORTED,
     "--tool-call-parser": SUPPORTED,
@@ -152,13 +150,11 @@ FRONTEND_FLAGS: dict[str, Verdict] = {
         "configure Python logging yourself"
     ),
     "--max-log-len": _no("kvllm never logs prompts, so there is nothing to shorten", ANY),
-    "--enable-prompt-tokens-details": _off("kvllm's usage has no prompt_tokens_details"),
+    "--enable-prompt-tokens-details": SUPPORTED,
     "--enable-server-load-tracking": _off(
         "kvllm has no /load endpoint; the running and waiting request gauges are at /metrics"
     ),
-    "--enable-force-include-usage": _off(
-        "kvllm includes usage in a stream when the request asks (stream_options.include_usage)"
-    ),
+    "--enable-force-include-usage": SUPPORTED,
     "--enable-tokenizer-info-endpoint": _off(
         "kvllm has no /tokenizer_info endpoint; /tokenize and /detokenize are served"
     ),

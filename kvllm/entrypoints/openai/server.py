@@ -36,7 +36,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from pydantic import ValidationError
 
 from kvllm.config.engine import EngineArgs
-from kvllm.config.serving import ChatTemplateDefaults, HttpOptions, ServingLimits
+from kvllm.config.serving import ChatTemplateDefaults, HttpOptions, ResponseOptions, ServingLimits
 from kvllm.engine.async_llm import AsyncLLM
 from kvllm.engine.llm_engine import LLMEngine
 from kvllm.entrypoints.chat_utils import ChatTemplateRenderer
@@ -87,6 +87,7 @@ def build_app(
     engine: LLMEngine | None = None,
     limits: ServingLimits | None = None,
     chat_defaults: ChatTemplateDefaults | None = None,
+    response_options: ResponseOptions | None = None,
 ) -> FastAPI:
     """The FastAPI app serving one model. Builds the engine from `engine_args` unless `engine` is given.
 
@@ -95,7 +96,7 @@ def build_app(
     protects /v1/*;
     `log_stats_interval` is the period of the stats log line in seconds (0 disables it); `limits`
     bound what one request may ask for; `chat_defaults` are --chat-template and
-    --default-chat-template-kwargs.
+    --default-chat-template-kwargs; `response_options` what the answers carry (usage details, ...).
     """
     limits = limits or ServingLimits()
     chat_defaults = chat_defaults or ChatTemplateDefaults()
@@ -141,7 +142,10 @@ def build_app(
     app.add_middleware(InFlightMiddleware, tracker=app.state.in_flight)
     install_error_handlers(app)
     renderer = ChatTemplateRenderer()
-    serving = [cls(llm, names, limits, executor, renderer, chat_defaults) for cls in _SERVING_CLASSES]
+    serving = [
+        cls(llm, names, limits, executor, renderer, chat_defaults, response_options)
+        for cls in _SERVING_CLASSES
+    ]
     _add_routes(app, llm, names, registry, serving, protected=bool(api_keys))
     if dev_mode():
         add_sleep_routes(app, llm, prometheus, protected=bool(api_keys))
@@ -476,6 +480,7 @@ def run_server(
     keep_alive_on_engine_death: bool = False,
     http: HttpOptions | None = None,
     chat_defaults: ChatTemplateDefaults | None = None,
+    response_options: ResponseOptions | None = None,
 ) -> int:
     """Serve until SIGINT/SIGTERM or engine death; returns the exit code (1 after engine death).
 
@@ -490,6 +495,7 @@ def run_server(
         log_stats_interval=log_stats_interval,
         limits=limits,
         chat_defaults=chat_defaults,
+        response_options=response_options,
     )
     llm: AsyncLLM = app.state.llm
     host = ALL_INTERFACES if host is None else host

@@ -33,7 +33,6 @@ from kvllm.entrypoints.openai.serving_engine import (
     prompt_logprobs_body,
     sse,
     stream_error_event,
-    stream_usage,
     usage_info,
 )
 from kvllm.entrypoints.openai.tool_calling import ToolCallStream, ToolPlan, extract, plan_tools
@@ -129,7 +128,7 @@ class OpenAIServingChat(OpenAIServing):
             id=request_id,
             model=self.model_name,
             choices=choices,
-            usage=_usage(final),
+            usage=self.with_prompt_details(_usage(final), final.num_cached_tokens),
             prompt_logprobs=prompt_logprobs_body(final.prompt_logprobs),
             prompt_token_ids=final.prompt_token_ids if request.return_token_ids else None,
         )
@@ -147,7 +146,7 @@ class OpenAIServingChat(OpenAIServing):
             c.token_ids[start:end],
             c.logprobs[start:end],
             request.top_logprobs or 0,
-            bool(request.return_tokens_as_token_ids),
+            self.as_token_ids(request),
         )
 
     async def _stream(
@@ -159,7 +158,7 @@ class OpenAIServingChat(OpenAIServing):
         num_prompt_tokens: int,
         tools: ToolPlan,
     ) -> AsyncIterator[str]:
-        include_usage, continuous_usage = stream_usage(request.stream_options)
+        include_usage, continuous_usage = self.stream_usage(request.stream_options)
 
         def chunk(
             choices: list[ChatCompletionStreamChoice],
@@ -228,7 +227,7 @@ class OpenAIServingChat(OpenAIServing):
                     finished[i] = c.finish_reason is not None
                     yield chunk([choice], completion_tokens=sent_tokens[i])
             if last is not None and include_usage:
-                yield chunk([], _usage(last))
+                yield chunk([], self.with_prompt_details(_usage(last), last.num_cached_tokens))
             yield "data: [DONE]\n\n"
         except Exception as exc:
             yield stream_error_event(exc)

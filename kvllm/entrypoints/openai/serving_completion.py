@@ -25,7 +25,6 @@ from kvllm.entrypoints.openai.serving_engine import (
     prompt_logprobs_body,
     sse,
     stream_error_event,
-    stream_usage,
     usage_info,
 )
 from kvllm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
@@ -98,6 +97,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     )
                 )
         usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+        usage = self.with_prompt_details(usage, sum(f.num_cached_tokens for f in finals if f is not None))
         return CompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage)
 
     def _parse_prompts(self, request: CompletionRequest) -> list[tuple[str | None, list[int]]]:
@@ -159,7 +159,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     prompt_token_ids,
                     prompt_logprobs,
                     request.logprobs,
-                    bool(request.return_tokens_as_token_ids),
+                    self.as_token_ids(request),
                 )
                 offset = len(prefix)
             logprobs = completion_logprobs(
@@ -167,7 +167,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 c.logprobs[start:end],
                 request.logprobs,
                 offset,
-                bool(request.return_tokens_as_token_ids),
+                self.as_token_ids(request),
             )
             if echoed is not None:
                 for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
@@ -207,7 +207,7 @@ class OpenAIServingCompletion(OpenAIServing):
         texts: list[str | None],
     ) -> AsyncIterator[str]:
         n = request.n
-        include_usage, continuous_usage = stream_usage(request.stream_options)
+        include_usage, continuous_usage = self.stream_usage(request.stream_options)
         sent_text = [0] * (len(streams) * n)
         sent_tokens = [0] * (len(streams) * n)
         offsets = [0] * (len(streams) * n)
@@ -248,9 +248,12 @@ class OpenAIServingCompletion(OpenAIServing):
                         chunk.usage = usage_info(len(output.prompt_token_ids), len(c.token_ids))
                     yield sse(chunk)
             if include_usage:
-                usage = usage_info(
-                    sum(len(o.prompt_token_ids) for o in last if o is not None),
-                    sum(len(c.token_ids) for o in last if o is not None for c in o.outputs),
+                usage = self.with_prompt_details(
+                    usage_info(
+                        sum(len(o.prompt_token_ids) for o in last if o is not None),
+                        sum(len(c.token_ids) for o in last if o is not None for c in o.outputs),
+                    ),
+                    sum(o.num_cached_tokens for o in last if o is not None),
                 )
                 yield sse(CompletionResponse(id=request_id, model=self.model_name, choices=[], usage=usage))
             yield "data: [DONE]\n\n"

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
-from kvllm.config.serving import ChatTemplateDefaults, ServingLimits
+from kvllm.config.serving import ChatTemplateDefaults, ResponseOptions, ServingLimits
 from kvllm.engine.async_llm import AsyncLLM, RequestStream
 from kvllm.engine.input_processor import truncate_prompt, with_generation_defaults
 from kvllm.entrypoints.chat_utils import ChatTemplateError, ChatTemplateRenderer
@@ -29,6 +29,7 @@ from kvllm.entrypoints.openai.protocol import (
     ChatMessage,
     PromptLogprob,
     PromptLogprobs,
+    PromptTokenUsageInfo,
     SamplingExtras,
     StreamOptions,
     UsageInfo,
@@ -72,9 +73,11 @@ class OpenAIServing:
         executor: Executor | None = None,
         renderer: ChatTemplateRenderer | None = None,
         chat_defaults: ChatTemplateDefaults | None = None,
+        response_options: ResponseOptions | None = None,
     ) -> None:
         self.llm = llm
         self.chat_defaults = chat_defaults or ChatTemplateDefaults()
+        self.response_options = response_options or ResponseOptions()
         self.served_model_names = list(served_model_names)
         self.limits = limits or ServingLimits()
         self.executor = executor or tokenizer_executor()
@@ -92,6 +95,26 @@ class OpenAIServing:
     @property
     def model_name(self) -> str:
         return self.served_model_names[0]
+
+    def stream_usage(self, options: StreamOptions | None) -> tuple[bool, bool]:
+        """(usage in a last chunk, usage on every chunk): vLLM's include_usage and continuous_usage_stats,
+        with the last chunk's usage always there under --enable-force-include-usage."""
+        force = self.response_options.enable_force_include_usage
+        if options is None:
+            return force, False
+        include = options.include_usage or force
+        return include, include and options.continuous_usage_stats
+
+    def with_prompt_details(self, usage: UsageInfo, num_cached_tokens: int) -> UsageInfo:
+        """`usage` with prompt_tokens_details.cached_tokens under --enable-prompt-tokens-details (vLLM: only
+        when some prompt tokens came from the prefix cache)."""
+        if self.response_options.enable_prompt_tokens_details and num_cached_tokens:
+            usage.prompt_tokens_details = PromptTokenUsageInfo(cached_tokens=num_cached_tokens)
+        return usage
+
+    def as_token_ids(self, request: Any) -> bool:
+        """Whether logprob tokens go out as "token_id:N": the request's field, or the server's flag."""
+        return bool(request.return_tokens_as_token_ids or self.response_options.return_tokens_as_token_ids)
 
     def check_model(self, model: str | None) -> None:
         # An omitted model means the served one (vLLM accepts that too; OpenAI's client always sends it).
@@ -365,12 +388,6 @@ def _logit_bias(logit_bias: dict[str, float] | None) -> dict[int, float] | None:
                 param="logit_bias",
             ) from None
     return biases
-
-
-def stream_usage(options: StreamOptions | None) -> tuple[bool, bool]:
-    """(usage in a last chunk, usage on every chunk): vLLM's include_usage and continuous_usage_stats."""
-    include = options is not None and options.include_usage
-    return include, include and options is not None and options.continuous_usage_stats
 
 
 def usage_info(prompt_tokens: int, completion_tokens: int) -> UsageInfo:

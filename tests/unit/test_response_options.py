@@ -1,0 +1,122 @@
+"""The server-wide answer options (vLLM's flags): --enable-prompt-tokens-details, --enable-force-include-usage
+and --return-tokens-as-token-ids, on /v1/completions and /v1/chat/completions, streamed and not."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from fastapi.testclient import TestClient
+
+from kvllm.config.serving import ResponseOptions
+from kvllm.engine.llm_engine import LLMEngine
+from kvllm.entrypoints.cli import serve
+from kvllm.entrypoints.cli.main import build_parser
+from kvllm.entrypoints.openai.server import build_app
+from tests.unit.test_openai_server import assert_engine_idle, post, sse_events, tiny_engine
+
+MAX_MODEL_LEN = 128
+ALL_ON = ResponseOptions(
+    enable_prompt_tokens_details=True, enable_force_include_usage=True, return_tokens_as_token_ids=True
+)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_qwen3_path) -> LLMEngine:
+    return tiny_engine(tiny_qwen3_path, MAX_MODEL_LEN)
+
+
+def client_for(engine: LLMEngine, options: ResponseOptions | None) -> TestClient:
+    app = build_app(
+        engine=engine,
+        served_model_name="tiny",
+        api_key="sk-unit",
+        log_stats_interval=0,
+        response_options=options,
+    )
+    return TestClient(app)
+
+
+@pytest.fixture(scope="module")
+def client_on(engine) -> Iterator[TestClient]:
+    with client_for(engine, ALL_ON) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def client_off(engine) -> Iterator[TestClient]:
+    with client_for(engine, None) as c:
+        yield c
+
+
+def bodies(tag: str) -> dict[str, dict]:
+    """A completion and a chat body whose prompts span two full KV blocks and are this test's own."""
+    text = tag + " " + " ".join(f"w{i}" for i in range(14))
+    return {
+        "/v1/completions": {"model": "tiny", "prompt": text, "max_tokens": 3, "temperature": 0},
+        "/v1/chat/completions": {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": text}],
+            "max_tokens": 3,
+            "temperature": 0,
+        },
+    }
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_prompt_tokens_details_report_the_prefix_cache_hits(client_on, client_off, engine, path) -> None:
+    body = bodies(f"details{path}")[path]
+    first = post(client_on, path, body).json()["usage"]
+    assert "prompt_tokens_details" not in first  # nothing cached yet: left out, as vLLM does
+    before = engine.kv_cache_manager.prefix_cache_hits
+    second = post(client_on, path, body).json()["usage"]
+    hits = engine.kv_cache_manager.prefix_cache_hits - before
+    assert hits > 0 and second["prompt_tokens_details"] == {"cached_tokens": hits}
+    streamed = sse_events(post(client_on, path, {**body, "stream": True}))
+    assert streamed[-2]["usage"]["prompt_tokens_details"] == {"cached_tokens": hits}
+    assert "prompt_tokens_details" not in post(client_off, path, body).json()["usage"]  # flag off
+    assert_engine_idle(engine)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_force_include_usage_ends_every_stream_with_usage(client_on, client_off, path) -> None:
+    body = {**bodies(f"usage{path}")[path], "stream": True}
+    forced = sse_events(post(client_on, path, body))
+    assert forced[-1] == "[DONE]" and forced[-2]["choices"] == []
+    usage = forced[-2]["usage"]
+    assert usage["completion_tokens"] == 3 and usage["total_tokens"] == usage["prompt_tokens"] + 3
+    plain = sse_events(post(client_off, path, body))
+    assert all(not isinstance(e, dict) or e.get("usage") is None for e in plain)
+    # A request that turns usage off explicitly still gets it under the flag (vLLM's rule).
+    off = sse_events(post(client_on, path, {**body, "stream_options": {"include_usage": False}}))
+    assert off[-2]["usage"]["completion_tokens"] == 3
+
+
+def test_return_tokens_as_token_ids_by_default(client_on, client_off) -> None:
+    body = {**bodies("ids")["/v1/completions"], "logprobs": 1, "return_token_ids": True}
+    on = post(client_on, "/v1/completions", body).json()["choices"][0]
+    assert on["logprobs"]["tokens"] == [f"token_id:{t}" for t in on["token_ids"]]
+    off = post(client_off, "/v1/completions", body).json()["choices"][0]
+    assert not any(t.startswith("token_id:") for t in off["logprobs"]["tokens"])
+    chat = {**bodies("ids")["/v1/chat/completions"], "logprobs": True, "return_token_ids": True}
+    on_chat = post(client_on, "/v1/chat/completions", chat).json()["choices"][0]
+    assert [e["token"] for e in on_chat["logprobs"]["content"]] == [
+        f"token_id:{t}" for t in on_chat["token_ids"]
+    ]
+
+
+def test_serve_flags_map_to_the_options() -> None:
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--enable-prompt-tokens-details",
+            "--enable-force-include-usage",
+            "--return-tokens-as-token-ids",
+        ]
+    )
+    assert serve.response_options_from_cli(args) == ALL_ON
+    assert serve.response_options_from_cli(build_parser().parse_args(["serve"])) == ResponseOptions()
+    batch = build_parser().parse_args(
+        ["run-batch", "-i", "in", "-o", "out", "--enable-prompt-tokens-details"]
+    )
+    assert serve.response_options_from_cli(batch).enable_prompt_tokens_details
