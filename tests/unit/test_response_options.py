@@ -120,3 +120,24 @@ def test_serve_flags_map_to_the_options() -> None:
         ["run-batch", "-i", "in", "-o", "out", "--enable-prompt-tokens-details"]
     )
     assert serve.response_options_from_cli(batch).enable_prompt_tokens_details
+
+
+def test_request_id_headers(engine) -> None:
+    from kvllm.config.serving import HttpOptions
+    from kvllm.entrypoints.openai import http_options
+
+    app = build_app(engine=engine, served_model_name="tiny", log_stats_interval=0)
+    http_options.apply_to_app(app, HttpOptions(enable_request_id_headers=True))
+    with TestClient(app) as client:
+        echoed = client.get("/health", headers={"X-Request-Id": "trace-42"})
+        assert echoed.headers["x-request-id"] == "trace-42"
+        fresh = [client.get("/v1/models").headers["x-request-id"] for _ in range(2)]
+        assert fresh[0] != fresh[1] and all(len(f) == 32 for f in fresh)
+        too_long = client.get("/health", headers={"X-Request-Id": "x" * 300}).headers["x-request-id"]
+        assert too_long != "x" * 300 and len(too_long) == 32
+        refused = post(client, "/v1/completions", {"model": "nope", "prompt": "hi"}, {"X-Request-Id": "e-1"})
+        assert refused.status_code == 404 and refused.headers["x-request-id"] == "e-1"
+    with TestClient(build_app(engine=engine, served_model_name="tiny", log_stats_interval=0)) as plain:
+        assert "x-request-id" not in plain.get("/health").headers
+    args = build_parser().parse_args(["serve", "--enable-request-id-headers"])
+    assert serve.http_options_from_cli(args).enable_request_id_headers

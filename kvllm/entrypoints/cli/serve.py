@@ -276,6 +276,12 @@ def _add_http_flags(parser: argparse.ArgumentParser) -> None:
     )
     _flag(
         group,
+        "enable-request-id-headers",
+        action="store_true",
+        help="Answer every request with an X-Request-Id header: the request's own, else a fresh id.",
+    )
+    _flag(
+        group,
         "disable-access-log-for-endpoints",
         metavar="PATHS",
         help="Comma-separated paths left out of the access log, e.g. /health,/metrics.",
@@ -315,6 +321,7 @@ def http_options_from_cli(args: argparse.Namespace) -> HttpOptions:
         disable_fastapi_docs=args.disable_fastapi_docs,
         h11_max_incomplete_event_size=args.h11_max_incomplete_event_size,
         disable_access_log_for_endpoints=endpoints,
+        enable_request_id_headers=args.enable_request_id_headers,
         middleware=tuple(args.middleware),
         **lists,
     )

@@ -189,7 +189,7 @@ FRONTEND_FLAGS: dict[str, Verdict] = {
     "--ssl-ciphers": SUPPORTED,
     "--root-path": SUPPORTED,
     "--middleware": SUPPORTED,
-    "--enable-request-id-headers": _off("kvllm does not add X-Request-Id headers to responses"),
+    "--enable-request-id-headers": SUPPORTED,
     "--disable-fastapi-docs": SUPPORTED,
     "--h11-max-incomplete-event-size": SUPPORTED,
     "--h11-max-header-count": _no(

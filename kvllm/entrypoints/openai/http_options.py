@@ -29,6 +29,10 @@ def apply_to_app(app: FastAPI, options: HttpOptions) -> None:
             allow_methods=list(options.allowed_methods),
             allow_headers=list(options.allowed_headers),
         )
+    if options.enable_request_id_headers:
+        from kvllm.entrypoints.openai.middleware import RequestIdHeaderMiddleware
+
+        app.add_middleware(RequestIdHeaderMiddleware)
     for path in options.middleware:
         add_middleware(app, path)
     if options.disable_fastapi_docs:

@@ -1,9 +1,11 @@
-"""ASGI middleware of the OpenAI server: API keys, the request-body limit and in-flight request tracking."""
+"""ASGI middleware of the OpenAI server: API keys, the request-body limit, in-flight request tracking and
+X-Request-Id headers."""
 
 from __future__ import annotations
 
 import asyncio
 import secrets
+import uuid
 from collections.abc import Sequence
 
 from fastapi import HTTPException
@@ -42,6 +44,32 @@ class APIKeyMiddleware:
                 await error_response(message, 401)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class RequestIdHeaderMiddleware:
+    """vLLM's --enable-request-id-headers: every HTTP answer carries X-Request-Id, the request's own header
+    when it sent a usable one (printable ASCII, at most MAX_REQUEST_ID_CHARS), else a fresh id."""
+
+    MAX_REQUEST_ID_CHARS = 256
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope["headers"]).get(b"x-request-id", b"")
+        usable = 0 < len(given) <= self.MAX_REQUEST_ID_CHARS and all(32 < c < 127 for c in given)
+        request_id = given if usable else uuid.uuid4().hex.encode()
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = [h for h in message.get("headers", []) if h[0].lower() != b"x-request-id"]
+                message = {**message, "headers": [*headers, (b"x-request-id", request_id)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
 
 
 class RequestBodyLimitMiddleware:
