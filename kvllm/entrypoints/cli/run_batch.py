@@ -12,6 +12,7 @@ from kvllm.entrypoints.cli.serve import (
     add_chat_flags,
     add_limit_flags,
     add_response_flags,
+    add_served_model_name_flag,
     chat_defaults_from_cli,
     response_options_from_cli,
 )
@@ -56,15 +57,7 @@ def register(subparsers: Any) -> None:
         default=None,
         help="The folder for the output before it is PUT to an output URL (default: the system's).",
     )
-    batch.add_argument(
-        "--served-model-name",
-        "--served_model_name",
-        dest="served_model_name",
-        nargs="+",
-        default=None,
-        metavar="NAME",
-        help="Model name(s) the bodies may give in 'model' (default: the model argument).",
-    )
+    add_served_model_name_flag(batch)
     batch.add_argument(
         "--max-concurrent-requests",
         dest="max_concurrent_requests",

@@ -53,15 +53,7 @@ def register(subparsers: Any) -> None:
         help="Require 'Authorization: Bearer KEY' on /v1/* with one of these keys (default: the "
         "KVLLM_API_KEY environment variable, else VLLM_API_KEY, as vLLM reads it).",
     )
-    server.add_argument(
-        "--served-model-name",
-        "--served_model_name",
-        dest="served_model_name",
-        nargs="+",
-        default=None,
-        metavar="NAME",
-        help="Model name(s) clients send in 'model'; the first is reported (default: the model argument).",
-    )
+    add_served_model_name_flag(server)
     server.add_argument(
         "--shutdown-timeout",
         "--shutdown_timeout",
@@ -114,6 +106,18 @@ def register(subparsers: Any) -> None:
     add_limit_flags(parser)
     add_unsupported_flags(server, FRONTEND_FLAGS)
     parser.set_defaults(dispatch=run)
+
+
+def add_served_model_name_flag(group: Any) -> None:
+    group.add_argument(
+        "--served-model-name",
+        "--served_model_name",
+        dest="served_model_name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="Model name(s) requests give in 'model'; the first is reported (default: the model argument).",
+    )
 
 
 def add_chat_flags(group: Any) -> None:
