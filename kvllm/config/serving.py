@@ -155,6 +155,11 @@ class ResponseOptions:
     )
     enable_force_include_usage: bool = False  # usage at the end of every stream, asked for or not
     return_tokens_as_token_ids: bool = False  # the default of the request field of that name
+    response_role: str = "assistant"  # the reply's role when the request asks for a generation prompt
+
+    def __post_init__(self) -> None:
+        if not self.response_role or not self.response_role.strip():
+            raise ValueError("--response-role is empty; allowed: a role name such as assistant")
 
 
 @dataclass(frozen=True)

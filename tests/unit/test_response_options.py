@@ -141,3 +141,32 @@ def test_request_id_headers(engine) -> None:
         assert "x-request-id" not in plain.get("/health").headers
     args = build_parser().parse_args(["serve", "--enable-request-id-headers"])
     assert serve.http_options_from_cli(args).enable_request_id_headers
+
+
+def test_response_role(engine) -> None:
+    chat = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 2,
+        "temperature": 0,
+    }
+    with client_for(engine, ResponseOptions(response_role="model")) as client:
+        assert post(client, "/v1/chat/completions", chat).json()["choices"][0]["message"]["role"] == "model"
+        events = sse_events(post(client, "/v1/chat/completions", {**chat, "stream": True}))
+        assert events[0]["choices"][0]["delta"]["role"] == "model"
+        # Without a generation prompt the reply continues the last message, in its role (vLLM's rule).
+        cont = {**chat, "add_generation_prompt": False, "continue_final_message": True}
+        cont["messages"] = [*chat["messages"], {"role": "assistant", "content": "Hello"}]
+        assert (
+            post(client, "/v1/chat/completions", cont).json()["choices"][0]["message"]["role"] == "assistant"
+        )
+        echoed = post(client, "/v1/chat/completions", {**cont, "echo": True}).json()["choices"][0]["message"]
+        assert echoed["content"].startswith("Hello")
+    with client_for(engine, None) as client:
+        assert (
+            post(client, "/v1/chat/completions", chat).json()["choices"][0]["message"]["role"] == "assistant"
+        )
+    args = build_parser().parse_args(["serve", "--response-role", "model"])
+    assert serve.response_options_from_cli(args).response_role == "model"
+    with pytest.raises(ValueError, match="--response-role is empty"):
+        ResponseOptions(response_role=" ")

@@ -205,6 +205,13 @@ def add_response_flags(group: Any) -> None:
     )
     _flag(
         group,
+        "response-role",
+        default="assistant",
+        help="The role of a chat reply after a generation prompt (default: assistant); without one, the reply "
+        "takes the last message's role.",
+    )
+    _flag(
+        group,
         "return-tokens-as-token-ids",
         action="store_true",
         help='Show logprob tokens as "token_id:N" in every answer (as if each request set '
@@ -217,6 +224,7 @@ def response_options_from_cli(args: argparse.Namespace) -> ResponseOptions:
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         enable_force_include_usage=args.enable_force_include_usage,
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+        response_role=args.response_role,
     )
 
 

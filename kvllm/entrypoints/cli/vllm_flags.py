@@ -138,7 +138,7 @@ FRONTEND_FLAGS: dict[str, Verdict] = {
     "--chat-template-content-format": SUPPORTED,
     "--trust-request-chat-template": SUPPORTED,
     "--default-chat-template-kwargs": SUPPORTED,
-    "--response-role": _no("kvllm answers with the role 'assistant'", "assistant"),
+    "--response-role": SUPPORTED,
     "--return-tokens-as-token-ids": SUPPORTED,
     "--enable-auto-tool-choice": SUPPORTED,
     "--exclude-tools-when-tool-choice-none": SUPPORTED,

@@ -98,9 +98,10 @@ class OpenAIServingChat(OpenAIServing):
             [({"prompt_token_ids": prompt_ids, "cache_salt": request.cache_salt}, params)],
             request.priority,
         )
-        echoed = _echoed(request)
+        role = self.reply_role(request)
+        echoed = _echoed(request, role)
         if request.stream:
-            return self._stream(request, request_id, streams[0], echoed, len(prompt_ids), tools)
+            return self._stream(request, request_id, streams[0], echoed, len(prompt_ids), tools, role)
         final = await final_output(streams[0])
         choices = []
         parser = self._reasoning_parser()
@@ -113,6 +114,7 @@ class OpenAIServingChat(OpenAIServing):
                 ChatCompletionChoice(
                     index=c.index,
                     message=ChatResponseMessage(
+                        role=role,
                         content=content if content or not reasoning else None,
                         tool_calls=[t.to_openai() for t in called.tool_calls],
                         reasoning=shown,
@@ -157,6 +159,7 @@ class OpenAIServingChat(OpenAIServing):
         echoed: str,
         num_prompt_tokens: int,
         tools: ToolPlan,
+        role: str,
     ) -> AsyncIterator[str]:
         include_usage, continuous_usage = self.stream_usage(request.stream_options)
 
@@ -182,9 +185,7 @@ class OpenAIServingChat(OpenAIServing):
         last: RequestOutput | None = None
         try:
             for i in range(n):
-                yield chunk(
-                    [ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))]
-                )
+                yield chunk([ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role=role, content=""))])
             if echoed:
                 for i in range(n):
                     yield chunk([ChatCompletionStreamChoice(index=i, delta=DeltaMessage(content=echoed))])
@@ -239,13 +240,11 @@ class OpenAIServingChat(OpenAIServing):
             stream.close()
 
 
-def _echoed(request: ChatCompletionRequest) -> str:
-    """What echo=true puts before each reply: the last message, when it has the reply's role (vLLM's
-    rule: "assistant", or the last message's own role without a generation prompt)."""
+def _echoed(request: ChatCompletionRequest, role: str) -> str:
+    """What echo=true puts before each reply: the last message, when it has the reply's `role`."""
     if not request.echo or not request.messages:
         return ""
     last = request.messages[-1]
-    role = "assistant" if request.add_generation_prompt else last.role
     return message_text(last) if last.role == role else ""
 
 

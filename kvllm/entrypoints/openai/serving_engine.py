@@ -112,6 +112,13 @@ class OpenAIServing:
             usage.prompt_tokens_details = PromptTokenUsageInfo(cached_tokens=num_cached_tokens)
         return usage
 
+    def reply_role(self, request: Any) -> str:
+        """A chat reply's role (vLLM's rule): --response-role ("assistant") after a generation prompt, else
+        the role of the last message, which the reply continues."""
+        if request.add_generation_prompt or not request.messages:
+            return self.response_options.response_role
+        return request.messages[-1].role
+
     def as_token_ids(self, request: Any) -> bool:
         """Whether logprob tokens go out as "token_id:N": the request's field, or the server's flag."""
         return bool(request.return_tokens_as_token_ids or self.response_options.return_tokens_as_token_ids)
