@@ -106,6 +106,7 @@ class HttpOptions:
     h11_max_incomplete_event_size: int | None = None
     disable_access_log_for_endpoints: tuple[str, ...] = ()
     enable_request_id_headers: bool = False  # X-Request-Id on every answer
+    enable_server_load_tracking: bool = False  # GET /load counts the requests on the engine's routes
     # Import paths ("pkg.module.Name") of ASGI middleware: a class goes to app.add_middleware, an async
     # function to @app.middleware("http"), as vLLM's --middleware.
     middleware: tuple[str, ...] = ()

@@ -170,3 +170,42 @@ def test_response_role(engine) -> None:
     assert serve.response_options_from_cli(args).response_role == "model"
     with pytest.raises(ValueError, match="--response-role is empty"):
         ResponseOptions(response_role=" ")
+
+
+def test_server_load_counts_requests_until_their_last_byte(engine) -> None:
+    import threading
+
+    from kvllm.config.serving import HttpOptions
+    from kvllm.entrypoints.openai import http_options
+
+    app = build_app(engine=engine, served_model_name="tiny", log_stats_interval=0)
+    http_options.apply_to_app(app, HttpOptions(enable_server_load_tracking=True))
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 4, "ignore_eos": True, "stream": True}
+    with TestClient(app) as client:
+        assert client.get("/load").json() == {"server_load": 0}
+        release, entered = threading.Event(), threading.Event()
+        original = engine.step
+
+        def held_step():  # the stream's generation waits here until the load was read
+            if not release.is_set():
+                entered.set()
+                release.wait(30)
+            return original()
+
+        engine.step = held_step
+        try:
+            worker = threading.Thread(target=lambda: post(client, "/v1/completions", body).read())
+            worker.start()
+            assert entered.wait(30)
+            assert client.get("/load").json() == {"server_load": 1}
+            release.set()
+            worker.join(30)
+        finally:
+            engine.step = original
+        assert client.get("/load").json() == {"server_load": 0}
+        assert post(client, "/v1/completions", {**body, "model": "nope"}).status_code == 404
+        assert client.get("/load").json() == {"server_load": 0}  # refused requests leave no count
+    with TestClient(build_app(engine=engine, served_model_name="tiny", log_stats_interval=0)) as plain:
+        assert plain.get("/load").json() == {"server_load": 0}  # untracked: vLLM's 0
+    args = build_parser().parse_args(["serve", "--enable-server-load-tracking"])
+    assert serve.http_options_from_cli(args).enable_server_load_tracking

@@ -33,7 +33,7 @@ def register(subparsers: Any) -> None:
         help="Serve a model over an OpenAI-compatible HTTP API.",
         description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
         "/v1/responses, /v1/models, /tokenize, /detokenize, /health, /ping, /invocations, /reset_prefix_cache, "
-        "/version, /metrics).",
+        "/version, /load, /metrics).",
     )
     server = parser.add_argument_group("server")
     server.add_argument(
@@ -288,6 +288,12 @@ def _add_http_flags(parser: argparse.ArgumentParser) -> None:
     )
     _flag(
         group,
+        "enable-server-load-tracking",
+        action="store_true",
+        help="Count the requests being served on the generation and embedding routes; GET /load reports it.",
+    )
+    _flag(
+        group,
         "enable-request-id-headers",
         action="store_true",
         help="Answer every request with an X-Request-Id header: the request's own, else a fresh id.",
@@ -334,6 +340,7 @@ def http_options_from_cli(args: argparse.Namespace) -> HttpOptions:
         h11_max_incomplete_event_size=args.h11_max_incomplete_event_size,
         disable_access_log_for_endpoints=endpoints,
         enable_request_id_headers=args.enable_request_id_headers,
+        enable_server_load_tracking=args.enable_server_load_tracking,
         middleware=tuple(args.middleware),
         **lists,
     )

@@ -151,9 +151,7 @@ FRONTEND_FLAGS: dict[str, Verdict] = {
     ),
     "--max-log-len": _no("kvllm never logs prompts, so there is nothing to shorten", ANY),
     "--enable-prompt-tokens-details": SUPPORTED,
-    "--enable-server-load-tracking": _off(
-        "kvllm has no /load endpoint; the running and waiting request gauges are at /metrics"
-    ),
+    "--enable-server-load-tracking": SUPPORTED,
     "--enable-force-include-usage": SUPPORTED,
     "--enable-tokenizer-info-endpoint": _off(
         "kvllm has no /tokenizer_info endpoint; /tokenize and /detokenize are served"

@@ -29,6 +29,10 @@ def apply_to_app(app: FastAPI, options: HttpOptions) -> None:
             allow_methods=list(options.allowed_methods),
             allow_headers=list(options.allowed_headers),
         )
+    if options.enable_server_load_tracking:
+        from kvllm.entrypoints.openai.middleware import ServerLoadMiddleware
+
+        app.add_middleware(ServerLoadMiddleware, state=app.state)
     if options.enable_request_id_headers:
         from kvllm.entrypoints.openai.middleware import RequestIdHeaderMiddleware
 

@@ -1,5 +1,5 @@
-"""ASGI middleware of the OpenAI server: API keys, the request-body limit, in-flight request tracking and
-X-Request-Id headers."""
+"""ASGI middleware of the OpenAI server: API keys, the request-body limit, in-flight request tracking,
+X-Request-Id headers and the server load of /load."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import asyncio
 import secrets
 import uuid
 from collections.abc import Sequence
+from typing import Any
 
 from fastapi import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -70,6 +71,31 @@ class RequestIdHeaderMiddleware:
             await send(message)
 
         await self.app(scope, receive, send_with_id)
+
+
+# The routes whose requests run on the engine (vLLM's load-aware routes that kvllm serves).
+LOAD_PATHS = frozenset(
+    {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings", "/invocations"}
+)
+
+
+class ServerLoadMiddleware:
+    """vLLM's --enable-server-load-tracking: `app.state.server_load` counts the requests on LOAD_PATHS
+    being served, streams until their last byte; GET /load reports it."""
+
+    def __init__(self, app: ASGIApp, state: Any) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST" or scope.get("path") not in LOAD_PATHS:
+            await self.app(scope, receive, send)
+            return
+        self.state.server_load += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.state.server_load -= 1
 
 
 class RequestBodyLimitMiddleware:

@@ -134,6 +134,7 @@ def build_app(
     app.state.registry = registry
     app.state.served_model_names = names
     app.state.in_flight = InFlightRequests()
+    app.state.server_load = 0  # counted only with --enable-server-load-tracking (ServerLoadMiddleware)
     # Starlette runs the last added outermost: count every request, then check keys, then body sizes.
     app.add_middleware(RequestBodyLimitMiddleware, max_bytes=limits.max_request_body_bytes)
     api_keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
@@ -288,6 +289,12 @@ def _add_routes(
             operation_id=f"ping_{method.lower()}",
             responses=error_responses(503),
         )
+
+    @app.get("/load")
+    async def load() -> dict[str, int]:
+        """vLLM's route: the requests on the engine's routes being served (0 unless the server was started
+        with --enable-server-load-tracking)."""
+        return {"server_load": app.state.server_load}
 
     @app.get("/version")
     async def version() -> dict[str, str]:
