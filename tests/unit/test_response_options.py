@@ -13,9 +13,16 @@ from kvllm.engine.llm_engine import LLMEngine
 from kvllm.entrypoints.cli import serve
 from kvllm.entrypoints.cli.main import build_parser
 from kvllm.entrypoints.openai.server import build_app
+from tests.unit.attention_fixtures import kvllm_logs  # noqa: F401
 from tests.unit.test_openai_server import assert_engine_idle, post, sse_events, tiny_engine
 
 MAX_MODEL_LEN = 128
+CHAT_BODY = {
+    "model": "tiny",
+    "messages": [{"role": "user", "content": "hi"}],
+    "max_tokens": 2,
+    "temperature": 0,
+}
 ALL_ON = ResponseOptions(
     enable_prompt_tokens_details=True, enable_force_include_usage=True, return_tokens_as_token_ids=True
 )
@@ -209,3 +216,39 @@ def test_server_load_counts_requests_until_their_last_byte(engine) -> None:
         assert plain.get("/load").json() == {"server_load": 0}  # untracked: vLLM's 0
     args = build_parser().parse_args(["serve", "--enable-server-load-tracking"])
     assert serve.http_options_from_cli(args).enable_server_load_tracking
+
+
+def test_request_logs(engine, kvllm_logs) -> None:  # noqa: F811 (the fixture)
+    from kvllm.entrypoints.openai.request_logger import RequestLogger
+
+    app = build_app(
+        engine=engine,
+        served_model_name="tiny",
+        log_stats_interval=0,
+        request_logger=RequestLogger(log_outputs=True, max_log_len=5),
+    )
+    body = {"model": "tiny", "prompt": "secret prompt text", "max_tokens": 3, "temperature": 0, "n": 2}
+    with TestClient(app) as client:
+        answer = post(client, "/v1/completions", body).json()
+        streamed = sse_events(post(client, "/v1/chat/completions", {**CHAT_BODY, "stream": True}))
+    received = [r.getMessage() for r in kvllm_logs.records if r.getMessage().startswith("Received request")]
+    generated = [
+        r.getMessage() for r in kvllm_logs.records if r.getMessage().startswith("Generated response")
+    ]
+    assert len(received) == 2 and "prompt: 'secre'," in received[0] and "max_tokens=3" in received[0]
+    assert "secret prompt" not in " ".join(received)  # clipped to --max-log-len characters
+    texts = [c["text"] for c in answer["choices"]]
+    assert len(generated) == 3  # two sequences of the completion, one chat reply
+    assert any(f"output: {texts[0][:5]!r}" in g and "(sequence 0)" in g for g in generated)
+    assert any("finish_reason: length" in g for g in generated) and streamed[-1] == "[DONE]"
+
+
+def test_request_log_flags() -> None:
+    assert serve.request_logger_from_cli(build_parser().parse_args(["serve"])) is None
+    args = build_parser().parse_args(
+        ["serve", "--enable-log-requests", "--enable-log-outputs", "--max-log-len", "9"]
+    )
+    logger_ = serve.request_logger_from_cli(args)
+    assert logger_ is not None and logger_.log_outputs and logger_.max_log_len == 9
+    with pytest.raises(ValueError, match="--enable-log-outputs needs --enable-log-requests"):
+        serve.request_logger_from_cli(build_parser().parse_args(["serve", "--enable-log-outputs"]))

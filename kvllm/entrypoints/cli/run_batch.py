@@ -11,9 +11,11 @@ from kvllm.entrypoints.cli.engine_args import engine_arg_parser, engine_args_fro
 from kvllm.entrypoints.cli.serve import (
     add_chat_flags,
     add_limit_flags,
+    add_request_log_flags,
     add_response_flags,
     add_served_model_name_flag,
     chat_defaults_from_cli,
+    request_logger_from_cli,
     response_options_from_cli,
 )
 from kvllm.logger import init_logger
@@ -91,6 +93,7 @@ def register(subparsers: Any) -> None:
     )
     add_chat_flags(batch)
     add_response_flags(batch)
+    add_request_log_flags(batch)
     add_limit_flags(parser)
     parser.set_defaults(dispatch=run)
 
@@ -130,6 +133,7 @@ def run(args: argparse.Namespace) -> int:
             limits=limits,
             chat_defaults=chat_defaults,
             response_options=response_options_from_cli(args),
+            request_logger=request_logger_from_cli(args),
         )
         if args.enable_metrics:
             start_http_server(args.port, addr=args.url, registry=app.state.registry)

@@ -6,7 +6,7 @@ import argparse
 import os
 from collections.abc import Mapping
 from dataclasses import fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvllm.config.serving import (
     ChatTemplateDefaults,
@@ -20,6 +20,9 @@ from kvllm.entrypoints.cli.vllm_flags import FRONTEND_FLAGS, add_unsupported_fla
 from kvllm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
 from kvllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from kvllm.logger import init_logger
+
+if TYPE_CHECKING:
+    from kvllm.entrypoints.openai.request_logger import RequestLogger
 
 logger = init_logger(__name__)
 
@@ -96,6 +99,7 @@ def register(subparsers: Any) -> None:
     )
     add_chat_flags(server)
     add_response_flags(server)
+    add_request_log_flags(server)
     server.add_argument(
         "--config",
         metavar="YAML",
@@ -217,6 +221,40 @@ def add_response_flags(group: Any) -> None:
         help='Show logprob tokens as "token_id:N" in every answer (as if each request set '
         "return_tokens_as_token_ids, vLLM's flag).",
     )
+
+
+def add_request_log_flags(group: Any) -> None:
+    """vLLM's request logs (read back by `request_logger_from_cli`)."""
+    _flag(
+        group,
+        "enable-log-requests",
+        action="store_true",
+        help="Log each request's prompt and sampling parameters when the engine takes it (off by default: "
+        "prompts are users' data).",
+    )
+    _flag(
+        group,
+        "enable-log-outputs",
+        action="store_true",
+        help="With --enable-log-requests, also log each request's output when it finishes.",
+    )
+    _flag(
+        group,
+        "max-log-len",
+        type=int,
+        default=None,
+        help="Most characters of a logged prompt or output, and most ids of a logged token list (default: all).",
+    )
+
+
+def request_logger_from_cli(args: argparse.Namespace) -> RequestLogger | None:
+    if args.enable_log_outputs and not args.enable_log_requests:
+        raise ValueError("--enable-log-outputs needs --enable-log-requests (as in vLLM)")
+    if not args.enable_log_requests:
+        return None
+    from kvllm.entrypoints.openai.request_logger import RequestLogger
+
+    return RequestLogger(log_outputs=args.enable_log_outputs, max_log_len=args.max_log_len)
 
 
 def response_options_from_cli(args: argparse.Namespace) -> ResponseOptions:
@@ -436,4 +474,5 @@ def run(args: argparse.Namespace) -> int:
         http=http,
         chat_defaults=chat_defaults,
         response_options=response_options_from_cli(args),
+        request_logger=request_logger_from_cli(args),
     )

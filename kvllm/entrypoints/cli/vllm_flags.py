@@ -149,14 +149,14 @@ FRONTEND_FLAGS: dict[str, Verdict] = {
         "kvllm configures its own logging; set KVLLM_LOGGING_LEVEL, or KVLLM_CONFIGURE_LOGGING=0 to "
         "configure Python logging yourself"
     ),
-    "--max-log-len": _no("kvllm never logs prompts, so there is nothing to shorten", ANY),
+    "--max-log-len": SUPPORTED,
     "--enable-prompt-tokens-details": SUPPORTED,
     "--enable-server-load-tracking": SUPPORTED,
     "--enable-force-include-usage": SUPPORTED,
     "--enable-tokenizer-info-endpoint": _off(
         "kvllm has no /tokenizer_info endpoint; /tokenize and /detokenize are served"
     ),
-    "--enable-log-outputs": _off(REQUEST_LOGS),
+    "--enable-log-outputs": SUPPORTED,
     "--enable-log-deltas": _bool(REQUEST_LOGS, "true", "false"),
     "--log-error-stack": _off(
         "kvllm logs the traceback of every internal error (500), and none for client errors (4xx)"
@@ -444,7 +444,7 @@ ENGINE_FLAGS: dict[str, Verdict] = {
     "--fail-on-environ-validation": _off("kvllm does not validate VLLM_* environment variables"),
     "--shutdown-timeout": SUPPORTED,
     "--gdn-prefill-backend": _no(MAMBA),
-    "--enable-log-requests": _off(REQUEST_LOGS),
+    "--enable-log-requests": SUPPORTED,
     # Not in vLLM 0.22, but in the guides of earlier versions (0.10 and before).
     "--disable-log-requests": _bool(REQUEST_LOGS, "true"),
     "--task": _no(

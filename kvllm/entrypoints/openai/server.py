@@ -65,6 +65,7 @@ from kvllm.entrypoints.openai.protocol import (
 )
 from kvllm.entrypoints.openai.protocol_embedding import EmbeddingRequest, EmbeddingResponse
 from kvllm.entrypoints.openai.protocol_responses import ResponsesRequest
+from kvllm.entrypoints.openai.request_logger import RequestLogger
 from kvllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from kvllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from kvllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
@@ -88,6 +89,7 @@ def build_app(
     limits: ServingLimits | None = None,
     chat_defaults: ChatTemplateDefaults | None = None,
     response_options: ResponseOptions | None = None,
+    request_logger: RequestLogger | None = None,
 ) -> FastAPI:
     """The FastAPI app serving one model. Builds the engine from `engine_args` unless `engine` is given.
 
@@ -96,7 +98,8 @@ def build_app(
     protects /v1/*;
     `log_stats_interval` is the period of the stats log line in seconds (0 disables it); `limits`
     bound what one request may ask for; `chat_defaults` are --chat-template and
-    --default-chat-template-kwargs; `response_options` what the answers carry (usage details, ...).
+    --default-chat-template-kwargs; `response_options` what the answers carry (usage details, ...);
+    `request_logger` logs requests and outputs (--enable-log-requests, off when None).
     """
     limits = limits or ServingLimits()
     chat_defaults = chat_defaults or ChatTemplateDefaults()
@@ -144,7 +147,7 @@ def build_app(
     install_error_handlers(app)
     renderer = ChatTemplateRenderer()
     serving = [
-        cls(llm, names, limits, executor, renderer, chat_defaults, response_options)
+        cls(llm, names, limits, executor, renderer, chat_defaults, response_options, request_logger)
         for cls in _SERVING_CLASSES
     ]
     _add_routes(app, llm, names, registry, serving, protected=bool(api_keys))
@@ -488,6 +491,7 @@ def run_server(
     http: HttpOptions | None = None,
     chat_defaults: ChatTemplateDefaults | None = None,
     response_options: ResponseOptions | None = None,
+    request_logger: RequestLogger | None = None,
 ) -> int:
     """Serve until SIGINT/SIGTERM or engine death; returns the exit code (1 after engine death).
 
@@ -503,6 +507,7 @@ def run_server(
         limits=limits,
         chat_defaults=chat_defaults,
         response_options=response_options,
+        request_logger=request_logger,
     )
     llm: AsyncLLM = app.state.llm
     host = ALL_INTERFACES if host is None else host

@@ -34,6 +34,7 @@ from kvllm.entrypoints.openai.protocol import (
     StreamOptions,
     UsageInfo,
 )
+from kvllm.entrypoints.openai.request_logger import RequestLogger
 from kvllm.entrypoints.openai.structured_outputs import structured_outputs_params
 from kvllm.entrypoints.openai.tool_calling import template_message
 from kvllm.logger import init_logger
@@ -74,8 +75,10 @@ class OpenAIServing:
         renderer: ChatTemplateRenderer | None = None,
         chat_defaults: ChatTemplateDefaults | None = None,
         response_options: ResponseOptions | None = None,
+        request_logger: RequestLogger | None = None,
     ) -> None:
         self.llm = llm
+        self.request_logger = request_logger
         self.chat_defaults = chat_defaults or ChatTemplateDefaults()
         self.response_options = response_options or ResponseOptions()
         self.served_model_names = list(served_model_names)
@@ -371,7 +374,11 @@ class OpenAIServing:
         try:
             for i, (prompt, params) in enumerate(prompts):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-                streams.append(await self.llm.add_request(rid, prompt, params, arrival, priority))
+                stream = await self.llm.add_request(rid, prompt, params, arrival, priority)
+                if self.request_logger is not None:
+                    self.request_logger.log_inputs(rid, prompt, params)
+                    stream = self.request_logger.watch(stream)  # type: ignore[assignment]
+                streams.append(stream)
         except BaseException as exc:
             for stream in streams:
                 stream.close()
