@@ -11,10 +11,14 @@ beam, not a whole prefill.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvllm.outputs import Logprob
+
+if TYPE_CHECKING:
+    from kvllm.sampling_params import BeamSearchParams, SamplingParams
 
 
 @dataclass
@@ -38,12 +42,63 @@ class BeamSearchOutput:
 
 
 class BeamSearchInstance:
-    """The search state of one prompt: its live beams and the completed ones."""
+    """The search state of one prompt: its live beams and the completed ones.
+
+    A step: `retire_full(max_model_len)`, run each of `beams` as a one-token request with
+    `step_params(params)`, then `advance(the steps' logprobs, ...)`; at the end `best(...)`.
+    """
 
     def __init__(self, prompt_tokens: list[int]) -> None:
         self.prompt_tokens = list(prompt_tokens)
         self.beams: list[BeamSearchSequence] = [BeamSearchSequence(tokens=list(prompt_tokens))]
         self.completed: list[BeamSearchSequence] = []
+
+    def retire_full(self, max_model_len: int) -> None:
+        """A beam at max_model_len cannot grow: it ends (with "length")."""
+        self.completed += [b for b in self.beams if len(b.tokens) >= max_model_len]
+        self.beams = [b for b in self.beams if len(b.tokens) < max_model_len]
+
+    def advance(
+        self,
+        step_logprobs: Sequence[dict[int, Logprob] | None],
+        params: BeamSearchParams,
+        eos_token_id: int | None,
+        sort_key: Callable[[BeamSearchSequence], float],
+    ) -> None:
+        """Grow each live beam by each token of its step's logprobs (`step_logprobs[i]` for `beams[i]`;
+        None when that step gave none), set EOS-ended ones aside, keep the beam_width best others."""
+        candidates = []
+        for beam, logprobs in zip(self.beams, step_logprobs):
+            for token_id, entry in (logprobs or {}).items():
+                grown = BeamSearchSequence(
+                    tokens=beam.tokens + [token_id],
+                    logprobs=beam.logprobs + [logprobs],
+                    cum_logprob=beam.cum_logprob + entry.logprob,
+                )
+                if token_id == eos_token_id and not params.ignore_eos:
+                    grown.finish_reason = "stop"
+                    self.completed.append(grown)
+                else:
+                    candidates.append(grown)
+        self.beams = sorted(candidates, key=sort_key, reverse=True)[: params.beam_width]
+
+    def best(
+        self, beam_width: int, sort_key: Callable[[BeamSearchSequence], float]
+    ) -> list[BeamSearchSequence]:
+        """The beam_width best of the completed and live beams, best first (live ones end with "length")."""
+        ranked = sorted(self.completed + self.beams, key=sort_key, reverse=True)[:beam_width]
+        for beam in ranked:
+            beam.finish_reason = beam.finish_reason or "length"
+        return ranked
+
+
+def step_params(params: BeamSearchParams) -> SamplingParams:
+    """The one-token request each beam runs per step: the top 2 * beam_width logprobs (HF's and vLLM's)."""
+    from kvllm.sampling_params import SamplingParams
+
+    return SamplingParams(
+        logprobs=2 * params.beam_width, max_tokens=1, temperature=params.temperature, detokenize=False
+    )
 
 
 def get_beam_search_score(

@@ -10,8 +10,8 @@ from typing import Any
 from kvllm.beam_search import (
     BeamSearchInstance,
     BeamSearchOutput,
-    BeamSearchSequence,
     create_sort_beams_key_function,
+    step_params,
 )
 from kvllm.config.engine import EngineArgs, unknown_engine_argument_error
 from kvllm.engine.input_processor import ChatMessage, PromptType
@@ -140,9 +140,7 @@ class LLM:
         tokenizer = self.get_tokenizer()
         eos = tokenizer.eos_token_id
         sort_key = create_sort_beams_key_function(eos, params.length_penalty)
-        step_params = SamplingParams(
-            logprobs=2 * params.beam_width, max_tokens=1, temperature=params.temperature, detokenize=False
-        )
+        one_token = step_params(params)
         processor = self.llm_engine.input_processor
         instances = [BeamSearchInstance(processor.tokenize_prompt(p)[1]) for p in _as_prompt_list(prompts)]
         max_len = self.llm_engine.model_config.max_model_len
@@ -152,42 +150,24 @@ class LLM:
 
             steps = tqdm(steps, desc="Beam search", unit="token")
         for _ in steps:
-            for instance in instances:  # a beam at max_model_len cannot grow: it ends with "length"
-                instance.completed += [b for b in instance.beams if len(b.tokens) >= max_len]
-                instance.beams = [b for b in instance.beams if len(b.tokens) < max_len]
-            beams = [(instance, beam) for instance in instances for beam in instance.beams]
+            for instance in instances:
+                instance.retire_full(max_len)
+            beams = [beam for instance in instances for beam in instance.beams]
             if not beams:
                 break
-            outputs = self.generate(
-                [{"prompt_token_ids": beam.tokens} for _, beam in beams], step_params, use_tqdm=False
+            outputs = iter(
+                self.generate(
+                    [{"prompt_token_ids": beam.tokens} for beam in beams], one_token, use_tqdm=False
+                )
             )
-            candidates: dict[int, list[BeamSearchSequence]] = {id(i): [] for i in instances}
-            for (instance, beam), output in zip(beams, outputs):
-                logprobs = output.outputs[0].logprobs
-                if not logprobs:
-                    continue
-                for token_id, entry in logprobs[0].items():
-                    grown = BeamSearchSequence(
-                        tokens=beam.tokens + [token_id],
-                        logprobs=beam.logprobs + [logprobs[0]],
-                        cum_logprob=beam.cum_logprob + entry.logprob,
-                    )
-                    if token_id == eos and not params.ignore_eos:
-                        grown.finish_reason = "stop"
-                        instance.completed.append(grown)
-                    else:
-                        candidates[id(instance)].append(grown)
             for instance in instances:
-                ranked = sorted(candidates[id(instance)], key=sort_key, reverse=True)
-                instance.beams = ranked[: params.beam_width]
+                step = [next(outputs).outputs[0].logprobs for _ in instance.beams]
+                instance.advance([lp[0] if lp else None for lp in step], params, eos, sort_key)
         results = []
         for instance in instances:
-            best = sorted(instance.completed + instance.beams, key=sort_key, reverse=True)[
-                : params.beam_width
-            ]
+            best = instance.best(params.beam_width, sort_key)
             for beam in best:
                 beam.text = tokenizer.decode(beam.tokens)
-                beam.finish_reason = beam.finish_reason or "length"
             results.append(BeamSearchOutput(sequences=best))
         return results
 
