@@ -215,8 +215,8 @@ def test_vllm_xargs_reach_extra_args(client, engine, monkeypatch):
 @pytest.mark.parametrize(
     ("name", "value"),
     [
-        ("use_beam_search", True),
-        ("length_penalty", 0.5),
+        ("prompt_embeds", "AAAA"),
+        ("kv_transfer_params", {"do_remote_prefill": True}),
         ("thinking_token_budget", 64),
     ],
 )
@@ -225,7 +225,7 @@ def test_unsupported_vllm_fields_are_refused_unless_default(client, engine, endp
     body = {"model": "tiny", "max_tokens": 2}
     body.update({"prompt": "hello"} if endpoint == "/v1/completions" else {"messages": USER})
     assert_openai_error(post(client, endpoint, {**body, name: value}), 400, name, "not supported")
-    default = {"use_beam_search": False, "length_penalty": 1.0, "thinking_token_budget": None}[name]
+    default = {"prompt_embeds": None, "kv_transfer_params": None, "thinking_token_budget": None}[name]
     assert post(client, endpoint, {**body, name: default, "some_client_field": 1}).status_code == 200
     assert_engine_idle(engine)
 

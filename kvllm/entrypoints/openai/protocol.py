@@ -83,8 +83,6 @@ class UsageInfo(OpenAIBaseModel):
 # A request that sets one to anything else is refused with a 400 naming it, never silently served
 # without it; other unknown fields (OpenAI clients send optional ones freely) are ignored.
 UNSUPPORTED_VLLM_FIELDS: dict[str, Any] = {
-    "use_beam_search": False,
-    "length_penalty": 1.0,
     "prompt_embeds": None,
     "kv_transfer_params": None,
     "repetition_detection": None,
@@ -152,6 +150,8 @@ class SamplingExtras(RequestModel):
     cache_salt: str | None = None  # vLLM's: prefix-cache blocks are shared only under the same salt
     return_tokens_as_token_ids: bool | None = None  # vLLM's: logprob tokens as "token_id:N"
     priority: int = 0  # vLLM's: lower runs first, with --scheduling-policy priority
+    use_beam_search: bool = False  # vLLM's: the n best beams (beam width n) instead of n samples
+    length_penalty: float = 1.0  # vLLM's: beams ranked by cumulative logprob / length**length_penalty
 
 
 # ---- completions -------------------------------------------------------------------------------

@@ -93,12 +93,14 @@ class OpenAIServingChat(OpenAIServing):
                 params = params.replace(prompt_logprobs=request.top_logprobs)
         self.check_generation_budget([params])
         request_id = random_id("chatcmpl")
+        role = self.reply_role(request)
+        if request.use_beam_search:
+            return await self._beam_search(request, request_id, prompt_ids, max_tokens, tools, role)
         streams = await self.add_requests(
             request_id,
             [({"prompt_token_ids": prompt_ids, "cache_salt": request.cache_salt}, params)],
             request.priority,
         )
-        role = self.reply_role(request)
         echoed = _echoed(request, role)
         if request.stream:
             return self._stream(request, request_id, streams[0], echoed, len(prompt_ids), tools, role)
@@ -133,6 +135,54 @@ class OpenAIServingChat(OpenAIServing):
             usage=self.with_prompt_details(_usage(final), final.num_cached_tokens),
             prompt_logprobs=prompt_logprobs_body(final.prompt_logprobs),
             prompt_token_ids=final.prompt_token_ids if request.return_token_ids else None,
+        )
+
+    async def _beam_search(
+        self,
+        request: ChatCompletionRequest,
+        request_id: str,
+        prompt_ids: list[int],
+        max_tokens: int,
+        tools: ToolPlan,
+        role: str,
+    ) -> ChatCompletionResponse:
+        """use_beam_search: the n best beams as n choices, best first (the reasoning parser applies)."""
+        refused = {
+            "echo": request.echo,
+            "logprobs": request.logprobs,
+            "tools": tools.constraint is not None or tools.parses_output,
+            "response_format": (request.response_format or {}).get("type", "text") != "text",
+        }
+        params = self.beam_search_params(request, max_tokens, refused)
+        prompt = {"prompt_token_ids": prompt_ids, "cache_salt": request.cache_salt}
+        beams = await self.beam_search(request_id, prompt, params, request.priority)
+        parser = self._reasoning_parser()
+        choices, completion_tokens = [], 0
+        for j, beam in enumerate(beams):
+            generated = beam.tokens[len(prompt_ids) :]
+            completion_tokens += len(generated)
+            text = await self.in_tokenizer_thread(
+                self.tokenizer.decode, generated, skip_special_tokens=request.skip_special_tokens
+            )
+            reasoning, text = parser.split(text, True) if parser is not None else ("", text)
+            shown = reasoning if reasoning and request.include_reasoning else None
+            choices.append(
+                ChatCompletionChoice(
+                    index=j,
+                    message=ChatResponseMessage(
+                        role=role, content=text, reasoning=shown, reasoning_content=shown
+                    ),
+                    finish_reason=beam.finish_reason,
+                    token_ids=generated if request.return_token_ids else None,
+                )
+            )
+        usage = usage_info(len(prompt_ids), completion_tokens)
+        return ChatCompletionResponse(
+            id=request_id,
+            model=self.model_name,
+            choices=choices,
+            usage=usage,
+            prompt_token_ids=prompt_ids if request.return_token_ids else None,
         )
 
     def _reasoning_parser(self) -> ReasoningParser | None:

@@ -28,6 +28,7 @@ from kvllm.entrypoints.openai.serving_engine import (
     usage_info,
 )
 from kvllm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from kvllm.sampling_params import SamplingParams
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 
@@ -68,6 +69,8 @@ class OpenAIServingCompletion(OpenAIServing):
             prompts.append((engine_prompt, params))
         self.check_generation_budget([params for _, params in prompts])
         request_id = random_id("cmpl")
+        if request.use_beam_search:
+            return await self._beam_search(request, request_id, prompts)
         streams = await self.add_requests(request_id, prompts, request.priority)
         if request.stream:
             return self._stream(request, request_id, streams, texts)
@@ -98,6 +101,44 @@ class OpenAIServingCompletion(OpenAIServing):
                 )
         usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
         usage = self.with_prompt_details(usage, sum(f.num_cached_tokens for f in finals if f is not None))
+        return CompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage)
+
+    async def _beam_search(
+        self,
+        request: CompletionRequest,
+        request_id: str,
+        prompts: list[tuple[dict[str, Any], SamplingParams]],
+    ) -> CompletionResponse:
+        """use_beam_search: per prompt, its n best beams as n choices, best first."""
+        refused = {"echo": request.echo, "logprobs": request.logprobs is not None}
+        searches = [
+            self.beam_search(
+                f"{request_id}-{i}",
+                prompt,
+                self.beam_search_params(request, params.max_tokens, refused),
+                request.priority,
+            )
+            for i, (prompt, params) in enumerate(prompts)
+        ]
+        results = await asyncio.gather(*searches)
+        choices, usage = [], UsageInfo()
+        for i, ((prompt, _), beams) in enumerate(zip(prompts, results)):
+            num_prompt = len(prompt["prompt_token_ids"])
+            usage.prompt_tokens += num_prompt
+            for j, beam in enumerate(beams):
+                generated = beam.tokens[num_prompt:]
+                usage.completion_tokens += len(generated)
+                text = await self.in_tokenizer_thread(
+                    self.tokenizer.decode, generated, skip_special_tokens=request.skip_special_tokens
+                )
+                choice = CompletionChoice(
+                    index=i * request.n + j, text=text, finish_reason=beam.finish_reason
+                )
+                if request.return_token_ids:
+                    choice.token_ids = generated
+                    choice.prompt_token_ids = prompt["prompt_token_ids"] if j == 0 else None
+                choices.append(choice)
+        usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
         return CompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage)
 
     def _parse_prompts(self, request: CompletionRequest) -> list[tuple[str | None, list[int]]]:

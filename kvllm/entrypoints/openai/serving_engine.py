@@ -19,6 +19,12 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
+from kvllm.beam_search import (
+    BeamSearchInstance,
+    BeamSearchSequence,
+    create_sort_beams_key_function,
+    step_params,
+)
 from kvllm.config.serving import ChatTemplateDefaults, ResponseOptions, ServingLimits
 from kvllm.engine.async_llm import AsyncLLM, RequestStream
 from kvllm.engine.input_processor import truncate_prompt, with_generation_defaults
@@ -39,7 +45,7 @@ from kvllm.entrypoints.openai.structured_outputs import structured_outputs_param
 from kvllm.entrypoints.openai.tool_calling import template_message
 from kvllm.logger import init_logger
 from kvllm.outputs import Logprob, PositionLogprobs, RequestOutput
-from kvllm.sampling_params import SamplingParams
+from kvllm.sampling_params import BeamSearchParams, SamplingParams
 
 logger = init_logger(__name__)
 T = TypeVar("T")
@@ -114,6 +120,61 @@ class OpenAIServing:
         if self.response_options.enable_prompt_tokens_details and num_cached_tokens:
             usage.prompt_tokens_details = PromptTokenUsageInfo(cached_tokens=num_cached_tokens)
         return usage
+
+    def beam_search_params(
+        self, request: SamplingExtras, max_tokens: int, refused: dict[str, Any]
+    ) -> BeamSearchParams:
+        """vLLM's use_beam_search: the n best beams of width n. `refused` names the request's other fields
+        that beam search does not apply (each set one is a 400), beside the shared ones checked here."""
+        refused = {
+            "stream": request.stream,
+            "stop": request.stop,
+            "stop_token_ids": request.stop_token_ids,
+            "prompt_logprobs": request.prompt_logprobs is not None,
+            "structured_outputs": request.structured_outputs,
+            "logit_bias": request.logit_bias,
+            "allowed_token_ids": request.allowed_token_ids,
+            "bad_words": request.bad_words,
+            **refused,
+        }
+        for name, value in refused.items():
+            if value:
+                raise OpenAIError(
+                    f"{name} is not supported with use_beam_search; omit one of them", param=name
+                )
+        try:
+            return BeamSearchParams(
+                beam_width=request.n,
+                max_tokens=max_tokens,
+                ignore_eos=request.ignore_eos,
+                length_penalty=request.length_penalty,
+            )
+        except ValueError as exc:
+            raise OpenAIError.bad_request(exc) from None
+
+    async def beam_search(
+        self, request_id: str, prompt: dict[str, Any], params: BeamSearchParams, priority: int = 0
+    ) -> list[BeamSearchSequence]:
+        """The best params.beam_width beams for one prompt, best first (kvllm/beam_search.py's algorithm,
+        each step's one-token requests run together on the engine; the prefix cache makes each cost one
+        token). Cancelling it aborts the step's requests."""
+        eos = self.tokenizer.eos_token_id
+        sort_key = create_sort_beams_key_function(eos, params.length_penalty)
+        one_token = step_params(params)
+        instance = BeamSearchInstance(prompt["prompt_token_ids"])
+        for step in range(params.max_tokens):
+            instance.retire_full(self.max_model_len)
+            if not instance.beams:
+                break
+            beam_prompts = [
+                ({"prompt_token_ids": b.tokens, "cache_salt": prompt.get("cache_salt")}, one_token)
+                for b in instance.beams
+            ]
+            streams = await self.add_requests(f"{request_id}-s{step}", beam_prompts, priority)
+            outputs = await asyncio.gather(*(final_output(s) for s in streams))
+            steps = [o.outputs[0].logprobs for o in outputs]
+            instance.advance([lp[0] if lp else None for lp in steps], params, eos, sort_key)
+        return instance.best(params.beam_width, sort_key)
 
     def reply_role(self, request: Any) -> str:
         """A chat reply's role (vLLM's rule): --response-role ("assistant") after a generation prompt, else
