@@ -86,3 +86,29 @@ def test_server_priority_field(tiny_qwen3_path, policy) -> None:
                     response, 400, param="priority", text="priority scheduling is not enabled"
                 )
             assert post(client, path, {**body, "priority": 0}).status_code == 200
+
+
+def test_priority_reordering_keeps_every_output_exact(tiny_qwen3_path) -> None:
+    """Requests admitted between running ones (and preempted by priority in a small cache) decode the same
+    greedy tokens as under fcfs: the reordered batches change no request's output."""
+    prompts = [{"prompt_token_ids": [10 + i, 20 + 3 * i, 30, 40 + i, 7]} for i in range(8)]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+    def run(policy: str, priority: list[int] | None) -> tuple[list[list[int]], int]:
+        # 4 blocks of 16 tokens; each request grows to 29 tokens (2 blocks): four at once cannot all fit.
+        llm = LLM(
+            model=str(tiny_qwen3_path),
+            dtype="float32",
+            max_model_len=64,
+            kv_cache_memory_bytes=1 << 16,
+            max_num_seqs=4,
+            scheduling_policy=policy,
+        )
+        outputs = llm.generate(prompts, params, use_tqdm=False, priority=priority)
+        assert llm.llm_engine.kv_cache_manager.num_free_blocks == llm.llm_engine.kv_cache_manager.num_blocks
+        return [o.outputs[0].token_ids for o in outputs], llm.llm_engine.scheduler.num_preemptions
+
+    reference, _ = run("fcfs", None)
+    reordered, preemptions = run("priority", [3, -1, 2, 0, 5, -4, 1, 0])
+    assert reordered == reference
+    assert preemptions > 0  # the small cache made the priority order preempt
