@@ -100,6 +100,13 @@ class EngineArgs:
         default=True, metadata=_help("Split long prompts into chunks scheduled beside decodes.")
     )
     max_num_seqs: int = field(default=256, metadata=_help("Maximum number of sequences per step."))
+    stream_interval: int = field(
+        default=1,
+        metadata=_help(
+            "Streamed outputs go out every this many new tokens (the first and the last at once); larger "
+            "values spare the server's host work at high concurrency (vLLM's)."
+        ),
+    )
     scheduling_policy: str = field(
         default="fcfs",
         metadata=_help(
@@ -380,6 +387,10 @@ class EngineArgs:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value <= 0):
                 raise ValueError(f"{name}={value!r} is not valid; allowed: a positive integer")
+        if not isinstance(self.stream_interval, int) or self.stream_interval < 1:
+            raise ValueError(
+                f"stream_interval={self.stream_interval!r} is not valid; allowed: an integer >= 1"
+            )
         if self.max_num_seqs <= 0:
             raise ValueError(f"max_num_seqs={self.max_num_seqs} is not valid; allowed: a positive integer")
         if str(self.cudagraph_mode).upper() not in CUDAGRAPH_MODES:

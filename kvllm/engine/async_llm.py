@@ -60,6 +60,7 @@ class _RequestState:
     # DELTA outputs carry only what is new, so a consumer that fell behind must see each of them.
     is_delta: bool = False
     last_output: RequestOutput | None = None
+    num_tokens_sent: int = 0  # output tokens in the last output queued (for stream_interval)
     finished: bool = False
     finished_indexes: set[int] = dataclasses.field(default_factory=set)  # kept for DELTA only
 
@@ -114,6 +115,8 @@ class AsyncLLM:
         self._dead = asyncio.Event()
         self.dead_error: BaseException | None = None
         self.latest_stats: EngineStats = engine.stats()  # updated after every step, on the event loop
+        # Cumulative outputs are queued every `stream_interval` new tokens (the first and last always).
+        self.stream_interval = engine.args.stream_interval
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, stat_recorders: Sequence[StatRecorder] = ()) -> AsyncLLM:
@@ -419,8 +422,13 @@ class AsyncLLM:
             state.finished = output.finished
             if state.is_delta:
                 state.finished_indexes.update(c.index for c in output.outputs if c.finish_reason is not None)
+            delivered.append(output)  # the metrics see every step's tokens, queued or not
+            if self.stream_interval > 1 and not state.is_delta and not output.finished:
+                num_tokens = output.num_output_tokens
+                if state.num_tokens_sent and num_tokens - state.num_tokens_sent < self.stream_interval:
+                    continue
+                state.num_tokens_sent = num_tokens
             state.queue.put_nowait(output)
-            delivered.append(output)
         self._record(delivered, stats)
 
     def _record(self, outputs: Sequence[RequestOutput], stats: EngineStats) -> None:

@@ -409,7 +409,7 @@ ENGINE_FLAGS: dict[str, Verdict] = {
     "--scheduler-reserve-full-isl": _off(SCHEDULER),
     "--disable-hybrid-kv-cache-manager": _bool("kvllm has one KV-cache manager for every layer", "true"),
     "--async-scheduling": SUPPORTED,
-    "--stream-interval": _no("kvllm streams every token as it is decoded", "1"),
+    "--stream-interval": SUPPORTED,
     "--cudagraph-capture-sizes": SUPPORTED,
     "--max-cudagraph-capture-size": SUPPORTED,
     "--ir-op-priority": _no(KERNELS),
