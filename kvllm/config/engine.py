@@ -90,6 +90,13 @@ class EngineArgs:
             parse="size",
         ),
     )
+    num_gpu_blocks_override: int | None = field(
+        default=None,
+        metadata=_help(
+            "Use this many KV-cache blocks instead of what the memory settings give (vLLM's; for testing "
+            "preemption): more than fit in memory fails when the cache is allocated."
+        ),
+    )
     kv_cache_dtype: str = field(
         default="auto", metadata=_help(f"KV-cache dtype: {', '.join(KV_CACHE_DTYPES)}.")
     )
@@ -383,7 +390,13 @@ class EngineArgs:
                 "kvllm; leave max_model_len unset for the model's own context length, or give a number "
                 "(--max-model-len 32k)"
             )
-        for name in ("max_model_len", "block_size", "kv_cache_memory_bytes", "max_num_batched_tokens"):
+        for name in (
+            "max_model_len",
+            "block_size",
+            "kv_cache_memory_bytes",
+            "max_num_batched_tokens",
+            "num_gpu_blocks_override",
+        ):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value <= 0):
                 raise ValueError(f"{name}={value!r} is not valid; allowed: a positive integer")

@@ -94,6 +94,13 @@ class LLMEngine:
         )
         self.executor = make_executor(args, self.model_config, self.device, max_batched)
         num_blocks = self.executor.determine_num_blocks()
+        if args.num_gpu_blocks_override is not None:
+            logger.info(
+                "KV cache: %d blocks as num_gpu_blocks_override asks (the memory settings gave %d)",
+                args.num_gpu_blocks_override,
+                num_blocks,
+            )
+            num_blocks = args.num_gpu_blocks_override
         _check_kv_cache_holds_one_request(
             num_blocks,
             self.executor.block_size,

@@ -8,6 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from kvllm.config.engine import EngineArgs
+from kvllm.engine.llm_engine import LLMEngine
 from kvllm.worker.worker import Worker
 
 GIB = 1 << 30
@@ -88,3 +90,16 @@ def test_an_engine_dropped_in_a_reference_cycle_frees_its_memory_before_the_next
     finally:
         gc.enable()
     assert device_memory_at_start(torch.device("cpu")) == (0, 0)
+
+
+def test_num_gpu_blocks_override_sets_the_cache_size(tiny_qwen3_path) -> None:
+    """vLLM's --num-gpu-blocks-override (for testing preemption): the cache size in blocks, still checked."""
+    args = {"model": str(tiny_qwen3_path), "dtype": "float32", "max_model_len": 64}
+    engine = LLMEngine.from_engine_args(EngineArgs(**args, num_gpu_blocks_override=5))
+    assert engine.kv_cache_manager.num_blocks == 5 and engine.stats().num_blocks == 5
+    with pytest.raises(ValueError, match="fewer than one request of max_model_len=64"):
+        LLMEngine.from_engine_args(EngineArgs(**args, num_gpu_blocks_override=3))
+    with pytest.raises(
+        ValueError, match="num_gpu_blocks_override=0 is not valid; allowed: a positive integer"
+    ):
+        EngineArgs(**args, num_gpu_blocks_override=0)

@@ -336,10 +336,7 @@ ENGINE_FLAGS: dict[str, Verdict] = {
     "--gpu-memory-utilization": SUPPORTED,
     "--kv-cache-memory-bytes": SUPPORTED,
     "--kv-cache-dtype": SUPPORTED,
-    "--num-gpu-blocks-override": _no(
-        "kvllm sizes the KV cache in bytes: use --kv-cache-memory-bytes (e.g. 4G), or "
-        "--gpu-memory-utilization"
-    ),
+    "--num-gpu-blocks-override": SUPPORTED,
     "--enable-prefix-caching": SUPPORTED,
     "--prefix-caching-hash-algo": _no("kvllm's prefix-cache block hash is not selectable"),
     "--calculate-kv-scales": _off("kvllm does not calculate fp8 KV-cache scales from data"),
