@@ -6,7 +6,10 @@ Invariants (checked by tests/unit/test_kv_cache_manager.py):
 - a free block may still hold a cached prefix (its hash is in `cached_blocks`); it is reused
   on a hit, or evicted, least recently freed first, when a new block is needed;
 - only full blocks are hashed; the hash chains the parent block's hash with the block's token
-  ids, so equal hashes mean equal whole prefixes (the token ids are compared on a hit anyway);
+  ids, so equal hashes mean equal whole prefixes. A hit does not trust the hash: the block's token
+  ids, its salt and its parent (the block it was computed after, in that block's current
+  `generation`, which changes whenever the block's content is dropped) must equal the request's,
+  so a hash collision, accidental or crafted, is a miss and never K/V computed after another prefix;
 - a request's `cache_salt` (vLLM's) takes the place of the first block's parent, and each cached
   block keeps the salt it was computed under: requests share cached blocks only when their salts
   are equal (both None included), so one tenant cannot probe another's prompts by cache timing;
@@ -29,6 +32,10 @@ class KVBlock:
     block_hash: int | None = None
     token_ids: tuple[int, ...] | None = None  # the tokens a cached block holds, for the hit check
     cache_salt: str | None = None  # the salt of the request that computed it, for the hit check
+    parent: tuple[int, int] | None = (
+        None  # (block id, its generation) it was computed after, for the hit check
+    )
+    generation: int = 0  # bumped whenever the block's content is dropped (evicted, reused, reset)
 
 
 class KVCacheManager:
@@ -86,6 +93,7 @@ class KVCacheManager:
         # Never the block with the last token: one token must be computed to get logits.
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[int] = []
+        parent: tuple[int, int] | None = None
         tokens = request.all_token_ids
         for i, block_hash in enumerate(request.block_hashes[:max_blocks]):
             block_id = self.cached_blocks.get(block_hash)
@@ -93,9 +101,14 @@ class KVCacheManager:
                 break
             expected = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
             block = self.blocks[block_id]
-            if block.token_ids != expected or block.cache_salt != request.cache_salt:  # a hash collision
-                break
+            if (
+                block.token_ids != expected
+                or block.cache_salt != request.cache_salt
+                or block.parent != parent
+            ):
+                break  # a hash collision
             hits.append(block_id)
+            parent = (block_id, block.generation)
         return hits
 
     def record_prefix_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
@@ -149,6 +162,8 @@ class KVCacheManager:
             block.block_hash = None
             block.token_ids = None
             block.cache_salt = None
+            block.parent = None
+            block.generation += 1
         self.cached_blocks.clear()
         return True
 
@@ -169,6 +184,10 @@ class KVCacheManager:
             block.block_hash = None
             block.token_ids = None
             block.cache_salt = None
+            block.parent = None
+        block.generation += (
+            1  # new content from here on: blocks computed after the old one no longer follow it
+        )
         block.ref_cnt = 1
         return block_id
 
@@ -190,5 +209,8 @@ class KVCacheManager:
                 block.block_hash = block_hash
                 block.token_ids = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
                 block.cache_salt = request.cache_salt
+                if i > 0:
+                    previous = self.blocks[blocks[i - 1]]
+                    block.parent = (previous.block_id, previous.generation)
                 self.cached_blocks.setdefault(block_hash, block.block_id)
         self.num_hashed_blocks[request.request_id] = num_full

@@ -125,6 +125,46 @@ def test_cache_salt_mismatch_under_an_equal_hash_is_a_miss():
     assert kv.find_cached_prefix(b) == []
 
 
+def test_a_colliding_block_computed_after_another_prefix_is_a_miss():
+    """A hash collision on a later block (crafted here: same tokens, same salt) whose K/V followed another
+    prefix must not be served: the block's parent is checked, not only its hash and tokens."""
+    kv = KVCacheManager(num_blocks=20, block_size=4)
+    t1 = [50, 51, 52, 53]
+    a = make_request("a", [1, 2, 3, 4] + t1 + [9])
+    b = make_request("b", [5, 6, 7, 8] + t1 + [9])
+    schedule_whole(kv, a)
+    assert schedule_whole(kv, b) == 0
+    honest = make_request("honest", [5, 6, 7, 8] + t1 + [7])
+    assert len(kv.find_cached_prefix(honest)) == 2  # b's two blocks
+    crafted = make_request("crafted", [5, 6, 7, 8] + t1 + [7])
+    kv.update_block_hashes(crafted)
+    crafted.block_hashes[1] = a.block_hashes[
+        1
+    ]  # block 1 now "collides" with a's, computed after [1, 2, 3, 4]
+    assert kv.find_cached_prefix(crafted) == kv.get_block_ids("b")[:1]
+
+
+def test_a_block_whose_parent_was_reused_is_a_miss():
+    """Once a block's parent is evicted and refilled, the child's K/V no longer follows what the parent
+    holds: its old chain must not be found again, even through a hash collision."""
+    kv = KVCacheManager(num_blocks=3, block_size=4)
+    a = make_request("a", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    schedule_whole(kv, a)
+    parent, child = kv.get_block_ids("a")[:2]
+    kv.free(a)
+    kv.free_queue.move_to_end(parent, last=False)  # the parent is evicted first (the child stays cached)
+    c = make_request("c", [30, 31, 32])
+    schedule_whole(kv, c)
+    assert kv.get_block_ids("c") == [parent]
+    kv.free(c)
+    again = make_request("again", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    kv.update_block_hashes(again)
+    kv.cached_blocks[again.block_hashes[0]] = parent  # crafted: the refilled parent found for block 0
+    kv.blocks[parent].token_ids, kv.blocks[parent].block_hash = (1, 2, 3, 4), again.block_hashes[0]
+    assert kv.find_cached_prefix(again) == [parent]  # not [parent, child]: child followed the old content
+    assert kv.blocks[child].parent is not None
+
+
 def test_random_workload_keeps_invariants():
     rng = random.Random(0)
     kv = KVCacheManager(num_blocks=40, block_size=4)

@@ -338,7 +338,16 @@ ENGINE_FLAGS: dict[str, Verdict] = {
     "--kv-cache-dtype": SUPPORTED,
     "--num-gpu-blocks-override": SUPPORTED,
     "--enable-prefix-caching": SUPPORTED,
-    "--prefix-caching-hash-algo": _no("kvllm's prefix-cache block hash is not selectable"),
+    "--prefix-caching-hash-algo": _no(
+        "kvllm's block hash is not selectable; a hit is only taken after the block's token ids, cache salt "
+        "and parent block compare equal to the request's, so a hash collision is a miss, never K/V of "
+        "another prefix: the guarantee a collision-resistant hash is asked for holds with any of them",
+        "builtin",
+        "sha256",
+        "sha256_cbor",
+        "xxhash",
+        "xxhash_cbor",
+    ),
     "--calculate-kv-scales": _off("kvllm does not calculate fp8 KV-cache scales from data"),
     "--kv-cache-dtype-skip-layers": _no("kvllm uses one KV-cache dtype for every layer"),
     "--kv-sharing-fast-prefill": _off("kvllm has no cross-layer KV sharing"),
