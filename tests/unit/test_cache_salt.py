@@ -37,7 +37,8 @@ def cached_tokens(engine: LLMEngine, prompt: dict, request_id: str) -> int:
     return engine.kv_cache_manager.prefix_cache_hits - before
 
 
-def test_prompt_dict_salt_isolates_the_prefix_cache(engine) -> None:
+def test_prompt_dict_salt_isolates_the_prefix_cache(tiny_qwen3_path) -> None:
+    engine = tiny_engine(tiny_qwen3_path, MAX_MODEL_LEN)  # its own: stepped here, not by a server
     ids = prompt_ids(engine, 1)
     full = 3 * engine.block_size
     assert cached_tokens(engine, {"prompt_token_ids": ids, "cache_salt": "a"}, "s1") == 0
@@ -49,7 +50,8 @@ def test_prompt_dict_salt_isolates_the_prefix_cache(engine) -> None:
 
 
 @pytest.mark.parametrize("salt", ["", 7, ["a"]])
-def test_bad_salt_is_refused(engine, salt) -> None:
+def test_bad_salt_is_refused(tiny_qwen3_path, salt) -> None:
+    engine = tiny_engine(tiny_qwen3_path, MAX_MODEL_LEN)
     with pytest.raises(ValueError, match="cache_salt=.* is not valid; allowed: a non-empty string"):
         engine.add_request("bad", {"prompt_token_ids": [1, 2, 3], "cache_salt": salt}, SamplingParams())
     assert not engine.has_unfinished_requests()

@@ -28,7 +28,8 @@ ALL_ON = ResponseOptions(
 )
 
 
-@pytest.fixture(scope="module")
+# One app per engine at a time: two apps would run two engine threads over one engine.
+@pytest.fixture
 def engine(tiny_qwen3_path) -> LLMEngine:
     return tiny_engine(tiny_qwen3_path, MAX_MODEL_LEN)
 
@@ -44,15 +45,15 @@ def client_for(engine: LLMEngine, options: ResponseOptions | None) -> TestClient
     return TestClient(app)
 
 
-@pytest.fixture(scope="module")
-def client_on(engine) -> Iterator[TestClient]:
-    with client_for(engine, ALL_ON) as c:
+@pytest.fixture
+def client_on(tiny_qwen3_path) -> Iterator[TestClient]:
+    with client_for(tiny_engine(tiny_qwen3_path, MAX_MODEL_LEN), ALL_ON) as c:
         yield c
 
 
-@pytest.fixture(scope="module")
-def client_off(engine) -> Iterator[TestClient]:
-    with client_for(engine, None) as c:
+@pytest.fixture
+def client_off(tiny_qwen3_path) -> Iterator[TestClient]:
+    with client_for(tiny_engine(tiny_qwen3_path, MAX_MODEL_LEN), None) as c:
         yield c
 
 
@@ -71,7 +72,8 @@ def bodies(tag: str) -> dict[str, dict]:
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
-def test_prompt_tokens_details_report_the_prefix_cache_hits(client_on, client_off, engine, path) -> None:
+def test_prompt_tokens_details_report_the_prefix_cache_hits(client_on, client_off, path) -> None:
+    engine = client_on.app.state.llm.engine
     body = bodies(f"details{path}")[path]
     first = post(client_on, path, body).json()["usage"]
     assert "prompt_tokens_details" not in first  # nothing cached yet: left out, as vLLM does
@@ -81,8 +83,12 @@ def test_prompt_tokens_details_report_the_prefix_cache_hits(client_on, client_of
     assert hits > 0 and second["prompt_tokens_details"] == {"cached_tokens": hits}
     streamed = sse_events(post(client_on, path, {**body, "stream": True}))
     assert streamed[-2]["usage"]["prompt_tokens_details"] == {"cached_tokens": hits}
-    assert "prompt_tokens_details" not in post(client_off, path, body).json()["usage"]  # flag off
     assert_engine_idle(engine)
+    off_engine = client_off.app.state.llm.engine
+    post(client_off, path, body)
+    before = off_engine.kv_cache_manager.prefix_cache_hits
+    off = post(client_off, path, body).json()["usage"]
+    assert off_engine.kv_cache_manager.prefix_cache_hits > before and "prompt_tokens_details" not in off
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
