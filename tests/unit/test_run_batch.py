@@ -277,3 +277,32 @@ def test_input_and_output_urls(tiny_qwen3_path, tmp_path, file_host, monkeypatch
 def test_unreachable_input_url_is_a_clear_error(file_host, tmp_path, capsys) -> None:
     assert main(["run-batch", "-i", f"{file_host}/missing.jsonl", "-o", str(tmp_path / "o.jsonl")]) == 2
     assert "missing.jsonl: could not be downloaded" in capsys.readouterr().err
+
+
+def test_a_request_failing_in_the_runner_gets_its_error_line(tiny_qwen3_path, monkeypatch) -> None:
+    engine = tiny_engine(tiny_qwen3_path, MAX_MODEL_LEN)
+    app = build_app(engine=engine, served_model_name="tiny", log_stats_interval=0)
+    real_answer = batch.answer
+
+    async def flaky(client, request):
+        if request.custom_id == "r1":
+            raise ConnectionError("transport broke")
+        return await real_answer(client, request)
+
+    monkeypatch.setattr(batch, "answer", flaky)
+    requests = [batch.parse_line(i + 1, line(f"r{i}", "/v1/completions", COMPLETION)) for i in range(3)]
+    out = io.StringIO()
+
+    async def run() -> batch.BatchSummary:
+        async with app.router.lifespan_context(app):
+            return await batch.run_requests(app, iter(requests), batch.OrderedWriter(out), max_in_flight=2)
+
+    summary = asyncio.run(run())
+    answers = [json.loads(t) for t in out.getvalue().splitlines()]
+    assert [(a["custom_id"], a["response"]["status_code"]) for a in answers] == [
+        ("r0", 200),
+        ("r1", 500),
+        ("r2", 200),
+    ]
+    assert "transport broke" in answers[1]["error"]["error"]["message"]
+    assert summary.statuses == {200: 2, 500: 1} and not summary.engine_failed

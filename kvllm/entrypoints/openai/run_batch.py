@@ -233,6 +233,10 @@ async def run_requests(
         async def one(index: int, request: BatchRequest) -> None:
             try:
                 status, line = await answer(client, request)
+            except Exception as exc:  # never a lost line: the failure is that request's answer
+                logger.exception("Batch request %r failed in the runner", request.custom_id)
+                error = OpenAIError(f"The batch runner could not complete the request: {exc!r}", 500)
+                status, line = 500, output_line(request, 500, error.to_body().model_dump())
             finally:
                 slots.release()
             summary.count(status)
