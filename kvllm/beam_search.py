@@ -13,12 +13,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-from kvllm.outputs import Logprob
-
-if TYPE_CHECKING:
-    from kvllm.sampling_params import BeamSearchParams, SamplingParams
+from kvllm.outputs import Logprob, RequestOutput
+from kvllm.sampling_params import BeamSearchParams, SamplingParams
 
 
 @dataclass
@@ -45,7 +42,7 @@ class BeamSearchInstance:
     """The search state of one prompt: its live beams and the completed ones.
 
     A step: `retire_full(max_model_len)`, run each of `beams` as a one-token request with
-    `step_params(params)`, then `advance(the steps' logprobs, ...)`; at the end `best(...)`.
+    `step_params(params)`, then `advance(those requests' outputs, ...)`; at the end `best(...)`.
     """
 
     def __init__(self, prompt_tokens: list[int]) -> None:
@@ -60,16 +57,18 @@ class BeamSearchInstance:
 
     def advance(
         self,
-        step_logprobs: Sequence[dict[int, Logprob] | None],
+        outputs: Sequence[RequestOutput],
         params: BeamSearchParams,
         eos_token_id: int | None,
         sort_key: Callable[[BeamSearchSequence], float],
     ) -> None:
-        """Grow each live beam by each token of its step's logprobs (`step_logprobs[i]` for `beams[i]`;
-        None when that step gave none), set EOS-ended ones aside, keep the beam_width best others."""
+        """Grow each live beam by each token of its one-token request's logprobs (`outputs[i]` for
+        `beams[i]`), set EOS-ended ones aside, keep the beam_width best others."""
         candidates = []
-        for beam, logprobs in zip(self.beams, step_logprobs):
-            for token_id, entry in (logprobs or {}).items():
+        for beam, output in zip(self.beams, outputs, strict=True):
+            step = output.outputs[0].logprobs
+            logprobs = step[0] if step else {}
+            for token_id, entry in logprobs.items():
                 grown = BeamSearchSequence(
                     tokens=beam.tokens + [token_id],
                     logprobs=beam.logprobs + [logprobs],
@@ -94,8 +93,6 @@ class BeamSearchInstance:
 
 def step_params(params: BeamSearchParams) -> SamplingParams:
     """The one-token request each beam runs per step: the top 2 * beam_width logprobs (HF's and vLLM's)."""
-    from kvllm.sampling_params import SamplingParams
-
     return SamplingParams(
         logprobs=2 * params.beam_width, max_tokens=1, temperature=params.temperature, detokenize=False
     )

@@ -161,8 +161,7 @@ class LLM:
                 )
             )
             for instance in instances:
-                step = [next(outputs).outputs[0].logprobs for _ in instance.beams]
-                instance.advance([lp[0] if lp else None for lp in step], params, eos, sort_key)
+                instance.advance([next(outputs) for _ in instance.beams], params, eos, sort_key)
         results = []
         for instance in instances:
             best = instance.best(params.beam_width, sort_key)

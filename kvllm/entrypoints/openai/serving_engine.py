@@ -172,8 +172,7 @@ class OpenAIServing:
             ]
             streams = await self.add_requests(f"{request_id}-s{step}", beam_prompts, priority)
             outputs = await asyncio.gather(*(final_output(s) for s in streams))
-            steps = [o.outputs[0].logprobs for o in outputs]
-            instance.advance([lp[0] if lp else None for lp in steps], params, eos, sort_key)
+            instance.advance(outputs, params, eos, sort_key)
         return instance.best(params.beam_width, sort_key)
 
     def reply_role(self, request: Any) -> str:
