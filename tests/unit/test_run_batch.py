@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
+from kvllm.engine.llm_engine import LLMEngine
 from kvllm.entrypoints.cli.main import main
 from kvllm.entrypoints.openai import run_batch as batch
 from kvllm.entrypoints.openai.server import build_app
@@ -201,24 +202,29 @@ def test_more_requests_than_slots_all_answered_in_order(tiny_qwen3_path, tmp_pat
         assert a["response"]["body"]["usage"]["completion_tokens"] == 1 + i % 5
 
 
-def test_engine_failure_mid_batch_answers_the_rest_and_is_reported(tiny_qwen3_path, monkeypatch) -> None:
-    engine = tiny_engine(tiny_qwen3_path, MAX_MODEL_LEN)
+def run_three_completions(engine: LLMEngine, max_in_flight: int) -> tuple[batch.BatchSummary, list[dict]]:
+    """Three completion requests r0..r2 answered by a server app over `engine`: the summary and the lines."""
     app = build_app(engine=engine, served_model_name="tiny", log_stats_interval=0)
-
-    def crash() -> None:
-        raise RuntimeError("injected")
-
-    monkeypatch.setattr(engine, "step", crash)
     requests = [batch.parse_line(i + 1, line(f"r{i}", "/v1/completions", COMPLETION)) for i in range(3)]
     out = io.StringIO()
 
     async def run() -> batch.BatchSummary:
         async with app.router.lifespan_context(app):
-            return await batch.run_requests(app, iter(requests), batch.OrderedWriter(out), max_in_flight=1)
+            return await batch.run_requests(app, iter(requests), batch.OrderedWriter(out), max_in_flight)
 
     summary = asyncio.run(run())
+    return summary, [json.loads(t) for t in out.getvalue().splitlines()]
+
+
+def test_engine_failure_mid_batch_answers_the_rest_and_is_reported(tiny_qwen3_path, monkeypatch) -> None:
+    engine = tiny_engine(tiny_qwen3_path, MAX_MODEL_LEN)
+
+    def crash() -> None:
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(engine, "step", crash)
+    summary, answers = run_three_completions(engine, max_in_flight=1)
     assert summary.engine_failed and summary.total == 3 and summary.succeeded == 0
-    answers = [json.loads(t) for t in out.getvalue().splitlines()]
     assert [a["custom_id"] for a in answers] == ["r0", "r1", "r2"]
     assert all(a["response"]["status_code"] in (500, 503) and a["error"]["error"]["message"] for a in answers)
 
@@ -280,8 +286,6 @@ def test_unreachable_input_url_is_a_clear_error(file_host, tmp_path, capsys) -> 
 
 
 def test_a_request_failing_in_the_runner_gets_its_error_line(tiny_qwen3_path, monkeypatch) -> None:
-    engine = tiny_engine(tiny_qwen3_path, MAX_MODEL_LEN)
-    app = build_app(engine=engine, served_model_name="tiny", log_stats_interval=0)
     real_answer = batch.answer
 
     async def flaky(client, request):
@@ -290,15 +294,7 @@ def test_a_request_failing_in_the_runner_gets_its_error_line(tiny_qwen3_path, mo
         return await real_answer(client, request)
 
     monkeypatch.setattr(batch, "answer", flaky)
-    requests = [batch.parse_line(i + 1, line(f"r{i}", "/v1/completions", COMPLETION)) for i in range(3)]
-    out = io.StringIO()
-
-    async def run() -> batch.BatchSummary:
-        async with app.router.lifespan_context(app):
-            return await batch.run_requests(app, iter(requests), batch.OrderedWriter(out), max_in_flight=2)
-
-    summary = asyncio.run(run())
-    answers = [json.loads(t) for t in out.getvalue().splitlines()]
+    summary, answers = run_three_completions(tiny_engine(tiny_qwen3_path, MAX_MODEL_LEN), max_in_flight=2)
     assert [(a["custom_id"], a["response"]["status_code"]) for a in answers] == [
         ("r0", 200),
         ("r1", 500),

@@ -52,9 +52,8 @@ UPLOAD_ATTEMPTS = 5
 
 @dataclass(frozen=True)
 class BatchRequest:
-    """One input line: its 1-based line number and the request it holds."""
+    """The request one input line holds."""
 
-    line: int
     custom_id: str
     url: str
     body: dict[str, Any]
@@ -101,15 +100,21 @@ def parse_line(line: int, text: str) -> BatchRequest:
         raise ValueError(f"line {line}: url must be a string such as /v1/chat/completions, not {url!r}")
     if not isinstance(body, dict):
         raise ValueError(f"line {line}: body must be a JSON object, not {type(body).__name__}")
-    return BatchRequest(line, custom_id, url, body)
+    return BatchRequest(custom_id, url, body)
 
 
-def iter_requests(path: Path) -> Iterator[BatchRequest]:
-    """The requests of a JSONL file in order, blank lines skipped (ValueError at the first bad line)."""
+def _numbered_lines(path: Path) -> Iterator[tuple[int, str]]:
+    """(1-based line number, text) of the file's non-blank lines."""
     with path.open(encoding="utf-8") as f:
         for number, text in enumerate(f, start=1):
             if text.strip():
-                yield parse_line(number, text)
+                yield number, text
+
+
+def iter_requests(path: Path) -> Iterator[BatchRequest]:
+    """The requests of a JSONL file in order (ValueError at the first bad line)."""
+    for number, text in _numbered_lines(path):
+        yield parse_line(number, text)
 
 
 def check_batch_file(path: Path) -> int:
@@ -119,23 +124,20 @@ def check_batch_file(path: Path) -> int:
     first_line: dict[str, int] = {}
     count = 0
     try:
-        with path.open(encoding="utf-8") as f:
-            for number, text in enumerate(f, start=1):
-                if not text.strip():
-                    continue
-                try:
-                    request = parse_line(number, text)
-                except ValueError as exc:
-                    problems.append(str(exc))
-                    continue
-                count += 1
-                if request.custom_id in first_line:
-                    problems.append(
-                        f"line {number}: custom_id {request.custom_id!r} was already used on line "
-                        f"{first_line[request.custom_id]}; each request needs its own"
-                    )
-                else:
-                    first_line[request.custom_id] = number
+        for number, text in _numbered_lines(path):
+            try:
+                request = parse_line(number, text)
+            except ValueError as exc:
+                problems.append(str(exc))
+                continue
+            count += 1
+            if request.custom_id in first_line:
+                problems.append(
+                    f"line {number}: custom_id {request.custom_id!r} was already used on line "
+                    f"{first_line[request.custom_id]}; each request needs its own"
+                )
+            else:
+                first_line[request.custom_id] = number
     except UnicodeDecodeError as exc:
         raise ValueError(f"The batch file {path} is not UTF-8 text: {exc}") from None
     if problems:
@@ -181,6 +183,11 @@ def output_line(request: BatchRequest, status: int, body: Any, request_id: str |
     return json.dumps(record, ensure_ascii=False)
 
 
+def error_line(request: BatchRequest, error: OpenAIError) -> str:
+    """The output line for a request the runner answers itself with `error`."""
+    return output_line(request, error.status, error.to_body().model_dump())
+
+
 class OrderedWriter:
     """Writes output lines in input order as the answers arrive in any order (holding only those that
     arrived before an earlier one)."""
@@ -203,7 +210,7 @@ async def answer(client: httpx.AsyncClient, request: BatchRequest) -> tuple[int,
     """(HTTP status, output line) for one request, sent to the app as a client would send it."""
     error = refusal(request)
     if error is not None:
-        return error.status, output_line(request, error.status, error.to_body().model_dump())
+        return error.status, error_line(request, error)
     response = await client.post(request.url, json=request.body)
     try:
         body: Any = response.json()
@@ -236,7 +243,7 @@ async def run_requests(
             except Exception as exc:  # never a lost line: the failure is that request's answer
                 logger.exception("Batch request %r failed in the runner", request.custom_id)
                 error = OpenAIError(f"The batch runner could not complete the request: {exc!r}", 500)
-                status, line = 500, output_line(request, 500, error.to_body().model_dump())
+                status, line = error.status, error_line(request, error)
             finally:
                 slots.release()
             summary.count(status)
