@@ -122,9 +122,9 @@ class OpenAIServing:
         return usage
 
     def beam_search_params(
-        self, request: SamplingExtras, max_tokens: int, refused: dict[str, Any]
+        self, request: SamplingExtras, max_tokens: int, route_refused: dict[str, Any]
     ) -> BeamSearchParams:
-        """vLLM's use_beam_search: the n best beams of width n. `refused` names the request's other fields
+        """vLLM's use_beam_search: the n best beams of width n. `route_refused` names the route's own fields
         that beam search does not apply (each set one is a 400), beside the shared ones checked here."""
         refused = {
             "stream": request.stream,
@@ -135,7 +135,7 @@ class OpenAIServing:
             "logit_bias": request.logit_bias,
             "allowed_token_ids": request.allowed_token_ids,
             "bad_words": request.bad_words,
-            **refused,
+            **route_refused,
         }
         for name, value in refused.items():
             if value:
