@@ -63,6 +63,11 @@ GPU_SHAPES = (
     SweepShape("qwen3 4x1024 over 3072 cached", (Group(4, 1024, 3072),)),
     SweepShape("qwen3 32x512 causal", (Group(32, 512, 0),)),
     SweepShape("qwen3 1x8192 causal", (Group(1, 8192, 0),)),
+    # Where the prefill kernel starts to beat the unified one (its routing threshold): shorter chunks.
+    SweepShape("qwen3 64x128 causal", (Group(64, 128, 0),)),
+    SweepShape("qwen3 32x256 causal", (Group(32, 256, 0),)),
+    SweepShape("qwen3 8x1024 causal", (Group(8, 1024, 0),)),
+    SweepShape("qwen3 2x4096 causal", (Group(2, 4096, 0),)),
 )
 TINY_SHAPES = (
     SweepShape("tiny 2x80 causal", (Group(2, 80, 0),), 4, 2, 64),

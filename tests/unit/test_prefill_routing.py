@@ -1,0 +1,37 @@
+"""benchmarks/h200/prefill_routing.py: its case parsing and summary (the GPU timing runs on the H200)."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture
+def routing(monkeypatch):
+    path = Path(__file__).parents[2] / "benchmarks" / "h200" / "prefill_routing.py"
+    spec = importlib.util.spec_from_file_location("prefill_routing", path)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "prefill_routing", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_parse_case(routing):
+    assert routing.parse_case("8x2048") == (8, 2048)
+    assert routing.parse_case("1X512") == (1, 512)
+
+
+def test_summary_takes_the_median_of_each_setting_and_the_speed_up(routing):
+    records = [
+        {"prefill_kernel": "1", "case": "8x2048", "median_ms": 10.0},
+        {"prefill_kernel": "0", "case": "8x2048", "median_ms": 15.0},
+        {"prefill_kernel": "1", "case": "8x2048", "median_ms": 12.0},
+        {"prefill_kernel": "0", "case": "8x2048", "median_ms": 13.0},
+        {"prefill_kernel": "1", "case": "1x512", "median_ms": 4.0},  # no unified run: left out
+    ]
+    lines = routing.summary(records).splitlines()
+    assert len(lines) == 2
+    case, on, off, speed_up = lines[1].split()
+    assert (case, float(on), float(off)) == ("8x2048", 11.0, 14.0)
+    assert speed_up == f"{14.0 / 11.0:.3f}x"
