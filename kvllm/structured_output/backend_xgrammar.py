@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -65,10 +66,50 @@ def _grammar_args(params: StructuredOutputsParams) -> tuple[str, Any]:
         return "grammar", choice_grammar(params.choice)
     if kind == "grammar":
         return "grammar", params.grammar
-    raise StructuredOutputError(
-        "structured_outputs.structural_tag (response_format type structural_tag) is not supported in this "
-        "version; use json, regex, choice, grammar or json_object"
-    )
+    assert params.structural_tag is not None
+    return "structural_tag", structural_tag_args(params.structural_tag)
+
+
+# xgrammar's message when a structural tag names tokens, which only a tokenizer resolves.
+_NEEDS_TOKENIZER = "requires tokenizer_info"
+
+
+def structural_tag_args(text: str) -> tuple[Any, ...]:
+    """xgrammar's arguments for a structural tag given as JSON, in either of vLLM's two forms:
+    `{"type": "structural_tag", "format": {...}}` (xgrammar's StructuralTag, passed on as the text) or
+    the legacy `{"structures": [{"begin", "schema", "end"}, ...], "triggers": [...]}` (tags and triggers)."""
+    import xgrammar as xgr
+
+    where = "structured_outputs.structural_tag"
+    try:
+        payload = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise StructuredOutputError(f"{where} is not valid JSON: {exc}") from None
+    if not isinstance(payload, dict):
+        raise StructuredOutputError(f"{where} must be a JSON object, got {type(payload).__name__}")
+    if "structures" not in payload:
+        return (text,)
+    structures, triggers = payload["structures"], payload.get("triggers")
+    if not isinstance(structures, list) or not all(isinstance(s, dict) for s in structures):
+        raise StructuredOutputError(f"{where}.structures must be a list of objects with begin, schema, end")
+    if not isinstance(triggers, list) or not triggers or not all(isinstance(t, str) for t in triggers):
+        raise StructuredOutputError(f"{where}.triggers must be a non-empty list of strings")
+    tags = []
+    for i, structure in enumerate(structures):
+        missing = [k for k in ("begin", "schema", "end") if k not in structure]
+        if missing:
+            raise StructuredOutputError(f"{where}.structures[{i}] lacks {', '.join(missing)}")
+        if not isinstance(structure["begin"], str) or not isinstance(structure["end"], str):
+            raise StructuredOutputError(f"{where}.structures[{i}]: begin and end must be strings")
+        schema = structure["schema"]
+        tags.append(
+            xgr.StructuralTagItem(
+                begin=structure["begin"],
+                schema=schema if isinstance(schema, str) else json.dumps(schema),
+                end=structure["end"],
+            )
+        )
+    return (tags, triggers)
 
 
 def _json_kwargs(params: StructuredOutputsParams) -> dict[str, Any]:
@@ -89,9 +130,15 @@ def validate(params: StructuredOutputsParams) -> None:
             xgr.Grammar.from_regex(arg)
         elif kind == "grammar":
             xgr.Grammar.from_ebnf(arg)
+        else:
+            with warnings.catch_warnings():  # the legacy form's call is deprecated in xgrammar
+                warnings.simplefilter("ignore", DeprecationWarning)
+                xgr.Grammar.from_structural_tag(*arg)
     except StructuredOutputError:
         raise
     except Exception as exc:
+        if kind == "structural_tag" and _NEEDS_TOKENIZER in str(exc):
+            return  # token names: checked when it compiles, with the tokenizer
         raise StructuredOutputError(f"structured_outputs.{params.kind} is not valid: {_clean(exc)}") from None
 
 
@@ -115,6 +162,10 @@ class XgrammarBackend:
                 return self.compiler.compile_json_schema(arg, **_json_kwargs(params))
             if kind == "regex":
                 return self.compiler.compile_regex(arg)
+            if kind == "structural_tag":
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", DeprecationWarning)
+                    return self.compiler.compile_structural_tag(*arg)
             return self.compiler.compile_grammar(arg)
         except Exception as exc:
             raise StructuredOutputError(

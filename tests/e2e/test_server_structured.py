@@ -137,6 +137,39 @@ def test_bad_constraints_get_a_400_naming_them(server, body, param, message):
     assert server.client().completions.create(model=MODEL_NAME, prompt="x", max_tokens=2).choices
 
 
+def test_structural_tag_response_format(server):
+    """response_format type structural_tag (xgrammar's form, as vLLM takes it): the tag's begin and end
+    around JSON of its schema; the legacy form with a missing field is a 400 naming it."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    content = {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": 1}
+    tag = {"type": "tag", "begin": "<answer>", "content": content, "end": "</answer>"}
+    client = server.client()
+    out = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "A number?"}],
+        response_format={"type": "structural_tag", "format": tag},
+        temperature=1.0,
+        max_tokens=80,
+        n=3,
+    )
+    for choice in out.choices:
+        assert choice.finish_reason == "stop", choice.message.content
+        answer = re.fullmatch(r"<answer>(.*)</answer>", choice.message.content, re.DOTALL)
+        assert answer is not None and isinstance(json.loads(answer.group(1))["n"], int), (
+            choice.message.content
+        )
+    with pytest.raises(openai.BadRequestError, match="lacks end"):
+        client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=[{"role": "user", "content": "x"}],
+            response_format={
+                "type": "structural_tag",
+                "structures": [{"begin": "<a>", "schema": schema}],
+                "triggers": ["<a>"],
+            },
+        )
+
+
 def test_json_object_response_format_gives_an_object(server):
     client = server.client()
     out = client.chat.completions.create(

@@ -3,6 +3,7 @@ parameter checks and the mapping of OpenAI's response_format."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -106,6 +107,75 @@ def test_validation_errors_name_the_problem_without_xgrammar_locations():
         validate(StructuredOutputsParams(structural_tag="{}"))
 
 
+STRUCTURAL_SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+# vLLM's two forms of a structural tag: xgrammar's StructuralTag, and the legacy structures + triggers.
+TAG_FORMAT = {
+    "type": "structural_tag",
+    "format": {
+        "type": "triggered_tags",
+        "triggers": ["<call>"],
+        "tags": [{"begin": "<call>", "content": {"type": "json_schema", "json_schema": STRUCTURAL_SCHEMA},
+                  "end": "</call>"}],
+    },
+}  # fmt: skip
+TAG_LEGACY = {
+    "type": "structural_tag",
+    "structures": [{"begin": "<call>", "schema": STRUCTURAL_SCHEMA, "end": "</call>"}],
+    "triggers": ["<call>"],
+}
+
+
+@pytest.mark.parametrize("tag", [TAG_FORMAT, TAG_LEGACY], ids=["format", "legacy"])
+def test_structural_tags_validate_and_constrain_after_their_trigger(tag, tmp_path):
+    """Either form: free text until the trigger, then the schema's JSON and the end tag."""
+    import json
+
+    from transformers import PreTrainedTokenizerFast
+
+    params = StructuredOutputsParams(structural_tag=json.dumps(tag))
+    validate(params)
+    write_tokenizer(tmp_path, 400)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(tmp_path))
+    manager = StructuredOutputManager(tokenizer, len(tokenizer), [EOS_ID])
+    backend = manager.backend
+
+    def accepts(text: str) -> bool:
+        matcher = backend.matcher(backend.compile(params))
+        return all(matcher.accept_token(t) for t in tokenizer.encode(text, add_special_tokens=False))
+
+    assert accepts('any words first <call>{"a": 12}</call> and after')
+    assert not accepts('words <call>{"a": "twelve"}</call>')  # the schema holds inside the tag
+    assert not accepts('words <call>{"a": 1}</other>')  # and the end tag closes it
+    manager.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("{not json", "structural_tag is not valid JSON"),
+        ("[1, 2]", "must be a JSON object, got list"),
+        (
+            '{"structures": [{"begin": "<a>", "schema": {}}], "triggers": ["<a>"]}',
+            r"structures\[0\] lacks end",
+        ),
+        ('{"structures": [], "triggers": []}', "triggers must be a non-empty list of strings"),
+        ('{"structures": "x", "triggers": ["<a>"]}', "structures must be a list of objects"),
+        ('{"type": "structural_tag", "format": {"type": "bogus"}}', "Format type not recognized: bogus"),
+    ],
+)
+def test_bad_structural_tags_are_refused_with_the_reason(text, message):
+    with pytest.raises(StructuredOutputError, match=message):
+        validate(StructuredOutputsParams(structural_tag=text))
+
+
+def test_structural_tags_naming_tokens_wait_for_the_tokenizer_to_be_checked():
+    """A token named by its text resolves only with a tokenizer: the tokenizer-free check lets it by."""
+    import json
+
+    tag = {"type": "structural_tag", "format": {"type": "token", "token": "<|im_end|>"}}
+    validate(StructuredOutputsParams(structural_tag=json.dumps(tag)))
+
+
 def test_response_format_maps_as_vllm_does():
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     assert structured_outputs_params(None, None) is None
@@ -121,12 +191,27 @@ def test_response_format_maps_as_vllm_does():
     # response_format replaces the body's constraint and keeps its options
     both = structured_outputs_params({"regex": "a", "disable_any_whitespace": True}, {"type": "json_object"})
     assert both == StructuredOutputsParams(json_object=True, disable_any_whitespace=True)
+    for tag in (TAG_FORMAT, TAG_LEGACY):  # the whole response_format as JSON, as vLLM passes it on
+        got = structured_outputs_params(None, tag)
+        assert got is not None and json.loads(got.structural_tag) == tag
 
 
 @pytest.mark.parametrize(
     ("body", "response_format", "param", "message"),
     [
-        (None, {"type": "xml"}, "response_format", "not valid; allowed: text, json_object, json_schema"),
+        (
+            None,
+            {"type": "xml"},
+            "response_format",
+            "not valid; allowed: text, json_object, json_schema, structural_tag",
+        ),
+        (None, {"type": "structural_tag"}, "response_format", "needs 'format'"),
+        (
+            None,
+            {"type": "structural_tag", "structures": [{"begin": "<a>"}], "triggers": ["<a>"]},
+            "response_format",
+            "lacks schema, end",
+        ),
         (None, {"type": "json_schema"}, "response_format", "'json_schema' field must be provided"),
         (
             None,

@@ -1,14 +1,16 @@
 """A request's structured-output constraint, from `response_format` or vLLM's `structured_outputs`.
 
 As vLLM does: `response_format` of type json_schema sets `json` (the schema under
-`json_schema.schema`), json_object sets `json_object`, text sets nothing; the body's
-`structured_outputs` is vLLM's StructuredOutputsParams as a JSON object, and `response_format`
-replaces its constraint when both are given. The constraint is parsed here, so a bad schema, regex or
+`json_schema.schema`), json_object sets `json_object`, structural_tag sets `structural_tag` (the whole
+response_format as JSON, either form: `format`, or the legacy `structures` and `triggers`), text sets
+nothing; the body's `structured_outputs` is vLLM's StructuredOutputsParams as a JSON object, and
+`response_format` replaces its constraint when both are given. The constraint is parsed here, so a bad schema, regex or
 grammar is a 400 naming the field before any work starts.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import fields
 from typing import Any
 
@@ -17,7 +19,7 @@ from kvllm.sampling_params import CONSTRAINT_FIELDS, StructuredOutputsParams
 from kvllm.structured_output.backend_xgrammar import validate
 
 _FIELDS = {f.name for f in fields(StructuredOutputsParams)}
-RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
+RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema", "structural_tag")
 
 
 def response_format_constraint(response_format: dict[str, Any] | None) -> dict[str, Any]:
@@ -47,11 +49,13 @@ def response_format_constraint(response_format: dict[str, Any] | None) -> dict[s
             )
         return {"json": schema}
     if kind == "structural_tag":
-        raise OpenAIError(
-            "response_format type 'structural_tag' is not supported in this version; allowed: "
-            + ", ".join(RESPONSE_FORMAT_TYPES),
-            param="response_format",
-        )
+        if "format" not in response_format and "structures" not in response_format:
+            raise OpenAIError(
+                "response_format type 'structural_tag' needs 'format' (xgrammar's structural tag) or the "
+                "legacy 'structures' and 'triggers'",
+                param="response_format",
+            )
+        return {"structural_tag": json.dumps(response_format)}
     raise OpenAIError(
         f"response_format type {kind!r} is not valid; allowed: {', '.join(RESPONSE_FORMAT_TYPES)}",
         param="response_format",
