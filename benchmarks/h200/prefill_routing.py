@@ -2,9 +2,11 @@
 
 The prefill kernel (`triton_prefill_attention`) is faster than the unified kernel alone on long
 chunks (8 x 2048 causal: 378 against 274 TFLOP/s on the H200) but showed no gain on nano-vllm's mixed
-steps, so it is opt-in (`KVLLM_TRITON_PREFILL_KERNEL`). This measures where it pays off in the engine:
-one engine per setting (the switch is read when piecewise graphs are captured, so a process keeps it),
-settings alternated (1, 0, 1, 0 by default), each timing prefill-only steps of growing length.
+steps. This measures where it pays off in the engine, which sets its default routing
+(`KVLLM_TRITON_PREFILL_KERNEL`: auto, the default, routes long chunks only; 1 forces it from 128-token
+chunks, 0 never): one engine per setting (the switch is read when piecewise graphs are captured, so a
+process keeps it), settings alternated (1, 0, 1, 0 by default), each timing prefill-only steps of
+growing length.
 
     PYTHONPATH=. python3 benchmarks/h200/prefill_routing.py --out DIR            # GPU, about 2 minutes
     PYTHONPATH=. python3 benchmarks/h200/prefill_routing.py --out DIR --model TINY  # CPU smoke run
@@ -12,7 +14,7 @@ settings alternated (1, 0, 1, 0 by default), each timing prefill-only steps of g
 Cases are `BATCHxPROMPT`: BATCH fresh random prompts of PROMPT tokens in one `generate` call with
 max_tokens=1 (one prefill step when they fit the step budget); the time is the median of `--iters`.
 One JSON line per (setting, case) goes to DIR/prefill_routing.jsonl and to stdout; the last lines
-are a table of medians per setting and the prefill kernel's speed-up.
+are a table of medians per setting and each one's speed-up over the unified kernel (setting 0).
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ def run_setting(args: argparse.Namespace) -> int:
         enable_prefix_caching=False,
         enforce_eager=not cuda,
     )
-    setting = os.environ.get("KVLLM_TRITON_PREFILL_KERNEL", "0")
+    setting = os.environ.get("KVLLM_TRITON_PREFILL_KERNEL", "auto")
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
     seed = iter(range(1, 1_000_000))
 
@@ -120,8 +122,8 @@ def main() -> int:
     records: list[dict[str, Any]] = []
     with open(out / "prefill_routing.jsonl", "w") as sink:
         for setting in args.order.split(","):
-            if setting not in ("0", "1"):
-                raise SystemExit(f"--order takes 0 and 1 only, got {setting!r}")
+            if setting not in ("0", "1", "auto"):
+                raise SystemExit(f"--order takes 0, 1 and auto, got {setting!r}")
             command = [sys.executable, __file__, "--setting", "--out", str(out), "--cases", args.cases,
                        "--iters", str(args.iters), "--warmups", str(args.warmups)]  # fmt: skip
             if args.model:
@@ -148,18 +150,23 @@ def main() -> int:
 
 
 def summary(records: list[dict[str, Any]]) -> str:
-    """Per case: the median over runs of each setting, and unified / prefill-kernel (> 1: the kernel wins)."""
-    lines = [f"{'case':>9} {'prefill kernel ms':>18} {'unified ms':>11} {'speed-up':>9}"]
-    cases = list(dict.fromkeys(r["case"] for r in records))
-    for case in cases:
-        by = {
-            s: [r["median_ms"] for r in records if r["case"] == case and r["prefill_kernel"] == s]
-            for s in "10"
-        }
-        if not by["1"] or not by["0"]:
-            continue
-        on, off = statistics.median(by["1"]), statistics.median(by["0"])
-        lines.append(f"{case:>9} {on:>18.3f} {off:>11.3f} {off / on:>8.3f}x")
+    """Per case: the median over runs of each setting, and each one's speed-up over the unified kernel
+    (setting 0; > 1: faster than it)."""
+    settings = list(dict.fromkeys(r["prefill_kernel"] for r in records))
+    lines = [f"{'case':>9} " + " ".join(f"{'ms (' + s + ')':>11} {'x (' + s + ')':>8}" for s in settings)]
+    for case in dict.fromkeys(r["case"] for r in records):
+        medians = {}
+        for s in settings:
+            runs = [r["median_ms"] for r in records if r["case"] == case and r["prefill_kernel"] == s]
+            if runs:
+                medians[s] = statistics.median(runs)
+        cells = []
+        for s in settings:
+            ms = medians.get(s)
+            speed_up = medians["0"] / ms if ms and "0" in medians else None
+            cells.append(f"{ms:>11.3f} " if ms else f"{'-':>11} ")
+            cells[-1] += f"{speed_up:>7.3f}x" if speed_up else f"{'-':>8}"
+        lines.append(f"{case:>9} " + " ".join(cells))
     return "\n".join(lines)
 
 

@@ -52,7 +52,23 @@ def test_flex_split_path_greedy_bf16_matches_hf_fp32(qwen3_small, monkeypatch):
     _judge_greedy_bf16(qwen3_small, "FLEX_ATTENTION", "FLEX_ATTENTION_split")
 
 
-def _judge_greedy_bf16(qwen3_small: str, backend: str, report_name: str) -> None:
+def test_triton_auto_prefill_route_under_piecewise_graphs_matches_hf_fp32(qwen3_small, monkeypatch):
+    """TRITON_ATTN's default (auto) prefill routing with piecewise graphs on: long chunks take the prefill
+    kernel, which reads the step's K/V back from the cache (the runner does not stage them), the rest the
+    unified kernel. The threshold is lowered so these prompts cross it; the prefill kernel must have run."""
+    from kvllm.attention.ops import triton_prefill_config
+    from kvllm.attention.ops import triton_unified_attention as unified_ops
+
+    monkeypatch.delenv("KVLLM_TRITON_PREFILL_KERNEL", raising=False)
+    monkeypatch.setattr(triton_prefill_config, "AUTO_MIN_MEAN_QUERY_LEN", 256)
+    launches = []
+    real = unified_ops.prefill_attention
+    monkeypatch.setattr(unified_ops, "prefill_attention", lambda *a, **k: launches.append(1) or real(*a, **k))
+    _judge_greedy_bf16(qwen3_small, "TRITON_ATTN", "TRITON_ATTN_auto_prefill", enforce_eager=False)
+    assert launches, "no batch took the prefill kernel"
+
+
+def _judge_greedy_bf16(qwen3_small: str, backend: str, report_name: str, enforce_eager: bool = True) -> None:
     why_not = _backend_usable(backend)
     if why_not:
         pytest.skip(why_not)
@@ -64,7 +80,7 @@ def _judge_greedy_bf16(qwen3_small: str, backend: str, report_name: str) -> None
         attention_backend=backend,
         max_num_batched_tokens=512,
         kv_cache_memory_bytes=KV_CACHE_BYTES,
-        enforce_eager=True,
+        enforce_eager=enforce_eager,
     )
     outs = llm.generate(
         [{"prompt_token_ids": p} for p in prompts],

@@ -468,9 +468,10 @@ def test_planned_decode_launch(monkeypatch, plan) -> None:
     assert eager.decode_plan is None and eager.num_splits == builder.num_splits_for(20, 1101)
 
 
-def test_reads_written_kv_only_with_the_prefill_kernel(monkeypatch) -> None:
+def test_reads_written_kv_only_when_the_prefill_kernel_is_forced(monkeypatch) -> None:
     """The unified kernel reads a stored step's K/V from the cache; the prefill kernel reads them from its
-    inputs (new_kv), so the piecewise runner must copy them for it."""
+    inputs (new_kv). The piecewise runner copies them for it only where it is forced (switch at 1, or a
+    PrefillConfig): by default (auto) the few steps that take it gather their K/V back themselves."""
     from kvllm.attention.ops.triton_prefill_config import prefill_kernel_config
 
     monkeypatch.delenv("KVLLM_TRITON_PREFILL_KERNEL", raising=False)
@@ -478,5 +479,52 @@ def test_reads_written_kv_only_with_the_prefill_kernel(monkeypatch) -> None:
     assert not impl.reads_written_kv()
     impl.prefill_config = prefill_kernel_config(64, 2, torch.float16, 16)
     assert impl.reads_written_kv()
-    monkeypatch.setenv("KVLLM_TRITON_PREFILL_KERNEL", "1")
-    assert TritonAttentionImpl(4, 64, 0.125, 2).reads_written_kv()
+    for switch, forced in (("1", True), ("0", False), ("auto", False)):
+        monkeypatch.setenv("KVLLM_TRITON_PREFILL_KERNEL", switch)
+        assert TritonAttentionImpl(4, 64, 0.125, 2).reads_written_kv() == forced
+
+
+@pytest.mark.parametrize(("query_lens", "takes_prefill_kernel"), [([1, 30, 40], True), ([1, 10, 12], False)])
+def test_auto_route_reads_the_step_kv_back_when_the_runner_left_it_unstaged(
+    monkeypatch, query_lens, takes_prefill_kernel
+) -> None:
+    """Default (auto) routing, the layer having stored its K/V (kv_written) and the key/value arguments
+    holding garbage, as the piecewise runner leaves them when it does not copy: a batch of long chunks takes
+    the prefill kernel on K/V read back from the cache, shorter ones the unified kernel, and both match the
+    float32 reference."""
+    from kvllm.attention.ops import triton_prefill_attention as prefill_ops
+    from kvllm.attention.ops import triton_prefill_config
+    from kvllm.attention.ops import triton_unified_attention as unified_ops
+    from kvllm.attention.ops.triton_prefill_config import PrefillConfig
+    from kvllm.attention.ops.triton_reshape_and_cache import reshape_and_cache
+
+    monkeypatch.delenv("KVLLM_TRITON_PREFILL_KERNEL", raising=False)
+    monkeypatch.setattr(triton_prefill_config, "AUTO_MIN_MEAN_QUERY_LEN", 24)  # small, for the interpreter
+    monkeypatch.setattr(
+        unified_ops, "prefill_kernel_config", lambda *a: PrefillConfig(32, 16, 4, 1, new_kv=True)
+    )
+    step_keys = []
+    real = prefill_ops.prefill_attention
+    monkeypatch.setattr(
+        unified_ops, "prefill_attention", lambda *a, **k: step_keys.append(k["key"]) or real(*a, **k)
+    )
+    num_heads, num_kv_heads, head_size, block_size = 4, 2, 64, 16
+    spec = KVCacheSpec(block_size, num_kv_heads, head_size, torch.float16, "auto")
+    builder = TritonAttentionMetadataBuilder(TritonAttentionBackend, spec, torch.device("cpu"), 8, 128, 256)
+    impl = TritonAttentionImpl(num_heads, head_size, head_size**-0.5, num_kv_heads)
+    batch = make_paged_batch(query_lens, [7, 20, 0], num_heads, num_kv_heads, head_size, block_size,
+                             dtype=torch.float16, seed=11)  # fmt: skip
+    md = builder.build(batch.metadata)
+    kv_cache = torch.zeros(2, batch.num_blocks, block_size, num_kv_heads, head_size, dtype=torch.float16)
+    batch.fill_cache(kv_cache[0], kv_cache[1])
+    one = torch.tensor(1.0)
+    reshape_and_cache(batch.new_keys, batch.new_values, kv_cache[0], kv_cache[1], md.slot_mapping, one, one)
+    garbage = torch.full_like(batch.new_keys, float("nan"))
+    layer = types.SimpleNamespace(k_scale=one, v_scale=one)
+    out = torch.full_like(batch.query, float("nan"))
+    impl.forward(layer, batch.query, garbage, garbage.clone(), kv_cache, md, output=out, kv_written=True)
+    ref = batch.reference(head_size**-0.5)
+    assert ((out.float() - ref).norm() / ref.norm()).item() < TOLERANCE[torch.float16][0]
+    assert len(step_keys) == int(takes_prefill_kernel)
+    if takes_prefill_kernel:
+        assert torch.equal(step_keys[0], batch.new_keys)  # read back from the cache, token by token

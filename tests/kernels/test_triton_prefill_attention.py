@@ -210,22 +210,25 @@ def test_bad_config_is_an_error() -> None:
 
 
 @pytest.mark.parametrize(
-    "query_lens,enabled,expect_prefill_kernel",
+    "query_lens,switch,expect_prefill_kernel",
     [
         ([1, 200, 150], "1", True),
         ([1, 20, 30], "1", False),
         ([1, 200, 150], "0", False),
-        ([1, 200, 150], None, False),
+        ([1, 200, 150], None, False),  # auto: below AUTO_MIN_MEAN_QUERY_LEN (patched to 180 here)
+        ([1, 200, 220], None, True),
+        ([1, 200, 220], "0", False),
     ],
 )
-def test_kernel_choice(monkeypatch, query_lens, enabled, expect_prefill_kernel) -> None:
-    """With no override and KVLLM_TRITON_PREFILL_KERNEL=1, prefills averaging MIN_MEAN_QUERY_LEN+
-    tokens take the prefill kernel; with the switch at 0 or unset (the default: end to end it was not
-    faster on the H200) they keep the unified kernel."""
-    if enabled is None:
+def test_kernel_choice(monkeypatch, query_lens, switch, expect_prefill_kernel) -> None:
+    """With no override: the switch at 1 sends prefills averaging MIN_MEAN_QUERY_LEN+ tokens to the prefill
+    kernel; unset (auto) only those averaging AUTO_MIN_MEAN_QUERY_LEN+ (shorter steps were slower with it
+    end to end on an H100); at 0 none. Every choice matches the float32 reference."""
+    if switch is None:
         monkeypatch.delenv("KVLLM_TRITON_PREFILL_KERNEL", raising=False)
     else:
-        monkeypatch.setenv("KVLLM_TRITON_PREFILL_KERNEL", enabled)
+        monkeypatch.setenv("KVLLM_TRITON_PREFILL_KERNEL", switch)
+    monkeypatch.setattr(prefill_cfgs, "AUTO_MIN_MEAN_QUERY_LEN", 180)  # small, for the interpreter
     calls = []
     real = prefill_ops.prefill_attention
     monkeypatch.setattr(
@@ -239,16 +242,27 @@ def test_kernel_choice(monkeypatch, query_lens, enabled, expect_prefill_kernel) 
     check(case, torch.float32)
 
 
-def test_kernel_switch_is_opt_in_and_rejects_other_values(monkeypatch) -> None:
-    from kvllm.attention.ops.triton_prefill_config import prefill_kernel_enabled
-
+def test_kernel_switch_defaults_to_auto_and_rejects_other_values(monkeypatch) -> None:
     monkeypatch.delenv("KVLLM_TRITON_PREFILL_KERNEL", raising=False)
-    assert not prefill_kernel_enabled()
-    monkeypatch.setenv("KVLLM_TRITON_PREFILL_KERNEL", "1")
-    assert prefill_kernel_enabled()
+    assert prefill_cfgs.prefill_kernel_mode() == "auto"
+    for switch, mode in (("auto", "auto"), ("1", "on"), ("0", "off")):
+        monkeypatch.setenv("KVLLM_TRITON_PREFILL_KERNEL", switch)
+        assert prefill_cfgs.prefill_kernel_mode() == mode
     monkeypatch.setenv("KVLLM_TRITON_PREFILL_KERNEL", "yes")
-    with pytest.raises(ValueError, match="allowed 0 .off. or 1 .on."):
-        prefill_kernel_enabled()
+    with pytest.raises(ValueError, match="allowed auto .long chunks only, the default., 1 .on. or 0 .off."):
+        prefill_cfgs.prefill_kernel_mode()
+
+
+def test_routing_thresholds(monkeypatch) -> None:
+    monkeypatch.delenv("KVLLM_TRITON_PREFILL_KERNEL", raising=False)
+    auto = prefill_cfgs.AUTO_MIN_MEAN_QUERY_LEN
+    assert prefill_cfgs.routes_to_prefill_kernel(2 * auto, 2)
+    assert not prefill_cfgs.routes_to_prefill_kernel(2 * auto - 1, 2)
+    assert not prefill_cfgs.routes_to_prefill_kernel(0, 0)
+    monkeypatch.setenv("KVLLM_TRITON_PREFILL_KERNEL", "1")
+    assert prefill_cfgs.routes_to_prefill_kernel(2 * prefill_cfgs.MIN_MEAN_QUERY_LEN, 2)
+    monkeypatch.setenv("KVLLM_TRITON_PREFILL_KERNEL", "0")
+    assert not prefill_cfgs.routes_to_prefill_kernel(100 * auto, 1)
 
 
 def test_sweep_tiny_runs(tmp_path, monkeypatch) -> None:

@@ -22,16 +22,17 @@ def test_parse_case(routing):
     assert routing.parse_case("1X512") == (1, 512)
 
 
-def test_summary_takes_the_median_of_each_setting_and_the_speed_up(routing):
+def test_summary_takes_the_median_of_each_setting_and_the_speed_up_over_the_unified_kernel(routing):
     records = [
         {"prefill_kernel": "1", "case": "8x2048", "median_ms": 10.0},
         {"prefill_kernel": "0", "case": "8x2048", "median_ms": 15.0},
         {"prefill_kernel": "1", "case": "8x2048", "median_ms": 12.0},
         {"prefill_kernel": "0", "case": "8x2048", "median_ms": 13.0},
-        {"prefill_kernel": "1", "case": "1x512", "median_ms": 4.0},  # no unified run: left out
+        {"prefill_kernel": "1", "case": "1x512", "median_ms": 4.0},  # no unified run: no speed-up
     ]
     lines = routing.summary(records).splitlines()
-    assert len(lines) == 2
-    case, on, off, speed_up = lines[1].split()
+    assert len(lines) == 3
+    case, on, on_x, off, off_x = lines[1].split()
     assert (case, float(on), float(off)) == ("8x2048", 11.0, 14.0)
-    assert speed_up == f"{14.0 / 11.0:.3f}x"
+    assert (on_x, off_x) == (f"{14.0 / 11.0:.3f}x", "1.000x")
+    assert lines[2].split() == ["1x512", "4.000", "-", "-", "-"]

@@ -11,7 +11,11 @@ import torch
 
 from kvllm.attention.impl import AttentionImpl, AttentionLayer, AttentionMetadataBuilder
 from kvllm.attention.metadata import CommonAttentionMetadata
-from kvllm.attention.ops.triton_prefill_config import PrefillConfig, prefill_kernel_enabled
+from kvllm.attention.ops.triton_prefill_config import (
+    PrefillConfig,
+    prefill_kernel_mode,
+    routes_to_prefill_kernel,
+)
 from kvllm.attention.ops.triton_reshape_and_cache import reshape_and_cache
 from kvllm.attention.ops.triton_unified_attention import (
     MAX_SEGMENTS,
@@ -20,6 +24,18 @@ from kvllm.attention.ops.triton_unified_attention import (
     unified_attention,
 )
 from kvllm.utils.dtypes import FP8_DTYPES, FP8_TORCH_DTYPES
+
+
+def gather_step_kv(
+    key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's K/V rows, [tokens, kv_heads, head_size] in token order, read back from their slots of
+    the paged cache ([blocks, block_size, kv_heads, head_size]; any strides). Padding rows (slot -1)
+    read slot 0: the kernels never read those rows."""
+    slots = slot_mapping.long().clamp(min=0)
+    blocks, offsets = slots // key_cache.shape[1], slots % key_cache.shape[1]
+    return key_cache[blocks, offsets], value_cache[blocks, offsets]
+
 
 MIN_SPLIT_TOKENS = 256  # a split-KV segment below this many keys costs more in the reduce than it saves
 # The order in which an unsplit decode launch starts its requests' programs (KVLLM_TRITON_DECODE_ORDER):
@@ -304,8 +320,32 @@ class TritonAttentionImpl(AttentionImpl):
 
     def reads_written_kv(self) -> bool:
         # Only the prefill kernel reads the step's K/V from the inputs (PrefillConfig.new_kv); the unified
-        # kernel reads the cache. Tests and benchmarks that pass a PrefillConfig call forward directly.
-        return prefill_kernel_enabled() or isinstance(self.prefill_config, PrefillConfig)
+        # kernel reads the cache. By default (auto) few steps take the prefill kernel, so the piecewise
+        # runner is not asked to copy every step's K/V: those steps gather theirs back from the cache
+        # (`forward`). Tests and benchmarks that pass a PrefillConfig call forward directly.
+        return prefill_kernel_mode() == "on" or isinstance(self.prefill_config, PrefillConfig)
+
+    def _step_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        md: TritonAttentionMetadata,
+        kv_written: bool,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The step's K/V for the prefill kernel: `key`/`value` when they hold it; when the layer stored
+        them and the piecewise runner may have left these arguments unstaged (`reads_written_kv` False),
+        gathered back from the cache if the batch takes the prefill kernel, else None (never read)."""
+        if not kv_written or self.reads_written_kv():
+            return key, value
+        num_prefill_reqs = md.num_reqs - md.num_decode_reqs
+        takes_prefill_kernel = self.prefill_config is None and routes_to_prefill_kernel(
+            md.num_actual_tokens - md.num_decode_reqs, num_prefill_reqs
+        )
+        if not takes_prefill_kernel or key_cache.dtype in FP8_DTYPES:  # fp8: the kernel reads the cache
+            return None, None
+        return gather_step_kv(key_cache, value_cache, md.slot_mapping)
 
     def _planned_config(self, md: TritonAttentionMetadata, dtype: torch.dtype) -> KernelConfig | None:
         if md.decode_plan is None or md.num_decode_reqs == 0:
@@ -345,6 +385,7 @@ class TritonAttentionImpl(AttentionImpl):
         out = (
             output if output is not None else torch.empty(query.shape, dtype=query.dtype, device=query.device)
         )
+        key, value = self._step_kv(key, value, key_cache, value_cache, md, kv_written)
         return unified_attention(
             out, query, key_cache, value_cache, md.query_start_loc, md.seq_lens, md.block_table,
             num_reqs=md.num_reqs,

@@ -17,24 +17,40 @@ except ImportError:  # pragma: no cover - older triton
     TensorDescriptor = None
 
 KV_LOADS = ("gather", "page", "tma")
-# Batches whose prefill requests average at least this many query tokens take this kernel; shorter
-# chunks keep the unified kernel's GQA-packed rows (fewer wasted rows per program).
+PREFILL_KERNEL_MODES = {"auto": "auto", "1": "on", "0": "off"}  # KVLLM_TRITON_PREFILL_KERNEL -> mode
+# With the switch on, batches whose prefill requests average at least this many query tokens take this
+# kernel; shorter chunks keep the unified kernel's GQA-packed rows (fewer wasted rows per program).
 MIN_MEAN_QUERY_LEN = 128
+# By default (auto) only chunks this long do. Measured end to end on an H100 (Qwen3-0.6B shapes, time to
+# first token, kernel on / off / on / off, benchmarks/h200/prefill_routing.py, docs/benchmarks.md, twenty-
+# second session): one prompt of 4,096 tokens 16.7 against 20.4 ms, of 16,384 96.7 against 128.7 ms; 8 x
+# 2,048 50.9 against 52.5 (the kernel alone: 375 against 273 TFLOP/s); but one prompt of 1,024 tokens 10.7
+# against 7.8 ms and 32 x 512 49.5 against 46.9. Short steps are host-bound, and this kernel's launch
+# costs the host more than the unified kernel's.
+AUTO_MIN_MEAN_QUERY_LEN = 4096
 
 
-def prefill_kernel_enabled() -> bool:
-    """Whether batches route to this kernel on their own: opt-in, KVLLM_TRITON_PREFILL_KERNEL=1.
-    Its GPU tests (tests/gpu/test_triton_prefill_gpu.py) pass on the H200 (26 of 26, 2026-12-02), and
-    alone it is faster than the unified kernel (378 against 274 TFLOP/s on 8 x 2048 causal), but end to
-    end it has not shown a gain: in one H200 lease nano-vllm's mixed prefill steps took 0.58 s with it
-    and 0.48 s without (22,988 against 23,432 output tok/s), a 1k-token TTFT 7.6 against 7.0 ms; its
-    run came first, while that machine's host CPU was still slow (docs/benchmarks.md, ninth session),
-    so the comparison is not clean, and the unified kernel stays the default until one is. A
-    PrefillConfig passed to `unified_attention` (benchmarks, tests) always takes it."""
-    switch = os.environ.get("KVLLM_TRITON_PREFILL_KERNEL", "0")
-    if switch not in ("0", "1"):
-        raise ValueError(f"KVLLM_TRITON_PREFILL_KERNEL={switch!r}: allowed 0 (off) or 1 (on)")
-    return switch == "1"
+def prefill_kernel_mode() -> str:
+    """How batches route to this kernel on their own (KVLLM_TRITON_PREFILL_KERNEL): "auto" (the default:
+    chunks averaging AUTO_MIN_MEAN_QUERY_LEN query tokens), "on" (1: MIN_MEAN_QUERY_LEN) or "off" (0).
+    A PrefillConfig passed to `unified_attention` (benchmarks, tests) always takes it."""
+    switch = os.environ.get("KVLLM_TRITON_PREFILL_KERNEL", "auto")
+    if switch not in PREFILL_KERNEL_MODES:
+        raise ValueError(
+            f"KVLLM_TRITON_PREFILL_KERNEL={switch!r}: allowed auto (long chunks only, the default), 1 (on) "
+            "or 0 (off)"
+        )
+    return PREFILL_KERNEL_MODES[switch]
+
+
+def routes_to_prefill_kernel(num_prefill_tokens: int, num_prefill_reqs: int) -> bool:
+    """Whether a batch's prefill requests (`num_prefill_tokens` query tokens, an upper bound, over
+    `num_prefill_reqs` requests) take this kernel on their own, by `prefill_kernel_mode`."""
+    mode = prefill_kernel_mode()
+    if mode == "off" or num_prefill_reqs <= 0:
+        return False
+    threshold = MIN_MEAN_QUERY_LEN if mode == "on" else AUTO_MIN_MEAN_QUERY_LEN
+    return num_prefill_tokens >= threshold * num_prefill_reqs
 
 
 @dataclass(frozen=True)
@@ -79,9 +95,10 @@ class PrefillConfig:
 def prefill_kernel_config(
     head_size: int, queries_per_kv: int, dtype: torch.dtype, block_size: int
 ) -> PrefillConfig:
-    """The config table. Not yet chosen by timing: the first H200 run of
-    `benchmarks/h200/prefill_sweep.py` compiled every candidate but timed none (time budget), so
-    this is the design choice, to be replaced by the sweep's fastest per case.
+    """The config table. Timed by `benchmarks/h200/prefill_sweep.py` (H200, ninth session; H100,
+    twenty-second): within 3-6% of the fastest candidate on 8 x 2,048 causal (375 against 401 TFLOP/s
+    for the GQA-packed variant on the H100) and the fastest on one 8,192-token chunk (521 against 496),
+    the long chunks that the default routing sends here.
 
     16-bit, head size <= 128: 128 x 64 tiles, 8 warps (two warpgroups of 64 rows), 3 stages, the
     step's own K/V read as rows (TMA), the prefix from the cache (TMA inside 64+-token pages).

@@ -25,10 +25,9 @@ import triton.language as tl
 
 from kvllm.attention.ops.triton_prefill_attention import prefill_attention
 from kvllm.attention.ops.triton_prefill_config import (
-    MIN_MEAN_QUERY_LEN,
     PrefillConfig,
     prefill_kernel_config,
-    prefill_kernel_enabled,
+    routes_to_prefill_kernel,
 )
 from kvllm.utils.dtypes import FP8_DTYPES
 from kvllm.utils.pdl import pdl_enabled, pdl_launch_options, wait_for_previous_kernel
@@ -541,8 +540,8 @@ def unified_attention(
     uniform speculative-decoding batch of k + 1 tokens per request uses; padding requests have 0),
     the prefill launch an upper bound of q-blocks with early exits.
     The prefill requests go to the prefill kernel (`triton_prefill_attention`) when `prefill_cfg` is a
-    PrefillConfig, or when it is None and they average MIN_MEAN_QUERY_LEN query tokens or more;
-    else to this module's kernel (a KernelConfig, or `prefill_config`'s).
+    PrefillConfig, or when it is None and `routes_to_prefill_kernel` says so (long chunks); else to this
+    module's kernel (a KernelConfig, or `prefill_config`'s).
     """
     num_heads, head_size = query.shape[1], query.shape[2]
     _, block_size, num_kv_heads, cache_head_size = key_cache.shape
@@ -653,8 +652,7 @@ def unified_attention(
         # Tokens of the prefill requests are at most num_tokens - the decodes' (>= num_decode_reqs).
         num_prefill_tokens = num_tokens - num_decode_reqs
         num_prefill_reqs = num_reqs - num_decode_reqs
-        long = num_prefill_tokens >= MIN_MEAN_QUERY_LEN * num_prefill_reqs
-        if prefill_cfg is None and long and prefill_kernel_enabled():
+        if prefill_cfg is None and routes_to_prefill_kernel(num_prefill_tokens, num_prefill_reqs):
             prefill_cfg = prefill_kernel_config(head_size, g, query.dtype, block_size)
         if isinstance(prefill_cfg, PrefillConfig):
             prefill_attention(
