@@ -492,6 +492,7 @@ def test_auto_route_reads_the_step_kv_back_when_the_runner_left_it_unstaged(
     holding garbage, as the piecewise runner leaves them when it does not copy: a batch of long chunks takes
     the prefill kernel on K/V read back from the cache, shorter ones the unified kernel, and both match the
     float32 reference."""
+    from kvllm.attention.backends import triton_attn_impl
     from kvllm.attention.ops import triton_prefill_attention as prefill_ops
     from kvllm.attention.ops import triton_prefill_config
     from kvllm.attention.ops import triton_unified_attention as unified_ops
@@ -500,14 +501,11 @@ def test_auto_route_reads_the_step_kv_back_when_the_runner_left_it_unstaged(
 
     monkeypatch.delenv("KVLLM_TRITON_PREFILL_KERNEL", raising=False)
     monkeypatch.setattr(triton_prefill_config, "AUTO_MIN_MEAN_QUERY_LEN", 24)  # small, for the interpreter
-    monkeypatch.setattr(
-        unified_ops, "prefill_kernel_config", lambda *a: PrefillConfig(32, 16, 4, 1, new_kv=True)
-    )
-    step_keys = []
+    small = PrefillConfig(32, 16, 4, 1, new_kv=True)  # small tiles: fast in the interpreter
+    monkeypatch.setattr(triton_attn_impl, "prefill_kernel_config", lambda *a: small)
+    launches = []
     real = prefill_ops.prefill_attention
-    monkeypatch.setattr(
-        unified_ops, "prefill_attention", lambda *a, **k: step_keys.append(k["key"]) or real(*a, **k)
-    )
+    monkeypatch.setattr(unified_ops, "prefill_attention", lambda *a, **k: launches.append(k) or real(*a, **k))
     num_heads, num_kv_heads, head_size, block_size = 4, 2, 64, 16
     spec = KVCacheSpec(block_size, num_kv_heads, head_size, torch.float16, "auto")
     builder = TritonAttentionMetadataBuilder(TritonAttentionBackend, spec, torch.device("cpu"), 8, 128, 256)
@@ -525,6 +523,6 @@ def test_auto_route_reads_the_step_kv_back_when_the_runner_left_it_unstaged(
     impl.forward(layer, batch.query, garbage, garbage.clone(), kv_cache, md, output=out, kv_written=True)
     ref = batch.reference(head_size**-0.5)
     assert ((out.float() - ref).norm() / ref.norm()).item() < TOLERANCE[torch.float16][0]
-    assert len(step_keys) == int(takes_prefill_kernel)
+    assert [k["cfg"] for k in launches] == ([small] if takes_prefill_kernel else [])
     if takes_prefill_kernel:
-        assert torch.equal(step_keys[0], batch.new_keys)  # read back from the cache, token by token
+        assert torch.equal(launches[0]["key"], batch.new_keys)  # read back from the cache, token by token

@@ -13,6 +13,7 @@ from kvllm.attention.impl import AttentionImpl, AttentionLayer, AttentionMetadat
 from kvllm.attention.metadata import CommonAttentionMetadata
 from kvllm.attention.ops.triton_prefill_config import (
     PrefillConfig,
+    prefill_kernel_config,
     prefill_kernel_mode,
     routes_to_prefill_kernel,
 )
@@ -21,6 +22,7 @@ from kvllm.attention.ops.triton_unified_attention import (
     MAX_SEGMENTS,
     KernelConfig,
     decode_config,
+    prefill_config,
     unified_attention,
 )
 from kvllm.utils.dtypes import FP8_DTYPES, FP8_TORCH_DTYPES
@@ -313,7 +315,9 @@ class TritonAttentionImpl(AttentionImpl):
             self.logits_soft_cap = None
         self.fp8_dtype = FP8_TORCH_DTYPES.get(self.kv_cache_dtype)
         self.decode_config: KernelConfig | None = None
-        self.prefill_config: KernelConfig | None = None
+        self.prefill_config: KernelConfig | PrefillConfig | None = None  # None: routed per step
+        self.prefill_mode = prefill_kernel_mode()  # read once: the piecewise runner's copies follow it
+        self._prefill_configs: dict[tuple[bool, torch.dtype, int], KernelConfig | PrefillConfig] = {}
 
     def kv_cache_views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return kv_cache[0], kv_cache[1]
@@ -322,10 +326,10 @@ class TritonAttentionImpl(AttentionImpl):
         # Only the prefill kernel reads the step's K/V from the inputs (PrefillConfig.new_kv); the unified
         # kernel reads the cache. By default (auto) few steps take the prefill kernel, so the piecewise
         # runner is not asked to copy every step's K/V: those steps gather theirs back from the cache
-        # (`forward`). Tests and benchmarks that pass a PrefillConfig call forward directly.
-        return prefill_kernel_mode() == "on" or isinstance(self.prefill_config, PrefillConfig)
+        # (`_prefill_launch`). Tests and benchmarks that pass a PrefillConfig call forward directly.
+        return self.prefill_mode == "on" or isinstance(self.prefill_config, PrefillConfig)
 
-    def _step_kv(
+    def _prefill_launch(
         self,
         key: torch.Tensor,
         value: torch.Tensor,
@@ -333,19 +337,39 @@ class TritonAttentionImpl(AttentionImpl):
         value_cache: torch.Tensor,
         md: TritonAttentionMetadata,
         kv_written: bool,
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The step's K/V for the prefill kernel: `key`/`value` when they hold it; when the layer stored
-        them and the piecewise runner may have left these arguments unstaged (`reads_written_kv` False),
-        gathered back from the cache if the batch takes the prefill kernel, else None (never read)."""
-        if not kv_written or self.reads_written_kv():
-            return key, value
+        dtype: torch.dtype,
+    ) -> tuple[KernelConfig | PrefillConfig | None, torch.Tensor | None, torch.Tensor | None]:
+        """The prefill requests' launch config, decided here once (the prefill kernel's for long chunks, by
+        `prefill_mode`; else the unified kernel's), and the step's K/V for the prefill kernel: `key`/`value`
+        when they hold it; when the layer stored them and the piecewise runner may have left these
+        arguments unstaged (`reads_written_kv` False), read back from the cache, or None (never read)."""
+        cfg = self.prefill_config
         num_prefill_reqs = md.num_reqs - md.num_decode_reqs
-        takes_prefill_kernel = self.prefill_config is None and routes_to_prefill_kernel(
-            md.num_actual_tokens - md.num_decode_reqs, num_prefill_reqs
-        )
-        if not takes_prefill_kernel or key_cache.dtype in FP8_DTYPES:  # fp8: the kernel reads the cache
-            return None, None
-        return gather_step_kv(key_cache, value_cache, md.slot_mapping)
+        if cfg is None and num_prefill_reqs > 0:
+            routed = routes_to_prefill_kernel(
+                md.num_actual_tokens - md.num_decode_reqs, num_prefill_reqs, self.prefill_mode
+            )
+            cfg = self._default_prefill_config(routed, dtype, key_cache.shape[1])
+        staged = not kv_written or self.reads_written_kv()
+        if staged:
+            return cfg, key, value
+        if not isinstance(cfg, PrefillConfig) or key_cache.dtype in FP8_DTYPES:  # fp8: it reads the cache
+            return cfg, None, None
+        return cfg, *gather_step_kv(key_cache, value_cache, md.slot_mapping)
+
+    def _default_prefill_config(
+        self, routed: bool, dtype: torch.dtype, block_size: int
+    ) -> KernelConfig | PrefillConfig:
+        cache_key = (routed, dtype, block_size)
+        cfg = self._prefill_configs.get(cache_key)
+        if cfg is None:
+            queries_per_kv = self.num_heads // self.num_kv_heads
+            if routed:
+                cfg = prefill_kernel_config(self.head_size, queries_per_kv, dtype, block_size)
+            else:
+                cfg = prefill_config(self.head_size, queries_per_kv, dtype)
+            self._prefill_configs[cache_key] = cfg
+        return cfg
 
     def _planned_config(self, md: TritonAttentionMetadata, dtype: torch.dtype) -> KernelConfig | None:
         if md.decode_plan is None or md.num_decode_reqs == 0:
@@ -385,7 +409,9 @@ class TritonAttentionImpl(AttentionImpl):
         out = (
             output if output is not None else torch.empty(query.shape, dtype=query.dtype, device=query.device)
         )
-        key, value = self._step_kv(key, value, key_cache, value_cache, md, kv_written)
+        prefill_cfg, key, value = self._prefill_launch(
+            key, value, key_cache, value_cache, md, kv_written, query.dtype
+        )
         return unified_attention(
             out, query, key_cache, value_cache, md.query_start_loc, md.seq_lens, md.block_table,
             num_reqs=md.num_reqs,
@@ -401,7 +427,7 @@ class TritonAttentionImpl(AttentionImpl):
             decode_order=md.decode_order,
             decode_query_len=md.decode_query_len,
             decode_cfg=self.decode_config or self._planned_config(md, query.dtype),
-            prefill_cfg=self.prefill_config,
+            prefill_cfg=prefill_cfg,
             key=key,
             value=value,
         )  # fmt: skip

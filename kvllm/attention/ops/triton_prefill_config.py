@@ -43,10 +43,10 @@ def prefill_kernel_mode() -> str:
     return PREFILL_KERNEL_MODES[switch]
 
 
-def routes_to_prefill_kernel(num_prefill_tokens: int, num_prefill_reqs: int) -> bool:
+def routes_to_prefill_kernel(num_prefill_tokens: int, num_prefill_reqs: int, mode: str | None = None) -> bool:
     """Whether a batch's prefill requests (`num_prefill_tokens` query tokens, an upper bound, over
-    `num_prefill_reqs` requests) take this kernel on their own, by `prefill_kernel_mode`."""
-    mode = prefill_kernel_mode()
+    `num_prefill_reqs` requests) take this kernel on their own, by `mode` (default: `prefill_kernel_mode`)."""
+    mode = mode or prefill_kernel_mode()
     if mode == "off" or num_prefill_reqs <= 0:
         return False
     threshold = MIN_MEAN_QUERY_LEN if mode == "on" else AUTO_MIN_MEAN_QUERY_LEN
