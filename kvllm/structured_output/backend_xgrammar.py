@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -131,9 +130,7 @@ def validate(params: StructuredOutputsParams) -> None:
         elif kind == "grammar":
             xgr.Grammar.from_ebnf(arg)
         else:
-            with warnings.catch_warnings():  # the legacy form's call is deprecated in xgrammar
-                warnings.simplefilter("ignore", DeprecationWarning)
-                xgr.Grammar.from_structural_tag(*arg)
+            xgr.Grammar.from_structural_tag(*arg)
     except StructuredOutputError:
         raise
     except Exception as exc:
@@ -163,9 +160,7 @@ class XgrammarBackend:
             if kind == "regex":
                 return self.compiler.compile_regex(arg)
             if kind == "structural_tag":
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore", DeprecationWarning)
-                    return self.compiler.compile_structural_tag(*arg)
+                return self.compiler.compile_structural_tag(*arg)
             return self.compiler.compile_grammar(arg)
         except Exception as exc:
             raise StructuredOutputError(

@@ -4,8 +4,8 @@ As vLLM does: `response_format` of type json_schema sets `json` (the schema unde
 `json_schema.schema`), json_object sets `json_object`, structural_tag sets `structural_tag` (the whole
 response_format as JSON, either form: `format`, or the legacy `structures` and `triggers`), text sets
 nothing; the body's `structured_outputs` is vLLM's StructuredOutputsParams as a JSON object, and
-`response_format` replaces its constraint when both are given. The constraint is parsed here, so a bad schema, regex or
-grammar is a 400 naming the field before any work starts.
+`response_format` replaces its constraint when both are given. The constraint is parsed here, so a bad
+schema, regex, grammar or tag is a 400 naming the field before any work starts.
 """
 
 from __future__ import annotations
