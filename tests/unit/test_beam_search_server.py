@@ -10,8 +10,13 @@ from fastapi.testclient import TestClient
 
 from kvllm import LLM, BeamSearchParams
 from kvllm.engine.llm_engine import LLMEngine
-from kvllm.entrypoints.openai.server import build_app
-from tests.unit.test_openai_server import assert_engine_idle, assert_openai_error, post, tiny_engine
+from tests.unit.test_openai_server import (
+    assert_engine_idle,
+    assert_openai_error,
+    post,
+    tiny_client,
+    tiny_engine,
+)
 
 MAX_MODEL_LEN = 128
 PROMPT = [17, 101, 230, 58, 9]
@@ -24,8 +29,7 @@ def engine(tiny_qwen3_path) -> LLMEngine:
 
 @pytest.fixture(scope="module")
 def client(engine) -> Iterator[TestClient]:
-    app = build_app(engine=engine, served_model_name="tiny", api_key="sk-unit", log_stats_interval=0)
-    with TestClient(app) as c:
+    with tiny_client(engine) as c:
         yield c
 
 

@@ -10,9 +10,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from kvllm.engine.llm_engine import LLMEngine
-from kvllm.entrypoints.openai.server import build_app
 from kvllm.sampling_params import SamplingParams
-from tests.unit.test_openai_server import assert_openai_error, post, tiny_engine
+from tests.unit.test_openai_server import assert_openai_error, post, tiny_client, tiny_engine
 
 MAX_MODEL_LEN = 128
 
@@ -59,8 +58,7 @@ def test_bad_salt_is_refused(tiny_qwen3_path, salt) -> None:
 
 @pytest.fixture(scope="module")
 def client(engine) -> Iterator[TestClient]:
-    app = build_app(engine=engine, served_model_name="tiny", api_key="sk-unit", log_stats_interval=0)
-    with TestClient(app) as c:
+    with tiny_client(engine) as c:
         yield c
 
 

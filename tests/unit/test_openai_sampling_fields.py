@@ -10,15 +10,14 @@ from fastapi.testclient import TestClient
 
 from kvllm.engine.input_processor import bad_words_token_ids
 from kvllm.engine.llm_engine import LLMEngine
-from kvllm.entrypoints.openai.server import build_app
 from tests.unit.attention_fixtures import kvllm_logs  # noqa: F401
 from tests.unit.test_openai_server import (
-    API_KEY,
     AUTH,
     assert_engine_idle,
     assert_openai_error,
     post,
     sse_events,
+    tiny_client,
     tiny_engine,
 )
 
@@ -33,8 +32,7 @@ def engine(tiny_qwen3_path) -> LLMEngine:
 
 @pytest.fixture(scope="module")
 def client(engine) -> Iterator[TestClient]:
-    app = build_app(engine=engine, served_model_name="tiny", api_key=API_KEY, log_stats_interval=0)
-    with TestClient(app) as c:
+    with tiny_client(engine) as c:
         yield c
 
 

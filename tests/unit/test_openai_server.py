@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterator
 
@@ -30,10 +31,17 @@ def engine(tiny_qwen3_path) -> LLMEngine:
     return tiny_engine(tiny_qwen3_path)
 
 
-@pytest.fixture(scope="module")
-def client(engine) -> Iterator[TestClient]:
+@contextlib.contextmanager
+def tiny_client(engine: LLMEngine) -> Iterator[TestClient]:
+    """The server over `engine` (model "tiny", key API_KEY, no stats log), started and stopped around it."""
     app = build_app(engine=engine, served_model_name="tiny", api_key=API_KEY, log_stats_interval=0)
     with TestClient(app) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def client(engine) -> Iterator[TestClient]:
+    with tiny_client(engine) as c:
         yield c
 
 

@@ -19,6 +19,7 @@ from tests.unit.test_openai_server import (
     assert_openai_error,
     post,
     sse_events,
+    tiny_client,
     tiny_engine,
 )
 
@@ -32,8 +33,7 @@ def engine(tiny_qwen3_path) -> LLMEngine:
 
 @pytest.fixture(scope="module")
 def client(engine) -> Iterator[TestClient]:
-    app = build_app(engine=engine, served_model_name="tiny", api_key="sk-unit", log_stats_interval=0)
-    with TestClient(app) as c:
+    with tiny_client(engine) as c:
         yield c
 
 
