@@ -32,9 +32,8 @@ class KVBlock:
     block_hash: int | None = None
     token_ids: tuple[int, ...] | None = None  # the tokens a cached block holds, for the hit check
     cache_salt: str | None = None  # the salt of the request that computed it, for the hit check
-    parent: tuple[int, int] | None = (
-        None  # (block id, its generation) it was computed after, for the hit check
-    )
+    # The block it was computed after, as (block id, that block's generation), for the hit check.
+    parent: tuple[int, int] | None = None
     generation: int = 0  # bumped whenever the block's content is dropped (evicted, reused, reset)
 
 
@@ -185,9 +184,8 @@ class KVCacheManager:
             block.token_ids = None
             block.cache_salt = None
             block.parent = None
-        block.generation += (
-            1  # new content from here on: blocks computed after the old one no longer follow it
-        )
+        # New content from here on: blocks computed after the old content no longer follow this block.
+        block.generation += 1
         block.ref_cnt = 1
         return block_id
 
