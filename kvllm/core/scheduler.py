@@ -63,10 +63,18 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
         request.queued_time = time.monotonic()
+        self._enqueue(self.waiting, request)
+
+    def _enqueue(self, queue: deque[Request] | list[Request], request: Request, front: bool = False) -> None:
+        """Put `request` in `queue`: at the end (`front`: at the start, a preempted request), or under
+        "priority" in its (priority, arrival) place, first (`front`) or last among equals."""
         if self.by_priority:
-            bisect.insort_right(self.waiting, request, key=_priority_order)
+            insort = bisect.insort_left if front else bisect.insort_right
+            insort(queue, request, key=_priority_order)
+        elif front:
+            queue.insert(0, request)
         else:
-            self.waiting.append(request)
+            queue.append(request)
 
     def finish_request(self, request: Request) -> None:
         """Remove a finished or aborted request and free its blocks."""
@@ -186,10 +194,7 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
-            if self.by_priority:
-                bisect.insort_right(self.running, request, key=_priority_order)
-            else:
-                self.running.append(request)
+            self._enqueue(self.running, request)
             item = ScheduledRequest(request, n, self.kv.get_block_ids(request.request_id))
             (decodes if n == 1 else prefills).append(item)
             to_advance.append(item)
@@ -257,10 +262,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        if self.by_priority:
-            bisect.insort_left(self.waiting, request, key=_priority_order)
-        else:
-            self.waiting.appendleft(request)
+        self._enqueue(self.waiting, request, front=True)
 
     def reject_drafts(self, request: Request, num_rejected: int) -> None:
         """Roll back the KV positions of a request's rejected drafts: they count as not computed, so the
