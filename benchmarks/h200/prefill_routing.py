@@ -5,8 +5,8 @@ chunks (8 x 2048 causal: 378 against 274 TFLOP/s on the H200) but showed no gain
 steps. This measures where it pays off in the engine, which sets its default routing
 (`KVLLM_TRITON_PREFILL_KERNEL`: auto, the default, routes long chunks only; 1 forces it from 128-token
 chunks, 0 never): one engine per setting (the switch is read when piecewise graphs are captured, so a
-process keeps it), settings alternated (1, 0, 1, 0 by default), each timing prefill-only steps of
-growing length.
+process keeps it), settings alternated (1, 0, 1, 0 by default; `auto@N` is auto with its threshold moved to
+N tokens, to find where it belongs), each timing prefill-only steps of growing length.
 
     PYTHONPATH=. python3 benchmarks/h200/prefill_routing.py --out DIR            # GPU, about 2 minutes
     PYTHONPATH=. python3 benchmarks/h200/prefill_routing.py --out DIR --model TINY  # CPU smoke run
@@ -56,6 +56,12 @@ def run_setting(args: argparse.Namespace) -> int:
         model, vocab = args.model, 400
     else:
         model, vocab = str(write_shape_only_model("Qwen3-0.6B", "/tmp/qwen3-0.6b-shape")), 151936
+    setting = os.environ.get("KVLLM_TRITON_PREFILL_KERNEL", "auto")
+    if args.auto_min_tokens:  # auto@N: the auto route's threshold moved (the engine runs in this process)
+        from kvllm.attention.ops import triton_prefill_config
+
+        triton_prefill_config.AUTO_MIN_MEAN_QUERY_LEN = args.auto_min_tokens
+        setting = f"auto@{args.auto_min_tokens}"
     llm = LLM(
         model,
         load_format="dummy",
@@ -66,7 +72,6 @@ def run_setting(args: argparse.Namespace) -> int:
         enable_prefix_caching=False,
         enforce_eager=not cuda,
     )
-    setting = os.environ.get("KVLLM_TRITON_PREFILL_KERNEL", "auto")
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
     seed = iter(range(1, 1_000_000))
 
@@ -107,7 +112,13 @@ def main() -> int:
     parser.add_argument(
         "--cases", default=None, help=f"comma list of BATCHxPROMPT (default {','.join(GPU_CASES)})"
     )
-    parser.add_argument("--order", default="1,0,1,0", help="KVLLM_TRITON_PREFILL_KERNEL per engine, in order")
+    parser.add_argument(
+        "--order",
+        default="1,0,1,0",
+        help="KVLLM_TRITON_PREFILL_KERNEL per engine, in order; auto@N: auto with its threshold at N tokens",
+    )
+    # The child's threshold for an auto@N setting.
+    parser.add_argument("--auto-min-tokens", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--warmups", type=int, default=1)
     parser.add_argument("--timeout-s", type=int, default=150, help="per engine process")
@@ -122,13 +133,17 @@ def main() -> int:
     records: list[dict[str, Any]] = []
     with open(out / "prefill_routing.jsonl", "w") as sink:
         for setting in args.order.split(","):
-            if setting not in ("0", "1", "auto"):
-                raise SystemExit(f"--order takes 0, 1 and auto, got {setting!r}")
+            switch, _, min_tokens = setting.partition("@")
+            moved_ok = not min_tokens or (switch == "auto" and min_tokens.isdigit())
+            if switch not in ("0", "1", "auto") or not moved_ok:
+                raise SystemExit(f"--order takes 0, 1, auto and auto@TOKENS, got {setting!r}")
             command = [sys.executable, __file__, "--setting", "--out", str(out), "--cases", args.cases,
                        "--iters", str(args.iters), "--warmups", str(args.warmups)]  # fmt: skip
             if args.model:
                 command += ["--model", args.model]
-            env = {**os.environ, "KVLLM_TRITON_PREFILL_KERNEL": setting}
+            if min_tokens:
+                command += ["--auto-min-tokens", min_tokens]
+            env = {**os.environ, "KVLLM_TRITON_PREFILL_KERNEL": switch}
             try:
                 done = subprocess.run(
                     command, env=env, capture_output=True, text=True, timeout=args.timeout_s

@@ -3,8 +3,8 @@
 #   confirm  carry [".stage1", ".fi"] (unpacked first, for `quiet`), any card (about 6 minutes): the default
 #            (auto) prefill route on a GPU: its engine test against HF float32 and the prefill kernel's GPU
 #            tests; prefill_launch_probe.py (host and GPU time a call of each prefill path: where the forced
-#            kernel's 2.8 ms at 1,024 tokens goes); then prefill_routing.py auto / 0 / 1 / 0 on 1k-4k
-#            prompts and 8 x 2,048 (auto must equal 0 below its threshold; 1 says where it should be)
+#            kernel's 2.8 ms at 1,024 tokens goes); then prefill_routing.py 0 / auto@2048 / auto / 0 /
+#            auto@2048 on 1k-4k prompts and 8 x 2,048 (auto must equal 0 below its threshold; auto@2048 tries a lower one)
 #   quiet    = session22.sh quiet (carry [".stage2"]): the backends call without FlashInfer's walk
 #   fi-walk  = session22.sh fi-walk (carry nothing): FlashInfer's walk alone
 #   first    = session22.sh first (H200 only; carry nothing): issue 22's H200 W4A16 table
@@ -24,7 +24,7 @@ confirm)
   grep -h '^{' "$d/probe.log" | cut -c1-140
   parallel_tests 150 "engine|tests/gpu/test_engine_cuda.py -k auto_prefill" \
     "kernel|tests/gpu/test_triton_prefill_gpu.py"
-  run_step e2e 200 python3 benchmarks/h200/prefill_routing.py --out "$d" --timeout-s 50 --order auto,0,1,0 \
+  run_step e2e 200 python3 benchmarks/h200/prefill_routing.py --out "$d" --timeout-s 50 --order 0,auto@2048,auto,0,auto@2048 \
     --cases 1x1024,1x2048,1x4096,8x2048
   sed -n '/case/,$p' "$d/e2e.log"
   kill "$clocks_pid" "${host_probe_pid:-}" 2>/dev/null
