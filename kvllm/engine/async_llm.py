@@ -150,12 +150,23 @@ class AsyncLLM:
         """Start the engine thread; outputs are delivered to the running event loop."""
         if self._thread is not None:
             return
+        driver = self.engine.async_driver
+        if driver is not None and driver is not self and driver._engine_thread_alive():
+            raise RuntimeError(
+                "This LLMEngine is already driven by another running AsyncLLM: two engine threads would step "
+                "it at once. Shut that AsyncLLM down first (shutdown() or stop()), or give this one its own "
+                "engine (AsyncLLM.from_engine_args)."
+            )
+        self.engine.async_driver = self
         self._loop = asyncio.get_running_loop()
         self._idle = asyncio.Event()
         self._idle.set()
         self._thread = threading.Thread(target=self._run_engine_loop, name="kvllm-engine", daemon=True)
         self._accepting = True
         self._thread.start()
+
+    def _engine_thread_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
 
     async def drain(self, timeout: float) -> int:
         """Take no new requests; wait up to `timeout` s for in-flight ones, then abort the rest.

@@ -138,6 +138,7 @@ class LLMEngine:
         # During step(): that step once the grammar masks took its tokens, until its outputs are made.
         self._grammar_taken: tuple[SchedulerOutput, PendingStep] | None = None
         self.sleep_level = 0  # 0: awake; else the level of the last sleep() until wake_up() ends it
+        self.async_driver: Any = None  # the AsyncLLM whose engine thread steps this engine (async_llm.py)
         self._log_cache_size(num_blocks)
         if self.device.type == "cuda" and not self.model_config.is_pooling:
             self.warm_up()  # generate steps; a pooling engine's prefill-only steps need no warm-up

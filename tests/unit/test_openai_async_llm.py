@@ -91,6 +91,28 @@ def test_drain_finishes_short_requests_and_aborts_long_ones(engine):
     assert not engine.has_unfinished_requests()
 
 
+def test_a_second_asyncllm_cannot_drive_an_engine_another_one_is_driving(engine):
+    """One engine thread per engine: a second AsyncLLM over the same LLMEngine is refused while the first
+    runs (two threads stepping one engine corrupt it), and takes over once the first is shut down."""
+
+    async def main():
+        first, second = AsyncLLM(engine), AsyncLLM(engine)
+        await first.start()
+        with pytest.raises(RuntimeError, match="already driven by another running AsyncLLM"):
+            await second.start()
+        params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+        out = await _last(first.generate("still serving", params, "first"))
+        assert len(out.outputs[0].token_ids) == 3
+        await first.shutdown()
+        await second.start()
+        out = await _last(second.generate("taken over", params, "second"))
+        assert len(out.outputs[0].token_ids) == 3
+        await second.shutdown()
+
+    run(main())
+    assert not engine.has_unfinished_requests()
+
+
 def test_stats_collector_and_log_line():
     line_logger = LoggingStatLogger()
     collector = StatsCollector([line_logger])

@@ -31,6 +31,13 @@ def engine(tiny_qwen3_path) -> LLMEngine:
     return tiny_engine(tiny_qwen3_path)
 
 
+@pytest.fixture
+def own_engine(tiny_qwen3_path) -> LLMEngine:
+    """An engine of the test's own, for a test that builds its app while the module's client drives `engine`
+    (one AsyncLLM drives an engine at a time)."""
+    return tiny_engine(tiny_qwen3_path)
+
+
 @contextlib.contextmanager
 def tiny_client(engine: LLMEngine) -> Iterator[TestClient]:
     """The server over `engine` (model "tiny", key API_KEY, no stats log), started and stopped around it."""
@@ -287,10 +294,10 @@ def test_streams_equal_full_responses(client, engine, echo):
     assert_engine_idle(engine)
 
 
-def test_metrics_are_per_app_and_count_requests(engine):
+def test_metrics_are_per_app_and_count_requests(own_engine):
     # Two apps in one process: each has its own Prometheus registry (no duplicate-series errors).
     for _ in range(2):
-        app = build_app(engine=engine, served_model_name="m", log_stats_interval=0)
+        app = build_app(engine=own_engine, served_model_name="m", log_stats_interval=0)
         with TestClient(app) as c:
             out = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3, "ignore_eos": True}).json()
             text = c.get("/metrics").text
@@ -308,7 +315,8 @@ def test_metrics_are_per_app_and_count_requests(engine):
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_engine_crash_fails_requests_and_marks_unhealthy(engine, monkeypatch, stream):
+def test_engine_crash_fails_requests_and_marks_unhealthy(own_engine, monkeypatch, stream):
+    engine = own_engine
     app = build_app(engine=engine, served_model_name="m", log_stats_interval=0)
 
     def broken_step():

@@ -23,12 +23,25 @@ from tests.unit.test_openai_server import assert_engine_idle, assert_openai_erro
 HI = [{"role": "user", "content": "hi"}]
 
 
+def small_engine(path) -> LLMEngine:
+    args = EngineArgs(model=str(path), dtype="float32", max_model_len=128, kv_cache_memory_bytes=1 << 21)
+    return LLMEngine.from_engine_args(args)
+
+
+# One AsyncLLM drives an engine at a time: each app that may run beside another has an engine of its own.
 @pytest.fixture(scope="module")
 def engine(tiny_qwen3_path) -> LLMEngine:
-    args = EngineArgs(
-        model=str(tiny_qwen3_path), dtype="float32", max_model_len=128, kv_cache_memory_bytes=1 << 21
-    )
-    return LLMEngine.from_engine_args(args)
+    return small_engine(tiny_qwen3_path)
+
+
+@pytest.fixture(scope="module")
+def strict_engine(tiny_qwen3_path) -> LLMEngine:
+    return small_engine(tiny_qwen3_path)
+
+
+@pytest.fixture
+def own_engine(tiny_qwen3_path) -> LLMEngine:
+    return small_engine(tiny_qwen3_path)
 
 
 def make_client(engine: LLMEngine, **limits) -> TestClient:
@@ -45,9 +58,9 @@ def client(engine) -> Iterator[TestClient]:
 
 
 @pytest.fixture(scope="module")
-def strict(engine) -> Iterator[TestClient]:
+def strict(strict_engine) -> Iterator[TestClient]:
     with make_client(
-        engine,
+        strict_engine,
         max_n_sequences=4,
         max_prompts_per_request=3,
         max_stop_strings=2,
@@ -100,9 +113,9 @@ def strict(engine) -> Iterator[TestClient]:
         ("/v1/chat/completions", {"messages": HI, "n": 2}, "max_tokens", "up to 224 tokens"),
     ],
 )
-def test_each_limit_is_a_400_naming_the_limit_and_its_flag(strict, engine, path, body, param, text):
+def test_each_limit_is_a_400_naming_the_limit_and_its_flag(strict, strict_engine, path, body, param, text):
     assert_openai_error(strict.post(path, json=body), 400, param, text)
-    assert_engine_idle(engine)
+    assert_engine_idle(strict_engine)
 
 
 def test_default_limits_refuse_a_huge_n_and_allow_ordinary_requests(client, engine):
@@ -126,7 +139,7 @@ def test_limits_are_validated_and_become_serve_flags(capsys):
 # ---- body size -------------------------------------------------------------------------------------
 
 
-def test_a_body_over_the_limit_is_a_413_declared_or_chunked(strict, engine):
+def test_a_body_over_the_limit_is_a_413_declared_or_chunked(strict, strict_engine):
     big = json.dumps({"prompt": "x" * 3000, "max_tokens": 1})
     declared = strict.post("/v1/completions", content=big, headers={"Content-Type": "application/json"})
     assert_openai_error(declared, 413, text="larger than 2000 bytes")
@@ -140,7 +153,7 @@ def test_a_body_over_the_limit_is_a_413_declared_or_chunked(strict, engine):
     assert_openai_error(chunked, 413, text="larger than 2000 bytes")
     small = strict.post("/tokenize", json={"prompt": "x" * 100})
     assert small.status_code == 200
-    assert_engine_idle(engine)
+    assert_engine_idle(strict_engine)
 
 
 # ---- chat templates --------------------------------------------------------------------------------
@@ -173,8 +186,8 @@ def test_request_chat_templates_are_refused_unless_trusted(client, engine):
     assert_engine_idle(engine)
 
 
-def test_trusted_request_templates_render_sandboxed_and_bounded(engine):
-    with make_client(engine, trust_request_chat_template=True) as c:
+def test_trusted_request_templates_render_sandboxed_and_bounded(own_engine):
+    with make_client(own_engine, trust_request_chat_template=True) as c:
         body = {
             "messages": HI,
             "max_tokens": 1,
@@ -182,7 +195,7 @@ def test_trusted_request_templates_render_sandboxed_and_bounded(engine):
             "chat_template": "Q: {{ messages[0].content }}",
         }
         out = c.post("/v1/chat/completions", json=body).json()
-        assert out["prompt_token_ids"] == engine.tokenizer("Q: hi", add_special_tokens=False).input_ids
+        assert out["prompt_token_ids"] == own_engine.tokenizer("Q: hi", add_special_tokens=False).input_ids
         for template, text in [
             (NESTED_LOOPS, "range() more than"),
             ("{{ 'a' * 100000000 }}", "more than"),
@@ -192,7 +205,7 @@ def test_trusted_request_templates_render_sandboxed_and_bounded(engine):
         ]:
             response = c.post("/v1/chat/completions", json={"messages": HI, "chat_template": template})
             assert_openai_error(response, 400, "messages", text)
-    assert_engine_idle(engine)
+    assert_engine_idle(own_engine)
 
 
 # ---- invalid Unicode -------------------------------------------------------------------------------
@@ -239,8 +252,8 @@ def test_an_internal_error_fails_one_request_without_its_details(client, engine,
     assert_engine_idle(engine)
 
 
-def test_openapi_documents_the_statuses_the_server_sends(engine):
-    app = build_app(engine=engine, served_model_name="tiny", api_key="k", log_stats_interval=0)
+def test_openapi_documents_the_statuses_the_server_sends(own_engine):
+    app = build_app(engine=own_engine, served_model_name="tiny", api_key="k", log_stats_interval=0)
     with TestClient(app) as c:
         document = c.get("/openapi.json").json()
         assert '"422"' not in json.dumps(document) and "HTTPValidationError" not in json.dumps(document)
@@ -292,12 +305,12 @@ class _BlockingTokenizer:
         return self._tokenizer(text, *args, **kwargs)
 
 
-def test_tokenizing_does_not_block_the_event_loop(engine, monkeypatch):
+def test_tokenizing_does_not_block_the_event_loop(own_engine, monkeypatch):
     """While one request is being tokenized, /health and a streaming completion are served."""
-    blocking = _BlockingTokenizer(engine.tokenizer)
-    monkeypatch.setattr(engine, "tokenizer", blocking)
+    blocking = _BlockingTokenizer(own_engine.tokenizer)
+    monkeypatch.setattr(own_engine, "tokenizer", blocking)
     results: dict[str, int] = {}
-    with make_client(engine) as c:
+    with make_client(own_engine) as c:
         slow = threading.Thread(
             target=lambda: results.setdefault(
                 "slow", c.post("/tokenize", json={"prompt": "block me"}).status_code
@@ -320,7 +333,7 @@ def test_tokenizing_does_not_block_the_event_loop(engine, monkeypatch):
             blocking.release.set()
             slow.join(60)
         assert results["slow"] == 200
-    assert_engine_idle(engine)
+    assert_engine_idle(own_engine)
 
 
 # ---- API key ---------------------------------------------------------------------------------------
@@ -349,8 +362,10 @@ def test_serve_reads_vllm_api_key_beside_kvllm_api_key(flag, environ, expected, 
     assert serve.resolve_api_key(flag, environ) == expected
 
 
-def test_any_of_several_api_keys_is_accepted(engine):
-    app = build_app(engine=engine, served_model_name="tiny", api_key=["key-a", "key-b"], log_stats_interval=0)
+def test_any_of_several_api_keys_is_accepted(own_engine):
+    app = build_app(
+        engine=own_engine, served_model_name="tiny", api_key=["key-a", "key-b"], log_stats_interval=0
+    )
     with TestClient(app) as c:
         for key, status in (("key-a", 200), ("key-b", 200), ("key-c", 401), ("key-a key-b", 401)):
             response = c.get("/v1/models", headers={"Authorization": f"Bearer {key}"})

@@ -144,11 +144,11 @@ def test_reset_prefix_cache_refuses_what_kvllm_lacks(client, flag):
     assert post(client, f"/reset_prefix_cache?{flag}=false", "").status_code == 200
 
 
-def test_async_llm_reset_runs_on_the_engine_thread(engine):
+def test_async_llm_reset_runs_on_the_engine_thread(tiny_qwen3_path):
     from kvllm.engine.async_llm import AsyncLLM, EngineNotAcceptingError
 
     async def run() -> None:
-        llm = AsyncLLM(engine)
+        llm = AsyncLLM(tiny_engine(tiny_qwen3_path, MAX_MODEL_LEN))  # its own: the server drives `engine`
         with pytest.raises(EngineNotAcceptingError, match="not running"):
             await llm.reset_prefix_cache()
         await llm.start()
