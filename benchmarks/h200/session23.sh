@@ -24,7 +24,7 @@ confirm)
   grep -h '^{' "$d/probe.log" | cut -c1-140
   parallel_tests 150 "engine|tests/gpu/test_engine_cuda.py -k auto_prefill" \
     "kernel|tests/gpu/test_triton_prefill_gpu.py"
-  run_step e2e 200 python3 benchmarks/h200/prefill_routing.py --out "$d" --timeout-s 50 --order 0,auto@2048,auto,0,auto@2048 \
+  run_step e2e 200 python3 benchmarks/h200/prefill_routing.py --out "$d" --timeout-s 50 --order ${ROUTING_ORDER:-0,auto@2048,auto,0,auto@2048} \
     --cases 1x1024,1x2048,1x4096,8x2048
   sed -n '/case/,$p' "$d/e2e.log"
   kill "$clocks_pid" "${host_probe_pid:-}" 2>/dev/null
