@@ -5,12 +5,13 @@
 #            tests; prefill_launch_probe.py (host and GPU time a call of each prefill path: where the forced
 #            kernel's 2.8 ms at 1,024 tokens goes); then prefill_routing.py 0 / auto@2048 / auto / 0 /
 #            auto@2048 on 1k-4k prompts and 8 x 2,048 (auto must equal 0 below its threshold; auto@2048 tries a lower one)
+#   minimal  confirm's engine test and probe alone (about 2.5 minutes), when little device time is left
 #   quiet    = session22.sh quiet (carry [".stage2"]): the backends call without FlashInfer's walk
 #   fi-walk  = session22.sh fi-walk (carry nothing): FlashInfer's walk alone
 #   first    = session22.sh first (H200 only; carry nothing): issue 22's H200 W4A16 table
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-phase=${1:?usage: session23.sh confirm|quiet|fi-walk|first}
+phase=${1:?usage: session23.sh confirm|minimal|quiet|fi-walk|first}
 default_budget_s=${DEFAULT_BUDGET_S:-500}
 
 case "$phase" in
@@ -31,6 +32,15 @@ confirm)
   save
   since "done"
   ;;
+minimal)  # confirm's first half, when little device time is left: the auto route's engine test and the probe
+  source benchmarks/h200/session_lib.sh
+  parallel_tests 120 "engine|tests/gpu/test_engine_cuda.py -k auto_prefill"
+  run_step probe 45 python3 benchmarks/h200/prefill_launch_probe.py --out "$d" --iters 30
+  grep -h '^{' "$d/probe.log" | cut -c1-140
+  kill "$clocks_pid" "${host_probe_pid:-}" 2>/dev/null
+  save
+  since "done"
+  ;;
 *)
-  echo "unknown phase $phase (confirm|quiet|fi-walk|first)"; exit 2 ;;
+  echo "unknown phase $phase (confirm|minimal|quiet|fi-walk|first)"; exit 2 ;;
 esac
