@@ -47,8 +47,8 @@ def main() -> int:
     device = "cpu" if args.smoke else "cuda"
     dtype = torch.float32 if args.smoke else torch.bfloat16
     heads, kv_heads, head_size, block_size = 16, 8, 128, 16
-    cases = "1x32,2x48" if args.smoke else args.cases
-    iters = 2 if args.smoke else args.iters
+    cases = "2x24" if args.smoke else args.cases
+    iters = 1 if args.smoke else args.iters
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     sink = open(out_dir / "prefill_launch_probe.jsonl", "w")
