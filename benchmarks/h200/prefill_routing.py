@@ -130,13 +130,16 @@ def main() -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    settings = args.order.split(",")
+    for setting in settings:  # all checked before the first engine starts
+        switch, _, min_tokens = setting.partition("@")
+        moved_ok = not min_tokens or (switch == "auto" and min_tokens.isdigit() and int(min_tokens) > 0)
+        if switch not in ("0", "1", "auto") or not moved_ok:
+            raise SystemExit(f"--order takes 0, 1, auto and auto@TOKENS (TOKENS >= 1), got {setting!r}")
     records: list[dict[str, Any]] = []
     with open(out / "prefill_routing.jsonl", "w") as sink:
-        for setting in args.order.split(","):
+        for setting in settings:
             switch, _, min_tokens = setting.partition("@")
-            moved_ok = not min_tokens or (switch == "auto" and min_tokens.isdigit())
-            if switch not in ("0", "1", "auto") or not moved_ok:
-                raise SystemExit(f"--order takes 0, 1, auto and auto@TOKENS, got {setting!r}")
             command = [sys.executable, __file__, "--setting", "--out", str(out), "--cases", args.cases,
                        "--iters", str(args.iters), "--warmups", str(args.warmups)]  # fmt: skip
             if args.model:

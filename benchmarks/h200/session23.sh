@@ -4,7 +4,8 @@
 #            (auto) prefill route on a GPU: its engine test against HF float32 and the prefill kernel's GPU
 #            tests; prefill_launch_probe.py (host and GPU time a call of each prefill path: where the forced
 #            kernel's 2.8 ms at 1,024 tokens goes); then prefill_routing.py 0 / auto@2048 / auto / 0 /
-#            auto@2048 on 1k-4k prompts and 8 x 2,048 (auto must equal 0 below its threshold; auto@2048 tries a lower one)
+#            auto@2048 on 1k-4k prompts and 8 x 2,048 (auto must equal 0 below its threshold; auto@2048 tries
+#            a lower one; ROUTING_ORDER replaces the order)
 #   minimal  confirm's engine test and probe alone (about 2.5 minutes), when little device time is left
 #   quiet    = session22.sh quiet (carry [".stage2"]): the backends call without FlashInfer's walk
 #   fi-walk  = session22.sh fi-walk (carry nothing): FlashInfer's walk alone
@@ -25,8 +26,8 @@ confirm)
   grep -h '^{' "$d/probe.log" | cut -c1-140
   parallel_tests 150 "engine|tests/gpu/test_engine_cuda.py -k auto_prefill" \
     "kernel|tests/gpu/test_triton_prefill_gpu.py"
-  run_step e2e 200 python3 benchmarks/h200/prefill_routing.py --out "$d" --timeout-s 50 --order ${ROUTING_ORDER:-0,auto@2048,auto,0,auto@2048} \
-    --cases 1x1024,1x2048,1x4096,8x2048
+  run_step e2e 200 python3 benchmarks/h200/prefill_routing.py --out "$d" --timeout-s 50 \
+    --order "${ROUTING_ORDER:-0,auto@2048,auto,0,auto@2048}" --cases 1x1024,1x2048,1x4096,8x2048
   sed -n '/case/,$p' "$d/e2e.log"
   kill "$clocks_pid" "${host_probe_pid:-}" 2>/dev/null
   save

@@ -50,7 +50,8 @@ def test_a_moved_auto_threshold_runs_as_its_own_setting_on_the_cpu(
     assert routing.main() == 0
     lines = (tmp_path / "prefill_routing.jsonl").read_text().splitlines()
     assert [json.loads(line)["prefill_kernel"] for line in lines] == ["auto@16", "0"]
-    for bad in ("1@16", "auto@x"):
+    for bad in ("1@16", "auto@x", "auto@0", "0,auto@x"):  # the last: refused before engine 0 starts
         monkeypatch.setattr(sys, "argv", [*argv[:-8], "--order", bad])
         with pytest.raises(SystemExit, match="auto@TOKENS"):
             routing.main()
+        assert (tmp_path / "prefill_routing.jsonl").read_text().splitlines() == lines  # nothing ran
