@@ -51,7 +51,6 @@ def main() -> int:
     iters = 1 if args.smoke else args.iters
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    sink = open(out_dir / "prefill_launch_probe.jsonl", "w")
     gen = torch.Generator(device="cpu").manual_seed(0)
 
     def rand(*shape: int) -> torch.Tensor:
@@ -135,9 +134,9 @@ def main() -> int:
             sink.write(json.dumps(record) + "\n")
             print(json.dumps(record), flush=True)
 
-    for case in cases.split(","):
-        probe_case(case)
-    sink.close()
+    with open(out_dir / "prefill_launch_probe.jsonl", "w") as sink:  # probe_case writes its records here
+        for case in cases.split(","):
+            probe_case(case)
     return 0
 
 
