@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The GPU calls of the twenty-fourth session, each sent within 30 s of the last one's return.
+#   confirm|minimal|quiet|fi-walk|first  = session23.sh's phases (issue 23, then issue 22's H200 table)
+#   so   carry [".so-lite"] (staged by stage-structured-outputs.sh), any card (about 5 minutes): issue 19's
+#        batch-64 bench with xgrammar's thread pool filling the masks from 16 rows (t16) against the default
+#        (t128: the calling thread below 128 rows), alternating t128, t16, t128, t16, t128, t16
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+phase=${1:?usage: session24.sh confirm|minimal|quiet|fi-walk|first|so}
+default_budget_s=${DEFAULT_BUDGET_S:-420}
+
+case "$phase" in
+confirm|minimal|quiet|fi-walk|first)
+  exec bash benchmarks/h200/session23.sh "$phase" ;;
+so)
+  source benchmarks/h200/session_lib.sh
+  stage_structured_outputs || { since "no .so-lite"; exit 3; }
+  (export PYTHONPATH=.:/tmp/so-site KVLLM_QWEN3_TOKENIZER=/tmp/so-tok
+   i=0
+   for rows in ${SO_ARMS:-128 16 128 16 128 16}; do
+     i=$((i + 1))
+     run_step "so-t$rows-$i" 60 python3 benchmarks/h200/structured_outputs_bench.py --tokenizer /tmp/so-tok \
+       --repeats 3 --threaded-fill-min-rows "$rows" --out "$d/so-t$rows-$i.json"
+     tail -n 1 "$d/so-t$rows-$i.log"
+   done)
+  kill "$clocks_pid" "${host_probe_pid:-}" 2>/dev/null
+  save
+  since "done"
+  ;;
+*)
+  echo "unknown phase $phase (confirm|minimal|quiet|fi-walk|first|so)"; exit 2 ;;
+esac
