@@ -7,7 +7,9 @@ grammar masks while the engine's Python (scheduling, input preparation) runs.
 advanced into the document. Timed: the masks filled in a loop (`fill_next_token_bitmask` per row), the
 same through `BatchGrammarMatcher(max_threads=1)`, a fixed pure-Python loop, and each fill beside the
 Python loop in a second thread. Overlapped time near the sum means the fill holds the GIL; near the
-larger of the two means it releases it. Also the per-row accept loop against `batch_accept_token`.
+larger of the two means it releases it. Also the per-row accept loop against `batch_accept_token`, and the
+batch fill through xgrammar's thread pool (`--fill-threads`: median ms per fill at each pool size; kvllm
+uses the pool from THREADED_FILL_MIN_ROWS rows).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import json
+import os
 import platform
 import sys
 import threading
@@ -68,7 +71,11 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--output-json", type=Path)
+    parser.add_argument("--fill-threads", default="1,2,4,8", help="pool sizes to time the batch fill with")
     args = parser.parse_args()
+    pool_sizes = [int(n) for n in args.fill_threads.split(",")]
+    if any(n < 1 for n in pool_sizes):
+        parser.error(f"--fill-threads takes pool sizes >= 1, got {args.fill_threads!r}")
     torch.set_num_threads(1)
     folder = model_factory.fetch_qwen3_tokenizer(Path.home() / ".cache" / "kvllm-tests")
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
@@ -120,6 +127,18 @@ def main() -> None:
             for matcher in matchers:
                 matcher.rollback(1)
         result[name + "_ms"] = round(sorted(times)[len(times) // 2], 4)  # median
+    result["batch_fill_median_ms_by_threads"] = {}
+    for threads in pool_sizes:
+        pooled = xgr.BatchGrammarMatcher(max_threads=threads)
+        for _ in range(5):  # warm: the pool's threads start on the first call
+            pooled.batch_fill_next_token_bitmask(matchers, bitmask)
+        times = []
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            pooled.batch_fill_next_token_bitmask(matchers, bitmask)
+            times.append((time.perf_counter() - start) * 1e3)
+        result["batch_fill_median_ms_by_threads"][str(threads)] = round(sorted(times)[len(times) // 2], 4)
+    result["cpu_count"] = os.cpu_count()
     result["versions"] = {
         "python": platform.python_version(),
         "torch": torch.__version__,

@@ -6,7 +6,8 @@
 #        then prefill_routing.py 0 / auto@2048 / 0 / auto@2048 on 1 x 2,048 and 8 x 2,048
 #   so   carry [".so-lite"] (staged by stage-structured-outputs.sh), any card (about 5 minutes): issue 19's
 #        batch-64 bench with xgrammar's thread pool filling the masks from 16 rows (t16) against the default
-#        (t128: the calling thread below 128 rows), alternating t128, t16, t128, t16, t128, t16
+#        (t128: the calling thread below 128 rows), alternating t128, t16, t128, t16, t128, t16; first
+#        benchmarks/xgrammar_gil.py on the host's CPU (the fill's time by pool size, no GPU)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 phase=${1:?usage: session24.sh confirm|minimal|lean|quiet|fi-walk|first|so}
@@ -32,6 +33,10 @@ so)
   source benchmarks/h200/session_lib.sh
   stage_structured_outputs || { since "no .so-lite"; exit 3; }
   (export PYTHONPATH=.:/tmp/so-site KVLLM_QWEN3_TOKENIZER=/tmp/so-tok
+   # xgrammar's fill by pool size on this host's CPU (the 2-core CPU machine: 2 threads 1.8x slower at 64 rows)
+   tok_cache=$HOME/.cache/kvllm-tests/qwen3-tokenizer-3.7.2; mkdir -p "$tok_cache"; cp /tmp/so-tok/* "$tok_cache"/
+   run_step gil 60 python3 benchmarks/xgrammar_gil.py --repeats 200 --output-json "$d/xgrammar_gil.json"
+   grep -A6 by_threads "$d/gil.log" | tr -d '\n '; echo
    i=0
    for rows in ${SO_ARMS:-128 16 128 16 128 16}; do
      i=$((i + 1))
