@@ -73,9 +73,10 @@ def main() -> None:
     parser.add_argument("--output-json", type=Path)
     parser.add_argument("--fill-threads", default="1,2,4,8", help="pool sizes to time the batch fill with")
     args = parser.parse_args()
-    pool_sizes = [int(n) for n in args.fill_threads.split(",")]
-    if any(n < 1 for n in pool_sizes):
-        parser.error(f"--fill-threads takes pool sizes >= 1, got {args.fill_threads!r}")
+    sizes = args.fill_threads.split(",")
+    if not all(n.strip().isdigit() and int(n) >= 1 for n in sizes):
+        parser.error(f"--fill-threads takes comma-separated pool sizes >= 1, got {args.fill_threads!r}")
+    pool_sizes = [int(n) for n in sizes]
     torch.set_num_threads(1)
     folder = model_factory.fetch_qwen3_tokenizer(Path.home() / ".cache" / "kvllm-tests")
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
