@@ -26,7 +26,10 @@ MIN_MEAN_QUERY_LEN = 128
 # second session): one prompt of 4,096 tokens 16.7 against 20.4 ms, of 16,384 96.7 against 128.7 ms; 8 x
 # 2,048 50.9 against 52.5 (the kernel alone: 375 against 273 TFLOP/s); but one prompt of 1,024 tokens 10.7
 # against 7.8 ms and 32 x 512 49.5 against 46.9. Short steps are host-bound, and this kernel's launch
-# costs the host more than the unified kernel's.
+# costs the host more than the unified kernel's (94 against 50 us a launch; prefill_launch_probe.py, twenty-
+# fourth session). The auto route also gathers the step's K/V back from the cache; before gather_step_kv's row
+# path (not yet timed) that made 8 x 2,048 slower than the unified kernel on that H100 (566 against 503 us a
+# layer) while 1 x 4,096 still won (223 against 308).
 AUTO_MIN_MEAN_QUERY_LEN = 4096
 
 
