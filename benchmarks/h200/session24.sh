@@ -25,13 +25,11 @@ lean)
   run_step e2e 150 python3 benchmarks/h200/prefill_routing.py --out "$d" --timeout-s 45 \
     --order "${ROUTING_ORDER:-0,auto@2048,0,auto@2048}" --cases 1x2048,8x2048
   sed -n '/case/,$p' "$d/e2e.log"
-  kill "$clocks_pid" "${host_probe_pid:-}" 2>/dev/null
-  save
-  since "done"
+  end_phase
   ;;
 so)
   source benchmarks/h200/session_lib.sh
-  stage_structured_outputs || { since "no .so-lite"; exit 3; }
+  stage_structured_outputs || { since "no .so-lite"; end_phase; exit 3; }
   (export PYTHONPATH=.:/tmp/so-site KVLLM_QWEN3_TOKENIZER=/tmp/so-tok
    # xgrammar's fill by pool size on this host's CPU (the 2-core CPU machine: 2 threads 1.8x slower at 64 rows)
    tok_cache=$HOME/.cache/kvllm-tests/qwen3-tokenizer-3.7.2; mkdir -p "$tok_cache"; cp /tmp/so-tok/* "$tok_cache"/
@@ -44,9 +42,7 @@ so)
        --repeats 3 --threaded-fill-min-rows "$rows" --out "$d/so-t$rows-$i.json"
      tail -n 1 "$d/so-t$rows-$i.log"
    done)
-  kill "$clocks_pid" "${host_probe_pid:-}" 2>/dev/null
-  save
-  since "done"
+  end_phase
   ;;
 *)
   echo "unknown phase $phase (confirm|minimal|lean|quiet|fi-walk|first|so)"; exit 2 ;;

@@ -139,6 +139,11 @@ gemv_pdl_ab() {  # issue 22: AWQ's batch-1 e2e with the decode GEMV under PDL an
     grep -h '^e2e ' "$d/e2e-$order.log"
   done
 }
+end_phase() {  # a phase's last step: stop the clock sampler and the host probe, save the tarball
+  kill "$clocks_pid" "${host_probe_pid:-}" 2>/dev/null
+  save
+  since "done"
+}
 sampling_files_aab() {  # issue 19: main's sampling files copied in two ways, then 89834d4~1's (session19.sh e)
   if stage_structured_outputs; then
     (export PYTHONPATH=.:/tmp/so-site KVLLM_QWEN3_TOKENIZER=/tmp/so-tok SO_FILES="kvllm/sample/gumbel.py kvllm/sample/sampler.py"
