@@ -22,15 +22,15 @@ PREFILL_KERNEL_MODES = {"auto": "auto", "1": "on", "0": "off"}  # KVLLM_TRITON_P
 # kernel; shorter chunks keep the unified kernel's GQA-packed rows (fewer wasted rows per program).
 MIN_MEAN_QUERY_LEN = 128
 # By default (auto) only chunks this long do. Measured end to end on an H100 (Qwen3-0.6B shapes, time to
-# first token, kernel on / off / on / off, benchmarks/h200/prefill_routing.py, docs/benchmarks.md, twenty-
-# second session): one prompt of 4,096 tokens 16.7 against 20.4 ms, of 16,384 96.7 against 128.7 ms; 8 x
-# 2,048 50.9 against 52.5 (the kernel alone: 375 against 273 TFLOP/s); but one prompt of 1,024 tokens 10.7
-# against 7.8 ms and 32 x 512 49.5 against 46.9. Short steps are host-bound, and this kernel's launch
-# costs the host more than the unified kernel's (94 against 50 us a launch; prefill_launch_probe.py, twenty-
-# fourth session). The auto route also gathers the step's K/V back from the cache; before gather_step_kv's row
-# path (not yet timed) that made 8 x 2,048 slower than the unified kernel on that H100 (566 against 503 us a
-# layer) while 1 x 4,096 still won (223 against 308).
-AUTO_MIN_MEAN_QUERY_LEN = 4096
+# first token, benchmarks/h200/prefill_routing.py, docs/benchmarks.md, twenty-fifth session; the unified
+# kernel's two runs against this threshold's two): one prompt of 2,048 tokens 8.5-9.3 against 7.4 ms, of
+# 4,096 18.0-19.0 against 14.1-14.3 (at 4,096, the earlier threshold, 15.3), 8 x 2,048 47.8-51.2 against
+# 45.5-48.8. Shorter steps are host-bound, and this kernel's launch costs the host more than the unified
+# kernel's (94 against 50 us; prefill_launch_probe.py, twenty-fourth session): one prompt of 1,024 tokens
+# was 10.7 against 7.8 ms with the kernel (twenty-second session). Under piecewise graphs the step's K/V
+# is gathered back from the cache (gather_step_kv: on 8 x 2,048 about 55 us of a 415 us layer, against
+# the unified kernel's 500).
+AUTO_MIN_MEAN_QUERY_LEN = 2048
 
 
 def prefill_kernel_mode() -> str:
