@@ -175,6 +175,27 @@ TRT-LLM attention kernels (`-ac.use_trtllm_attention`) are not part of this buil
 `BatchAttentionWithAttentionSinkWrapper`."""
 
 
+def flashinfer_pairs_note(flashinfer: type) -> str:
+    """What FLASHINFER's row declares for some (model dtype, cache dtype) pairs only."""
+    everywhere = (
+        f"head size {', '.join(map(str, flashinfer.VERIFIED_HEAD_SIZES))}, block sizes "
+        f"{', '.join(map(str, flashinfer.VERIFIED_BLOCK_SIZES))}"
+    )
+    pairs = "; ".join(
+        f"{dtype} with a {cache} cache: head sizes {', '.join(map(str, v.head_sizes))}, block sizes "
+        f"{', '.join(map(str, v.block_sizes))}"
+        + (", sliding window" if v.sliding_window else "")
+        + (", soft-cap" if v.logits_soft_cap else "")
+        for (dtype, cache), v in flashinfer.VERIFIED_BY_DTYPES.items()
+    )
+    return (
+        f"† FLASHINFER's row is the union of what passed the conformance walk on SM 9.0 per model dtype and "
+        f"cache dtype ({pairs}). Other pairs are declared for {everywhere}, without sliding window or "
+        "soft-cap; beyond that they are refused with a reason naming the pairs that passed "
+        "(`benchmarks/h200/backend_walk.py flashinfer` widens them)."
+    )
+
+
 def footnotes() -> str:
     """The footnotes of the standard table, from the declarations they explain."""
     from kvllm.attention.backends.flash_attn import AVAILABLE_FLASH_ATTN_VERSIONS
@@ -184,8 +205,10 @@ def footnotes() -> str:
         available += " only"
     notes = [FLASH_ATTN_FOOTNOTE.format(available=available)]
     if registry.is_registered("FLASHINFER"):
-        sink = registry.get_backend_class("FLASHINFER").supports_sink
-        notes.append(FLASHINFER_FOOTNOTE_SINK if sink else FLASHINFER_FOOTNOTE_NO_SINK)
+        flashinfer = registry.get_backend_class("FLASHINFER")
+        notes.append(FLASHINFER_FOOTNOTE_SINK if flashinfer.supports_sink else FLASHINFER_FOOTNOTE_NO_SINK)
+        if flashinfer.VERIFIED_BY_DTYPES:
+            notes.append(flashinfer_pairs_note(flashinfer))
     return "\n" + "\n\n".join(notes) + "\n"
 
 

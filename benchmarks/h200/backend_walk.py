@@ -132,8 +132,56 @@ def run_flash_attn(args: argparse.Namespace) -> None:
     walk_cases("FLASH_ATTN", declared, set(declared), run_case, t.TOLERANCE, out, deadline)
 
 
-def summarize(directory: Path) -> dict:
-    """Per backend and axis value: cases passed / failed / not run, and whether it may be declared."""
+def expected_flashinfer_cases() -> list[tuple]:
+    """Every case a full FLASHINFER walk runs (declared and widening), or [] where the tests can't load."""
+    try:
+        from tests.gpu import test_flashinfer_gpu as t
+    except Exception:  # noqa: BLE001 - a summary without torch or the tests still summarizes what ran
+        return []
+    return sorted(set(t.declared_cases()) | set(t.widen_cases()))
+
+
+def _missing_rows(backend: str, expected: list[tuple], cases: list[dict]) -> list[dict]:
+    """A walk stopped from outside (a call's time limit) leaves no not_run lines: its missing cases. A case
+    counts as run when one of the same cache dtype did (`auto` and the model's dtype, `fp8` and `fp8_e4m3`
+    build one module and run the same kernels)."""
+    seen = {_identity(r) for r in cases}
+    rows = []
+    for dtype, kv, head, block, feature in expected:
+        row = {"backend": backend, "case": f"{backend}/{dtype}/{kv}/{head}/{block}/{feature}", "dtype": dtype,
+               "kv_cache_dtype": kv, "head_size": head, "block_size": block, "feature": feature}  # fmt: skip
+        if _identity(row) not in seen:
+            rows.append(
+                {**row, "declared": False, "status": "not_run", "error": "no result: the walk stopped"}
+            )
+    return rows
+
+
+def _identity(row: dict) -> tuple:
+    return (*cache_pair(row), row["head_size"], row["block_size"], row["feature"])
+
+
+def _axes(rows: list[dict]) -> dict:
+    axes = {}
+    for axis in ("head_size", "block_size", "feature", "kv_cache_dtype", "dtype"):
+        axes[axis] = {}
+        for value in sorted({r[axis] for r in rows}, key=str):
+            group = [r for r in rows if r[axis] == value]
+            counts = {s: sum(r["status"] == s for r in group) for s in ("pass", "fail", "error", "not_run")}
+            axes[axis][str(value)] = {**counts, "cases": len(group), "all_passed": counts["pass"] == len(group),
+                                      "declared": all(r["declared"] for r in group)}  # fmt: skip
+    return axes
+
+
+def cache_pair(row: dict) -> tuple[str, str]:
+    """(model dtype, cache dtype) as FlashInferBackend.VERIFIED_BY_DTYPES keys them."""
+    kv = row["kv_cache_dtype"]
+    return row["dtype"], {"auto": row["dtype"], "fp8": "fp8_e4m3"}.get(kv, kv)
+
+
+def summarize(directory: Path, expected: dict[str, list[tuple]] | None = None) -> dict:
+    """Per backend and axis value: cases passed / failed / not run, and whether it may be declared.
+    `expected`: per backend, the cases a full walk runs; those without a line count as not run."""
     rows = [
         json.loads(line)
         for p in sorted(directory.glob("walk-*.jsonl"))
@@ -141,30 +189,31 @@ def summarize(directory: Path) -> dict:
     ]
     cases = [r for r in rows if "case" in r]
     summary: dict = {"probes": [r for r in rows if "probe" in r], "backends": {}}
+    expected = expected or {}
     for backend in sorted({r["backend"] for r in cases}):
         mine = [r for r in cases if r["backend"] == backend]
-        axes = {}
-        for axis in ("head_size", "block_size", "feature", "kv_cache_dtype", "dtype"):
-            axes[axis] = {}
-            for value in sorted({r[axis] for r in mine}, key=str):
-                group = [r for r in mine if r[axis] == value]
-                counts = {
-                    s: sum(r["status"] == s for r in group) for s in ("pass", "fail", "error", "not_run")
-                }
-                complete = counts["pass"] == len(group)
-                axes[axis][str(value)] = {**counts, "cases": len(group), "all_passed": complete,
-                                          "declared": all(r["declared"] for r in group)}  # fmt: skip
+        mine += _missing_rows(backend, expected.get(backend, []), mine)
+        axes = _axes(mine)
         failures = [r for r in mine if r["status"] in ("fail", "error")][:20]
         summary["backends"][backend] = {"axes": axes, "first_failures": failures,
                                         "declare": _declaration_lines(backend, axes)}  # fmt: skip
+        if backend == "FLASHINFER":
+            pairs = sorted({cache_pair(r) for r in mine})
+            summary["backends"][backend]["declare_by_dtypes"] = [
+                _pair_line(pair, _axes([r for r in mine if cache_pair(r) == pair])) for pair in pairs
+            ]
     return summary
+
+
+def _passed(axes: dict) -> dict[str, list[str]]:
+    return {a: [v for v, c in values.items() if c["all_passed"]] for a, values in axes.items()}
 
 
 def _declaration_lines(backend: str, axes: dict) -> list[str]:
     """The FLASHINFER lines to apply: every value whose whole slice of the walk passed."""
     if backend != "FLASHINFER":
         return []
-    passed = {a: [v for v, c in values.items() if c["all_passed"]] for a, values in axes.items()}
+    passed = _passed(axes)
     feature = passed["feature"]
     sizes = lambda axis: repr(tuple(sorted(int(v) for v in passed[axis])))  # noqa: E731
     return [
@@ -173,6 +222,15 @@ def _declaration_lines(backend: str, axes: dict) -> list[str]:
         f"VERIFIED_SLIDING_WINDOW = {'window' in feature}",
         f"VERIFIED_LOGITS_SOFT_CAP = {'softcap' in feature}",
     ]
+
+
+def _pair_line(pair: tuple[str, str], axes: dict) -> str:
+    """One VERIFIED_BY_DTYPES entry: what passed completely for one (model dtype, cache dtype) pair."""
+    passed = _passed(axes)
+    sizes = lambda axis: tuple(sorted(int(v) for v in passed[axis]))  # noqa: E731
+    feature = passed["feature"]
+    return (f"{pair!r}: VerifiedAxes({sizes('head_size')!r}, {sizes('block_size')!r}, {'window' in feature}, "
+            f"{'softcap' in feature}),")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -187,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.what == "summary":
         directory = Path(args.dir or args.out)
-        summary = summarize(directory)
+        summary = summarize(directory, {"FLASHINFER": expected_flashinfer_cases()})
         (directory / "walk-summary.json").write_text(json.dumps(summary, indent=1))
         for backend, data in summary["backends"].items():
             print(backend)
@@ -196,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {axis}: {text}")
             for line in data["declare"]:
                 print(f"  declare: {line}")
+            for line in data.get("declare_by_dtypes", []):
+                print(f"  declare for VERIFIED_BY_DTYPES: {line}")
         for probe in summary["probes"]:
             print(f"probe {probe['probe']}: {probe['status']} {probe.get('detail', '')}")
         return 0

@@ -98,3 +98,29 @@ def test_compile_groups_put_the_widening_bf16_groups_first(walk) -> None:
     assert walk._group_rank(("float16", "auto", 128, 16, "none")) > walk._group_rank(
         ("bfloat16", "fp8_e5m2", 256, 16, "softcap")
     )
+
+
+def test_summary_counts_a_stopped_walks_missing_cases_and_declares_per_dtype_pair(
+    walk, tmp_path: Path
+) -> None:
+    """A walk killed by its call's time limit writes no not_run lines: the expected cases without a line
+    must not widen anything, and what one (model dtype, cache dtype) pair passed completely is its own line."""
+    bf16 = [("bfloat16", "auto", h, b, f) for h in (64, 128) for b in (16, 64) for f in ("none", "window")]
+    fp16 = [("float16", "auto", h, b, f) for h in (64, 128) for b in (16, 64) for f in ("none", "window")]
+    ran = bf16 + fp16[:3]  # the float16 half stopped after three cases
+    errors = {(h, b, f): 1e-3 for _, _, h, b, f in ran}
+    out = tmp_path / "walk-flashinfer-0of1.jsonl"
+    walk.walk_cases("FLASHINFER", ran, set(), fake_run_case(errors), TOL, out, time.monotonic() + 60)
+    # bfloat16 with kv "bfloat16" runs the same module as kv "auto": counted as run through it
+    expected = bf16 + fp16 + [("bfloat16", "bfloat16", 64, 16, "none")]
+    summary = walk.summarize(tmp_path, {"FLASHINFER": expected})["backends"]["FLASHINFER"]
+    assert summary["axes"]["dtype"]["float16"] == {"pass": 3, "fail": 0, "error": 0, "not_run": 5, "cases": 8,
+                                                   "all_passed": False, "declared": False}  # fmt: skip
+    assert summary["declare"][0] == "VERIFIED_HEAD_SIZES = ()"
+    assert summary["declare_by_dtypes"] == [
+        "('bfloat16', 'bfloat16'): VerifiedAxes((64, 128), (16, 64), True, False),",
+        "('float16', 'float16'): VerifiedAxes((), (), False, False),",
+    ]
+    assert (
+        walk.summarize(tmp_path)["backends"]["FLASHINFER"]["declare"][0] == "VERIFIED_HEAD_SIZES = (64, 128)"
+    )

@@ -139,9 +139,9 @@ def test_flash_attn_parent_without_cute_is_missing(monkeypatch: pytest.MonkeyPat
 def test_declared_values_are_reasons_with_supported_sets(packages_present: None) -> None:
     config = selector_config(head_size=80, dtype="float32", kv_cache_dtype="int8", block_size=24)
     reasons = FlashInferBackend.validate_configuration(config, H200)
-    assert "head_size 80 not supported (supported: 128)" in reasons
+    assert "head_size 80 not supported (supported: 64, 128, 256)" in reasons
     assert "dtype float32 not supported (supported: float16, bfloat16)" in reasons
-    assert "block_size 24 not supported (supported: 16, 32)" in reasons
+    assert "block_size 24 not supported (supported: 16, 32, 64)" in reasons
     assert any(r.startswith("kv_cache_dtype int8 not supported") for r in reasons)
     assert FlashInferBackend.validate_configuration(selector_config(has_sink=True), H200)[0].startswith(
         "attention sinks not supported"
@@ -150,22 +150,43 @@ def test_declared_values_are_reasons_with_supported_sets(packages_present: None)
     assert fa == ["kv_cache_dtype fp8 not supported (supported: auto, float16, bfloat16)"]
 
 
-def test_flashinfer_declares_only_the_h200_verified_part_of_what_it_implements(
-    packages_present: None,
-) -> None:
-    """Head sizes 64/256, block size 64, window and soft-cap are implemented but wait for the GPU walk."""
+def test_flashinfer_declares_only_the_verified_part_of_what_it_implements(packages_present: None) -> None:
+    """Head sizes 64/256, block size 64, window and soft-cap passed the walk for bfloat16 with a bfloat16
+    cache only: declared, and refused with a reason for the other (dtype, cache) pairs."""
     fi = FlashInferBackend
-    assert set(fi.head_sizes.values) < set(fi.IMPLEMENTED_HEAD_SIZES)
-    assert set(fi.block_sizes.values) < set(fi.IMPLEMENTED_BLOCK_SIZES)
-    assert fi.IMPLEMENTS_SLIDING_WINDOW and not fi.supports_sliding_window
-    assert fi.IMPLEMENTS_LOGITS_SOFT_CAP and not fi.supports_logits_soft_cap
+    assert set(fi.head_sizes.values) == set(fi.IMPLEMENTED_HEAD_SIZES)
+    assert set(fi.block_sizes.values) == set(fi.IMPLEMENTED_BLOCK_SIZES)
+    assert fi.supports_sliding_window and fi.supports_logits_soft_cap
     assert fi.FP8_KV_CACHE_VERIFIED and {"fp8", "fp8_e4m3", "fp8_e5m2"} <= set(fi.supported_kv_cache_dtypes)
     assert fi.validate_configuration(selector_config(kv_cache_dtype="fp8_e5m2", block_size=32), H200) == []
-    assert fi.validate_configuration(selector_config(has_sliding_window=True, head_size=64), H200) == [
-        "head_size 64 not supported (supported: 128)",
-        "sliding window not supported (the model needs it; this backend has none)",
-        "head_size 64, sliding window: implemented for FLASHINFER but not yet verified on an H200, so not "
-        "declared (benchmarks/h200/backend_walk.py flashinfer)",
+    for kv in ("auto", "bfloat16"):
+        wide = selector_config(dtype="bfloat16", kv_cache_dtype=kv, head_size=256, block_size=64,
+                               has_sliding_window=True, logits_soft_cap=30.0)  # fmt: skip
+        assert fi.validate_configuration(wide, H200) == []
+    assert fi.validate_configuration(
+        selector_config(dtype="float16", has_sliding_window=True, head_size=64, block_size=64), H200
+    ) == [
+        "head_size 64, block_size 64, sliding window: verified for FLASHINFER with dtype bfloat16 with a "
+        "bfloat16 cache only, not yet with dtype float16 and kv_cache_dtype auto "
+        "(benchmarks/h200/backend_walk.py flashinfer)",
+    ]
+    fp8 = selector_config(dtype="bfloat16", kv_cache_dtype="fp8", logits_soft_cap=30.0)
+    assert fi.validate_configuration(fp8, H200) == [
+        "logits soft-cap: verified for FLASHINFER with dtype bfloat16 with a bfloat16 cache only, not yet "
+        "with dtype bfloat16 and kv_cache_dtype fp8 (benchmarks/h200/backend_walk.py flashinfer)"
+    ]
+    assert fi.validate_configuration(selector_config(head_size=96), H200) == [
+        "head_size 96 not supported (supported: 64, 128, 256)"
+    ]
+
+
+def test_flashinfer_reason_for_what_is_implemented_but_verified_nowhere(
+    packages_present: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(FlashInferBackend, "VERIFIED_BY_DTYPES", {})
+    assert FlashInferBackend._pending_verification_reasons(selector_config(head_size=64, block_size=64)) == [
+        "head_size 64, block_size 64: implemented for FLASHINFER but not yet verified on an H200, so not "
+        "declared (benchmarks/h200/backend_walk.py flashinfer)"
     ]
 
 

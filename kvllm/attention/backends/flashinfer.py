@@ -6,6 +6,7 @@ Declarations only: importable without torch or flashinfer. The kernel side lives
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import ClassVar
 
 from kvllm.attention.backend import AttentionBackend, AttentionSelectorConfig, OneOf
@@ -44,13 +45,29 @@ def _implemented_and_verified(implemented: tuple[int, ...], verified: tuple[int,
     return tuple(v for v in implemented if v in verified)
 
 
+@dataclass(frozen=True)
+class VerifiedAxes:
+    """What passed the conformance walk for one (model dtype, cache dtype) pair."""
+
+    head_sizes: tuple[int, ...]
+    block_sizes: tuple[int, ...]
+    sliding_window: bool
+    logits_soft_cap: bool
+
+
+def cache_dtype_name(config: AttentionSelectorConfig) -> str:
+    """The dtype the cache holds: `auto` is the model's, `fp8` is e4m3 (one FlashInfer module each)."""
+    kv = config.kv_cache_dtype
+    return {"auto": config.dtype, "fp8": "fp8_e4m3"}.get(kv, kv)
+
+
 class FlashInferBackend(AttentionBackend):
     """FlashInfer: BatchDecodeWithPagedKVCacheWrapper for the decode part of a step and
     BatchPrefillWithPagedKVCacheWrapper for its prefill part, planned once per step.
 
     Cache layout NHD, K and V interleaved per page: (num_blocks, 2, block_size, num_kv_heads,
     head_size). The declarations are the part of what the kernel side implements (IMPLEMENTED_*)
-    that has passed the conformance walk on an H200 with FlashInfer 0.5.3 (VERIFIED_*): the walk
+    that has passed the conformance walk on SM 9.0 (H200, H100) with FlashInfer 0.5.3 (VERIFIED_*): the walk
     (`benchmarks/h200/backend_walk.py`, or tests/gpu/test_flashinfer_gpu.py's `widen` part) runs
     everything implemented, and its summary prints the VERIFIED_* lines that what passed allows.
     Widening is one line per feature below; the declarations follow from them.
@@ -62,11 +79,19 @@ class FlashInferBackend(AttentionBackend):
     IMPLEMENTED_BLOCK_SIZES: ClassVar[tuple[int, ...]] = (16, 32, 64)
     IMPLEMENTS_SLIDING_WINDOW: ClassVar[bool] = True
     IMPLEMENTS_LOGITS_SOFT_CAP: ClassVar[bool] = True
-    # Passed on the H200 (FlashInfer 0.5.3): one line per feature, from the walk's summary.
+    # Passed on SM 9.0 (FlashInfer 0.5.3) for every model dtype and cache: one line per feature, from the
+    # walk's summary (H200 walks, the eighth to twenty-first sessions).
     VERIFIED_HEAD_SIZES: ClassVar[tuple[int, ...]] = (128,)
     VERIFIED_BLOCK_SIZES: ClassVar[tuple[int, ...]] = (16, 32)
     VERIFIED_SLIDING_WINDOW: ClassVar[bool] = False
     VERIFIED_LOGITS_SOFT_CAP: ClassVar[bool] = False
+    # Passed for one (model dtype, cache dtype) pair beyond the lines above. bfloat16 with a bfloat16 cache:
+    # all 27 cases of head sizes 64/128/256 x blocks 16/32/64 x none/window/soft-cap on an H100 (SM 9.0,
+    # twenty-fifth session, docs/benchmarks/h200/session25/4-fi-walk-h100.tgz); the walk's float16 and fp8
+    # halves were not reached, so those pairs keep the lines above.
+    VERIFIED_BY_DTYPES: ClassVar[dict[tuple[str, str], VerifiedAxes]] = {
+        ("bfloat16", "bfloat16"): VerifiedAxes((64, 128, 256), (16, 32, 64), True, True),
+    }
     # fp8 KV caches (stored K / k_scale, read back with k_scale/v_scale): the GPU test's fp8 walk
     # (both model dtypes, fp8_e4m3 and fp8_e5m2, block sizes 16/32/64, head size 128) passed on the H200.
     FP8_KV_CACHE_VERIFIED: ClassVar[bool] = True
@@ -78,16 +103,31 @@ class FlashInferBackend(AttentionBackend):
     supported_kv_cache_dtypes = ("auto", "float16", "bfloat16") + (
         ("fp8", "fp8_e4m3", "fp8_e5m2") if FP8_KV_CACHE_VERIFIED else ()
     )
-    block_sizes = OneOf(_implemented_and_verified(IMPLEMENTED_BLOCK_SIZES, VERIFIED_BLOCK_SIZES))
-    head_sizes = OneOf(_implemented_and_verified(IMPLEMENTED_HEAD_SIZES, VERIFIED_HEAD_SIZES))
+    # Declared: what passed for any pair; extra_reasons narrows it to what passed for the config's own pair.
+    block_sizes = OneOf(
+        _implemented_and_verified(
+            IMPLEMENTED_BLOCK_SIZES,
+            VERIFIED_BLOCK_SIZES + tuple(b for v in VERIFIED_BY_DTYPES.values() for b in v.block_sizes),
+        )
+    )
+    head_sizes = OneOf(
+        _implemented_and_verified(
+            IMPLEMENTED_HEAD_SIZES,
+            VERIFIED_HEAD_SIZES + tuple(h for v in VERIFIED_BY_DTYPES.values() for h in v.head_sizes),
+        )
+    )
     platforms = ("cuda",)
     min_capability = (8, 0)
     max_capability = (10, 9)
     # FlashInfer 0.5.3 has sink kernels on SM 9.0 (BatchAttentionWithAttentionSinkWrapper, XQA decode)
     # that flashinfer_impl does not call yet; vLLM's TRT-LLM path for SM 10.x is not built here.
     supports_sink = False
-    supports_sliding_window = IMPLEMENTS_SLIDING_WINDOW and VERIFIED_SLIDING_WINDOW
-    supports_logits_soft_cap = IMPLEMENTS_LOGITS_SOFT_CAP and VERIFIED_LOGITS_SOFT_CAP
+    supports_sliding_window = IMPLEMENTS_SLIDING_WINDOW and (
+        VERIFIED_SLIDING_WINDOW or any(v.sliding_window for v in VERIFIED_BY_DTYPES.values())
+    )
+    supports_logits_soft_cap = IMPLEMENTS_LOGITS_SOFT_CAP and (
+        VERIFIED_LOGITS_SOFT_CAP or any(v.logits_soft_cap for v in VERIFIED_BY_DTYPES.values())
+    )
     attn_types = ("decoder",)
     # Decode graphs through the builder's hooks (a graph decode wrapper per batch size, planned
     # before each replay): tests/gpu/test_cuda_graphs_gpu.py gave ids equal to eager on the H200
@@ -96,7 +136,7 @@ class FlashInferBackend(AttentionBackend):
     required_package = "flashinfer"
     pip_extra = "flashinfer"
     preferred_block_size = 16
-    verified_on = "H200 (SM 9.0), flashinfer 0.5.3"
+    verified_on = "H200 and H100 (SM 9.0), flashinfer 0.5.3"
     kv_cache_layout = "NHD"
 
     @classmethod
@@ -109,24 +149,55 @@ class FlashInferBackend(AttentionBackend):
         )
 
     @classmethod
+    def verified_axes(cls, config: AttentionSelectorConfig) -> VerifiedAxes:
+        """What the walk verified for the config's (model dtype, cache dtype) pair."""
+        everywhere = VerifiedAxes(
+            cls.VERIFIED_HEAD_SIZES,
+            cls.VERIFIED_BLOCK_SIZES,
+            cls.VERIFIED_SLIDING_WINDOW,
+            cls.VERIFIED_LOGITS_SOFT_CAP,
+        )
+        return cls.VERIFIED_BY_DTYPES.get((config.dtype, cache_dtype_name(config)), everywhere)
+
+    @classmethod
     def _pending_verification_reasons(cls, config: AttentionSelectorConfig) -> list[str]:
-        """Says so when what rules this backend out is implemented but not yet verified on a GPU."""
-        pending = []
-        if config.head_size in cls.IMPLEMENTED_HEAD_SIZES and not cls.head_sizes.allows(config.head_size):
-            pending.append(f"head_size {config.head_size}")
+        """Says so when what rules this backend out is implemented but not yet verified on a GPU, for
+        every pair or for this config's (model dtype, cache dtype) pair."""
+        verified = cls.verified_axes(config)
+        pairs = list(cls.VERIFIED_BY_DTYPES.values())
+        pending, elsewhere = [], []
+
+        def check(name: str, implemented: bool, passed_here: bool, passed_for_a_pair: bool) -> None:
+            if implemented and not passed_here:
+                (elsewhere if passed_for_a_pair else pending).append(name)
+
+        head = config.head_size
+        check(f"head_size {head}", head in cls.IMPLEMENTED_HEAD_SIZES, head in verified.head_sizes,
+              any(head in v.head_sizes for v in pairs))  # fmt: skip
         block = config.block_size
-        if block is not None and block in cls.IMPLEMENTED_BLOCK_SIZES and not cls.block_sizes.allows(block):
-            pending.append(f"block_size {block}")
-        if config.has_sliding_window and cls.IMPLEMENTS_SLIDING_WINDOW and not cls.supports_sliding_window:
-            pending.append("sliding window")
-        if config.logits_soft_cap and cls.IMPLEMENTS_LOGITS_SOFT_CAP and not cls.supports_logits_soft_cap:
-            pending.append("logits soft-cap")
-        if not pending:
-            return []
-        return [
-            f"{', '.join(pending)}: implemented for FLASHINFER but not yet verified on an H200, so not declared "
-            "(benchmarks/h200/backend_walk.py flashinfer)"
-        ]
+        if block is not None:
+            check(f"block_size {block}", block in cls.IMPLEMENTED_BLOCK_SIZES, block in verified.block_sizes,
+                  any(block in v.block_sizes for v in pairs))  # fmt: skip
+        if config.has_sliding_window:
+            check("sliding window", cls.IMPLEMENTS_SLIDING_WINDOW, verified.sliding_window,
+                  any(v.sliding_window for v in pairs))  # fmt: skip
+        if config.logits_soft_cap:
+            check("logits soft-cap", cls.IMPLEMENTS_LOGITS_SOFT_CAP, verified.logits_soft_cap,
+                  any(v.logits_soft_cap for v in pairs))  # fmt: skip
+        reasons = []
+        if pending:
+            reasons.append(
+                f"{', '.join(pending)}: implemented for FLASHINFER but not yet verified on an H200, so not "
+                "declared (benchmarks/h200/backend_walk.py flashinfer)"
+            )
+        if elsewhere:
+            pairs = ", ".join(f"dtype {d} with a {c} cache" for d, c in cls.VERIFIED_BY_DTYPES)
+            reasons.append(
+                f"{', '.join(elsewhere)}: verified for FLASHINFER with {pairs} only, not yet with dtype "
+                f"{config.dtype} and kv_cache_dtype {config.kv_cache_dtype} "
+                "(benchmarks/h200/backend_walk.py flashinfer)"
+            )
+        return reasons
 
     impl_path = "kvllm.attention.backends.flashinfer_impl:FlashInferImpl"
     builder_path = "kvllm.attention.backends.flashinfer_impl:FlashInferMetadataBuilder"
