@@ -16,7 +16,7 @@ FlashInfer compiles one module per (dtype, KV dtype, head size, feature) on firs
 minutes each), so FLASHINFER cases are ordered by how much a passing group widens the declaration
 and sharded by compile group: shard i of n takes groups i, i+n, ... Results are also kept in
 $KVLLM_WALK_STATE (default /tmp/kvllm-walk) so a rerun on the same warm machine skips what already
-ran and continues.
+ran and continues; $KVLLM_WALK_DONE names folders of earlier leases' results to skip as well.
 """
 
 from __future__ import annotations
@@ -57,9 +57,16 @@ def _record(out: Path, row: dict) -> None:
 
 
 def _already_run(name: str) -> dict[str, dict]:
+    """Cases that passed or failed in an earlier run: this machine's state file of the same name, and every
+    walk-*.jsonl in the folders of $KVLLM_WALK_DONE (colon-separated: committed results of earlier leases,
+    so a fresh machine does not compile again what already passed)."""
+    paths = [STATE / name]
+    for folder in filter(None, os.environ.get("KVLLM_WALK_DONE", "").split(":")):
+        paths += sorted(Path(folder).glob("walk-*.jsonl"))
     done = {}
-    path = STATE / name
-    if path.exists():
+    for path in paths:
+        if not path.exists():
+            continue
         for line in path.read_text().splitlines():
             row = json.loads(line)
             if row.get("status") in ("pass", "fail") and "case" in row:

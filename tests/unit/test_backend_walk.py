@@ -69,6 +69,33 @@ def test_a_rerun_skips_what_already_ran(walk, tmp_path: Path) -> None:
     assert row["status"] == "pass" and row["from_earlier_run"]
 
 
+def test_a_fresh_machine_skips_what_an_earlier_lease_committed(
+    walk, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    passed, failed, errored = (("bfloat16", "auto", 64, b, "none") for b in (16, 32, 64))
+    errors = {(64, 16, "none"): 1e-3, (64, 32, "none"): 0.5, (64, 64, "none"): RuntimeError("no kernel")}
+    earlier = tmp_path / "committed" / "walk-flashinfer-0of5.jsonl"
+    walk.walk_cases("FLASHINFER", [passed, failed, errored], set(), fake_run_case(errors), TOL, earlier,
+                    time.monotonic() + 60)  # fmt: skip
+    monkeypatch.setattr(walk, "STATE", tmp_path / "fresh-machine")
+    monkeypatch.setenv("KVLLM_WALK_DONE", f"{tmp_path / 'nothing-here'}:{earlier.parent}")
+    out = tmp_path / "out" / "walk-flashinfer-1of5.jsonl"
+    ran = []
+
+    def run(dtype, kv, head, block, feature):
+        ran.append(block)
+        return 1e-3
+
+    walk.walk_cases("FLASHINFER", [passed, failed, errored], set(), run, TOL, out, time.monotonic() + 60)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert ran == [64]  # an error is run again; a pass or a fail is a result
+    assert [(r["status"], r.get("from_earlier_run", False)) for r in rows] == [
+        ("pass", True),
+        ("fail", True),
+        ("pass", False),
+    ]
+
+
 def test_summary_declares_only_what_passed_completely(walk, tmp_path: Path) -> None:
     cases = [
         ("bfloat16", "auto", h, b, f) for h in (64, 128, 256) for b in (16, 64) for f in ("none", "window")
