@@ -5,7 +5,9 @@
 #   2. FLEX_ATTENTION beside torch's own compiled FlexAttention and SDPA: decode 256 x 1k (TB/s,
 #      target >= 2.5) and prefill 8 x 2048 causal (TFLOP/s, target >= 250),
 #      and FLEX_ATTENTION's GPU tests of its decode and fresh-prefill paths;
-#   3. auto-tune on Qwen3-0.6B's shapes (16 q / 8 kv heads of 128, bf16), twice: timed, then the cache hit;
+#   3. auto-tune on Qwen3-0.6B's shapes (16 q / 8 kv heads of 128, bf16), twice: timed, then the cache hit,
+#      with FA4 and FlashInfer in one process where they load together; then `kvllm bench attention`'s
+#      one-run table (every backend and library peer) the same way;
 #   4. FLASH_ATTN conformance walk (every declared case) and probes (FA4 fp8 KV on SM 9.0; which
 #      FlashAttention builds load beside this torch), beside the bf16 greedy test judged against HF
 #      float32 (tests/gpu/test_engine_cuda.py; FLASHINFER's after its walk);
@@ -67,9 +69,21 @@ PYTHONPATH=. timeout 75 python3 -m kvllm.benchmarks.attention --backends FLEX_AT
   --output-json "$out/flex-bench.json" > "$out/flex-bench.log" 2>&1
 since "FLEX bench (exit $?)"
 
-# 3. auto-tune on Qwen3-0.6B's shapes: first timed (--retune), then read from the cache.
+# 3. auto-tune on Qwen3-0.6B's shapes: first timed (--retune), then read from the cache. FlashInfer 0.5.3
+#    accepts tvm-ffi < 0.2, so with FA4's site first (tvm-ffi 0.1.15) both load in one process; FlashInfer then
+#    compiles its modules anew (its own workspace: the walk's were built beside tvm-ffi 0.1.3), once here
+#    before auto-tune, whose timed run a cold compile (about 2 minutes) would outlast.
 fa_ok=0; PYTHONPATH=$FA_PATH python3 -c "import flash_attn.cute" > "$out/fa-import.log" 2>&1 && fa_ok=1
 TUNE_PATH=.; [ $fa_ok = 1 ] && TUNE_PATH=$FA_PATH
+TUNE_ENV=(PYTHONPATH=$TUNE_PATH)
+if [ $fa_ok = 1 ] && [ "${TUNE_WITH_FLASHINFER:-1}" = 1 ] && PYTHONPATH=$FA_PATH:/tmp/site-fi python3 -c \
+    "import flash_attn.cute, flashinfer, tvm_ffi; print('flash_attn.cute and flashinfer', flashinfer.__version__, 'with tvm-ffi', tvm_ffi.__version__)" \
+    > "$out/fa-fi-import.log" 2>&1; then
+  TUNE_ENV=(PYTHONPATH=$FA_PATH:/tmp/site-fi FLASHINFER_WORKSPACE_BASE=/tmp/fiws-fa4 TVM_FFI_CACHE_DIR=/tmp/tvmffi-fa4 MAX_JOBS=16)
+  env "${TUNE_ENV[@]}" timeout 240 python3 -c "import torch; from tests.gpu import test_flashinfer_gpu as t
+print('warm-up case error', t.run_case(torch.bfloat16, 'auto', 128, 16, 'none'))" > "$out/fi-warm.log" 2>&1
+  rc=$?; since "$(tail -n 1 "$out/fa-fi-import.log"), one process; FlashInfer warm-up (exit $rc): $(tail -n 1 "$out/fi-warm.log")"
+fi
 q06=/tmp/qwen3-0.6b-shapes; mkdir -p $q06
 cat > $q06/config.json <<'J'
 {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 1024, "intermediate_size": 3072,
@@ -80,11 +94,19 @@ J
 export KVLLM_CACHE_DIR=/tmp/kvllm-autotune-cache
 for run in 1 2; do
   extra=(); [ $run = 1 ] && extra=(--retune)
-  PYTHONPATH=$TUNE_PATH timeout $(( run == 1 ? 90 : 40 )) python3 -m kvllm.entrypoints.cli.main backends $q06 --tune "${extra[@]}" \
+  env "${TUNE_ENV[@]}" timeout $(( run == 1 ? 90 : 40 )) python3 -m kvllm.entrypoints.cli.main backends $q06 --tune "${extra[@]}" \
     --dtype bfloat16 --max-model-len 8192 --tune-time-cap 35 --tune-json "$out/autotune-$run.json" \
     > "$out/autotune-$run.log" 2>&1
   since "auto-tune run $run (exit $?): $(grep -m1 '^Chosen' "$out/autotune-$run.log")"
 done
+
+# 3b. The one-run attention table (`kvllm bench attention` defaults: every backend valid here, the library
+#     peers, the copy rate), in auto-tune's process setup (ATTN_TABLE=0 leaves it out).
+if [ "${ATTN_TABLE:-1}" = 1 ]; then
+  env "${TUNE_ENV[@]}" timeout 240 python3 -m kvllm.benchmarks.attention --output-json "$out/attn-all.json" \
+    > "$out/attn-all.log" 2>&1
+  rc=$?; since "attention table (exit $rc): $(grep -c ' ok ' "$out/attn-all.log") rows ok"
+fi
 
 # 4. The bf16 greedy test against HF float32 (TRITON_ATTN, FLEX_ATTENTION, FLASH_ATTN; FLASHINFER below),
 #    beside the FLASH_ATTN walk and probes (FA4 needs its own tvm-ffi: processes of their own).

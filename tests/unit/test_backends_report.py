@@ -1,0 +1,60 @@
+"""issue 23's report of a backends call (benchmarks/h200/backends_report.py): targets read from the raw tables."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def report():
+    spec = importlib.util.spec_from_file_location(
+        "backends_report", ROOT / "benchmarks/h200/backends_report.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def row(shape: str, kernel: str, **metrics: float) -> dict:
+    return {"shape": shape, "kernel": kernel, "status": "ok", **metrics}
+
+
+def test_triton_targets_fixed_and_against_a_peer(report) -> None:
+    table = {"rows": [
+        row("prefill 8x2048 causal", "TRITON_ATTN", tflops=351.0),
+        row("prefill 8x2048 causal", "SDPA flash", tflops=400.0),
+        row("decode b1 x ctx32k", "TRITON_ATTN", tbps=1.4),
+        row("decode b1 x ctx32k", "SDPA flash", tbps=1.5),
+    ]}  # fmt: skip
+    prefill, decode = report.triton_rows(table)
+    assert (
+        prefill["met"] and prefill["target_value"] == 350.0
+    )  # a peer's faster row does not move a fixed target
+    assert not decode["met"] and decode["target_value"] == 1.5 and decode["TRITON_ATTN"] == 1.4
+
+
+def test_triton_targets_missing_rows_are_not_met(report) -> None:
+    rows = report.triton_rows({"rows": [row("decode b1 x ctx32k", "TRITON_ATTN", tbps=9.0)]})
+    assert [(r["status"], r["met"]) for r in rows] == [
+        ("missing", False),
+        ("ok", False),
+    ]  # no SDPA row to reach
+    assert [r["met"] for r in report.triton_rows(None)] == [False, False]
+
+
+def test_report_json_and_printout(report, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    table = {"rows": [row("prefill 8x2048 causal", "TRITON_ATTN", tflops=300.0)]}
+    (tmp_path / "attn-all.json").write_text(json.dumps(table))
+    assert report.main([str(tmp_path)]) == 0
+    saved = json.loads((tmp_path / "report.json").read_text())
+    assert saved["triton_targets"][0]["TRITON_ATTN"] == 300.0 and not saved["triton_targets"][0]["met"]
+    assert (
+        "prefill 8x2048 causal: prefill TFLOP/s 300.000 (target 350.000) NOT MET [ok]"
+        in capsys.readouterr().out
+    )
