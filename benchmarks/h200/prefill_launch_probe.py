@@ -12,14 +12,20 @@ winning from 4,096 tokens (docs/benchmarks.md, twenty-second session). Per varia
 `unified` (the unified kernel, the default below the auto threshold), `prefill` (the prefill kernel as
 routed: the step's K/V as TMA rows), `prefill-gatherkv` (as routed by auto: the step's K/V first read back
 from the cache with `gather_step_kv`), `prefill-cacheonly` (no step K/V: every key from the cache), and
-`descriptors` (building the two host TMA descriptors alone).
+`descriptors` (building the two host TMA descriptors alone). `--profile-case` (default 1x1024) also runs
+cProfile over each of `--profile-variants`' calls there and writes the top functions by own time, then by
+cumulative time, to `probe-profile-VARIANT.txt`: where a launch's host time goes (Triton's launcher, the
+descriptors' encoding, kvllm's own Python).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
 import os
+import pstats
 import sys
 import time
 from pathlib import Path
@@ -33,6 +39,10 @@ def main() -> int:
     parser.add_argument("--cases", default="1x512,1x1024,1x2048,1x4096,8x2048")
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--smoke", action="store_true", help="CPU interpreter, tiny sizes: checks the script")
+    parser.add_argument(
+        "--profile-case", default="1x1024", help="the case whose launches are profiled ('' none)"
+    )
+    parser.add_argument("--profile-variants", default="unified,prefill,prefill-cacheonly")
     args = parser.parse_args()
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"
@@ -48,6 +58,7 @@ def main() -> int:
     dtype = torch.float32 if args.smoke else torch.bfloat16
     heads, kv_heads, head_size, block_size = 16, 8, 128, 16
     cases = "2x24" if args.smoke else args.cases
+    profile_case = "2x24" if args.smoke and args.profile_case else args.profile_case
     iters = 1 if args.smoke else args.iters
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -133,6 +144,25 @@ def main() -> int:
             }
             sink.write(json.dumps(record) + "\n")
             print(json.dumps(record), flush=True)
+            if case == profile_case and name in args.profile_variants.split(","):
+                profile(name, fn, spec)
+
+    def profile(name: str, fn, spec: tuple) -> None:
+        """`iters` calls' host time by function (own time first), synchronised before and after."""
+
+        def calls() -> None:
+            for _ in range(iters):
+                fn(*spec)
+
+        sync()
+        profiler = cProfile.Profile()
+        profiler.runcall(calls)
+        sync()
+        text = io.StringIO()
+        stats = pstats.Stats(profiler, stream=text)
+        stats.sort_stats("tottime").print_stats(25)
+        stats.sort_stats("cumulative").print_stats(15)
+        (out_dir / f"probe-profile-{name}.txt").write_text(f"{name}, {iters} calls\n{text.getvalue()}")
 
     with open(out_dir / "prefill_launch_probe.jsonl", "w") as sink:  # probe_case writes its records here
         for case in cases.split(","):

@@ -22,3 +22,6 @@ def test_the_probe_times_every_prefill_path_in_the_interpreter(tmp_path, monkeyp
         "unified", "prefill", "prefill-gatherkv", "prefill-cacheonly", "descriptors"
     ]  # fmt: skip
     assert all(r["case"] == "2x24" and r["host_us"] > 0 and r["gpu_us"] is None for r in records)
+    for variant in ("unified", "prefill", "prefill-cacheonly"):  # the launches' host time by function
+        text = (tmp_path / f"probe-profile-{variant}.txt").read_text()
+        assert text.startswith(f"{variant}, 1 calls") and "unified_attention" in text
