@@ -177,22 +177,28 @@ TRT-LLM attention kernels (`-ac.use_trtllm_attention`) are not part of this buil
 
 def flashinfer_pairs_note(flashinfer: type) -> str:
     """What FLASHINFER's row declares for some (model dtype, cache dtype) pairs only."""
-    everywhere = (
-        f"head size {', '.join(map(str, flashinfer.VERIFIED_HEAD_SIZES))}, block sizes "
-        f"{', '.join(map(str, flashinfer.VERIFIED_BLOCK_SIZES))}"
+
+    def axes(heads: tuple[int, ...], blocks: tuple[int, ...], window: bool, soft_cap: bool) -> str:
+        features = [name for name, on in (("sliding window", window), ("soft-cap", soft_cap)) if on]
+        return (
+            f"head sizes {', '.join(map(str, heads))}, block sizes {', '.join(map(str, blocks))}"
+            f"{', ' + ', '.join(features) if features else ', neither sliding window nor soft-cap'}"
+        )
+
+    everywhere = axes(
+        flashinfer.VERIFIED_HEAD_SIZES,
+        flashinfer.VERIFIED_BLOCK_SIZES,
+        flashinfer.VERIFIED_SLIDING_WINDOW,
+        flashinfer.VERIFIED_LOGITS_SOFT_CAP,
     )
     pairs = "; ".join(
-        f"{dtype} with a {cache} cache: head sizes {', '.join(map(str, v.head_sizes))}, block sizes "
-        f"{', '.join(map(str, v.block_sizes))}"
-        + (", sliding window" if v.sliding_window else "")
-        + (", soft-cap" if v.logits_soft_cap else "")
+        f"{dtype} with a {cache} cache: {axes(v.head_sizes, v.block_sizes, v.sliding_window, v.logits_soft_cap)}"
         for (dtype, cache), v in flashinfer.VERIFIED_BY_DTYPES.items()
     )
     return (
         f"† FLASHINFER's row is the union of what passed the conformance walk on SM 9.0 per model dtype and "
-        f"cache dtype ({pairs}). Other pairs are declared for {everywhere}, without sliding window or "
-        "soft-cap; beyond that they are refused with a reason naming the pairs that passed "
-        "(`benchmarks/h200/backend_walk.py flashinfer` widens them)."
+        f"cache dtype ({pairs}). Other pairs are declared for {everywhere}; beyond that they are refused "
+        "with a reason naming the pairs that passed (`benchmarks/h200/backend_walk.py flashinfer` widens them)."
     )
 
 
