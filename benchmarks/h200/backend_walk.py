@@ -31,6 +31,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from kvllm.attention.backends.flashinfer import cache_dtype_name  # noqa: E402
+
 STATE = Path(os.environ.get("KVLLM_WALK_STATE", "/tmp/kvllm-walk"))
 # FLASHINFER compile groups in the order they widen the declaration most per minute of compiling.
 HEAD_FEATURE_ORDER = [(128, "none"), (64, "none"), (256, "none"), (128, "window"), (128, "softcap"),
@@ -182,8 +184,7 @@ def _axes(rows: list[dict]) -> dict:
 
 def cache_pair(row: dict) -> tuple[str, str]:
     """(model dtype, cache dtype) as FlashInferBackend.VERIFIED_BY_DTYPES keys them."""
-    kv = row["kv_cache_dtype"]
-    return row["dtype"], {"auto": row["dtype"], "fp8": "fp8_e4m3"}.get(kv, kv)
+    return row["dtype"], cache_dtype_name(row["dtype"], row["kv_cache_dtype"])
 
 
 def summarize(directory: Path, expected: dict[str, list[tuple]] | None = None) -> dict:

@@ -55,10 +55,9 @@ class VerifiedAxes:
     logits_soft_cap: bool
 
 
-def cache_dtype_name(config: AttentionSelectorConfig) -> str:
+def cache_dtype_name(dtype: str, kv_cache_dtype: str) -> str:
     """The dtype the cache holds: `auto` is the model's, `fp8` is e4m3 (one FlashInfer module each)."""
-    kv = config.kv_cache_dtype
-    return {"auto": config.dtype, "fp8": "fp8_e4m3"}.get(kv, kv)
+    return {"auto": dtype, "fp8": "fp8_e4m3"}.get(kv_cache_dtype, kv_cache_dtype)
 
 
 class FlashInferBackend(AttentionBackend):
@@ -157,7 +156,8 @@ class FlashInferBackend(AttentionBackend):
             cls.VERIFIED_SLIDING_WINDOW,
             cls.VERIFIED_LOGITS_SOFT_CAP,
         )
-        return cls.VERIFIED_BY_DTYPES.get((config.dtype, cache_dtype_name(config)), everywhere)
+        pair = (config.dtype, cache_dtype_name(config.dtype, config.kv_cache_dtype))
+        return cls.VERIFIED_BY_DTYPES.get(pair, everywhere)
 
     @classmethod
     def _pending_verification_reasons(cls, config: AttentionSelectorConfig) -> list[str]:

@@ -39,8 +39,8 @@ def gather_step_kv(
     moved 8 bytes at a time where a row allows. The general case's advanced indexing (the only path
     until the twenty-fourth session) computes every 2-byte value's address from two index tensors, in
     six launches: on an H100 the step's gather cost about 200 us a layer on 8 x 2,048 and 70 us of host
-    time a call (benchmarks/h200/prefill_launch_probe.py, `prefill-gatherkv` against `prefill`). The
-    row path is not timed on a GPU yet."""
+    time a call (benchmarks/h200/prefill_launch_probe.py, `prefill-gatherkv` against `prefill`); the
+    row path about 55 us (twenty-fifth session, docs/benchmarks.md)."""
     slots = slot_mapping.clamp(min=0)
     return _gather_rows(key_cache, slots), _gather_rows(value_cache, slots)
 
