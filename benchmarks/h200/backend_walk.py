@@ -58,10 +58,11 @@ def _record(out: Path, row: dict) -> None:
     print(line, flush=True)
 
 
-def _already_run(name: str) -> dict[str, dict]:
-    """Cases that passed or failed in an earlier run: this machine's state file of the same name, and every
-    walk-*.jsonl in the folders of $KVLLM_WALK_DONE (colon-separated: committed results of earlier leases,
-    so a fresh machine does not compile again what already passed)."""
+def _already_run(name: str) -> dict[tuple, dict]:
+    """Cases that passed or failed in an earlier run, by `_identity` (a bfloat16 model's `auto` and
+    `bfloat16` caches are one case): this machine's state file of the same name, and every walk-*.jsonl in
+    the folders of $KVLLM_WALK_DONE (colon-separated: committed results of earlier leases, so a fresh
+    machine does not compile again what already passed)."""
     paths = [STATE / name]
     for folder in filter(None, os.environ.get("KVLLM_WALK_DONE", "").split(":")):
         paths += sorted(Path(folder).glob("walk-*.jsonl"))
@@ -72,7 +73,7 @@ def _already_run(name: str) -> dict[str, dict]:
         for line in path.read_text().splitlines():
             row = json.loads(line)
             if row.get("status") in ("pass", "fail") and "case" in row:
-                done[row["case"]] = row
+                done[_identity(row)] = row
     return done
 
 
@@ -86,8 +87,9 @@ def walk_cases(backend: str, cases: list[tuple], declared: set, run_case, tolera
         key = f"{backend}/{dtype}/{kv}/{head}/{block}/{feature}"
         row = {"backend": backend, "case": key, "dtype": dtype, "kv_cache_dtype": kv, "head_size": head,
                "block_size": block, "feature": feature, "declared": case in declared}  # fmt: skip
-        if key in done:
-            _record(out, {**done[key], "from_earlier_run": True})
+        earlier = done.get(_identity(row))
+        if earlier is not None:
+            _record(out, {**earlier, **row, "from_earlier_run": True, "ran_as": earlier["case"]})
             continue
         if time.monotonic() > deadline:
             _record(out, {**row, "status": "not_run", "error": "deadline reached"})
@@ -96,9 +98,10 @@ def walk_cases(backend: str, cases: list[tuple], declared: set, run_case, tolera
         tol = tolerance[getattr(torch, dtype)]
         try:
             err = run_case(getattr(torch, dtype), kv, head, block, feature)
-            status = "pass" if err < tol else "fail"
-            _record(out, {**row, "status": status, "rel_max_error": err, "tolerance": tol,
-                          "seconds": round(time.monotonic() - start, 2)})  # fmt: skip
+            result = {**row, "status": "pass" if err < tol else "fail", "rel_max_error": err, "tolerance": tol,
+                      "seconds": round(time.monotonic() - start, 2)}  # fmt: skip
+            done[_identity(row)] = result
+            _record(out, result)
         except Exception as exc:  # a case that crashes is a result
             _record(out, {**row, "status": "error", "error": f"{type(exc).__name__}: {str(exc)[:300]}",
                           "seconds": round(time.monotonic() - start, 2)})  # fmt: skip

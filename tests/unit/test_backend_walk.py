@@ -96,6 +96,27 @@ def test_a_fresh_machine_skips_what_an_earlier_lease_committed(
     ]
 
 
+def test_a_cache_named_like_the_model_dtype_reuses_the_auto_result(walk, tmp_path: Path) -> None:
+    """`auto` and `bfloat16` caches of a bfloat16 model build one FlashInfer module: one result for both."""
+    auto, named = ("bfloat16", "auto", 64, 16, "none"), ("bfloat16", "bfloat16", 64, 16, "none")
+    e5m2 = ("bfloat16", "fp8_e5m2", 64, 16, "none")
+    out = tmp_path / "out" / "walk-x.jsonl"
+    ran = []
+
+    def run(dtype, kv, head, block, feature):
+        ran.append(kv)
+        return 1e-3
+
+    walk.walk_cases("FLASHINFER", [auto, named, e5m2], set(), run, TOL, out, time.monotonic() + 60)
+    assert ran == ["auto", "fp8_e5m2"]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert (
+        rows[1]["case"] == "FLASHINFER/bfloat16/bfloat16/64/16/none"
+        and rows[1]["kv_cache_dtype"] == "bfloat16"
+    )
+    assert rows[1]["status"] == "pass" and rows[1]["ran_as"] == "FLASHINFER/bfloat16/auto/64/16/none"
+
+
 def test_summary_declares_only_what_passed_completely(walk, tmp_path: Path) -> None:
     cases = [
         ("bfloat16", "auto", h, b, f) for h in (64, 128, 256) for b in (16, 64) for f in ("none", "window")
