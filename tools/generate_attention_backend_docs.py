@@ -19,6 +19,7 @@ sys.path.insert(0, str(ROOT))
 
 from kvllm.attention import registry  # noqa: E402
 from kvllm.attention.backend import AttentionBackend  # noqa: E402
+from kvllm.attention.backends.flashinfer import describe_pairs  # noqa: E402
 from kvllm.platforms import PLATFORMS, backend_priority  # noqa: E402
 
 DOC_PATH = ROOT / "docs" / "attention_backends.md"
@@ -191,9 +192,12 @@ def flashinfer_pairs_note(flashinfer: type) -> str:
         flashinfer.VERIFIED_SLIDING_WINDOW,
         flashinfer.VERIFIED_LOGITS_SOFT_CAP,
     )
+    by_axes: dict[object, list[tuple[str, str]]] = {}
+    for pair, verified in flashinfer.VERIFIED_BY_DTYPES.items():
+        by_axes.setdefault(verified, []).append(pair)
     pairs = "; ".join(
-        f"{dtype} with a {cache} cache: {axes(v.head_sizes, v.block_sizes, v.sliding_window, v.logits_soft_cap)}"
-        for (dtype, cache), v in flashinfer.VERIFIED_BY_DTYPES.items()
+        f"{describe_pairs(same)}: {axes(v.head_sizes, v.block_sizes, v.sliding_window, v.logits_soft_cap)}"
+        for v, same in by_axes.items()
     )
     return (
         f"† FLASHINFER's row is the union of what passed the conformance walk on SM 9.0 per model dtype and "

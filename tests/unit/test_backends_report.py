@@ -58,3 +58,24 @@ def test_report_json_and_printout(report, tmp_path: Path, capsys: pytest.Capture
         "prefill 8x2048 causal: prefill TFLOP/s 300.000 (target 350.000) NOT MET [ok]"
         in capsys.readouterr().out
     )
+
+
+def test_flex_targets_from_the_bench_and_from_the_one_run_table(
+    report, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bench = {"rows": [row("decode b256 x ctx1k", "FLEX_ATTENTION", tbps=2.1)]}
+    table = {"rows": [
+        row("decode b256 x ctx1k", "FLEX_ATTENTION", tbps=2.8),
+        row("decode b256 x ctx1k", "SDPA flash", tbps=1.2),
+        row("prefill 8x2048 causal", "FLEX_ATTENTION", tflops=249.0),
+    ]}  # fmt: skip
+    (tmp_path / "flex-bench.json").write_text(json.dumps(bench))
+    (tmp_path / "attn-all.json").write_text(json.dumps(table))
+    assert report.main([str(tmp_path)]) == 0
+    saved = json.loads((tmp_path / "report.json").read_text())
+    assert [(r["FLEX_ATTENTION"], r["met"]) for r in saved["flex_targets"]] == [(2.1, False), (None, False)]
+    decode, prefill = saved["flex_targets_one_run"]
+    assert decode["met"] and decode["peers"] == {"SDPA flash": 1.2} and not prefill["met"]
+    out = capsys.readouterr().out
+    assert "FLEX_ATTENTION targets (issue 23; the one-run table, attn-all.json):" in out
+    assert "decode b256 x ctx1k: decode TB/s 2.800 (target >= 2.5) MET; peers: SDPA flash 1.200" in out

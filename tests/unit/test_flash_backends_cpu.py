@@ -22,7 +22,7 @@ from kvllm.attention.backend import AttentionSelectorConfig
 from kvllm.attention.backends import flashinfer_impl
 from kvllm.attention.backends.flash_attn import FlashAttentionBackend
 from kvllm.attention.backends.flash_attn_impl import FlashAttentionMetadataBuilder
-from kvllm.attention.backends.flashinfer import FlashInferBackend
+from kvllm.attention.backends.flashinfer import FlashInferBackend, describe_pairs
 from kvllm.attention.backends.flashinfer_impl import (
     paged_kv_host_arrays,
     paged_kv_indices,
@@ -151,33 +151,40 @@ def test_declared_values_are_reasons_with_supported_sets(packages_present: None)
 
 
 def test_flashinfer_declares_only_the_verified_part_of_what_it_implements(packages_present: None) -> None:
-    """Head sizes 64/256, block size 64, window and soft-cap passed the walk for bfloat16 with a bfloat16
-    cache only: declared, and refused with a reason for the other (dtype, cache) pairs."""
+    """Head sizes 64/256, block size 64, window and soft-cap passed the walk for bfloat16 with bfloat16 and
+    fp8 caches only: declared, and refused with a reason for the other (dtype, cache) pairs."""
     fi = FlashInferBackend
     assert set(fi.head_sizes.values) == set(fi.IMPLEMENTED_HEAD_SIZES)
     assert set(fi.block_sizes.values) == set(fi.IMPLEMENTED_BLOCK_SIZES)
     assert fi.supports_sliding_window and fi.supports_logits_soft_cap
     assert fi.FP8_KV_CACHE_VERIFIED and {"fp8", "fp8_e4m3", "fp8_e5m2"} <= set(fi.supported_kv_cache_dtypes)
     assert fi.validate_configuration(selector_config(kv_cache_dtype="fp8_e5m2", block_size=32), H200) == []
-    for kv in ("auto", "bfloat16"):
+    for kv in ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"):
         wide = selector_config(dtype="bfloat16", kv_cache_dtype=kv, head_size=256, block_size=64,
                                has_sliding_window=True, logits_soft_cap=30.0)  # fmt: skip
         assert fi.validate_configuration(wide, H200) == []
+    verified = "verified for FLASHINFER with dtype bfloat16 with a bfloat16, fp8_e4m3 or fp8_e5m2 cache only"
     assert fi.validate_configuration(
         selector_config(dtype="float16", has_sliding_window=True, head_size=64, block_size=64), H200
     ) == [
-        "head_size 64, block_size 64, sliding window: verified for FLASHINFER with dtype bfloat16 with a "
-        "bfloat16 cache only, not yet with dtype float16 and kv_cache_dtype auto "
-        "(benchmarks/h200/backend_walk.py flashinfer)",
+        f"head_size 64, block_size 64, sliding window: {verified}, not yet with dtype float16 and kv_cache_dtype "
+        "auto (benchmarks/h200/backend_walk.py flashinfer)",
     ]
-    fp8 = selector_config(dtype="bfloat16", kv_cache_dtype="fp8", logits_soft_cap=30.0)
+    fp8 = selector_config(dtype="float16", kv_cache_dtype="fp8", logits_soft_cap=30.0)
     assert fi.validate_configuration(fp8, H200) == [
-        "logits soft-cap: verified for FLASHINFER with dtype bfloat16 with a bfloat16 cache only, not yet "
-        "with dtype bfloat16 and kv_cache_dtype fp8 (benchmarks/h200/backend_walk.py flashinfer)"
+        f"logits soft-cap: {verified}, not yet with dtype float16 and kv_cache_dtype fp8 "
+        "(benchmarks/h200/backend_walk.py flashinfer)"
     ]
     assert fi.validate_configuration(selector_config(head_size=96), H200) == [
         "head_size 96 not supported (supported: 64, 128, 256)"
     ]
+
+
+def test_flashinfer_pairs_in_words() -> None:
+    assert describe_pairs([("bfloat16", "bfloat16")]) == "dtype bfloat16 with a bfloat16 cache"
+    assert describe_pairs([("bfloat16", "bfloat16"), ("float16", "fp8_e5m2"), ("bfloat16", "fp8_e4m3")]) == (
+        "dtype bfloat16 with a bfloat16 or fp8_e4m3 cache; dtype float16 with a fp8_e5m2 cache"
+    )
 
 
 def test_flashinfer_reason_for_what_is_implemented_but_verified_nowhere(

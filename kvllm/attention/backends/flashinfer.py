@@ -60,6 +60,19 @@ def cache_dtype_name(dtype: str, kv_cache_dtype: str) -> str:
     return {"auto": dtype, "fp8": "fp8_e4m3"}.get(kv_cache_dtype, kv_cache_dtype)
 
 
+def describe_pairs(pairs: list[tuple[str, str]]) -> str:
+    """(model dtype, cache dtype) pairs in words, caches grouped by model dtype: "dtype bfloat16 with a
+    bfloat16, fp8_e4m3 or fp8_e5m2 cache"."""
+    caches: dict[str, list[str]] = {}
+    for dtype, cache in pairs:
+        caches.setdefault(dtype, []).append(cache)
+    return "; ".join(f"dtype {dtype} with a {_or(names)} cache" for dtype, names in caches.items())
+
+
+def _or(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+
+
 class FlashInferBackend(AttentionBackend):
     """FlashInfer: BatchDecodeWithPagedKVCacheWrapper for the decode part of a step and
     BatchPrefillWithPagedKVCacheWrapper for its prefill part, planned once per step.
@@ -84,12 +97,15 @@ class FlashInferBackend(AttentionBackend):
     VERIFIED_BLOCK_SIZES: ClassVar[tuple[int, ...]] = (16, 32)
     VERIFIED_SLIDING_WINDOW: ClassVar[bool] = False
     VERIFIED_LOGITS_SOFT_CAP: ClassVar[bool] = False
-    # Passed for one (model dtype, cache dtype) pair beyond the lines above. bfloat16 with a bfloat16 cache:
-    # all 27 cases of head sizes 64/128/256 x blocks 16/32/64 x none/window/soft-cap on an H100 (SM 9.0,
-    # twenty-fifth session, docs/benchmarks/h200/session25/4-fi-walk-h100.tgz); the walk's float16 and fp8
-    # halves were not reached, so those pairs keep the lines above.
+    # Passed for one (model dtype, cache dtype) pair beyond the lines above: all 27 cases of head sizes
+    # 64/128/256 x blocks 16/32/64 x none/window/soft-cap, on an H100 (SM 9.0). bfloat16 with a bfloat16 cache
+    # in the twenty-fifth session (docs/benchmarks/h200/session25/fi-walk-results), with fp8_e4m3 and fp8_e5m2
+    # caches in the twenty-sixth (session26/fi-walk-results). The float16 pairs passed 21 of 81 before the
+    # calls ended (none failed), so they keep the lines above.
     VERIFIED_BY_DTYPES: ClassVar[dict[tuple[str, str], VerifiedAxes]] = {
         ("bfloat16", "bfloat16"): VerifiedAxes((64, 128, 256), (16, 32, 64), True, True),
+        ("bfloat16", "fp8_e4m3"): VerifiedAxes((64, 128, 256), (16, 32, 64), True, True),
+        ("bfloat16", "fp8_e5m2"): VerifiedAxes((64, 128, 256), (16, 32, 64), True, True),
     }
     # fp8 KV caches (stored K / k_scale, read back with k_scale/v_scale): the GPU test's fp8 walk
     # (both model dtypes, fp8_e4m3 and fp8_e5m2, block sizes 16/32/64, head size 128) passed on the H200.
@@ -191,9 +207,9 @@ class FlashInferBackend(AttentionBackend):
                 "declared (benchmarks/h200/backend_walk.py flashinfer)"
             )
         if elsewhere:
-            pairs = ", ".join(f"dtype {d} with a {c} cache" for d, c in cls.VERIFIED_BY_DTYPES)
             reasons.append(
-                f"{', '.join(elsewhere)}: verified for FLASHINFER with {pairs} only, not yet with dtype "
+                f"{', '.join(elsewhere)}: verified for FLASHINFER with {describe_pairs(list(cls.VERIFIED_BY_DTYPES))}"
+                f" only, not yet with dtype "
                 f"{config.dtype} and kv_cache_dtype {config.kv_cache_dtype} "
                 "(benchmarks/h200/backend_walk.py flashinfer)"
             )
