@@ -40,6 +40,16 @@ def fake_run_case(errors: dict):
     return run
 
 
+def recording_run_case(ran: list):
+    """A run_case that passes every case and appends each case it runs to `ran`."""
+
+    def run(*case):
+        ran.append(case)
+        return 1e-3
+
+    return run
+
+
 def test_records_pass_fail_error_and_deadline(walk, tmp_path: Path) -> None:
     cases = [("bfloat16", "auto", 64, 16, "none"), ("bfloat16", "auto", 64, 32, "none"),
              ("bfloat16", "auto", 128, 16, "window")]  # fmt: skip
@@ -81,14 +91,17 @@ def test_a_fresh_machine_skips_what_an_earlier_lease_committed(
     monkeypatch.setenv("KVLLM_WALK_DONE", f"{tmp_path / 'nothing-here'}:{earlier.parent}")
     out = tmp_path / "out" / "walk-flashinfer-1of5.jsonl"
     ran = []
-
-    def run(dtype, kv, head, block, feature):
-        ran.append(block)
-        return 1e-3
-
-    walk.walk_cases("FLASHINFER", [passed, failed, errored], set(), run, TOL, out, time.monotonic() + 60)
+    walk.walk_cases(
+        "FLASHINFER",
+        [passed, failed, errored],
+        set(),
+        recording_run_case(ran),
+        TOL,
+        out,
+        time.monotonic() + 60,
+    )
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert ran == [64]  # an error is run again; a pass or a fail is a result
+    assert [case[3] for case in ran] == [64]  # an error is run again; a pass or a fail is a result
     assert [(r["status"], r.get("from_earlier_run", False)) for r in rows] == [
         ("pass", True),
         ("fail", True),
@@ -102,13 +115,10 @@ def test_a_cache_named_like_the_model_dtype_reuses_the_auto_result(walk, tmp_pat
     e5m2 = ("bfloat16", "fp8_e5m2", 64, 16, "none")
     out = tmp_path / "out" / "walk-x.jsonl"
     ran = []
-
-    def run(dtype, kv, head, block, feature):
-        ran.append(kv)
-        return 1e-3
-
-    walk.walk_cases("FLASHINFER", [auto, named, e5m2], set(), run, TOL, out, time.monotonic() + 60)
-    assert ran == ["auto", "fp8_e5m2"]
+    walk.walk_cases(
+        "FLASHINFER", [auto, named, e5m2], set(), recording_run_case(ran), TOL, out, time.monotonic() + 60
+    )
+    assert [case[1] for case in ran] == ["auto", "fp8_e5m2"]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert (
         rows[1]["case"] == "FLASHINFER/bfloat16/bfloat16/64/16/none"
