@@ -97,7 +97,7 @@ class FlashInferBackend(AttentionBackend):
     VERIFIED_BLOCK_SIZES: ClassVar[tuple[int, ...]] = (16, 32)
     VERIFIED_SLIDING_WINDOW: ClassVar[bool] = False
     VERIFIED_LOGITS_SOFT_CAP: ClassVar[bool] = False
-    # Passed for one (model dtype, cache dtype) pair beyond the lines above: all 27 cases of head sizes
+    # Per (model dtype, cache dtype) pair, what passed beyond the lines above: all 27 cases of head sizes
     # 64/128/256 x blocks 16/32/64 x none/window/soft-cap, on an H100 (SM 9.0). bfloat16 with a bfloat16 cache
     # in the twenty-fifth session (docs/benchmarks/h200/session25/fi-walk-results), with fp8_e4m3 and fp8_e5m2
     # caches in the twenty-sixth (session26/fi-walk-results). The float16 pairs passed 21 of 81 before the
@@ -207,9 +207,9 @@ class FlashInferBackend(AttentionBackend):
                 "declared (benchmarks/h200/backend_walk.py flashinfer)"
             )
         if elsewhere:
+            verified_pairs = describe_pairs(list(cls.VERIFIED_BY_DTYPES))
             reasons.append(
-                f"{', '.join(elsewhere)}: verified for FLASHINFER with {describe_pairs(list(cls.VERIFIED_BY_DTYPES))}"
-                f" only, not yet with dtype "
+                f"{', '.join(elsewhere)}: verified for FLASHINFER with {verified_pairs} only, not yet with dtype "
                 f"{config.dtype} and kv_cache_dtype {config.kv_cache_dtype} "
                 "(benchmarks/h200/backend_walk.py flashinfer)"
             )
