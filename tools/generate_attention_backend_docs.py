@@ -19,7 +19,7 @@ sys.path.insert(0, str(ROOT))
 
 from kvllm.attention import registry  # noqa: E402
 from kvllm.attention.backend import AttentionBackend  # noqa: E402
-from kvllm.attention.backends.flashinfer import describe_pairs  # noqa: E402
+from kvllm.attention.backends.flashinfer import VerifiedAxes, describe_pairs  # noqa: E402
 from kvllm.platforms import PLATFORMS, backend_priority  # noqa: E402
 
 DOC_PATH = ROOT / "docs" / "attention_backends.md"
@@ -179,26 +179,20 @@ TRT-LLM attention kernels (`-ac.use_trtllm_attention`) are not part of this buil
 def flashinfer_pairs_note(flashinfer: type) -> str:
     """What FLASHINFER's row declares for some (model dtype, cache dtype) pairs only."""
 
-    def axes(heads: tuple[int, ...], blocks: tuple[int, ...], window: bool, soft_cap: bool) -> str:
-        features = [name for name, on in (("sliding window", window), ("soft-cap", soft_cap)) if on]
+    def axes(v: VerifiedAxes) -> str:
+        features = [
+            name for name, on in (("sliding window", v.sliding_window), ("soft-cap", v.logits_soft_cap)) if on
+        ]
         return (
-            f"head sizes {', '.join(map(str, heads))}, block sizes {', '.join(map(str, blocks))}"
+            f"head sizes {', '.join(map(str, v.head_sizes))}, block sizes {', '.join(map(str, v.block_sizes))}"
             f"{', ' + ', '.join(features) if features else ', neither sliding window nor soft-cap'}"
         )
 
-    everywhere = axes(
-        flashinfer.VERIFIED_HEAD_SIZES,
-        flashinfer.VERIFIED_BLOCK_SIZES,
-        flashinfer.VERIFIED_SLIDING_WINDOW,
-        flashinfer.VERIFIED_LOGITS_SOFT_CAP,
-    )
-    by_axes: dict[object, list[tuple[str, str]]] = {}
+    everywhere = axes(flashinfer.verified_everywhere())
+    by_axes: dict[VerifiedAxes, list[tuple[str, str]]] = {}
     for pair, verified in flashinfer.VERIFIED_BY_DTYPES.items():
         by_axes.setdefault(verified, []).append(pair)
-    pairs = "; ".join(
-        f"{describe_pairs(same)}: {axes(v.head_sizes, v.block_sizes, v.sliding_window, v.logits_soft_cap)}"
-        for v, same in by_axes.items()
-    )
+    pairs = "; ".join(f"{describe_pairs(same)}: {axes(v)}" for v, same in by_axes.items())
     return (
         f"† FLASHINFER's row is the union of what passed the conformance walk on SM 9.0 per model dtype and "
         f"cache dtype ({pairs}). Other pairs are declared for {everywhere}; beyond that they are refused "

@@ -106,11 +106,8 @@ def _validates(case: Case) -> bool:
 def declared_cases() -> list[Case]:
     """The walk is exactly what validation accepts: the declared axes, less the (model dtype, cache dtype)
     pairs whose part beyond VERIFIED_* passed only for other pairs (VERIFIED_BY_DTYPES)."""
-    everywhere = (
-        Backend.VERIFIED_HEAD_SIZES,
-        Backend.VERIFIED_BLOCK_SIZES,
-        _features(Backend.VERIFIED_SLIDING_WINDOW, Backend.VERIFIED_LOGITS_SOFT_CAP),
-    )
+    v = Backend.verified_everywhere()
+    everywhere = (v.head_sizes, v.block_sizes, _features(v.sliding_window, v.logits_soft_cap))
     assert all(_validates(c) for c in _walk(Backend.supported_kv_cache_dtypes, everywhere))
     return [c for c in _walk(Backend.supported_kv_cache_dtypes, DECLARED_AXES) if _validates(c)]
 

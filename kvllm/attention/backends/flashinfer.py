@@ -164,16 +164,20 @@ class FlashInferBackend(AttentionBackend):
         )
 
     @classmethod
-    def verified_axes(cls, config: AttentionSelectorConfig) -> VerifiedAxes:
-        """What the walk verified for the config's (model dtype, cache dtype) pair."""
-        everywhere = VerifiedAxes(
+    def verified_everywhere(cls) -> VerifiedAxes:
+        """What the walk verified for every (model dtype, cache dtype) pair (the VERIFIED_* lines)."""
+        return VerifiedAxes(
             cls.VERIFIED_HEAD_SIZES,
             cls.VERIFIED_BLOCK_SIZES,
             cls.VERIFIED_SLIDING_WINDOW,
             cls.VERIFIED_LOGITS_SOFT_CAP,
         )
+
+    @classmethod
+    def verified_axes(cls, config: AttentionSelectorConfig) -> VerifiedAxes:
+        """What the walk verified for the config's (model dtype, cache dtype) pair."""
         pair = (config.dtype, cache_dtype_name(config.dtype, config.kv_cache_dtype))
-        return cls.VERIFIED_BY_DTYPES.get(pair, everywhere)
+        return cls.VERIFIED_BY_DTYPES.get(pair, cls.verified_everywhere())
 
     @classmethod
     def _pending_verification_reasons(cls, config: AttentionSelectorConfig) -> list[str]:
