@@ -93,6 +93,18 @@ WARPS_GATED += [
     (4, 256, 1, 4, 1, False, False),
 ]
 
+# --set mma (twenty-seventh session, not run on a GPU yet): the tensor-core kernel (w4a16_gemv_mma.py; a ninth
+# field, mma) against the defaults: 16-128 columns per program, tiles of one group (128 values), pipelines of
+# 4-6 stages, and K split for the narrow projections (qkv 96 programs of 64 columns, o and down 64, on 132 SMs).
+MMA = [(bn, 128, 1, 4, split, False, False, False, True) for bn in (32, 64) for split in (1, 2, 4)]
+MMA += [(16, 128, 1, 4, 1, False, False, False, True), (16, 128, 1, 4, 2, False, False, False, True)]
+MMA += [(64, 128, 1, 6, 1, False, False, False, True), (64, 128, 1, 6, 2, False, False, False, True)]
+MMA += [(128, 128, 2, 4, 1, False, False, False, True), (128, 128, 2, 4, 2, False, False, False, True)]
+MMA += [(64, 128, 1, 4, 7, False, False, False, True), (64, 128, 1, 3, 2, False, False, False, True)]
+MMA_GATED = [(bn, 128, 1, 4, 1, False, False, False, True) for bn in (16, 32)]  # 64 at one warp spills
+MMA_GATED += [(32, 128, 1, 6, 1, False, False, False, True), (64, 128, 2, 4, 1, False, False, False, True)]
+MMA_GATED += [(32, 128, 1, 3, 1, False, False, False, True), (16, 128, 1, 6, 1, False, False, False, True)]
+
 
 def _config(cfg: tuple[int, ...]) -> Any:
     from kvllm.layers.quantization.ops.w4a16_gemv import W4A16GemvConfig
@@ -101,8 +113,9 @@ def _config(cfg: tuple[int, ...]) -> Any:
     paired = bool(flags[0]) if flags else False
     prefetch = bool(flags[1]) if len(flags) > 1 else True
     flat = bool(flags[2]) if len(flags) > 2 else False
+    mma = bool(flags[3]) if len(flags) > 3 else False
     return W4A16GemvConfig(block_n, block_k, warps, stages, prefetch=prefetch, split_k=split, paired=paired,
-                           flat_tile=flat)  # fmt: skip
+                           flat_tile=flat, mma=mma)  # fmt: skip
 
 
 def _compile(job: tuple[tuple[int, int, int, int], int, bool]) -> str:
@@ -133,7 +146,9 @@ def main() -> int:
     parser.add_argument("--out", default="gpu-out")
     parser.add_argument("--budget-s", type=float, default=60.0)
     parser.add_argument("--table-out", help="write the fastest config per shape as a tuned-config table")
-    parser.add_argument("--set", choices=["all", "next", "warps"], default="all", help="the candidate set")
+    parser.add_argument(
+        "--set", choices=["all", "next", "warps", "mma"], default="all", help="the candidate set"
+    )
     parser.add_argument("--shapes", default=",".join(SHAPES), help="comma list of " + ", ".join(SHAPES))
     args = parser.parse_args()
     out = Path(args.out)
@@ -144,6 +159,8 @@ def main() -> int:
         CANDIDATES, GATED = NEXT, NEXT_GATED
     elif args.set == "warps":
         CANDIDATES, GATED = WARPS, WARPS_GATED
+    elif args.set == "mma":
+        CANDIDATES, GATED = MMA, MMA_GATED
     shapes = {name: SHAPES[name] for name in args.shapes.split(",")}
     jobs = [(c, k, False) for c in CANDIDATES for k in (4096, 14336) if k % (c[1] * c[4]) == 0]
     jobs += [(c, 4096, True) for c in GATED]
@@ -227,7 +244,7 @@ def main() -> int:
             fn = w4a16_gemv_silu_and_mul if gated else w4a16_gemv
             rec = base | {"impl": f"w4a16 {kind}", "config": [conf.block_n, conf.block_k, conf.num_warps, conf.num_stages,
                           conf.split_k, conf.paired], "prefetch": conf.prefetch, "flat_tile": conf.flat_tile,
-                          "default": cfg is None}  # fmt: skip
+                          "mma": conf.mma, "default": cfg is None}  # fmt: skip
             try:
                 got = fn(x, *w4[0], GROUP, config=conf).float()
                 expected = act if gated else ref
@@ -259,7 +276,7 @@ def main() -> int:
         fields = ("block_n", "block_k", "num_warps", "num_stages", "split_k", "paired")
         entries = {
             key: dict(zip(fields, rec["config"]))
-            | {"prefetch": rec["prefetch"], "flat_tile": rec["flat_tile"]}
+            | {"prefetch": rec["prefetch"], "flat_tile": rec["flat_tile"], "mma": rec.get("mma", False)}
             for key, rec in table.items()
         }
         Path(args.table_out).write_text(json.dumps({torch.cuda.get_device_name(): entries}, indent=1) + "\n")
@@ -274,7 +291,8 @@ def main() -> int:
             if timed:
                 best = min(timed, key=lambda r: r["us"])
                 dflt = [r for r in timed if r.get("default")]
-                print(f"{shape:8} {kind:16} best {best['config']} {best['us']} us ({best['tbps']} TB/s) "
+                print(f"{shape:8} {kind:16} best {best['config']}{' mma' if best.get('mma') else ''} {best['us']} us "
+                      f"({best['tbps']} TB/s) "
                       f"default {dflt[0]['us'] if dflt else '-'} us; bf16 {bf[0]['us'] if bf else '-'} us")  # fmt: skip
     return 0
 

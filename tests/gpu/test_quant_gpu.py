@@ -160,6 +160,53 @@ def test_w4a16_gemv_split_k_under_concurrency_and_graph_replay(n, k, split, m, g
     assert not _SCRATCH.buffers[x.device][1].any()
 
 
+@pytest.mark.parametrize(
+    "n,k,group", [(6144, 4096, 128), (4096, 14336, 128), (272, 384, 384), (4096, 4096, 4096)]
+)
+@pytest.mark.parametrize("m", [1, 2, 4])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_w4a16_gemv_mma_matches_float32(n, k, group, m, dtype) -> None:
+    """The tensor-core GEMV (the inline-PTX pair decode the interpreter cannot run), plain with a bias
+    and gated, whole-K and split, against float32; zeros off the integers too; the same bits again."""
+    from kvllm.layers.quantization.ops.w4a16_gemv import W4A16GemvConfig, w4a16_gemv, w4a16_gemv_silu_and_mul
+
+    qweight, scales, zeros = random_int4(n, k, group, dtype, seed=n + m + k)
+    zeros[::3] += 0.25  # a zero point between integers (M + z in float32, not rounded)
+    x = torch.randn(m, k, generator=_gen(m), device=CUDA).to(dtype)
+    bias = torch.randn(n, generator=_gen(n), device=CUDA).to(dtype)
+    y = x.float() @ dequantize(qweight, scales, zeros, group).T
+    tiles = k // 128
+    for block_n, warps, split in ((64, 1, 1), (16, 1, 1), (128, 2, 2 if tiles % 2 == 0 else 3)):
+        config = W4A16GemvConfig(block_n, 128, warps, 4, split_k=split, mma=True)
+        out = w4a16_gemv(x, qweight, scales, zeros, group, bias, config)
+        assert_close_scaled(out, y + bias.float(), 1e-2)
+        assert torch.equal(w4a16_gemv(x, qweight, scales, zeros, group, bias, config), out)
+        gated = w4a16_gemv_silu_and_mul(x, qweight, scales, zeros, group, None, config)
+        gate, up = y.to(dtype).float().split(n // 2, dim=1)
+        assert_close_scaled(gated, torch.nn.functional.silu(gate).to(dtype).float() * up, 2e-2)
+
+
+@pytest.mark.parametrize("n,k,split", [(6144, 4096, 4), (4096, 14336, 7)])
+def test_w4a16_gemv_mma_split_k_in_graph_replay(n, k, split) -> None:
+    """The tensor-core GEMV's split inside a CUDA graph replayed on new inputs (tickets back at zero)."""
+    from kvllm.layers.quantization.ops.w4a16_gemv import _SCRATCH, W4A16GemvConfig, w4a16_gemv
+
+    config = W4A16GemvConfig(64, 128, 1, 4, split_k=split, mma=True)
+    qweight, scales, zeros = random_int4(n, k, 128, torch.bfloat16, seed=n + split)
+    w = dequantize(qweight, scales, zeros, 128)
+    x = torch.randn(1, k, generator=_gen(7), device=CUDA).bfloat16()
+    w4a16_gemv(x, qweight, scales, zeros, 128, config=config)  # the workspace grows outside the capture
+    graph, static_x = torch.cuda.CUDAGraph(), x.clone()
+    with torch.cuda.graph(graph):
+        static_out = w4a16_gemv(static_x, qweight, scales, zeros, 128, config=config)
+    for seed in range(3):
+        static_x.copy_(torch.randn(1, k, generator=_gen(200 + seed), device=CUDA).bfloat16())
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close_scaled(static_out, static_x.float() @ w.T, 1e-2)
+    assert not _SCRATCH.buffers[x.device][1].any()
+
+
 @pytest.mark.parametrize("n,k", [(28672, 4096), (6144, 1024), (528, 384)])
 @pytest.mark.parametrize("m", [1, 4])
 def test_w4a16_gemv_silu_and_mul_matches_float32(n, k, m) -> None:

@@ -243,6 +243,62 @@ def test_w4a16_gemv_rejects_bad_operands() -> None:
         w4a16_gemv_silu_and_mul(torch.randn(1, 256), qweight[:15], scales[:15], zeros[:15], 128)
 
 
+MMA_CASES = [
+    # m, n, k, group, bias, (block_n, block_k, warps, stages, split_k), dtype
+    (1, 64, 256, 128, False, (32, 128, 1, 2, 1), torch.bfloat16),
+    (3, 40, 512, 256, True, (16, 256, 1, 2, 1), torch.float16),  # N not a multiple of block_n, rows padded
+    (4, 96, 1024, 1024, False, (32, 256, 2, 2, 2), torch.bfloat16),  # one group for all of K, K split
+    (2, 48, 384, 128, True, (16, 128, 1, 1, 3), torch.bfloat16),  # an odd split
+]
+
+
+@pytest.mark.parametrize("m,n,k,group,with_bias,config,dtype", MMA_CASES)
+def test_w4a16_gemv_mma_matches_float32_reference(m, n, k, group, with_bias, config, dtype) -> None:
+    """The tensor-core GEMV (its interpreter form of the pair decode), plain and gated, against x @ W^T in
+    float32 with the exact dequantized weight, zeros between the integers included (M + z stays in
+    float32); a split gives the same bits on a second call."""
+    from kvllm.layers.quantization.ops.w4a16_gemv import W4A16GemvConfig, w4a16_gemv, w4a16_gemv_silu_and_mul
+
+    conf = W4A16GemvConfig(*config[:4], split_k=config[4], mma=True)
+    qweight, scales, zeros = random_int4(n, k, group, dtype, seed=m * n + k)
+    zeros = zeros + 0.375 * (torch.rand(zeros.shape, generator=_gen(k)) > 0.5).to(dtype)
+    x = torch.randn(m, k, generator=_gen(k + m)).to(dtype)
+    bias = torch.randn(n, generator=_gen(n)).to(dtype) if with_bias else None
+    out = w4a16_gemv(x, qweight, scales, zeros, group, bias, conf)
+    expected = x.float() @ dequantize(qweight, scales, zeros, group).T + (bias.float() if with_bias else 0)
+    rtol, atol = TOLERANCES[dtype]
+    assert out.dtype == dtype and out.shape == (m, n)
+    torch.testing.assert_close(out.float(), expected, rtol=rtol, atol=atol)
+    assert torch.equal(w4a16_gemv(x, qweight, scales, zeros, group, bias, conf), out)
+
+    q2, s2, z2 = random_int4(2 * n, k, group, dtype, seed=n + 1)
+    bias2 = torch.cat([bias, -bias]) if with_bias else None
+    gated = w4a16_gemv_silu_and_mul(x, q2, s2, z2, group, bias2, conf)
+    y = (x.float() @ dequantize(q2, s2, z2, group).T + (bias2.float() if with_bias else 0)).to(dtype).float()
+    expected_gated = torch.nn.functional.silu(y[:, :n]).to(dtype).float() * y[:, n:]
+    torch.testing.assert_close(gated.float(), expected_gated, rtol=rtol, atol=atol)
+
+
+def test_w4a16_gemv_mma_rejects_what_it_cannot_run() -> None:
+    from kvllm.layers.quantization.ops.w4a16_gemv import W4A16GemvConfig, w4a16_gemv
+
+    qweight, scales, zeros = random_int4(32, 256, 128, torch.bfloat16, seed=1)
+    x = torch.randn(1, 256).bfloat16()
+    with pytest.raises(ValueError, match="needs x in"):
+        w4a16_gemv(
+            x.float(), qweight, scales.float(), zeros.float(), 128, config=W4A16GemvConfig(16, 128, mma=True)
+        )
+    with pytest.raises(ValueError, match="dividing the group size 128"):
+        w4a16_gemv(x, qweight, scales, zeros, 128, config=W4A16GemvConfig(16, 256, mma=True))
+    with pytest.raises(ValueError, match="multiple of 16 x num_warps"):
+        w4a16_gemv(x, qweight, scales, zeros, 128, config=W4A16GemvConfig(16, 128, num_warps=2, mma=True))
+    with pytest.raises(ValueError, match="takes no paired"):
+        w4a16_gemv(x, qweight, scales, zeros, 128, config=W4A16GemvConfig(16, 128, paired=True, mma=True))
+    q64, s64, z64 = random_int4(32, 256, 64, torch.bfloat16, seed=2)
+    with pytest.raises(ValueError, match="multiples of 128"):
+        w4a16_gemv(x, q64, s64, z64, 64, config=W4A16GemvConfig(16, 128, mma=True))
+
+
 @pytest.mark.parametrize("group", [128, 32])
 @pytest.mark.parametrize(
     "block_n,values_per_row,num_warps",

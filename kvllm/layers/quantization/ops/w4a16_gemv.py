@@ -55,6 +55,7 @@ import triton.language as tl
 
 from kvllm.layers.ops.common import cast_to, exp_f32, interpreting, round_to
 from kvllm.layers.quantization.ops.int4_layout import PACK, block_words
+from kvllm.layers.quantization.ops.w4a16_gemv_mma import check_mma_config, launch_mma
 from kvllm.utils.pdl import pdl_enabled, pdl_launch_options, wait_for_previous_kernel
 
 MAX_ROWS = 4
@@ -484,6 +485,9 @@ class W4A16GemvConfig:
     split_k: int = 1  # programs per column block, each over K / split_k values (_split_k_store)
     paired: bool = False  # 2 x block_n columns per program, read as two streams (not gated)
     flat_tile: bool = False  # load each tile's words as [block_n, words] and reshape (see the kernel)
+    # The tensor-core kernel (w4a16_gemv_mma.py): block_n columns (a multiple of 16 per warp), tiles of
+    # block_k values within one group, split_k; paired, flat_tile and prefetch do not apply to it.
+    mma: bool = False
 
 
 MIN_WARPS = 8 * 132  # eight warps per SM of an H200: fewer leave its four schedulers short of work
@@ -686,6 +690,10 @@ def _launch(
         raise ValueError(
             f"split_k {split} must be >= 1 and cut K = {k} into whole tiles of {bk} values; got {config}"
         )
+    if config.mma:
+        if config.paired or config.flat_tile or config.prefetch:
+            raise ValueError(f"mma=True takes no paired, flat_tile or prefetch; got {config}")
+        check_mma_config(x, k, group_size, bn, bk, config.num_warps)
     paired = config.paired and not gated
     if paired and n % (2 * bn):
         raise ValueError(f"paired needs N = {n} a multiple of 2 x block_n; got {config}")
@@ -698,6 +706,10 @@ def _launch(
             split = 1
         else:
             workspace, tickets = scratch
+    if config.mma:
+        launch_mma(x, qweight, scales, zeros, group_size, bias, out, gated, block_m_for(m), bn, bk,
+                   config.num_warps, config.num_stages, split, workspace, tickets, interpreting())  # fmt: skip
+        return out
     prefetch = (
         config.prefetch
         and x.is_cuda
