@@ -27,7 +27,7 @@ since() { echo "[$(( $(date +%s) - started )) s] $*"; }
 FA_PATH=.:/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages
 # KVLLM_WALK_DONE: earlier leases' committed walk results, not compiled and run again
 FI_ENV=(PYTHONPATH=.:/tmp/site-fi FLASHINFER_WORKSPACE_BASE=/tmp/fiws TVM_FFI_CACHE_DIR=/tmp/tvmffi MAX_JOBS=3
-        KVLLM_WALK_DONE=docs/benchmarks/h200/session25/fi-walk-results:docs/benchmarks/h200/session26/fi-walk-results)
+        KVLLM_WALK_DONE=docs/benchmarks/h200/session25/fi-walk-results:docs/benchmarks/h200/session26/fi-walk-results:docs/benchmarks/h200/session27/fi-walk-results)
 WALK=benchmarks/h200/backend_walk.py
 
 [ -f .stage2/unpack.sh ] && { bash .stage2/unpack.sh > "$out/stage2.log" 2>&1; since "FA4 stage 2: $(tail -n 1 "$out/stage2.log")"; }

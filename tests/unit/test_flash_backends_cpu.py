@@ -22,7 +22,7 @@ from kvllm.attention.backend import AttentionSelectorConfig
 from kvllm.attention.backends import flashinfer_impl
 from kvllm.attention.backends.flash_attn import FlashAttentionBackend
 from kvllm.attention.backends.flash_attn_impl import FlashAttentionMetadataBuilder
-from kvllm.attention.backends.flashinfer import FlashInferBackend, describe_pairs
+from kvllm.attention.backends.flashinfer import FlashInferBackend, VerifiedAxes, describe_pairs
 from kvllm.attention.backends.flashinfer_impl import (
     paged_kv_host_arrays,
     paged_kv_indices,
@@ -150,33 +150,59 @@ def test_declared_values_are_reasons_with_supported_sets(packages_present: None)
     assert fa == ["kv_cache_dtype fp8 not supported (supported: auto, float16, bfloat16)"]
 
 
-def test_flashinfer_declares_only_the_verified_part_of_what_it_implements(packages_present: None) -> None:
-    """Head sizes 64/256, block size 64, window and soft-cap passed the walk for bfloat16 with bfloat16 and
-    fp8 caches only: declared, and refused with a reason for the other (dtype, cache) pairs."""
+def test_flashinfer_declares_everything_it_implements_now_that_every_pair_passed(
+    packages_present: None,
+) -> None:
+    """The walk passed all 27 cases of every (dtype, cache) pair (twenty-seventh session): head sizes
+    64/128/256, blocks 16/32/64, window and soft-cap declared for both model dtypes and every cache."""
     fi = FlashInferBackend
     assert set(fi.head_sizes.values) == set(fi.IMPLEMENTED_HEAD_SIZES)
     assert set(fi.block_sizes.values) == set(fi.IMPLEMENTED_BLOCK_SIZES)
     assert fi.supports_sliding_window and fi.supports_logits_soft_cap
     assert fi.FP8_KV_CACHE_VERIFIED and {"fp8", "fp8_e4m3", "fp8_e5m2"} <= set(fi.supported_kv_cache_dtypes)
-    assert fi.validate_configuration(selector_config(kv_cache_dtype="fp8_e5m2", block_size=32), H200) == []
+    for dtype in ("bfloat16", "float16"):
+        for kv in ("auto", dtype, "fp8", "fp8_e4m3", "fp8_e5m2"):
+            wide = selector_config(dtype=dtype, kv_cache_dtype=kv, head_size=256, block_size=64,
+                                   has_sliding_window=True, logits_soft_cap=30.0)  # fmt: skip
+            assert fi.validate_configuration(wide, H200) == [], (dtype, kv)
+    assert fi.validate_configuration(selector_config(head_size=96), H200) == [
+        "head_size 96 not supported (supported: 64, 128, 256)"
+    ]
+
+
+def _partly_verified(monkeypatch: pytest.MonkeyPatch, by_dtypes: dict) -> None:
+    """The declaration as it stood before the float16 walk: head size 128 and blocks 16/32 everywhere,
+    the rest per pair."""
+    monkeypatch.setattr(FlashInferBackend, "VERIFIED_HEAD_SIZES", (128,))
+    monkeypatch.setattr(FlashInferBackend, "VERIFIED_BLOCK_SIZES", (16, 32))
+    monkeypatch.setattr(FlashInferBackend, "VERIFIED_SLIDING_WINDOW", False)
+    monkeypatch.setattr(FlashInferBackend, "VERIFIED_LOGITS_SOFT_CAP", False)
+    monkeypatch.setattr(FlashInferBackend, "VERIFIED_BY_DTYPES", by_dtypes)
+
+
+def test_flashinfer_refuses_with_a_reason_what_passed_for_other_pairs_only(
+    packages_present: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A walk that covered some (dtype, cache) pairs completely: the others are refused, naming the pairs
+    that passed."""
+    fi = FlashInferBackend
+    wide = VerifiedAxes((64, 128, 256), (16, 32, 64), True, True)
+    _partly_verified(monkeypatch, {("bfloat16", c): wide for c in ("bfloat16", "fp8_e4m3", "fp8_e5m2")})
     for kv in ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"):
-        wide = selector_config(dtype="bfloat16", kv_cache_dtype=kv, head_size=256, block_size=64,
-                               has_sliding_window=True, logits_soft_cap=30.0)  # fmt: skip
-        assert fi.validate_configuration(wide, H200) == []
+        config = selector_config(dtype="bfloat16", kv_cache_dtype=kv, head_size=256, block_size=64,
+                                 has_sliding_window=True, logits_soft_cap=30.0)  # fmt: skip
+        assert fi._pending_verification_reasons(config) == []
     verified = "verified for FLASHINFER with dtype bfloat16 with a bfloat16, fp8_e4m3 or fp8_e5m2 cache only"
-    assert fi.validate_configuration(
-        selector_config(dtype="float16", has_sliding_window=True, head_size=64, block_size=64), H200
+    assert fi._pending_verification_reasons(
+        selector_config(dtype="float16", has_sliding_window=True, head_size=64, block_size=64)
     ) == [
         f"head_size 64, block_size 64, sliding window: {verified}, not yet with dtype float16 and kv_cache_dtype "
         "auto (benchmarks/h200/backend_walk.py flashinfer)",
     ]
     fp8 = selector_config(dtype="float16", kv_cache_dtype="fp8", logits_soft_cap=30.0)
-    assert fi.validate_configuration(fp8, H200) == [
+    assert fi._pending_verification_reasons(fp8) == [
         f"logits soft-cap: {verified}, not yet with dtype float16 and kv_cache_dtype fp8 "
         "(benchmarks/h200/backend_walk.py flashinfer)"
-    ]
-    assert fi.validate_configuration(selector_config(head_size=96), H200) == [
-        "head_size 96 not supported (supported: 64, 128, 256)"
     ]
 
 
@@ -190,7 +216,7 @@ def test_flashinfer_pairs_in_words() -> None:
 def test_flashinfer_reason_for_what_is_implemented_but_verified_nowhere(
     packages_present: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(FlashInferBackend, "VERIFIED_BY_DTYPES", {})
+    _partly_verified(monkeypatch, {})
     assert FlashInferBackend._pending_verification_reasons(selector_config(head_size=64, block_size=64)) == [
         "head_size 64, block_size 64: implemented for FLASHINFER but not yet verified on an H200, so not "
         "declared (benchmarks/h200/backend_walk.py flashinfer)"
