@@ -93,17 +93,18 @@ WARPS_GATED += [
     (4, 256, 1, 4, 1, False, False),
 ]
 
-# --set mma (twenty-seventh session, not run on a GPU yet): the tensor-core kernel (w4a16_gemv_mma.py; a ninth
-# field, mma) against the defaults: 16-128 columns per program, tiles of one group (128 values), pipelines of
-# 4-6 stages, and K split for the narrow projections (qkv 96 programs of 64 columns, o and down 64, on 132 SMs).
-MMA = [(bn, 128, 1, 4, split, False, False, False, True) for bn in (32, 64) for split in (1, 2, 4)]
-MMA += [(16, 128, 1, 4, 1, False, False, False, True), (16, 128, 1, 4, 2, False, False, False, True)]
-MMA += [(64, 128, 1, 6, 1, False, False, False, True), (64, 128, 1, 6, 2, False, False, False, True)]
-MMA += [(128, 128, 2, 4, 1, False, False, False, True), (128, 128, 2, 4, 2, False, False, False, True)]
-MMA += [(64, 128, 1, 4, 7, False, False, False, True), (64, 128, 1, 3, 2, False, False, False, True)]
-MMA_GATED = [(bn, 128, 1, 4, 1, False, False, False, True) for bn in (16, 32)]  # 64 at one warp spills
-MMA_GATED += [(32, 128, 1, 6, 1, False, False, False, True), (64, 128, 2, 4, 1, False, False, False, True)]
-MMA_GATED += [(32, 128, 1, 3, 1, False, False, False, True), (16, 128, 1, 6, 1, False, False, False, True)]
+# --set mma (twenty-seventh session): the tensor-core kernel (w4a16_gemv_mma.py; a ninth field, mma) against
+# the defaults. Its first H100 sweep (with the group factors loaded in the tile that used them) ran faster
+# the more programs were in flight: 16 columns with K split in two were best on qkv, o and down (10.9, 9.3,
+# 24.5 us against the defaults' 10.8, 8.4, 21.7), 16 columns whole-K on the plain gate_up (31.5 against
+# 33.8); 64 columns whole-K ran at 0.28-0.55 TB/s. Hence narrow programs and wide splits here, now that the
+# factors come a tile ahead.
+MMA = [(bn, 128, 1, 4, split, False, False, False, True) for bn in (16, 32, 64) for split in (1, 2, 4)]
+MMA += [(bn, 128, 1, 4, 7, False, False, False, True) for bn in (16, 32, 64)]  # down only (K = 14336)
+MMA += [(16, 128, 1, s, 2, False, False, False, True) for s in (3, 6)]
+MMA += [(128, 128, 2, 4, 4, False, False, False, True), (16, 128, 1, 4, 8, False, False, False, True)]
+MMA_GATED = [(bn, 128, 1, s, 1, False, False, False, True) for bn in (16, 32) for s in (3, 4, 6)]
+MMA_GATED += [(64, 128, 2, 4, 1, False, False, False, True)]  # 64 columns at one warp spill (two streams)
 
 
 def _config(cfg: tuple[int, ...]) -> Any:

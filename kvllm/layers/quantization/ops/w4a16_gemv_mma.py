@@ -116,6 +116,21 @@ def _group_sum(words, x0, x1, x2, x3, x_sum, s, z, MAGIC: tl.constexpr, MAGIC_BI
 
 
 @triton.jit
+def _factors(s_ptr, z_ptr, g, up_groups, GATED: tl.constexpr):
+    """The scales and zeros at group offsets g (and the up rows' at g + up_groups when GATED; zeros
+    otherwise), in float32."""
+    s = tl.load(s_ptr + g).to(tl.float32)
+    z = tl.load(z_ptr + g).to(tl.float32)
+    if GATED:
+        s_up = tl.load(s_ptr + up_groups + g).to(tl.float32)
+        z_up = tl.load(z_ptr + up_groups + g).to(tl.float32)
+    else:
+        s_up = tl.zeros_like(s)
+        z_up = tl.zeros_like(z)
+    return s, z, s_up, z_up
+
+
+@triton.jit
 def _finish(y, up, bias_ptr, out_ptr, cols, rows, N, M, stride_om, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
             INTERPRET: tl.constexpr):  # fmt: skip
     """Bias, the gated epilogue and the store of [BLOCK_N, BLOCK_M] sums (rows past M and columns past
@@ -178,19 +193,29 @@ def _w4a16_gemv_mma_kernel(
     up_groups = N * num_groups
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    # The group factors come one tile ahead, in registers: 16-bit loads with a column stride, which
+    # Triton's pipeline does not copy. Loaded in the tile that used them, their latency held up every
+    # iteration (the twenty-seventh session's H100 sweep: 0.3-1.1 TB/s, rising with the programs in
+    # flight); two tiles ahead, Triton dropped the shared-memory pipeline of the weight tiles.
+    last_group = g_ptrs + (k_start + k_len - 1) // GROUP_SIZE
+    s_next, z_next, s_up_next, z_up_next = _factors(
+        s_ptr, z_ptr, g_ptrs + k_start // GROUP_SIZE, up_groups, GATED
+    )
     for k0 in tl.range(k_start, k_start + k_len, BLOCK_K, num_stages=NUM_STAGES):
+        s = s_next
+        z = z_next
+        s_up = s_up_next
+        z_up = z_up_next
+        s_next, z_next, s_up_next, z_up_next = _factors(
+            s_ptr, z_ptr, tl.minimum(g_ptrs + (k0 + BLOCK_K) // GROUP_SIZE, last_group), up_groups, GATED
+        )
         xt = tl.load(x_ptrs + k0)
         words = tl.load(qw_ptrs)
         x0, x1, x2, x3 = _x_pairs(xt, BLOCK_M, BLOCK_K)
         x_sum = tl.sum(xt.to(tl.float32), axis=1)
-        g = g_ptrs + k0 // GROUP_SIZE
-        s = tl.load(s_ptr + g).to(tl.float32)
-        z = tl.load(z_ptr + g).to(tl.float32)
         acc += _group_sum(words, x0, x1, x2, x3, x_sum, s, z, MAGIC, MAGIC_BITS, INTERPRET)
         if GATED:
             words_up = tl.load(qw_ptrs + up_words)
-            s_up = tl.load(s_ptr + up_groups + g).to(tl.float32)
-            z_up = tl.load(z_ptr + up_groups + g).to(tl.float32)
             acc_up += _group_sum(words_up, x0, x1, x2, x3, x_sum, s_up, z_up, MAGIC, MAGIC_BITS, INTERPRET)
         qw_ptrs += C
     if SPLIT_K > 1:
