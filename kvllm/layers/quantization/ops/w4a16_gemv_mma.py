@@ -21,6 +21,10 @@ compile test counts them), so an SM decodes about twice the weight bytes per iss
   software pipeline (`num_stages`), as in the CUDA-core kernel; K can be split over programs
   (`split_k`: the last program of a column block sums the parts in split order).
 
+It runs where a config says mma=True (a tuned table's entry, benchmarks/h200/w4a16_gemv_m1.py --set mma);
+default_config never picks it: its first sweep (H100, docs/benchmarks.md) was not faster than the
+CUDA-core kernel but on one shape.
+
 The gated form (gate_up with SiLU) reads the gate and up tiles of the same columns against the same
 activations and applies silu(gate) * up in the epilogue, rounding where the unfused path does.
 Under the Triton interpreter the pair is built with plain integer and float ops (the inline PTX does
