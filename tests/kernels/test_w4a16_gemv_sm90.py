@@ -18,18 +18,14 @@ import pytest
 
 from tests.offline_compile import run_compile_script
 
-SCRIPT = r"""
+COMMON = r"""
 import json, os, re, subprocess, tempfile
 from collections import Counter
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kvllm.layers.quantization.ops.w4a16_gemv import _w4a16_gemv_kernel as kernel
 
-def compile_(block_n, gated, stages, split_k=1, flat=False):
-    constexprs = dict(SPLIT_K=split_k, GROUP_SIZE=128, BW=16, BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=1024, PER_NIBBLE=False,
-                      EVEN_N=True, EVEN_K=True, HAS_BIAS=False, GATED=gated, PAIRED=False, FLAT_TILE=flat, USE_PDL=True, PREFETCH=True, PREFETCH_GROUPS=True,
-                      NUM_STAGES=stages, INTERPRET=False)
+def build(kernel, constexprs, stages):
     signature, attrs = {}, {}
     for i, name in enumerate(kernel.arg_names):
         if name in constexprs:
@@ -43,6 +39,14 @@ def compile_(block_n, gated, stages, split_k=1, flat=False):
                 attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1, "num_stages": stages})
+
+def sass_of(c):
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(c.asm["cubin"])
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    sass = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
+    os.unlink(f.name)
+    return sass
 
 def loop_body(sass):
     lines = sass.splitlines()
@@ -58,17 +62,21 @@ def loop_body(sass):
         if m:
             ops[re.sub(r"^@!?U?P\w+\s+", "", m.group(1)).split()[0].split(".")[0]] += 1
     return ops
+"""
+
+SCRIPT = (
+    COMMON
+    + r"""
+from kvllm.layers.quantization.ops.w4a16_gemv import _w4a16_gemv_kernel as kernel
 
 def facts(block_n, gated, stages, split_k=1, flat=False):
-    c = compile_(block_n, gated, stages, split_k, flat)
+    c = build(kernel, dict(SPLIT_K=split_k, GROUP_SIZE=128, BW=16, BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=1024,
+                           PER_NIBBLE=False, EVEN_N=True, EVEN_K=True, HAS_BIAS=False, GATED=gated, PAIRED=False,
+                           FLAT_TILE=flat, USE_PDL=True, PREFETCH=True, PREFETCH_GROUPS=True, NUM_STAGES=stages,
+                           INTERPRET=False), stages)
     ptx = c.asm["ptx"]
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(c.asm["cubin"])
-    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
-    sass = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
-    os.unlink(f.name)
     wait = ptx.index("griddepcontrol.wait")
-    ops = loop_body(sass)
+    ops = loop_body(sass_of(c))
     values_per_thread = block_n * 1024 * (2 if gated else 1) // 32
     return {
         "cp_async": ptx.count("cp.async.cg") + ptx.count("cp.async.ca"),
@@ -83,6 +91,7 @@ def facts(block_n, gated, stages, split_k=1, flat=False):
 print(json.dumps({"gemv": facts(8, False, 3), "gated": facts(4, True, 3), "split": facts(8, False, 3, split_k=2),
                   "flat": facts(4, False, 3, flat=True)}))
 """
+)
 
 
 @pytest.fixture(scope="module")
@@ -126,35 +135,14 @@ def test_loop_has_no_spills_no_conversions_and_few_instructions_per_value(compil
 
 
 MMA_SCRIPT = (
-    SCRIPT.split("def compile_(")[0].replace(
-        "from kvllm.layers.quantization.ops.w4a16_gemv import _w4a16_gemv_kernel as kernel",
-        "from kvllm.layers.quantization.ops.w4a16_gemv_mma import _w4a16_gemv_mma_kernel as kernel",
-    )
-    + "def loop_body"
-    + SCRIPT.split("def loop_body")[1].split("def facts")[0]
+    COMMON
     + r"""
+from kvllm.layers.quantization.ops.w4a16_gemv_mma import _w4a16_gemv_mma_kernel as kernel
+
 def loop_ops(block_n, rows, gated, split):
-    constexprs = dict(GROUP_SIZE=128, BLOCK_M=rows, BLOCK_N=block_n, BLOCK_K=128, EVEN_N=True, HAS_BIAS=False,
-                      GATED=gated, SPLIT_K=split, NUM_STAGES=4, INTERPRET=False)
-    signature, attrs = {}, {}
-    for i, name in enumerate(kernel.arg_names):
-        if name in constexprs:
-            signature[name] = "constexpr"
-        elif name.endswith("_ptr"):
-            signature[name] = {"qw_ptr": "*i32", "ticket_ptr": "*i32", "ws_ptr": "*fp32"}.get(name, "*bf16")
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        else:
-            signature[name] = "i32"
-            if name in ("N", "K", "stride_wn", "stride_xm", "stride_om"):
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    c = triton.compile(ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs),
-                       target=GPUTarget("cuda", 90, 32), options={"num_warps": 1, "num_stages": 4})
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(c.asm["cubin"])
-    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
-    sass = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
-    os.unlink(f.name)
-    ops = loop_body(sass)
+    c = build(kernel, dict(GROUP_SIZE=128, BLOCK_M=rows, BLOCK_N=block_n, BLOCK_K=128, EVEN_N=True, HAS_BIAS=False,
+                           GATED=gated, SPLIT_K=split, NUM_STAGES=4, INTERPRET=False), 4)
+    ops = loop_body(sass_of(c))
     return {"loop_ops": dict(ops), "per_value": sum(ops.values()) / (block_n * 128 * (2 if gated else 1) / 32)}
 
 print(json.dumps({"one_row": loop_ops(64, 1, False, 1), "four_rows": loop_ops(64, 4, False, 1),
