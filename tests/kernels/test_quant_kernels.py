@@ -279,6 +279,29 @@ def test_w4a16_gemv_mma_matches_float32_reference(m, n, k, group, with_bias, con
     torch.testing.assert_close(gated.float(), expected_gated, rtol=rtol, atol=atol)
 
 
+def test_w4a16_gemv_mma_table_entry_gives_way_where_it_cannot_run(monkeypatch) -> None:
+    """The tuned table is keyed by shape only: a tensor-core entry met by a float32 call or a 64-value group
+    runs the default config instead of failing the layer; where it can run, it runs."""
+    from kvllm.layers.quantization.ops import w4a16_gemv as mod
+
+    entry = mod.W4A16GemvConfig(16, 128, mma=True)
+    monkeypatch.setattr(mod, "tuned_config", lambda *args: entry)
+    launched = []
+    monkeypatch.setattr(mod, "launch_mma", lambda *args: launched.append(args))
+    for dtype, group in ((torch.float32, 128), (torch.bfloat16, 64)):
+        qweight, scales, zeros = random_int4(32, 256, group, dtype, seed=group)
+        x = torch.randn(1, 256, generator=_gen(3)).to(dtype)
+        out = mod.w4a16_gemv(x, qweight, scales, zeros, group)
+        expected = x.float() @ dequantize(qweight, scales, zeros, group).T
+        torch.testing.assert_close(
+            out.float(), expected, rtol=TOLERANCES[dtype][0], atol=TOLERANCES[dtype][1]
+        )
+    assert not launched
+    qweight, scales, zeros = random_int4(32, 256, 128, torch.bfloat16, seed=5)
+    mod.w4a16_gemv(torch.randn(1, 256).bfloat16(), qweight, scales, zeros, 128)
+    assert len(launched) == 1
+
+
 def test_w4a16_gemv_mma_rejects_what_it_cannot_run() -> None:
     from kvllm.layers.quantization.ops.w4a16_gemv import W4A16GemvConfig, w4a16_gemv
 

@@ -55,7 +55,7 @@ import triton.language as tl
 
 from kvllm.layers.ops.common import cast_to, exp_f32, interpreting, round_to
 from kvllm.layers.quantization.ops.int4_layout import PACK, block_words
-from kvllm.layers.quantization.ops.w4a16_gemv_mma import check_mma_config, launch_mma
+from kvllm.layers.quantization.ops.w4a16_gemv_mma import launch_mma, mma_refusal
 from kvllm.utils.pdl import pdl_enabled, pdl_launch_options, wait_for_previous_kernel
 
 MAX_ROWS = 4
@@ -675,11 +675,17 @@ def _launch(
         return out
     bw = block_words(k)
     use_pdl = LAUNCH_WITH_PDL and pdl_enabled(x)
-    config = (
-        config
-        or tuned_config(x.device, m, qweight.shape[0], k, gated)
-        or default_config(m, qweight.shape[0], k, gated)
-    )
+    if config is None:
+        config = tuned_config(x.device, m, qweight.shape[0], k, gated)
+        # The table is keyed by shape, not dtype or group size: a tensor-core entry this call cannot use
+        # gives way to the default.
+        if (
+            config is not None
+            and config.mma
+            and mma_refusal(x, k, group_size, config.block_n, config.block_k, config.num_warps)
+        ):
+            config = None
+        config = config or default_config(m, qweight.shape[0], k, gated)
     bk, bn, split = config.block_k, config.block_n, config.split_k
     if bk & (bk - 1) or bk % (PACK * bw) or bn < 1 or bn & (bn - 1):
         raise ValueError(
@@ -693,7 +699,9 @@ def _launch(
     if config.mma:
         if config.paired or config.flat_tile or config.prefetch:
             raise ValueError(f"mma=True takes no paired, flat_tile or prefetch; got {config}")
-        check_mma_config(x, k, group_size, bn, bk, config.num_warps)
+        refusal = mma_refusal(x, k, group_size, bn, bk, config.num_warps)
+        if refusal:
+            raise ValueError(refusal)
     paired = config.paired and not gated
     if paired and n % (2 * bn):
         raise ValueError(f"paired needs N = {n} a multiple of 2 x block_n; got {config}")

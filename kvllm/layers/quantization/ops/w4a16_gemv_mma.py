@@ -250,27 +250,28 @@ def _w4a16_gemv_mma_kernel(
         _finish(acc, acc_up, bias_ptr, out_ptr, cols, rows, N, M, stride_om, HAS_BIAS, GATED, INTERPRET)
 
 
-def check_mma_config(
+def mma_refusal(
     x: torch.Tensor, k: int, group_size: int, block_n: int, block_k: int, num_warps: int
-) -> None:
-    """ValueError unless the tensor-core GEMV can run this call with this config."""
+) -> str | None:
+    """Why the tensor-core GEMV cannot run this call with this config, or None."""
     if x.dtype not in MMA_DTYPES:
-        raise ValueError(f"the tensor-core W4A16 GEMV (mma=True) needs x in {MMA_DTYPES}, got {x.dtype}")
+        return f"the tensor-core W4A16 GEMV (mma=True) needs x in {MMA_DTYPES}, got {x.dtype}"
     if k % GROUP_VALUES or group_size % GROUP_VALUES:
-        raise ValueError(
+        return (
             f"mma=True needs K and the group size to be multiples of {GROUP_VALUES}, got K = {k}, "
             f"group size {group_size}"
         )
     if block_k < GROUP_VALUES or block_k & (block_k - 1) or group_size % block_k:
-        raise ValueError(
+        return (
             f"mma=True needs block_k a power of two >= {GROUP_VALUES} dividing the group size {group_size} "
             f"(a tile within one group), got {block_k}"
         )
     if block_n % (16 * num_warps):
-        raise ValueError(
+        return (
             f"mma=True needs block_n a multiple of 16 x num_warps (16 columns per MMA per warp), got "
             f"block_n {block_n} with {num_warps} warps"
         )
+    return None
 
 
 def launch_mma(
@@ -279,7 +280,7 @@ def launch_mma(
     num_warps: int, num_stages: int, split: int, workspace: torch.Tensor, tickets: torch.Tensor,
     interpret: bool,
 ) -> None:  # fmt: skip
-    """Launch the kernel into `out` [M, N] (operands checked by the caller, config by check_mma_config)."""
+    """Launch the kernel into `out` [M, N] (operands checked by the caller, the config by mma_refusal)."""
     m, k = x.shape
     n = out.shape[1]
     _w4a16_gemv_mma_kernel[(triton.cdiv(n, block_n), split)](
