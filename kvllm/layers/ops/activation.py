@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvllm.layers.ops.common import as_rows, cast_to, exp_f32, interpreting, round_to
+from kvllm.layers.ops.common import as_rows, cast_to, gated_silu, interpreting
 
 MAX_BLOCK = 1024  # columns per program
 
@@ -32,8 +32,12 @@ def _silu_and_mul_kernel(
     dtype = x_ptr.dtype.element_ty
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + D + cols, mask=mask, other=0.0).to(tl.float32)
-    silu = round_to(tl.math.div_rn(gate, 1.0 + exp_f32(-gate, INTERPRET)), dtype, INTERPRET)
-    tl.store(out_ptr + row * stride_o + cols, cast_to(silu * up, dtype, INTERPRET), mask=mask)
+    # gate and up are DTYPE values already: gated_silu's rounding of them changes nothing
+    tl.store(
+        out_ptr + row * stride_o + cols,
+        cast_to(gated_silu(gate, up, dtype, INTERPRET), dtype, INTERPRET),
+        mask=mask,
+    )
 
 
 def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -78,3 +78,13 @@ def exp_f32(x, INTERPRET: tl.constexpr):
     else:
         y = libdevice.exp(x)
     return y
+
+
+@triton.jit
+def gated_silu(gate, up, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
+    """silu(gate) * up from float32 gate and up, rounded where torch's unfused path rounds: gate and up
+    to DTYPE (the projection's output), silu as g / (1 + exp(-g)) (IEEE division, libdevice expf) to
+    DTYPE; the product is left in float32 for the caller's cast."""
+    gate = round_to(gate, DTYPE, INTERPRET)
+    up = round_to(up, DTYPE, INTERPRET)
+    return round_to(tl.math.div_rn(gate, 1.0 + exp_f32(-gate, INTERPRET)), DTYPE, INTERPRET) * up

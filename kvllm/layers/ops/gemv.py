@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvllm.layers.ops.common import cast_to, exp_f32, interpreting, round_to
+from kvllm.layers.ops.common import cast_to, gated_silu, interpreting
 from kvllm.layers.ops.linear import check_operands
 from kvllm.utils.pdl import pdl_enabled, pdl_launch_options, wait_for_previous_kernel
 
@@ -113,9 +113,7 @@ def _gemv_kernel(
             acc_up += tl.load(bias_ptr + N + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     dtype = out_ptr.dtype.element_ty
     if GATED:
-        gate = round_to(acc, dtype, INTERPRET)
-        up = round_to(acc_up, dtype, INTERPRET)
-        acc = round_to(tl.math.div_rn(gate, 1.0 + exp_f32(-gate, INTERPRET)), dtype, INTERPRET) * up
+        acc = gated_silu(acc, acc_up, dtype, INTERPRET)
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
     tl.store(out_ptrs, cast_to(acc, dtype, INTERPRET), mask=m_mask[:, None] & n_mask[None, :])
 

@@ -53,7 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvllm.layers.ops.common import cast_to, exp_f32, interpreting, round_to
+from kvllm.layers.ops.common import cast_to, gated_silu, interpreting
 from kvllm.layers.quantization.ops.int4_layout import PACK, block_words
 from kvllm.layers.quantization.ops.w4a16_gemv_mma import launch_mma, mma_refusal
 from kvllm.utils.pdl import pdl_enabled, pdl_launch_options, wait_for_previous_kernel
@@ -217,9 +217,7 @@ def _store_row(acc, acc_up, bias_ptr, out_ptr, offs_n, cols, N, M, ROW: tl.const
         up = tl.sum(tl.sum(acc_up, axis=2), axis=1) * UNSCALE
         if HAS_BIAS:
             up += tl.load(bias_ptr + N + offs_n).to(tl.float32)
-        gate = round_to(y, dtype, INTERPRET)
-        up = round_to(up, dtype, INTERPRET)
-        y = round_to(tl.math.div_rn(gate, 1.0 + exp_f32(-gate, INTERPRET)), dtype, INTERPRET) * up
+        y = gated_silu(y, up, dtype, INTERPRET)
     tl.store(out_ptr + cols, cast_to(y, dtype, INTERPRET), mask=(cols < N) & (cols * 0 + ROW < M))
 
 

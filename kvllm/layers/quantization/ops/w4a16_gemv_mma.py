@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvllm.layers.ops.common import cast_to, exp_f32, round_to
+from kvllm.layers.ops.common import cast_to, gated_silu
 
 GROUP_VALUES = 128  # values of a tile's block: K and the group size must be multiples of it
 MMA_DTYPES = (torch.float16, torch.bfloat16)
@@ -146,9 +146,7 @@ def _finish(y, up, bias_ptr, out_ptr, cols, rows, N, M, stride_om, HAS_BIAS: tl.
     if GATED:
         if HAS_BIAS:
             up += tl.load(bias_ptr + N + cols, mask=in_n, other=0).to(tl.float32)[:, None]
-        gate = round_to(y, dtype, INTERPRET)
-        up = round_to(up, dtype, INTERPRET)
-        y = round_to(tl.math.div_rn(gate, 1.0 + exp_f32(-gate, INTERPRET)), dtype, INTERPRET) * up
+        y = gated_silu(y, up, dtype, INTERPRET)
     ptrs = out_ptr + rows[None, :] * stride_om + cols[:, None]
     tl.store(ptrs, cast_to(y, dtype, INTERPRET), mask=in_n[:, None] & (rows < M)[None, :])
 
