@@ -97,8 +97,8 @@ WARPS_GATED += [
 # the defaults. Its first H100 sweep (with the group factors loaded in the tile that used them) ran faster
 # the more programs were in flight: 16 columns with K split in two were best on qkv, o and down (10.9, 9.3,
 # 24.5 us against the defaults' 10.8, 8.4, 21.7), 16 columns whole-K on the plain gate_up (31.5 against
-# 33.8); 64 columns whole-K ran at 0.28-0.55 TB/s. Hence narrow programs and wide splits here, now that the
-# factors come a tile ahead.
+# 33.8); 64 columns whole-K ran at 0.28-0.55 TB/s on qkv, o and down. Hence narrow programs and wide splits
+# here, now that the factors come a tile ahead.
 MMA = [(bn, 128, 1, 4, split, False, False, False, True) for bn in (16, 32, 64) for split in (1, 2, 4)]
 MMA += [(bn, 128, 1, 4, 7, False, False, False, True) for bn in (16, 32, 64)]  # down only (K = 14336)
 MMA += [(16, 128, 1, s, 2, False, False, False, True) for s in (3, 6)]

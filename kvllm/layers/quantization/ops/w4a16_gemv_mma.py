@@ -197,7 +197,7 @@ def _w4a16_gemv_mma_kernel(
     acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     # The group factors come one tile ahead, in registers: 16-bit loads with a column stride, which
     # Triton's pipeline does not copy. Loaded in the tile that used them, their latency held up every
-    # iteration (the twenty-seventh session's H100 sweep: 0.3-1.1 TB/s, rising with the programs in
+    # iteration (the twenty-seventh session's H100 sweep: 0.24-1.98 TB/s, rising with the programs in
     # flight); two tiles ahead, Triton dropped the shared-memory pipeline of the weight tiles.
     last_group = g_ptrs + (k_start + k_len - 1) // GROUP_SIZE
     s_next, z_next, s_up_next, z_up_next = _factors(
