@@ -320,3 +320,29 @@ def test_quantized_model_on_gpu_matches_cpu_path(fmt, tmp_path) -> None:
     noise = (logits(torch.device("cpu"), "bfloat16") - expected).abs().max().item()
     err = (got - expected).abs().max().item()
     assert err <= max(2e-2 * expected.abs().max().item(), 1.5 * noise), (err, noise)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize(
+    "n,k,group", [(6144, 4096, 128), (4096, 14336, 128), (272, 384, 384), (28672, 4096, 128)]
+)
+@pytest.mark.parametrize("m", [5, 16, 33, 64, 130, 256])
+def test_w4a16_gemm_mma_matches_float32(dtype, n, k, group, m) -> None:
+    """The tensor-core GEMM (the inline-PTX decode the interpreter cannot run) with its default config and
+    with a forced split and another row tile, against x @ W^T in float32 with W rounded to x's dtype; a
+    bias; the same bits again."""
+    from kvllm.layers.quantization.ops.w4a16_gemm_mma import (
+        W4A16MMAConfig,
+        default_mma_gemm_config,
+        w4a16_gemm_mma,
+    )
+
+    qweight, scales, zeros = random_int4(n, k, group, dtype, seed=n + m + k)
+    x = torch.randn(m, k, generator=_gen(m), device=CUDA).to(dtype)
+    bias = torch.randn(n, generator=_gen(n), device=CUDA).to(dtype)
+    expected = x.float() @ dequantize(qweight, scales, zeros, group).to(dtype).float().T + bias.float()
+    split = 2 if (k // 128) % 2 == 0 else 3
+    for config in (default_mma_gemm_config(m, n, k), W4A16MMAConfig(64 if m > 16 else 16, 64, split)):
+        out = w4a16_gemm_mma(x, qweight, scales, zeros, group, bias, config)
+        assert_close_scaled(out, expected, 1e-2 if dtype == torch.bfloat16 else 2e-3)
+        assert torch.equal(w4a16_gemm_mma(x, qweight, scales, zeros, group, bias, config), out)

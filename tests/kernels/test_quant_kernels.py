@@ -279,6 +279,66 @@ def test_w4a16_gemv_mma_matches_float32_reference(m, n, k, group, with_bias, con
     torch.testing.assert_close(gated.float(), expected_gated, rtol=rtol, atol=atol)
 
 
+MMA_GEMM_CASES = [
+    # m, n, k, group, bias, (block_m, block_n, split_k), dtype
+    (5, 64, 256, 128, True, (16, 64, 1), torch.bfloat16),  # rows padded to the tile
+    (20, 72, 512, 256, False, (16, 64, 2), torch.float16),  # N not a multiple of block_n, K split
+    (70, 128, 384, 384, True, (32, 64, 3), torch.bfloat16),  # one group for all of K, three row tiles
+    (33, 64, 256, 128, False, (32, 64, 2), torch.bfloat16),  # a split cutting no group (128-value halves)
+]
+
+
+def test_permute_for_pairs_puts_each_value_where_its_pair_tile_reads_it() -> None:
+    """Position 32 p + 2 c + e of a 128-value block holds value 16 p + 64 e + c: the K index of word c's
+    nibble p + 4 e in the layout (nibble j of word c holds value 16 j + c)."""
+    from kvllm.layers.quantization.ops.w4a16_gemm_mma import permute_for_pairs
+
+    x = torch.randn(3, 256, generator=_gen(5))
+    out = permute_for_pairs(x)
+    for block in (0, 128):
+        for p in range(4):
+            for c in range(16):
+                for e in range(2):
+                    assert torch.equal(out[:, block + 32 * p + 2 * c + e], x[:, block + 16 * p + 64 * e + c])
+
+
+@pytest.mark.parametrize("m,n,k,group,with_bias,config,dtype", MMA_GEMM_CASES)
+def test_w4a16_gemm_mma_matches_float32_reference(m, n, k, group, with_bias, config, dtype) -> None:
+    """The tensor-core GEMM (its interpreter form of the pair decode) against x @ W^T in float32 with W
+    rounded to x's dtype, as dequantize + F.linear rounds it; a split gives the same bits twice."""
+    from kvllm.layers.quantization.ops.w4a16_gemm_mma import W4A16MMAConfig, w4a16_gemm_mma
+
+    conf = W4A16MMAConfig(*config)
+    qweight, scales, zeros = random_int4(n, k, group, dtype, seed=m * n + k)
+    x = torch.randn(m, k, generator=_gen(k + m)).to(dtype)
+    bias = torch.randn(n, generator=_gen(n)).to(dtype) if with_bias else None
+    out = w4a16_gemm_mma(x, qweight, scales, zeros, group, bias, conf)
+    weight = dequantize(qweight, scales, zeros, group).to(dtype).float()
+    expected = x.float() @ weight.T + (bias.float() if with_bias else 0)
+    rtol, atol = TOLERANCES[dtype]
+    assert out.dtype == dtype and out.shape == (m, n)
+    torch.testing.assert_close(out.float(), expected, rtol=rtol, atol=atol)
+    assert torch.equal(w4a16_gemm_mma(x, qweight, scales, zeros, group, bias, conf), out)
+
+
+def test_w4a16_gemm_mma_rejects_what_it_cannot_run() -> None:
+    from kvllm.layers.quantization.ops.w4a16_gemm_mma import W4A16MMAConfig, w4a16_gemm_mma
+
+    qweight, scales, zeros = random_int4(64, 256, 128, torch.bfloat16, seed=3)
+    x = torch.randn(8, 256).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="needs x in"):
+        w4a16_gemm_mma(x.float(), qweight, scales.float(), zeros.float(), 128)
+    q64, s64, z64 = random_int4(64, 256, 64, torch.bfloat16, seed=4)
+    with pytest.raises(ValueError, match="multiples of 128"):
+        w4a16_gemm_mma(x, q64, s64, z64, 64)
+    with pytest.raises(ValueError, match="split_k 3"):
+        w4a16_gemm_mma(x, qweight, scales, zeros, 128, config=W4A16MMAConfig(16, 64, split_k=3))
+    with pytest.raises(ValueError, match="block_m"):
+        w4a16_gemm_mma(x, qweight, scales, zeros, 128, config=W4A16MMAConfig(8, 64))
+    with pytest.raises(ValueError, match="block_n"):
+        w4a16_gemm_mma(x, qweight, scales, zeros, 128, config=W4A16MMAConfig(16, 32, num_warps=4))
+
+
 def test_w4a16_gemv_mma_table_entry_gives_way_where_it_cannot_run(monkeypatch) -> None:
     """The tuned table is keyed by shape only: a tensor-core entry met by a float32 call or a 64-value group
     runs the default config instead of failing the layer; where it can run, it runs."""
@@ -352,6 +412,30 @@ def test_w4a16_linear_dispatch_matches_cpu_path(m, monkeypatch) -> None:
     with fused_ops_mode("1"):
         out = w4a16_linear(x, qweight, scales, zeros, 64, bias, perm)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("m,routed", [(9, True), (4, False), (257, False)])
+def test_w4a16_linear_routes_five_to_max_rows_of_16_bit_x_to_the_tensor_core_gemm(
+    m, routed, monkeypatch
+) -> None:
+    """From the GEMV's last row + 1 to MMA_GEMM_MAX_ROWS, a bf16 x goes through the tensor-core GEMM (here on
+    the interpreter) and matches the dequantize-and-matmul path; outside that range it does not."""
+    from kvllm.layers.quantization.ops import w4a16, w4a16_gemm_mma
+
+    calls = []
+    real = w4a16_gemm_mma.w4a16_gemm_mma
+    monkeypatch.setattr(
+        w4a16_gemm_mma, "w4a16_gemm_mma", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw)
+    )
+    monkeypatch.setattr(w4a16, "DEQUANT_MIN_ROWS", 1 << 20)  # beyond the GEMM: the Triton GEMM, not cuBLAS
+    qweight, scales, zeros = random_int4(64, 256, 128, torch.bfloat16, seed=m)
+    x = torch.randn(m, 256, generator=_gen(m + 1)).to(torch.bfloat16)
+    bias = torch.randn(64, generator=_gen(2)).to(torch.bfloat16)
+    expected = w4a16_linear(x, qweight, scales, zeros, 128, bias)
+    with fused_ops_mode("1"):
+        out = w4a16_linear(x, qweight, scales, zeros, 128, bias)
+    assert calls == ([(m, 256)] if routed else [])
+    torch.testing.assert_close(out.float(), expected.float(), rtol=1e-2, atol=1e-2)
 
 
 def test_gated_int4_layer_fuses_silu_for_decode_rows() -> None:

@@ -32,6 +32,9 @@ SMALL_M = 16
 # projections): at 32 and 64 rows the Triton GEMM with split K is 2.0-2.7x faster than dequantize + cuBLAS
 # (at 64 rows without split K and 64 columns it was 1.4-2.1x slower: the H200 sweep that set 17 here).
 DEQUANT_MIN_ROWS = 65
+# Up to this many rows (from the GEMV's MAX_ROWS + 1): the tensor-core GEMM (w4a16_gemm_mma.py) where it
+# can run (16-bit x, K and the group size multiples of 128), before the routes above.
+MMA_GEMM_MAX_ROWS = 256
 TARGET_PROGRAMS = 264  # two per SM on an H200
 
 
@@ -252,9 +255,10 @@ def w4a16_linear(
     config: W4A16Config | None = None,
 ) -> torch.Tensor:
     """x [..., K] @ W^T (+ bias) -> [..., N] in x's dtype, W in the kvllm int4 layout; `perm` [K] gathers
-    x's columns first (act order). Where fused ops are on: the GEMV for up to 4 rows, the Triton GEMM
-    for up to DEQUANT_MIN_ROWS - 1, then the dequantized weight through cuBLAS (`config` forces the
-    GEMM). Else dequantize + F.linear."""
+    x's columns first (act order). Where fused ops are on: the GEMV for up to 4 rows; then the tensor-core
+    GEMM up to MMA_GEMM_MAX_ROWS where it can run; else the Triton GEMM for up to DEQUANT_MIN_ROWS - 1, then
+    the dequantized weight through cuBLAS (`config` forces the Triton GEMM). Else dequantize + F.linear."""
+    from kvllm.layers.quantization.ops.w4a16_gemm_mma import mma_gemm_refusal, w4a16_gemm_mma
     from kvllm.layers.quantization.ops.w4a16_gemv import MAX_ROWS, w4a16_gemv
 
     shape = x.shape
@@ -269,7 +273,13 @@ def w4a16_linear(
     m = x.shape[0]
     # Groups shorter than a 128-value block would need the GEMM's multi-group tiles, which no GPU run
     # has checked: those layers dequantize instead.
-    if config is not None or (MAX_ROWS < m < DEQUANT_MIN_ROWS and group_size >= 128):
+    if (
+        config is None
+        and MAX_ROWS < m <= MMA_GEMM_MAX_ROWS
+        and not mma_gemm_refusal(x, x.shape[1], group_size)
+    ):
+        out = w4a16_gemm_mma(x, qweight, scales, zeros, group_size, bias)
+    elif config is not None or (MAX_ROWS < m < DEQUANT_MIN_ROWS and group_size >= 128):
         out = w4a16_triton(x, qweight, scales, zeros, group_size, bias, config)
     elif m <= MAX_ROWS:
         out = w4a16_gemv(x, qweight, scales, zeros, group_size, bias)
