@@ -15,7 +15,8 @@ e2e      Llama-3-8B-shaped model, dummy weights generated on the GPU, bf16 activ
          engine per subprocess: bf16, awq (W4A16 from a config with AWQ's quantization_config), fp8
          (online per-channel from the bf16 dummy weights), fp8-block (quantization_config with
          weight_block_size [128, 128]), fp8-tensor (a per-tensor fp8 checkpoint's quantization_config);
-         named only: awq-pdl (awq with the decode GEMV under programmatic dependent launch).
+         named only: awq-pdl (awq with the decode GEMV under programmatic dependent launch), awq-before (awq
+         without the tensor-core GEMM from 5 rows: w4a16.MMA_GEMM_MAX_ROWS = 0, the routes before it).
          Batch 1: 32 random prompt tokens, 128 output tokens, EOS ignored, ms per output token = wall
          time / 128 (median of 3 after a warm-up). Batch 256: 256 x 128 in / 128 out, output tokens per
          second (after a warm-up batch). --profile: one more batch-1 request per engine under
@@ -64,7 +65,7 @@ ENGINES = {
 # Variants of an engine above, run only when named in --engines: AWQ with its decode GEMV launched under
 # programmatic dependent launch (w4a16_gemv.LAUNCH_WITH_PDL, off since the eleventh session measured the
 # kernel of then slower with it).
-VARIANTS = {"awq-pdl": "awq"}
+VARIANTS = {"awq-pdl": "awq", "awq-before": "awq"}
 
 
 def graph_us(fn: Callable[[int], Any]) -> float:
@@ -236,6 +237,10 @@ def engine_child(
         from kvllm.layers.quantization.ops import w4a16_gemv
 
         w4a16_gemv.LAUNCH_WITH_PDL = True
+    if name == "awq-before":
+        from kvllm.layers.quantization.ops import w4a16
+
+        w4a16.MMA_GEMM_MAX_ROWS = 0
     start = time.perf_counter()
     llm = LLM(folder, load_format="dummy", dtype="bfloat16", max_model_len=2048, max_num_seqs=256,
               enable_prefix_caching=False, quantization=quantization)  # fmt: skip

@@ -29,8 +29,8 @@ mma)
       benchmarks/h200/quant_bench.py --out "$d/e2e-mma" --parts e2e --engines awq,bf16 --quick
     grep -h '^e2e ' "$d/e2e-mma.log" | cut -c1-200
   fi
-  run_step e2e-shipped 100 python3 benchmarks/h200/quant_bench.py --out "$d/e2e-shipped" --parts e2e \
-    --engines awq --quick
+  run_step e2e-shipped 120 python3 benchmarks/h200/quant_bench.py --out "$d/e2e-shipped" --parts e2e \
+    --engines awq --quick --profile
   grep -h '^e2e ' "$d/e2e-shipped.log" | cut -c1-200
   end_phase
   ;;
