@@ -321,6 +321,20 @@ def test_w4a16_gemm_mma_matches_float32_reference(m, n, k, group, with_bias, con
     assert torch.equal(w4a16_gemm_mma(x, qweight, scales, zeros, group, bias, conf), out)
 
 
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (28672, 4096), (200, 384), (4096, 1152)])
+def test_w4a16_gemm_mma_default_config_runs_at_every_row_count(n, k) -> None:
+    """The default config is one the kernel accepts (row tile, column tile, a split of whole blocks) at every
+    row count the dispatch sends it, odd K block counts included."""
+    from kvllm.layers.quantization.ops.w4a16 import MMA_GEMM_MAX_ROWS
+    from kvllm.layers.quantization.ops.w4a16_gemm_mma import default_mma_gemm_config, mma_gemm_refusal
+
+    x = torch.empty(1, k, dtype=torch.bfloat16)
+    for m in range(5, MMA_GEMM_MAX_ROWS + 1):
+        config = default_mma_gemm_config(m, n, k)
+        assert mma_gemm_refusal(x, k, 128, config) is None, (m, config)
+        assert config.block_m >= min(m, 128) or config.block_m == 128, (m, config)
+
+
 def test_w4a16_gemm_mma_rejects_what_it_cannot_run() -> None:
     from kvllm.layers.quantization.ops.w4a16_gemm_mma import W4A16MMAConfig, w4a16_gemm_mma
 
@@ -414,7 +428,7 @@ def test_w4a16_linear_dispatch_matches_cpu_path(m, monkeypatch) -> None:
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("m,routed", [(9, True), (4, False), (257, False)])
+@pytest.mark.parametrize("m,routed", [(9, True), (4, False), (513, False)])
 def test_w4a16_linear_routes_five_to_max_rows_of_16_bit_x_to_the_tensor_core_gemm(
     m, routed, monkeypatch
 ) -> None:

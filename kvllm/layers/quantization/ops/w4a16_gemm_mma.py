@@ -21,8 +21,9 @@ as dequantize + F.linear, since each weight is rounded once, to the value the de
   one zero point per column and tile. K can be split over programs (float32 partials summed in a fixed
   order by linear.py's reduce kernel, as the Triton GEMM does).
 
-Where it runs is `w4a16.py`'s `w4a16_linear` (the rows from MMA_GEMM_MIN_ROWS, bf16 and fp16, where
-`mma_gemm_refusal` has no objection); a `W4A16MMAConfig` forces it.
+Where it runs is `w4a16.py`'s `w4a16_linear`: from the GEMV's last row + 1 to MMA_GEMM_MAX_ROWS, for bf16
+and fp16 where `mma_gemm_refusal` has no objection. The default config (`default_mma_gemm_config`) follows
+the H100 sweep (benchmarks/h200/w4a16_gemm_mma_sweep.py).
 """
 
 from __future__ import annotations
@@ -37,7 +38,6 @@ from kvllm.layers.ops.common import cast_to, interpreting
 
 BLOCK_VALUES = 128  # values of a layout block: one tile's K
 MMA_DTYPES = (torch.float16, torch.bfloat16)
-TARGET_PROGRAMS = 264  # two per SM on an H100 / H200: split K until the launch has about this many
 
 
 @dataclass(frozen=True)
@@ -53,17 +53,32 @@ class W4A16MMAConfig:
 
 
 def default_mma_gemm_config(m: int, n: int, k: int) -> W4A16MMAConfig:
-    """Row tiles of 16 / 32 / 64 / 128 (the smallest that holds m, 128 beyond), 128 columns, and K split
-    into the most of 1, 2, 4 that keeps the launch within TARGET_PROGRAMS (few column tiles at small m
-    leave SMs idle otherwise)."""
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
-    block_n = 128
-    programs = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
+    """The H100 sweep's best or within 3% of it on Llama-3-8B's projections at M = 8 .. 2,048 (twenty-eighth
+    session, docs/benchmarks.md), as rules on the shape: up to 64 rows, the smallest row tile that holds
+    them, 64 columns (128 from 33 rows on N > 4,096) and K split 4 ways, except on wide layers (N > 8,192:
+    gate_up), which have column tiles enough; from 65 rows, 128-row tiles, 256 columns over 8 warps where N
+    or M is large, K split 2-4 ways where N is small."""
     blocks = k // BLOCK_VALUES
-    split = 1
-    while split < 4 and programs * split * 2 <= TARGET_PROGRAMS and blocks % (split * 2) == 0:
-        split *= 2
-    return W4A16MMAConfig(block_m, block_n, split, num_warps=4, num_stages=3 if block_m >= 128 else 4)
+
+    def split(want: int) -> int:
+        while want > 1 and blocks % want:
+            want //= 2
+        return want
+
+    if m <= 64:
+        block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+        if n > 8192:
+            if m <= 16:
+                return W4A16MMAConfig(block_m, 128, split(4), 4, 4)
+            return W4A16MMAConfig(32, 128, 1, 4, 4) if m <= 32 else W4A16MMAConfig(64, 256, 1, 8, 3)
+        return W4A16MMAConfig(block_m, 128 if m > 32 and n > 4096 else 64, split(4), 4, 4)
+    if m <= 256 and n <= 8192:
+        if m > 128 and n > 4096:
+            return W4A16MMAConfig(128, 256, split(2), 8, 3)
+        return W4A16MMAConfig(128, 128, split(4), 4, 3)
+    if k > 8192:
+        return W4A16MMAConfig(128, 128, split(2), 4, 3)
+    return W4A16MMAConfig(128, 256, split(2) if m <= 512 and n <= 4096 else 1, 8, 3)
 
 
 def permute_for_pairs(x: torch.Tensor) -> torch.Tensor:
