@@ -3,8 +3,8 @@
 #   gemm     carry nothing, any card (about 7 minutes; BUDGET_S clips it): issue 22's tensor-core W4A16 GEMM
 #            for 5+ rows (w4a16_gemm_mma.py): its GPU tests against float32 (the inline-PTX decode the CPU
 #            interpreter cannot run), the sweep against the routes before it and bf16 at M = 8 .. 256
-#            (w4a16_gemm_mma_sweep.py), then AWQ end to end at batch 1 and 256 with it (awq), without it
-#            (awq-before) and bf16
+#            (w4a16_gemm_mma_sweep.py, `one_dot` configs among them), then AWQ end to end at batch 1 and
+#            256 with it (awq), without it (awq-before) and bf16
 #   mma|flex-blocks|confirm|quiet|fi-walk|first|so  = session27.sh's phases
 set -uo pipefail
 cd "$(dirname "$0")/../.."

@@ -5,7 +5,7 @@ Llama-3-8B's projections (qkv, o, gate_up, down), group 128, bf16, cold weight c
 them, so L2 holds none), CUDA-graph timing (benchmarks/h200/graph_timing.py). At each M and shape:
   bf16 F.linear (cuBLAS on a bf16 weight), the route before the tensor-core GEMM (`w4a16 before`: the
   Triton GEMM up to 64 rows, dequantize + cuBLAS from 65), the tensor-core GEMM's default config, then
-  its configs (row tile, column tile, K split, warps) until --budget-s runs out.
+  its configs (row tile, column tile, K split, warps) until --budget-s runs out (--defaults-only: none).
 Every config is checked once against F.linear on the dequantized weight (relative error printed; > 2%
 is recorded as a failure and not timed). One JSON line per measurement in DIR/w4a16_gemm_mma.jsonl, a
 table of the best per (M, shape) last.
@@ -38,10 +38,14 @@ def candidate_configs(m: int) -> list[Any]:
         warps = 8 if block_n == 256 else 4
         stages = 3 if block_m * block_n >= 128 * 128 else 4
         configs.append(W4A16MMAConfig(block_m, block_n, split, warps, stages))
+        if warps == 8:  # the four pair tiles as one MMA chain (untimed before the twenty-ninth session)
+            configs.append(W4A16MMAConfig(block_m, block_n, split, warps, stages, one_dot=True))
     return configs
 
 
-def sweep_shape(m: int, shape: str, deadline: float, emit: Any) -> dict[str, Any] | None:
+def sweep_shape(
+    m: int, shape: str, deadline: float, emit: Any, defaults_only: bool = False
+) -> dict[str, Any] | None:
     """Every implementation at one M and shape (fresh weights); the best tensor-core record, with the bf16
     and before-route times beside it."""
     import torch
@@ -96,7 +100,7 @@ def sweep_shape(m: int, shape: str, deadline: float, emit: Any) -> dict[str, Any
     default = default_mma_gemm_config(m, n, k)
     timed("mma default", lambda i: w4a16_gemm_mma(x, *w4[i % len(w4)], GROUP, config=default), w4_bytes,
           config=list(vars(default).values()))  # fmt: skip
-    for config in candidate_configs(m):
+    for config in candidate_configs(m) if not defaults_only else []:
         if time.monotonic() > deadline:
             break
         if config == default or (k // 128) % config.split_k:
@@ -114,6 +118,7 @@ def main() -> int:
     parser.add_argument("--rows", default="8,16,32,64,128,256")
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--budget-s", type=float, default=150.0)
+    parser.add_argument("--defaults-only", action="store_true", help="time default_mma_gemm_config only")
     args = parser.parse_args()
 
     import torch
@@ -132,7 +137,7 @@ def main() -> int:
     best: dict[tuple[int, str], dict[str, Any]] = {}
     for m in [int(r) for r in args.rows.split(",")]:
         for shape in args.shapes.split(","):
-            rec = sweep_shape(m, shape, deadline, emit)
+            rec = sweep_shape(m, shape, deadline, emit, args.defaults_only)
             if rec is not None:
                 best[(m, shape)] = rec
             torch.cuda.empty_cache()
@@ -140,7 +145,7 @@ def main() -> int:
             print(f"budget reached after M = {m}", flush=True)
             break
 
-    print("\nbest tensor-core config per (M, shape), us [block_m, block_n, split, warps, stages]:")
+    print("\nbest tensor-core config per (M, shape), us [block_m, block_n, split, warps, stages, one_dot]:")
     for (m, shape), rec in sorted(best.items()):
         before, bf16_us = rec.get("before_us"), rec.get("bf16_us")
         print(f"M {m:4d} {shape:8s} mma {rec['us']:8.2f} {rec['config']}  before {before}  bf16 {bf16_us}  "

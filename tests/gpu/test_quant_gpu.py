@@ -342,7 +342,12 @@ def test_w4a16_gemm_mma_matches_float32(dtype, n, k, group, m) -> None:
     bias = torch.randn(n, generator=_gen(n), device=CUDA).to(dtype)
     expected = x.float() @ dequantize(qweight, scales, zeros, group).to(dtype).float().T + bias.float()
     split = 2 if (k // 128) % 2 == 0 else 3
-    for config in (default_mma_gemm_config(m, n, k), W4A16MMAConfig(64 if m > 16 else 16, 64, split)):
+    configs = (
+        default_mma_gemm_config(m, n, k),
+        W4A16MMAConfig(64 if m > 16 else 16, 64, split),
+        W4A16MMAConfig(128 if m > 64 else 64, 256, 1, 8, 3, one_dot=True),
+    )
+    for config in configs:
         out = w4a16_gemm_mma(x, qweight, scales, zeros, group, bias, config)
         assert_close_scaled(out, expected, 1e-2 if dtype == torch.bfloat16 else 2e-3)
         assert torch.equal(w4a16_gemm_mma(x, qweight, scales, zeros, group, bias, config), out)

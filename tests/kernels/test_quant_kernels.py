@@ -280,11 +280,13 @@ def test_w4a16_gemv_mma_matches_float32_reference(m, n, k, group, with_bias, con
 
 
 MMA_GEMM_CASES = [
-    # m, n, k, group, bias, (block_m, block_n, split_k), dtype
+    # m, n, k, group, bias, (block_m, block_n, split_k, num_warps, num_stages, one_dot), dtype
     (5, 64, 256, 128, True, (16, 64, 1), torch.bfloat16),  # rows padded to the tile
     (20, 72, 512, 256, False, (16, 64, 2), torch.float16),  # N not a multiple of block_n, K split
     (70, 128, 384, 384, True, (32, 64, 3), torch.bfloat16),  # one group for all of K, three row tiles
     (33, 64, 256, 128, False, (32, 64, 2), torch.bfloat16),  # a split cutting no group (128-value halves)
+    (20, 72, 512, 256, True, (16, 64, 2, 4, 4, True), torch.bfloat16),  # the four pairs as one dot
+    (9, 64, 256, 128, False, (16, 64, 1, 4, 4, True), torch.float16),
 ]
 
 

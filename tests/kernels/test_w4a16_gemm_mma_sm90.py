@@ -6,6 +6,8 @@ SASS so that a change that loses it fails here rather than only on a GPU.
   warpgroup MMAs (HGMMA) with the weights as the register operand: the decoded tile never goes through
   shared memory (the old Triton GEMM stored all of it there, 128 STS a tile, and spilled); the only
   stores are the group factors' layout change (2), and there is no local memory.
+- `one_dot` (opt-in, untimed) issues a tile's MMAs back to back at 8 warps, where the default four dots
+  wait on each.
 - The decode is packed 16-bit arithmetic: no int-to-float or float-to-float conversion, and about 3.4
   SASS instructions per weight value whatever the row tile (14.4 for the old GEMM at 64 x 128).
 """
@@ -22,10 +24,10 @@ SCRIPT = (
     + r"""
 from kvllm.layers.quantization.ops.w4a16_gemm_mma import _w4a16_gemm_mma_kernel as kernel
 
-def facts(block_m, block_n, warps, stages, dtype):
+def facts(block_m, block_n, warps, stages, dtype, one_dot=False):
     signature, attrs = {}, {}
     constexprs = dict(GROUP_SIZE=128, BLOCK_M=block_m, BLOCK_N=block_n, EVEN_N=True, HAS_BIAS=False, SPLIT_K=1,
-                      PARTIAL_ROWS=block_m, NUM_STAGES=stages, INTERPRET=False)
+                      PARTIAL_ROWS=block_m, ONE_DOT=one_dot, NUM_STAGES=stages, INTERPRET=False)
     for i, name in enumerate(kernel.arg_names):
         if name in constexprs:
             signature[name] = "constexpr"
@@ -41,7 +43,8 @@ def facts(block_m, block_n, warps, stages, dtype):
     ops = loop_body(sass_of(c))
     return {"loop_ops": dict(ops), "per_value": sum(ops.values()) * 32 * warps / (block_n * 128)}
 
-print(json.dumps({"bf16_16_rows": facts(16, 128, 4, 4, "*bf16"), "fp16_128_rows": facts(128, 128, 4, 3, "*fp16")}))
+print(json.dumps({"bf16_16_rows": facts(16, 128, 4, 4, "*bf16"), "fp16_128_rows": facts(128, 128, 4, 3, "*fp16"),
+                  "one_dot_8_warps": facts(128, 256, 8, 3, "*bf16", one_dot=True)}))
 """
 )
 
@@ -51,7 +54,7 @@ def compiled() -> dict[str, dict]:
     return run_compile_script(SCRIPT)
 
 
-@pytest.mark.parametrize("kind", ["bf16_16_rows", "fp16_128_rows"])
+@pytest.mark.parametrize("kind", ["bf16_16_rows", "fp16_128_rows", "one_dot_8_warps"])
 def test_mma_gemm_feeds_warpgroup_mmas_from_registers_at_under_four_instructions_a_value(
     compiled, kind
 ) -> None:
@@ -62,3 +65,14 @@ def test_mma_gemm_feeds_warpgroup_mmas_from_registers_at_under_four_instructions
     assert not any(op in ops for op in ("I2F", "F2F", "I2FP", "F2FP")), ops
     assert ops.get("HMUL2", 0) > 0, ops  # the scale, packed
     assert facts["per_value"] < 3.6, (facts["per_value"], ops)
+
+
+def test_mma_gemm_one_dot_issues_a_tiles_mmas_without_waiting_between_them(compiled) -> None:
+    """`one_dot` (w4a16_gemm_mma.py's docstring): at 8 warps the tile's MMAs are not each waited on; the
+    default four dots are (a wait after every HGMMA), which is what it is meant to remove."""
+    waits = {
+        kind: compiled[kind]["loop_ops"].get("WARPGROUP", 0) for kind in ("one_dot_8_warps", "bf16_16_rows")
+    }
+    hgmma = {kind: compiled[kind]["loop_ops"]["HGMMA"] for kind in ("one_dot_8_warps", "bf16_16_rows")}
+    assert waits["bf16_16_rows"] >= hgmma["bf16_16_rows"], (waits, hgmma)
+    assert waits["one_dot_8_warps"] < hgmma["one_dot_8_warps"] / 2, (waits, hgmma)

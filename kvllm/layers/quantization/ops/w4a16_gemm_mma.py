@@ -9,14 +9,17 @@ as dequantize + F.linear, since each weight is rounded once, to the value the de
   a `lop3` put the nibbles into the mantissas of the magic constant M (128 in bfloat16, 1024 in float16,
   where the spacing is 1), so the register holds M + q exactly; one packed FMA subtracts M + z (exact: the
   difference is the integer q - z, and zero points are integers 0..16), one more multiplies by the scale
-  (the one rounding). Four instructions for two weight values, all in registers; the MMA chains straight
-  into the accumulator, so the next tile's decode overlaps it.
+  (the one rounding). Four instructions for two weight values, all in registers; the MMA accumulates
+  straight into the output tile (no per-group correction of its result, unlike the GEMV).
 - The A tile of pair p has K index 2c + e for word c's nibble p + 4e; in the layout (a 128-value block
   of 16 words, nibble j of word c holding value 16 j + c) that is value 16 p + 64 e + c. The activations
-  are permuted once per call into that order (`permute_for_pairs`: one copy of x), so the four B tiles of
-  a 128-value block are four contiguous 32-value slices of the permuted row, which the pipeline copies
-  as they are: no shuffles in the loop, unlike the GEMV (w4a16_gemv_mma.py), which permutes in
-  registers because it has too few rows for a copy to pay.
+  are permuted once per call into that order (`permute_for_pairs`: one copy of x), so the four B tiles
+  of a block are four contiguous 32-value slices of the permuted row, which the pipeline copies as they
+  are: no shuffles of x in the loop, unlike the GEMV (w4a16_gemv_mma.py, too few rows for a copy to pay).
+  In the compiled loop (sm_90) each of the four dots is waited on before the next pair is decoded, so the
+  decode and the tensor cores take turns; `one_dot` stacks the four pair tiles in K order into one A
+  operand of K = 128 (one MMA chain against one contiguous slice), whose MMAs issue back to back at 8
+  warps in the SASS. It passes the interpreter's tests and has not run on a GPU: no default uses it.
 - A tile is one 128-value block in one group (K and the group size are multiples of 128): one scale and
   one zero point per column and tile. K can be split over programs (float32 partials summed in a fixed
   order by linear.py's reduce kernel, as the Triton GEMM does).
@@ -50,6 +53,7 @@ class W4A16MMAConfig:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 4
+    one_dot: bool = False  # a tile's four pair tiles as one MMA chain of K = 128 (untimed: see the docstring)
 
 
 def default_mma_gemm_config(m: int, n: int, k: int) -> W4A16MMAConfig:
@@ -165,6 +169,7 @@ def _w4a16_gemm_mma_kernel(
     HAS_BIAS: tl.constexpr,
     SPLIT_K: tl.constexpr,
     PARTIAL_ROWS: tl.constexpr,
+    ONE_DOT: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):  # fmt: skip
@@ -187,11 +192,12 @@ def _w4a16_gemm_mma_kernel(
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     # Rows past M read row M - 1 (never stored); tiles are whole, so no load needs a mask.
     qw_ptrs = qw_ptr + offs_n[:, None].to(tl.int64) * stride_wn + k_start // 8 + tl.arange(0, C)[None, :]
-    x_ptrs = (
+    X_ROWS: tl.constexpr = BLOCK_K if ONE_DOT else 32
+    x_ptrs = (  # [X_ROWS, BLOCK_M]: a tile's permuted values (or a pair's), K-contiguous
         x_ptr
         + tl.minimum(rows, M - 1)[None, :].to(tl.int64) * stride_xm
         + k_start
-        + tl.arange(0, 32)[:, None]
+        + tl.arange(0, X_ROWS)[:, None]
     )
     # The group factors come one tile ahead, in registers: 16-bit loads with a column stride, which
     # Triton's pipeline does not copy; loaded in the tile that uses them, each iteration waited for them.
@@ -207,10 +213,20 @@ def _w4a16_gemm_mma_kernel(
         s_next = tl.load(s_ptr + g_next)
         z_next = tl.load(z_ptr + g_next)
         words = tl.load(qw_ptrs)
-        for p in tl.static_range(4):
-            b = tl.load(x_ptrs + k0 + 32 * p)  # [32, BLOCK_M]: the permuted values 32 p .. 32 p + 31
-            a = _pair_tile(words, p, z, s, MAGIC, MAGIC_BITS, b, INTERPRET)
+        if ONE_DOT:  # the four pair tiles stacked in K order: one MMA chain of K = 128
+            b = tl.load(x_ptrs + k0)  # [128, BLOCK_M]
+            a0 = _pair_tile(words, 0, z, s, MAGIC, MAGIC_BITS, b, INTERPRET)
+            a1 = _pair_tile(words, 1, z, s, MAGIC, MAGIC_BITS, b, INTERPRET)
+            a2 = _pair_tile(words, 2, z, s, MAGIC, MAGIC_BITS, b, INTERPRET)
+            a3 = _pair_tile(words, 3, z, s, MAGIC, MAGIC_BITS, b, INTERPRET)
+            a = tl.join(tl.join(a0, a1), tl.join(a2, a3))  # [n, 32, a, b]: pair 2 b + a
+            a = tl.reshape(tl.permute(a, (0, 3, 2, 1)), (BLOCK_N, BLOCK_K))
             acc = _dot(a, b, acc, INTERPRET)
+        else:  # one dot of K = 32 per pair
+            for p in tl.static_range(4):
+                b = tl.load(x_ptrs + k0 + 32 * p)  # [32, BLOCK_M]: the permuted values 32 p .. 32 p + 31
+                a = _pair_tile(words, p, z, s, MAGIC, MAGIC_BITS, b, INTERPRET)
+                acc = _dot(a, b, acc, INTERPRET)
         qw_ptrs += C
     in_n = cols < N
     mask = in_n[:, None] & (rows < M)[None, :]
@@ -286,6 +302,7 @@ def w4a16_gemm_mma(
         HAS_BIAS=bias is not None,
         SPLIT_K=split,
         PARTIAL_ROWS=partial_rows,
+        ONE_DOT=config.one_dot,
         NUM_STAGES=config.num_stages,
         INTERPRET=interpreting(),
         num_warps=config.num_warps,
