@@ -1,16 +1,17 @@
 #!/usr/bin/env python3
-"""The tensor-core W4A16 GEMM (w4a16_gemm_mma.py) against the routes it would replace, M = 8 .. 256.
+"""The tensor-core W4A16 GEMM (w4a16_gemm_mma.py) against the routes it would replace, M = 2 .. 256.
 
 Llama-3-8B's projections (qkv, o, gate_up, down), group 128, bf16, cold weight copies (about 256 MiB of
 them, so L2 holds none), CUDA-graph timing (benchmarks/h200/graph_timing.py). At each M and shape:
-  bf16 F.linear (cuBLAS on a bf16 weight), the route before the tensor-core GEMM (`w4a16 before`: the
-  Triton GEMM up to 64 rows, dequantize + cuBLAS from 65), the tensor-core GEMM's default config, then
+  bf16 F.linear (cuBLAS on a bf16 weight), the route without the tensor-core GEMM (`w4a16 before`: the
+  GEMV up to 4 rows, where the dispatch keeps it, the Triton GEMM up to 64, dequantize + cuBLAS beyond;
+  M = 2 and 4 ask whether the GEMM should take those rows from the GEMV), the GEMM's default config, then
   its configs (row tile, column tile, K split, warps) until --budget-s runs out (--defaults-only: none).
 Every config is checked once against F.linear on the dequantized weight (relative error printed; > 2%
 is recorded as a failure and not timed). One JSON line per measurement in DIR/w4a16_gemm_mma.jsonl, a
 table of the best per (M, shape) last.
 
-    python3 benchmarks/h200/w4a16_gemm_mma_sweep.py --out DIR [--rows 8,16,32,64,128,256] [--budget-s 150]
+    python3 benchmarks/h200/w4a16_gemm_mma_sweep.py --out DIR [--rows 2,4,8,16,32,64,128,256] [--budget-s 150]
 """
 
 from __future__ import annotations
@@ -115,7 +116,7 @@ def sweep_shape(
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--rows", default="8,16,32,64,128,256")
+    parser.add_argument("--rows", default="2,4,8,16,32,64,128,256")
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--budget-s", type=float, default=150.0)
     parser.add_argument("--defaults-only", action="store_true", help="time default_mma_gemm_config only")
