@@ -12,6 +12,10 @@ BLOCK_K] tile in registers (scales per column when the tile is within one group)
 dequantize-then-F.linear path does, and accumulates x @ W^T in float32 with tensor-core dots. Small M
 (decode) uses a 16-row tile and splits K over programs when N gives too few (partial sums reduced in a
 fixed order, kvllm/layers/ops/linear.py's reduce kernel); large M uses 64/128-row tiles.
+
+Routes (`w4a16_linear`, fused ops on): the GEMV for 1-4 rows (w4a16_gemv.py); the tensor-core GEMM for
+5-MMA_GEMM_MAX_ROWS rows where it can run (w4a16_gemm_mma.py: 16-bit x, K and groups in multiples of 128);
+else this module's Triton GEMM up to DEQUANT_MIN_ROWS - 1 rows, then dequantize + cuBLAS.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from kvllm.layers.ops.dispatch import use_fused_ops
 from kvllm.layers.quantization.ops.int4_layout import PACK, block_words, dequantize
 
 SMALL_M = 16
-# From this many rows: dequantize the weight, then cuBLAS. H100 probe (nineteenth session, Llama-3-8B
+# From this many rows (those the tensor-core GEMM does not take): dequantize the weight, then cuBLAS. H100 probe (nineteenth session, Llama-3-8B
 # projections): at 32 and 64 rows the Triton GEMM with split K is 2.0-2.7x faster than dequantize + cuBLAS
 # (at 64 rows without split K and 64 columns it was 1.4-2.1x slower: the H200 sweep that set 17 here).
 DEQUANT_MIN_ROWS = 65
