@@ -286,7 +286,9 @@ def w4a16_gemm_mma(
         return out
     config = config or default_mma_gemm_config(m, n, k)
     split = config.split_k
-    partial_rows = triton.cdiv(m, config.block_m) * config.block_m
+    # Rows of each split's float32 partial (rows past M are never stored): a power of two, so the kernel and
+    # the reduce compile once per size class, not per M; 1 without a split (no partial).
+    partial_rows = max(16, triton.next_power_of_2(m)) if split > 1 else 1
     partial = (
         torch.empty((split, partial_rows, n), dtype=torch.float32, device=x.device) if split > 1 else out
     )
