@@ -25,21 +25,9 @@ SCRIPT = (
 from kvllm.layers.quantization.ops.w4a16_gemm_mma import _w4a16_gemm_mma_kernel as kernel
 
 def facts(block_m, block_n, warps, stages, dtype, one_dot=False):
-    signature, attrs = {}, {}
     constexprs = dict(GROUP_SIZE=128, BLOCK_M=block_m, BLOCK_N=block_n, EVEN_N=True, HAS_BIAS=False, SPLIT_K=1,
-                      PARTIAL_ROWS=block_m, ONE_DOT=one_dot, NUM_STAGES=stages, INTERPRET=False)
-    for i, name in enumerate(kernel.arg_names):
-        if name in constexprs:
-            signature[name] = "constexpr"
-        elif name.endswith("_ptr"):
-            signature[name] = {"qw_ptr": "*i32", "partial_ptr": "*fp32"}.get(name, dtype)
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        else:
-            signature[name] = "i32"
-            if name in ("N", "K", "stride_wn", "stride_xm", "stride_om"):
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    src = ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs)
-    c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+                      PARTIAL_ROWS=1, ONE_DOT=one_dot, NUM_STAGES=stages, INTERPRET=False)
+    c = build(kernel, constexprs, stages, warps, dtype)
     ops = loop_body(sass_of(c))
     return {"loop_ops": dict(ops), "per_value": sum(ops.values()) * 32 * warps / (block_n * 128)}
 

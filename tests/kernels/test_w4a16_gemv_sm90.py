@@ -25,20 +25,22 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-def build(kernel, constexprs, stages):
+POINTERS = {"qw_ptr": "*i32", "ticket_ptr": "*i32", "ws_ptr": "*fp32", "partial_ptr": "*fp32"}
+
+def build(kernel, constexprs, stages, warps=1, activations="*bf16"):
     signature, attrs = {}, {}
     for i, name in enumerate(kernel.arg_names):
         if name in constexprs:
             signature[name] = "constexpr"
         elif name.endswith("_ptr"):
-            signature[name] = {"qw_ptr": "*i32", "ticket_ptr": "*i32", "ws_ptr": "*fp32"}.get(name, "*bf16")
+            signature[name] = POINTERS.get(name, activations)
             attrs[(i,)] = [["tt.divisibility", 16]]
         else:
             signature[name] = "i32"
             if name in ("N", "K", "stride_wn", "stride_xm", "stride_om"):
                 attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1, "num_stages": stages})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
 
 def sass_of(c):
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
