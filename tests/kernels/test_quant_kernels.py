@@ -355,6 +355,19 @@ def test_w4a16_gemm_mma_rejects_what_it_cannot_run() -> None:
         w4a16_gemm_mma(x, qweight, scales, zeros, 128, config=W4A16MMAConfig(16, 32, num_warps=4))
 
 
+def test_w4a16_gemm_mma_leaves_bf16_to_other_routes_below_sm80(monkeypatch) -> None:
+    """Packed bf16 FMAs need SM 8.0: below it a bf16 call is refused (the dispatch then takes another route),
+    an fp16 one is not."""
+    from kvllm.layers.quantization.ops import w4a16_gemm_mma
+
+    monkeypatch.setattr(w4a16_gemm_mma, "_capability", lambda x: (7, 5))
+    x = torch.empty(8, 256, dtype=torch.bfloat16)
+    assert "SM 8.0+" in w4a16_gemm_mma.mma_gemm_refusal(x, 256, 128)
+    assert w4a16_gemm_mma.mma_gemm_refusal(x.half(), 256, 128) is None
+    monkeypatch.setattr(w4a16_gemm_mma, "_capability", lambda x: (9, 0))
+    assert w4a16_gemm_mma.mma_gemm_refusal(x, 256, 128) is None
+
+
 def test_w4a16_gemv_mma_table_entry_gives_way_where_it_cannot_run(monkeypatch) -> None:
     """The tuned table is keyed by shape only: a tensor-core entry met by a float32 call or a 64-value group
     runs the default config instead of failing the layer; where it can run, it runs."""

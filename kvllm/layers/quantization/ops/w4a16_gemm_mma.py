@@ -31,6 +31,7 @@ the H100 sweep (benchmarks/h200/w4a16_gemm_mma_sweep.py).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -240,12 +241,27 @@ def _w4a16_gemm_mma_kernel(
         tl.store(part, acc, mask=mask)
 
 
+def _capability(x: torch.Tensor) -> tuple[int, int] | None:
+    """The compute capability of x's CUDA device (None off CUDA, e.g. the interpreter's CPU tensors)."""
+    return _device_capability(x.device.index or 0) if x.device.type == "cuda" else None
+
+
+@functools.cache
+def _device_capability(index: int) -> tuple[int, int]:  # asked on every eager call: once per device
+    return torch.cuda.get_device_capability(index)
+
+
 def mma_gemm_refusal(
     x: torch.Tensor, k: int, group_size: int, config: W4A16MMAConfig | None = None
 ) -> str | None:
     """Why the tensor-core GEMM cannot run this call (with this config), or None."""
     if x.dtype not in MMA_DTYPES:
         return f"the tensor-core W4A16 GEMM needs x in {MMA_DTYPES}, got {x.dtype}"
+    capability = _capability(x)
+    if x.dtype == torch.bfloat16 and capability is not None and capability < (8, 0):
+        return (
+            f"the tensor-core W4A16 GEMM needs SM 8.0+ for bfloat16 (packed bf16 FMAs), got SM {capability}"
+        )
     if k % BLOCK_VALUES or group_size % BLOCK_VALUES:
         return (
             f"the tensor-core W4A16 GEMM needs K and the group size to be multiples of {BLOCK_VALUES}, got "
