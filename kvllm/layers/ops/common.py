@@ -88,3 +88,21 @@ def gated_silu(gate, up, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
     gate = round_to(gate, DTYPE, INTERPRET)
     up = round_to(up, DTYPE, INTERPRET)
     return round_to(tl.math.div_rn(gate, 1.0 + exp_f32(-gate, INTERPRET)), DTYPE, INTERPRET) * up
+
+
+@triton.jit
+def mma_dot(a, b, acc, INTERPRET: tl.constexpr):
+    """a @ b (+ acc, or none when acc is None) in float32, of 16-bit tiles. The interpreter's 16-bit dots are
+    unreliable; there the values are widened first (their float32 products are exact, as the MMA's are)."""
+    if INTERPRET:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+        if acc is None:
+            acc = tl.dot(a, b, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+    elif acc is None:
+        acc = tl.dot(a, b)
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc

@@ -38,10 +38,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kvllm.layers.ops.common import cast_to, interpreting
+from kvllm.layers.ops.common import cast_to, interpreting, mma_dot
+from kvllm.layers.quantization.ops.w4a16_gemv_mma import MMA_DTYPES
 
 BLOCK_VALUES = 128  # values of a layout block: one tile's K
-MMA_DTYPES = (torch.float16, torch.bfloat16)
 
 
 @dataclass(frozen=True)
@@ -150,15 +150,6 @@ def _pair_tile(words, P: tl.constexpr, z, s, MAGIC: tl.constexpr, MAGIC_BITS: tl
     return tl.reshape(pair, (words.shape[0], 2 * words.shape[1]))
 
 
-@triton.jit
-def _dot(a, b, acc, INTERPRET: tl.constexpr):
-    """a @ b + acc in float32; under the interpreter (whose 16-bit dots are unreliable) widened first, the
-    products of 16-bit values being exact in float32 as the MMA's are."""
-    if INTERPRET:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    return tl.dot(a, b, acc)
-
-
 @triton.jit(do_not_specialize=["M", "num_groups"])
 def _w4a16_gemm_mma_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, partial_ptr,
@@ -222,12 +213,12 @@ def _w4a16_gemm_mma_kernel(
             a3 = _pair_tile(words, 3, z, s, MAGIC, MAGIC_BITS, b, INTERPRET)
             a = tl.join(tl.join(a0, a1), tl.join(a2, a3))  # [n, 32, a, b]: pair 2 b + a
             a = tl.reshape(tl.permute(a, (0, 3, 2, 1)), (BLOCK_N, BLOCK_K))
-            acc = _dot(a, b, acc, INTERPRET)
+            acc = mma_dot(a, b, acc, INTERPRET)
         else:  # one dot of K = 32 per pair
             for p in tl.static_range(4):
                 b = tl.load(x_ptrs + k0 + 32 * p)  # [32, BLOCK_M]: the permuted values 32 p .. 32 p + 31
                 a = _pair_tile(words, p, z, s, MAGIC, MAGIC_BITS, b, INTERPRET)
-                acc = _dot(a, b, acc, INTERPRET)
+                acc = mma_dot(a, b, acc, INTERPRET)
         qw_ptrs += C
     in_n = cols < N
     mask = in_n[:, None] & (rows < M)[None, :]

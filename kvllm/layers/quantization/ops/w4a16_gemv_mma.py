@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvllm.layers.ops.common import cast_to, gated_silu
+from kvllm.layers.ops.common import cast_to, gated_silu, mma_dot
 
 GROUP_VALUES = 128  # values of a tile's block: K and the group size must be multiples of it
 MMA_DTYPES = (torch.float16, torch.bfloat16)
@@ -91,31 +91,13 @@ def _x_pairs(xt, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _dot(a, b, acc, INTERPRET: tl.constexpr):
-    """a @ b (+ acc) in float32. The interpreter's 16-bit dots are unreliable; there the 16-bit values
-    are widened first (their float32 products are exact, as the MMA's are)."""
-    if INTERPRET:
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
-        if acc is None:
-            acc = tl.dot(a, b, input_precision="ieee")
-        else:
-            acc = tl.dot(a, b, acc, input_precision="ieee")
-    elif acc is None:
-        acc = tl.dot(a, b)
-    else:
-        acc = tl.dot(a, b, acc)
-    return acc
-
-
-@triton.jit
 def _group_sum(words, x0, x1, x2, x3, x_sum, s, z, MAGIC: tl.constexpr, MAGIC_BITS: tl.constexpr,
                INTERPRET: tl.constexpr):  # fmt: skip
     """sum over the tile of (q - z) * s * x: [BLOCK_N, BLOCK_M] float32 (the tile lies in one group)."""
-    acc = _dot(_pair_tile(words, 0, MAGIC, MAGIC_BITS, x0, INTERPRET), x0, None, INTERPRET)
-    acc = _dot(_pair_tile(words, 1, MAGIC, MAGIC_BITS, x1, INTERPRET), x1, acc, INTERPRET)
-    acc = _dot(_pair_tile(words, 2, MAGIC, MAGIC_BITS, x2, INTERPRET), x2, acc, INTERPRET)
-    acc = _dot(_pair_tile(words, 3, MAGIC, MAGIC_BITS, x3, INTERPRET), x3, acc, INTERPRET)
+    acc = mma_dot(_pair_tile(words, 0, MAGIC, MAGIC_BITS, x0, INTERPRET), x0, None, INTERPRET)
+    acc = mma_dot(_pair_tile(words, 1, MAGIC, MAGIC_BITS, x1, INTERPRET), x1, acc, INTERPRET)
+    acc = mma_dot(_pair_tile(words, 2, MAGIC, MAGIC_BITS, x2, INTERPRET), x2, acc, INTERPRET)
+    acc = mma_dot(_pair_tile(words, 3, MAGIC, MAGIC_BITS, x3, INTERPRET), x3, acc, INTERPRET)
     return s[:, None] * (acc - (z + MAGIC)[:, None] * x_sum[None, :])
 
 
