@@ -4,12 +4,12 @@ SASS so that a change that loses it fails here rather than only on a GPU.
 
 - The K loop copies the weight words and the activations with cp.async (Triton's pipeline) and feeds
   warpgroup MMAs (HGMMA) with the weights as the register operand: the decoded tile never goes through
-  shared memory (the old Triton GEMM stored all of it there, 128 STS a tile, and spilled); the only
+  shared memory (the old Triton GEMM stored all of it there, 136 STS a tile, and spilled); the only
   stores are the group factors' layout change (2), and there is no local memory.
 - `one_dot` (opt-in, untimed) issues a tile's MMAs back to back at 8 warps, where the default four dots
   wait on each.
 - The decode is packed 16-bit arithmetic: no int-to-float or float-to-float conversion, and about 3.4
-  SASS instructions per weight value whatever the row tile (14.4 for the old GEMM at 64 x 128).
+  SASS instructions per weight value whatever the row tile (13.5 for the old GEMM at 64 x 128: benchmarks/w4a16_sass_per_value.py).
 """
 
 from __future__ import annotations
