@@ -219,9 +219,9 @@ def test_w4a16_gemv_silu_and_mul_matches_float32(n, k, m) -> None:
     assert_close_scaled(out, torch.nn.functional.silu(gate) * up, 2e-2)
 
 
-@pytest.mark.parametrize("m", [1, 3, 8, 200, 700])
+@pytest.mark.parametrize("m", [1, 2, 3, 8, 200, 700])
 def test_w4a16_linear_dispatch_matches_float32(m) -> None:
-    """Every route the layers take on the GPU (GEMV, Triton GEMM, dequantize + cuBLAS), act order on."""
+    """Every route the layers take on the GPU (GEMV, tensor-core GEMM, dequantize + cuBLAS), act order on."""
     from kvllm.layers.quantization.ops.w4a16 import w4a16_linear
 
     n, k = 4096, 4096
@@ -326,7 +326,7 @@ def test_quantized_model_on_gpu_matches_cpu_path(fmt, tmp_path) -> None:
 @pytest.mark.parametrize(
     "n,k,group", [(6144, 4096, 128), (4096, 14336, 128), (272, 384, 384), (28672, 4096, 128)]
 )
-@pytest.mark.parametrize("m", [5, 16, 33, 64, 130, 256])
+@pytest.mark.parametrize("m", [2, 3, 5, 16, 33, 64, 130, 256])
 def test_w4a16_gemm_mma_matches_float32(dtype, n, k, group, m) -> None:
     """The tensor-core GEMM (the inline-PTX decode the interpreter cannot run) with its default config and
     with a forced split and another row tile, against x @ W^T in float32 with W rounded to x's dtype; a

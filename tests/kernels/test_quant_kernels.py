@@ -327,11 +327,11 @@ def test_w4a16_gemm_mma_matches_float32_reference(m, n, k, group, with_bias, con
 def test_w4a16_gemm_mma_default_config_runs_at_every_row_count(n, k) -> None:
     """The default config is one the kernel accepts (row tile, column tile, a split of whole blocks) at every
     row count the dispatch sends it, odd K block counts included."""
-    from kvllm.layers.quantization.ops.w4a16 import MMA_GEMM_MAX_ROWS
+    from kvllm.layers.quantization.ops.w4a16 import MMA_GEMM_MAX_ROWS, MMA_GEMM_MIN_ROWS
     from kvllm.layers.quantization.ops.w4a16_gemm_mma import default_mma_gemm_config, mma_gemm_refusal
 
     x = torch.empty(1, k, dtype=torch.bfloat16)
-    for m in range(5, MMA_GEMM_MAX_ROWS + 1):
+    for m in range(MMA_GEMM_MIN_ROWS, MMA_GEMM_MAX_ROWS + 1):
         config = default_mma_gemm_config(m, n, k)
         assert mma_gemm_refusal(x, k, 128, config) is None, (m, config)
         assert config.block_m >= min(m, 128), (m, config)  # a tile holds the rows, up to 128
@@ -443,12 +443,13 @@ def test_w4a16_linear_dispatch_matches_cpu_path(m, monkeypatch) -> None:
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("m,routed", [(9, True), (4, False), (513, False)])
-def test_w4a16_linear_routes_five_to_max_rows_of_16_bit_x_to_the_tensor_core_gemm(
+@pytest.mark.parametrize("m,routed", [(2, True), (9, True), (1, False), (513, False)])
+def test_w4a16_linear_routes_two_to_max_rows_of_16_bit_x_to_the_tensor_core_gemm(
     m, routed, monkeypatch
 ) -> None:
-    """From the GEMV's last row + 1 to MMA_GEMM_MAX_ROWS, a bf16 x goes through the tensor-core GEMM (here on
-    the interpreter) and matches the dequantize-and-matmul path; outside that range it does not."""
+    """From MMA_GEMM_MIN_ROWS (2) to MMA_GEMM_MAX_ROWS, a bf16 x goes through the tensor-core GEMM (here on
+    the interpreter) and matches the dequantize-and-matmul path; one row (the GEMV's) and more than the
+    maximum do not."""
     from kvllm.layers.quantization.ops import w4a16, w4a16_gemm_mma
 
     calls = []
@@ -465,6 +466,57 @@ def test_w4a16_linear_routes_five_to_max_rows_of_16_bit_x_to_the_tensor_core_gem
         out = w4a16_linear(x, qweight, scales, zeros, 128, bias)
     assert calls == ([(m, 256)] if routed else [])
     torch.testing.assert_close(out.float(), expected.float(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype,group,fused", [(torch.bfloat16, 128, False), (torch.bfloat16, 64, True)])
+def test_gated_int4_layer_at_two_rows_leaves_silu_to_the_gemm_route_where_it_runs(
+    dtype, group, fused
+) -> None:
+    """At two rows the gate_up projection goes to the tensor-core GEMM where it can run (16-bit x, groups of
+    128), then SiLU: the gated GEMV's epilogue is skipped there and runs where the GEMM refuses (groups
+    of 64). Either way the result matches the CPU reference's projection-then-activation."""
+    from unittest import mock
+
+    from kvllm.layers.activation import SiluAndMul
+    from kvllm.layers.linear import MergedLinear
+    from kvllm.layers.quantization.gptq import GPTQConfig
+    from kvllm.layers.quantization.ops import w4a16_gemm_mma, w4a16_gemv
+
+    config = GPTQConfig.from_config({"bits": 4, "group_size": group, "desc_act": False, "sym": True})
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # the layer's scales in x's dtype, as a bf16 model loads them
+    try:
+        layer = MergedLinear(256, [64, 64], quant_config=config, prefix="mlp.gate_up_proj")
+    finally:
+        torch.set_default_dtype(default)
+    g = _gen(5)
+    for param in layer.parameters():
+        param.dummy_init(param.data, g)
+    layer.quant_method.process_weights_after_loading(layer)
+    x = torch.randn(2, 256, generator=g).to(dtype)
+    expected = SiluAndMul()(layer(x))
+    with (
+        fused_ops_mode("1"),
+        mock.patch.object(w4a16_gemv, "_launch", wraps=w4a16_gemv._launch) as gemv,
+        mock.patch.object(w4a16_gemm_mma, "w4a16_gemm_mma", wraps=w4a16_gemm_mma.w4a16_gemm_mma) as gemm,
+    ):
+        out = layer.gated(x, SiluAndMul())
+    assert (gemv.call_count, gemm.call_count) == ((1, 0) if fused else (0, 1))
+    torch.testing.assert_close(out.float(), expected.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_w4a16_gemm_mma_default_is_one_mma_chain_up_to_16_rows_except_on_long_k() -> None:
+    """The twenty-ninth session's H100 sweep: up to 16 rows, 256-column tiles over 8 warps as one MMA chain
+    on Llama-3-8B's qkv, o and gate_up (K split 4 ways, gate_up unsplit); down (K = 14,336) keeps 64
+    columns over 4 warps, where the chain was slower."""
+    from kvllm.layers.quantization.ops.w4a16_gemm_mma import W4A16MMAConfig, default_mma_gemm_config
+
+    for m in (2, 4, 16):
+        assert default_mma_gemm_config(m, 6144, 4096) == W4A16MMAConfig(16, 256, 4, 8, 4, one_dot=True)
+        assert default_mma_gemm_config(m, 4096, 4096) == W4A16MMAConfig(16, 256, 4, 8, 4, one_dot=True)
+        assert default_mma_gemm_config(m, 28672, 4096) == W4A16MMAConfig(16, 256, 1, 8, 4, one_dot=True)
+        assert default_mma_gemm_config(m, 4096, 14336) == W4A16MMAConfig(16, 64, 4, 4, 4)
+    assert not default_mma_gemm_config(512, 28672, 4096).one_dot  # not swept with the chain beyond 256 rows
 
 
 def test_gated_int4_layer_fuses_silu_for_decode_rows() -> None:

@@ -13,9 +13,9 @@ dequantize-then-F.linear path does, and accumulates x @ W^T in float32 with tens
 (decode) uses a 16-row tile and splits K over programs when N gives too few (partial sums reduced in a
 fixed order, kvllm/layers/ops/linear.py's reduce kernel); large M uses 64/128-row tiles.
 
-Routes (`w4a16_linear`, fused ops on): the GEMV for 1-4 rows (w4a16_gemv.py); the tensor-core GEMM for
-5-MMA_GEMM_MAX_ROWS rows where it can run (w4a16_gemm_mma.py: 16-bit x, K and groups in multiples of 128);
-else this module's Triton GEMM up to DEQUANT_MIN_ROWS - 1 rows, then dequantize + cuBLAS.
+Routes (`w4a16_linear`, fused ops on): the tensor-core GEMM for MMA_GEMM_MIN_ROWS to MMA_GEMM_MAX_ROWS rows
+where it can run (w4a16_gemm_mma.py: 16-bit x, K and groups in multiples of 128); else the GEMV for up to 4
+rows (w4a16_gemv.py), this module's Triton GEMM up to DEQUANT_MIN_ROWS - 1 rows, then dequantize + cuBLAS.
 """
 
 from __future__ import annotations
@@ -36,10 +36,12 @@ SMALL_M = 16
 # projections): at 32 and 64 rows the Triton GEMM with split K is 2.0-2.7x faster than dequantize + cuBLAS
 # (at 64 rows without split K and 64 columns it was 1.4-2.1x slower: the H200 sweep that set 17 here).
 DEQUANT_MIN_ROWS = 65
-# Up to this many rows (from the GEMV's MAX_ROWS + 1): the tensor-core GEMM (w4a16_gemm_mma.py) where it
-# can run (16-bit x, K and the group size multiples of 128), before the routes above. H100 sweep (twenty-
-# eighth session, Llama-3-8B's projections): 1.5-4.0x faster than those routes from 8 to 256 rows, 1.05-1.4x
-# at 512; at 1,024 rows dequantize + cuBLAS is as fast or faster (0.85-1.04x), at 2,048 faster (0.69-0.86x).
+# From MMA_GEMM_MIN_ROWS to MMA_GEMM_MAX_ROWS rows: the tensor-core GEMM (w4a16_gemm_mma.py) where it can
+# run (16-bit x, K and the group size multiples of 128), before the routes above. H100 sweeps (Llama-3-8B's
+# projections): 1.5-4.0x faster than those routes from 8 to 256 rows, 1.05-1.4x at 512; at 1,024 rows
+# dequantize + cuBLAS is as fast or faster (0.85-1.04x), at 2,048 faster (0.69-0.86x) (twenty-eighth
+# session); at 2 and 4 rows 1.7-5.8x faster than the GEMV, which keeps one row (twenty-ninth).
+MMA_GEMM_MIN_ROWS = 2
 MMA_GEMM_MAX_ROWS = 512
 TARGET_PROGRAMS = 264  # two per SM on an H200
 
@@ -261,10 +263,11 @@ def w4a16_linear(
     config: W4A16Config | None = None,
 ) -> torch.Tensor:
     """x [..., K] @ W^T (+ bias) -> [..., N] in x's dtype, W in the kvllm int4 layout; `perm` [K] gathers
-    x's columns first (act order). Where fused ops are on: the GEMV for up to 4 rows; then the tensor-core
-    GEMM up to MMA_GEMM_MAX_ROWS where it can run; else the Triton GEMM for up to DEQUANT_MIN_ROWS - 1, then
-    the dequantized weight through cuBLAS (`config` forces the Triton GEMM). Else dequantize + F.linear."""
-    from kvllm.layers.quantization.ops.w4a16_gemm_mma import mma_gemm_refusal, w4a16_gemm_mma
+    x's columns first (act order). Where fused ops are on: the tensor-core GEMM from MMA_GEMM_MIN_ROWS to
+    MMA_GEMM_MAX_ROWS where it can run; else the GEMV for up to 4 rows, the Triton GEMM for up to
+    DEQUANT_MIN_ROWS - 1, then the dequantized weight through cuBLAS (`config` forces the Triton GEMM). Else
+    dequantize + F.linear."""
+    from kvllm.layers.quantization.ops.w4a16_gemm_mma import w4a16_gemm_mma
     from kvllm.layers.quantization.ops.w4a16_gemv import MAX_ROWS, w4a16_gemv
 
     shape = x.shape
@@ -279,11 +282,7 @@ def w4a16_linear(
     m = x.shape[0]
     # Groups shorter than a 128-value block would need the GEMM's multi-group tiles, which no GPU run
     # has checked: those layers dequantize instead.
-    if (
-        config is None
-        and MAX_ROWS < m <= MMA_GEMM_MAX_ROWS
-        and not mma_gemm_refusal(x, x.shape[1], group_size)
-    ):
+    if config is None and _mma_gemm_takes(x, group_size):
         out = w4a16_gemm_mma(x, qweight, scales, zeros, group_size, bias)
     elif config is not None or (MAX_ROWS < m < DEQUANT_MIN_ROWS and group_size >= 128):
         out = w4a16_triton(x, qweight, scales, zeros, group_size, bias, config)
@@ -292,6 +291,15 @@ def w4a16_linear(
     else:
         out = F.linear(x, dequantize_triton(qweight, scales, zeros, group_size, x.dtype), bias)
     return out.reshape(*shape[:-1], -1)
+
+
+def _mma_gemm_takes(x: torch.Tensor, group_size: int) -> bool:
+    """Whether w4a16_linear sends x [M, K] (fused ops on) to the tensor-core GEMM."""
+    from kvllm.layers.quantization.ops.w4a16_gemm_mma import mma_gemm_refusal
+
+    if not MMA_GEMM_MIN_ROWS <= x.shape[0] <= MMA_GEMM_MAX_ROWS:
+        return False
+    return not mma_gemm_refusal(x, x.shape[1], group_size)
 
 
 def w4a16_silu_and_mul(
@@ -304,10 +312,13 @@ def w4a16_silu_and_mul(
     perm: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """silu(gate) * up of a gate_up projection (W's rows: gate, then up) in one GEMV launch, for up to
-    4 rows of x [M, K] where fused ops are on; None where that kernel does not apply."""
+    4 rows of x [M, K] where fused ops are on; None where that kernel does not apply, or where the
+    tensor-core GEMM takes the rows (w4a16_linear, then the activation, is faster there)."""
     from kvllm.layers.quantization.ops.w4a16_gemv import MAX_ROWS, w4a16_gemv_silu_and_mul
 
     if not use_fused_ops(x) or x.dim() != 2 or x.shape[0] > MAX_ROWS:
+        return None
+    if _mma_gemm_takes(x, group_size):
         return None
     if perm is not None:
         x = x.index_select(1, perm)

@@ -1,4 +1,4 @@
-"""The W4A16 GEMM on tensor cores for 5 rows and more: y = x @ dequant(W)^T (+ bias), with W's columns
+"""The W4A16 GEMM on tensor cores for 2 rows and more: y = x @ dequant(W)^T (+ bias), with W's columns
 as the MMA's M dimension (the A operand, built in registers from the packed words) and x's rows as its N
 (the B operand, copied into shared memory by Triton's pipeline and read there by the MMA).
 
@@ -19,12 +19,13 @@ as dequantize + F.linear, since each weight is rounded once, to the value the de
   In the compiled loop (sm_90) each of the four dots is waited on before the next pair is decoded, so the
   decode and the tensor cores take turns; `one_dot` stacks the four pair tiles in K order into one A
   operand of K = 128 (one MMA chain against one contiguous slice), whose MMAs issue back to back at 8
-  warps in the SASS. It passes the interpreter's tests and has not run on a GPU: no default uses it.
+  warps in the SASS: 4-20% faster on an H100 up to 32 rows, 3-8% at 128-256 (twenty-ninth session), but
+  slower on down's long K; the defaults use it where it wins.
 - A tile is one 128-value block in one group (K and the group size are multiples of 128): one scale and
   one zero point per column and tile. K can be split over programs (float32 partials summed in a fixed
   order by linear.py's reduce kernel, as the Triton GEMM does).
 
-Where it runs is `w4a16.py`'s `w4a16_linear`: from the GEMV's last row + 1 to MMA_GEMM_MAX_ROWS, for bf16
+Where it runs is `w4a16.py`'s `w4a16_linear`: from MMA_GEMM_MIN_ROWS to MMA_GEMM_MAX_ROWS, for bf16
 and fp16 where `mma_gemm_refusal` has no objection. The default config (`default_mma_gemm_config`) follows
 the H100 sweep (benchmarks/h200/w4a16_gemm_mma_sweep.py).
 """
@@ -54,36 +55,50 @@ class W4A16MMAConfig:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 4
-    one_dot: bool = False  # a tile's four pair tiles as one MMA chain of K = 128 (untimed: see the docstring)
+    one_dot: bool = False  # a tile's four pair tiles as one MMA chain of K = 128 (see the docstring)
 
 
 def default_mma_gemm_config(m: int, n: int, k: int) -> W4A16MMAConfig:
-    """The H100 sweep's best or within 3% of it on Llama-3-8B's projections at M = 8 .. 2,048 (twenty-eighth
-    session, docs/benchmarks.md), as rules on the shape: up to 64 rows, the smallest row tile that holds
-    them, 64 columns (128 from 33 rows on N > 4,096) and K split 4 ways, except on wide layers (N > 8,192:
-    gate_up), which have column tiles enough; from 65 rows, 128-row tiles, 256 columns over 8 warps where N
-    or M is large, K split 2-4 ways where N is small."""
+    """Rules on the shape from the H100 sweeps of Llama-3-8B's projections (twenty-eighth session at M = 8
+    .. 2,048; twenty-ninth at M = 2 .. 256 with `one_dot`; docs/benchmarks.md). "Long K" is K > 8,192
+    (down), "wide" N > 8,192 (gate_up).
+    - Up to 16 rows: a 16-row tile of 256 columns over 8 warps as one MMA chain (`one_dot`), K split 4
+      ways (wide: unsplit); long K: 64 columns over 4 warps, K split 4 ways.
+    - 17 to 64 rows: the smallest row tile that holds them, 64 columns (128 from 33 rows on N > 4,096), K
+      split 4 ways; wide: 256 columns over 8 warps unsplit (one chain up to 32 rows).
+    - From 65 rows: 128-row tiles; 256 columns over 8 warps where N or M is large, K split 2-4 ways where
+      N is small; one chain up to 256 rows except on long K."""
     blocks = k // BLOCK_VALUES
+    long_k = k > 8192
 
     def split(want: int) -> int:
         while want > 1 and blocks % want:
             want //= 2
         return want
 
+    if m <= 16 and not long_k:
+        return W4A16MMAConfig(16, 256, 1 if n > 8192 else split(4), 8, 4, one_dot=True)
     if m <= 64:
         block_m = 16 if m <= 16 else 32 if m <= 32 else 64
         if n > 8192:
             if m <= 16:
                 return W4A16MMAConfig(block_m, 128, split(4), 4, 4)
-            return W4A16MMAConfig(32, 128, 1, 4, 4) if m <= 32 else W4A16MMAConfig(64, 256, 1, 8, 3)
+            if m <= 32:
+                if long_k:
+                    return W4A16MMAConfig(32, 128, 1, 4, 4)
+                return W4A16MMAConfig(32, 256, 1, 8, 4, one_dot=True)
+            return W4A16MMAConfig(64, 256, 1, 8, 3)
         return W4A16MMAConfig(block_m, 128 if m > 32 and n > 4096 else 64, split(4), 4, 4)
+    one_dot = m <= 256 and not long_k
     if m <= 256 and n <= 8192:
+        if m > 128 and not long_k:
+            return W4A16MMAConfig(128, 256, split(2) if n > 4096 else split(4), 8, 3, one_dot=True)
         if m > 128 and n > 4096:
             return W4A16MMAConfig(128, 256, split(2), 8, 3)
         return W4A16MMAConfig(128, 128, split(4), 4, 3)
-    if k > 8192:
+    if long_k:
         return W4A16MMAConfig(128, 128, split(2), 4, 3)
-    return W4A16MMAConfig(128, 256, split(2) if m <= 512 and n <= 4096 else 1, 8, 3)
+    return W4A16MMAConfig(128, 256, split(2) if m <= 512 and n <= 4096 else 1, 8, 3, one_dot=one_dot)
 
 
 def permute_for_pairs(x: torch.Tensor) -> torch.Tensor:
