@@ -16,9 +16,11 @@ e2e      Llama-3-8B-shaped model, dummy weights generated on the GPU, bf16 activ
          (online per-channel from the bf16 dummy weights), fp8-block (quantization_config with
          weight_block_size [128, 128]), fp8-tensor (a per-tensor fp8 checkpoint's quantization_config);
          named only: awq-pdl (awq with the decode GEMV under programmatic dependent launch), awq-before (awq
-         without the tensor-core GEMM from 5 rows: w4a16.MMA_GEMM_MAX_ROWS = 0, the routes before it).
-         Batch 1: 32 random prompt tokens, 128 output tokens, EOS ignored, ms per output token = wall
-         time / 128 (median of 3 after a warm-up). Batch 256: 256 x 128 in / 128 out, output tokens per
+         without the tensor-core GEMM: w4a16.MMA_GEMM_MAX_ROWS = 0, the routes before it), awq-gemv4 (awq
+         with the GEMV for 1-4 rows, the GEMM from 5: w4a16.MMA_GEMM_MIN_ROWS = 5, as before the twenty-
+         ninth session). Batch 1: 32 random prompt tokens, 128 output tokens, EOS ignored, ms per output
+         token = wall time / 128 (median of 3 after a warm-up); batch 4 the same with 4 prompts, ms per
+         decode step (wall time / 128). Batch 256: 256 x 128 in / 128 out, output tokens per
          second (after a warm-up batch). --profile: one more batch-1 request per engine under
          torch.profiler, its kernel table in DIR/e2e-profile-<engine>.txt (where a step's time goes).
 fp8probe torch's blockwise-scaled F.scaled_mm (1x128 x 128x128) on Llama-3-8B shapes at M = 256: which
@@ -65,7 +67,7 @@ ENGINES = {
 # Variants of an engine above, run only when named in --engines: AWQ with its decode GEMV launched under
 # programmatic dependent launch (w4a16_gemv.LAUNCH_WITH_PDL, off since the eleventh session measured the
 # kernel of then slower with it).
-VARIANTS = {"awq-pdl": "awq", "awq-before": "awq"}
+VARIANTS = {"awq-pdl": "awq", "awq-before": "awq", "awq-gemv4": "awq"}
 
 
 def graph_us(fn: Callable[[int], Any]) -> float:
@@ -241,6 +243,10 @@ def engine_child(
         from kvllm.layers.quantization.ops import w4a16
 
         w4a16.MMA_GEMM_MAX_ROWS = 0
+    if name == "awq-gemv4":
+        from kvllm.layers.quantization.ops import w4a16
+
+        w4a16.MMA_GEMM_MIN_ROWS = 5
     start = time.perf_counter()
     llm = LLM(folder, load_format="dummy", dtype="bfloat16", max_model_len=2048, max_num_seqs=256,
               enable_prefix_caching=False, quantization=quantization)  # fmt: skip
@@ -249,7 +255,7 @@ def engine_child(
     params = SamplingParams(max_tokens=128, temperature=1.0, ignore_eos=True)
 
     def run(batch: int, seed: int) -> float:
-        requests = random_requests(batch, 32 if batch == 1 else 128, 128, vocab, seed=seed)
+        requests = random_requests(batch, 32 if batch <= 4 else 128, 128, vocab, seed=seed)
         torch.cuda.synchronize()
         t = time.perf_counter()
         llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in requests], params, use_tqdm=False)
@@ -258,6 +264,8 @@ def engine_child(
 
     run(1, 0)
     ms_per_token = statistics.median(run(1, seed) for seed in range(1, 2 if quick else 4)) / 128 * 1e3
+    run(4, 20)
+    ms_per_step_4 = statistics.median(run(4, seed) for seed in range(21, 22 if quick else 24)) / 128 * 1e3
     profile = None
     if profile_dir:
         from benchmarks.h200.torch_profile import profile_call
@@ -267,7 +275,8 @@ def engine_child(
     run(256, 10)
     wall = run(256, 11)
     record = {"part": "e2e", "engine": name, "startup_s": round(startup, 1),
-              "batch1_ms_per_token": round(ms_per_token, 3), "batch256_output_tok_s": round(256 * 128 / wall, 1),
+              "batch1_ms_per_token": round(ms_per_token, 3), "batch4_ms_per_step": round(ms_per_step_4, 3),
+              "batch256_output_tok_s": round(256 * 128 / wall, 1),
               "weight_gib": round(torch.cuda.memory_allocated() / 2**30, 2), "gpu": torch.cuda.get_device_name()}  # fmt: skip
     if profile is not None:
         record["batch1_profile"] = profile
@@ -364,7 +373,8 @@ def print_table(records: list[dict[str, Any]]) -> None:
             if base:
                 speed = (f"  batch-1 {base['batch1_ms_per_token'] / r['batch1_ms_per_token']:.2f}x, "
                          f"batch-256 {r['batch256_output_tok_s'] / base['batch256_output_tok_s']:.2f}x vs bf16")  # fmt: skip
-            print(f"e2e {r['engine']:10} batch-1 {r['batch1_ms_per_token']:.2f} ms/token, batch-256 "
+            batch4 = f", batch-4 {r['batch4_ms_per_step']:.2f} ms/step" if "batch4_ms_per_step" in r else ""
+            print(f"e2e {r['engine']:10} batch-1 {r['batch1_ms_per_token']:.2f} ms/token{batch4}, batch-256 "
                   f"{r['batch256_output_tok_s']:.0f} tok/s, weights {r['weight_gib']} GiB{speed}")  # fmt: skip
 
 

@@ -4,7 +4,7 @@
 #            for 5+ rows (w4a16_gemm_mma.py): its GPU tests against float32 (the inline-PTX decode the CPU
 #            interpreter cannot run), the sweep against the routes before it and bf16 at M = 8 .. 256
 #            (w4a16_gemm_mma_sweep.py, `one_dot` configs among them), then AWQ end to end at batch 1 and
-#            256 with it (awq), without it (awq-before) and bf16
+#            256 with it (awq), without it (awq-before) and bf16 (E2E_ENGINES: another list, e.g. with awq-pdl)
 #   mma|flex-blocks|confirm|quiet|fi-walk|first|so  = session27.sh's phases
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -21,7 +21,7 @@ gemm)
     --budget-s "${SWEEP_BUDGET_S:-140}"
   sed -n '/best tensor-core/,$p' "$d/sweep.log" | head -30
   run_step e2e "${E2E_CAP:-200}" python3 benchmarks/h200/quant_bench.py --out "$d/e2e" --parts e2e \
-    --engines awq,awq-before,bf16 --quick
+    --engines "${E2E_ENGINES:-awq,awq-before,bf16}" --quick
   grep -h '^e2e \|^{"part": "e2e"' "$d/e2e.log" | cut -c1-220
   end_phase
   ;;
