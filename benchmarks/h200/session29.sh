@@ -2,10 +2,10 @@
 # The GPU calls of the twenty-ninth session, each sent within 30 s of the last one's return.
 #   rows     carry nothing, any card (about 5 minutes; BUDGET_S clips it): issue 22's W4A16 routes after 2-4 rows
 #            moved from the GEMV to the tensor-core GEMM and the GEMM's defaults took `one_dot` where the H100
-#            sweep had it faster: the GEMM's and the dispatch's GPU tests (2 and 3 rows added), the defaults'
-#            sweep at 2 .. 256 rows, then AWQ end to end (batch 1, 4 and 256) with today's routes (awq), with
-#            the GEMV for 1-4 rows (awq-gemv4) and bf16; on an H200 then session27.sh mma's GEMV sweep and its
-#            table end to end (the H200 rows w4a16_gemv_configs.json lacks)
+#            sweep had it faster: the GEMM's and the dispatch's GPU tests (2 and 3 rows added); AWQ end to end
+#            (batch 1, 4 and 256) with today's routes (awq), with the GEMV for 1-4 rows (awq-gemv4) and bf16;
+#            the defaults' sweep at 2 .. 256 rows; on an H200 then session27.sh mma's GEMV sweep and its table
+#            end to end (the H200 rows w4a16_gemv_configs.json lacks)
 #   *        = session28.sh's phases
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -15,13 +15,13 @@ default_budget_s=${DEFAULT_BUDGET_S:-420}
 case "$phase" in
 rows)
   source benchmarks/h200/session_lib.sh
-  parallel_tests 100 "rows|tests/gpu/test_quant_gpu.py -k 'gemm_mma or dispatch'"
-  run_step sweep 60 python3 benchmarks/h200/w4a16_gemm_mma_sweep.py --out "$d" --defaults-only \
-    --rows 2,4,8,16,32,128,256 --budget-s 45
-  sed -n '/best tensor-core/,$p' "$d/sweep.log" | head -30
+  parallel_tests 70 "rows|tests/gpu/test_quant_gpu.py -k 'gemm_mma or dispatch'"
   run_step e2e "${E2E_CAP:-220}" python3 benchmarks/h200/quant_bench.py --out "$d/e2e" --parts e2e \
     --engines "${E2E_ENGINES:-awq,awq-gemv4,bf16}" --quick
   grep -h '^e2e ' "$d/e2e.log" | cut -c1-220
+  run_step sweep 60 python3 benchmarks/h200/w4a16_gemm_mma_sweep.py --out "$d" --defaults-only \
+    --rows 2,4,8,16,32,128,256 --budget-s 45
+  sed -n '/best tensor-core/,$p' "$d/sweep.log" | head -30
   if on_h200; then
     run_step gemv-sweep 170 python3 benchmarks/h200/w4a16_gemv_m1.py --out "$d" --set mma --budget-s 130 \
       --table-out "$d/w4a16_gemv_configs.json"
