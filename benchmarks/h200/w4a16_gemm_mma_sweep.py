@@ -4,8 +4,8 @@
 Llama-3-8B's projections (qkv, o, gate_up, down), group 128, bf16, cold weight copies (about 256 MiB of
 them, so L2 holds none), CUDA-graph timing (benchmarks/h200/graph_timing.py). At each M and shape:
   bf16 F.linear (cuBLAS on a bf16 weight), the route without the tensor-core GEMM (`w4a16 before`: the
-  GEMV up to 4 rows, where the dispatch keeps it, the Triton GEMM up to 64, dequantize + cuBLAS beyond;
-  M = 2 and 4 ask whether the GEMM should take those rows from the GEMV), the GEMM's default config, then
+  GEMV up to 4 rows, the Triton GEMM up to 64, dequantize + cuBLAS beyond; at M = 2 and 4 the GEMM took
+  those rows from the GEMV in the twenty-ninth session), the GEMM's default config, then
   its configs (row tile, column tile, K split, warps) until --budget-s runs out (--defaults-only: none).
 Every config is checked once against F.linear on the dequantized weight (relative error printed; > 2%
 is recorded as a failure and not timed). One JSON line per measurement in DIR/w4a16_gemm_mma.jsonl, a
