@@ -6,10 +6,14 @@
 #            (batch 1, 4 and 256) with today's routes (awq), with the GEMV for 1-4 rows (awq-gemv4) and bf16;
 #            the defaults' sweep at 2 .. 256 rows; on an H200 then session27.sh mma's GEMV sweep and its table
 #            end to end (the H200 rows w4a16_gemv_configs.json lacks)
+#   h200     carry [".so-lite"] (optional), any card, meant for the H200 (about 8 minutes; BUDGET_S clips it):
+#            the open H200 numbers of issues 22 and 19 in one call, most needed first: AWQ and bf16 end to end
+#            (batch 1, 4, 256); with .so-lite the batch-64 structured-outputs bench three times; the GEMM's and
+#            the dispatch's GPU tests; on an H200 the tensor-core GEMV's sweep and its table end to end
 #   *        = session28.sh's phases
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-phase=${1:?usage: session29.sh rows|gemm|mma|flex-blocks|confirm|quiet|fi-walk|first|so}
+phase=${1:?usage: session29.sh rows|h200|gemm|mma|flex-blocks|confirm|quiet|fi-walk|first|so}
 default_budget_s=${DEFAULT_BUDGET_S:-420}
 
 case "$phase" in
@@ -28,6 +32,31 @@ rows)
     sed -n '/best per shape/,$p' "$d/gemv-sweep.log" | head -12
     if [ -f "$d/w4a16_gemv_configs.json" ]; then
       KVLLM_W4A16_GEMV_CONFIGS=$d/w4a16_gemv_configs.json run_step e2e-table 150 python3 \
+        benchmarks/h200/quant_bench.py --out "$d/e2e-table" --parts e2e --engines awq --quick
+      grep -h '^e2e ' "$d/e2e-table.log" | cut -c1-220
+    fi
+  fi
+  end_phase
+  ;;
+h200)
+  source benchmarks/h200/session_lib.sh
+  run_step e2e 130 python3 benchmarks/h200/quant_bench.py --out "$d/e2e" --parts e2e --engines awq,bf16 --quick
+  grep -h '^e2e ' "$d/e2e.log" | cut -c1-220
+  if stage_structured_outputs; then
+    (export PYTHONPATH=.:/tmp/so-site KVLLM_QWEN3_TOKENIZER=/tmp/so-tok
+     for i in 1 2 3; do
+       run_step "so-$i" 45 python3 benchmarks/h200/structured_outputs_bench.py --tokenizer /tmp/so-tok \
+         --repeats 3 --out "$d/so-$i.json"
+       tail -n 1 "$d/so-$i.log"
+     done)
+  fi
+  parallel_tests 70 "rows|tests/gpu/test_quant_gpu.py -k 'gemm_mma or dispatch'"
+  if on_h200; then
+    run_step gemv-sweep 170 python3 benchmarks/h200/w4a16_gemv_m1.py --out "$d" --set mma --budget-s 130 \
+      --table-out "$d/w4a16_gemv_configs.json"
+    sed -n '/best per shape/,$p' "$d/gemv-sweep.log" | head -12
+    if [ -f "$d/w4a16_gemv_configs.json" ]; then
+      KVLLM_W4A16_GEMV_CONFIGS=$d/w4a16_gemv_configs.json run_step e2e-table 100 python3 \
         benchmarks/h200/quant_bench.py --out "$d/e2e-table" --parts e2e --engines awq --quick
       grep -h '^e2e ' "$d/e2e-table.log" | cut -c1-220
     fi
