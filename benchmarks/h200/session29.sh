@@ -16,6 +16,17 @@ cd "$(dirname "$0")/../.."
 phase=${1:?usage: session29.sh rows|h200|gemm|mma|flex-blocks|confirm|quiet|fi-walk|first|so}
 default_budget_s=${DEFAULT_BUDGET_S:-420}
 
+gemv_table() {  # e2e-cap: the tensor-core GEMV's sweep at one row, then AWQ end to end with its fastest configs
+  run_step gemv-sweep 170 python3 benchmarks/h200/w4a16_gemv_m1.py --out "$d" --set mma --budget-s 130 \
+    --table-out "$d/w4a16_gemv_configs.json"
+  sed -n '/best per shape/,$p' "$d/gemv-sweep.log" | head -12
+  if [ -f "$d/w4a16_gemv_configs.json" ]; then
+    KVLLM_W4A16_GEMV_CONFIGS=$d/w4a16_gemv_configs.json run_step e2e-table "$1" python3 \
+      benchmarks/h200/quant_bench.py --out "$d/e2e-table" --parts e2e --engines awq --quick
+    grep -h '^e2e ' "$d/e2e-table.log" | cut -c1-220
+  fi
+}
+
 case "$phase" in
 rows)
   source benchmarks/h200/session_lib.sh
@@ -26,16 +37,7 @@ rows)
   run_step sweep 60 python3 benchmarks/h200/w4a16_gemm_mma_sweep.py --out "$d" --defaults-only \
     --rows 2,4,8,16,32,128,256 --budget-s 45
   sed -n '/best tensor-core/,$p' "$d/sweep.log" | head -30
-  if on_h200; then
-    run_step gemv-sweep 170 python3 benchmarks/h200/w4a16_gemv_m1.py --out "$d" --set mma --budget-s 130 \
-      --table-out "$d/w4a16_gemv_configs.json"
-    sed -n '/best per shape/,$p' "$d/gemv-sweep.log" | head -12
-    if [ -f "$d/w4a16_gemv_configs.json" ]; then
-      KVLLM_W4A16_GEMV_CONFIGS=$d/w4a16_gemv_configs.json run_step e2e-table 150 python3 \
-        benchmarks/h200/quant_bench.py --out "$d/e2e-table" --parts e2e --engines awq --quick
-      grep -h '^e2e ' "$d/e2e-table.log" | cut -c1-220
-    fi
-  fi
+  on_h200 && gemv_table 150
   end_phase
   ;;
 h200)
@@ -51,16 +53,7 @@ h200)
      done)
   fi
   parallel_tests 70 "rows|tests/gpu/test_quant_gpu.py -k 'gemm_mma or dispatch'"
-  if on_h200; then
-    run_step gemv-sweep 170 python3 benchmarks/h200/w4a16_gemv_m1.py --out "$d" --set mma --budget-s 130 \
-      --table-out "$d/w4a16_gemv_configs.json"
-    sed -n '/best per shape/,$p' "$d/gemv-sweep.log" | head -12
-    if [ -f "$d/w4a16_gemv_configs.json" ]; then
-      KVLLM_W4A16_GEMV_CONFIGS=$d/w4a16_gemv_configs.json run_step e2e-table 100 python3 \
-        benchmarks/h200/quant_bench.py --out "$d/e2e-table" --parts e2e --engines awq --quick
-      grep -h '^e2e ' "$d/e2e-table.log" | cut -c1-220
-    fi
-  fi
+  on_h200 && gemv_table 100
   end_phase
   ;;
 *)
