@@ -19,7 +19,7 @@ as dequantize + F.linear, since each weight is rounded once, to the value the de
   In the compiled loop (sm_90) each of the four dots is waited on before the next pair is decoded, so the
   decode and the tensor cores take turns; `one_dot` stacks the four pair tiles in K order into one A
   operand of K = 128 (one MMA chain against one contiguous slice), whose MMAs issue back to back at 8
-  warps in the SASS: 4-20% faster on an H100 up to 32 rows, 3-8% at 128-256 (twenty-ninth session), but
+  warps in the SASS: 4-20% faster on an H100 up to 32 rows, 1-8% at 128-256 (twenty-ninth session), but
   slower on down's long K; the defaults use it where it wins.
 - A tile is one 128-value block in one group (K and the group size are multiples of 128): one scale and
   one zero point per column and tile. K can be split over programs (float32 partials summed in a fixed
