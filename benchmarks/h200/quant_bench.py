@@ -4,7 +4,7 @@
 
 kernels  Llama-3-8B's four projections (qkv, o, gate_up, down). Decode rows (M = 1, 16): bf16 F.linear
          (cuBLAS), kvllm's bf16 GEMV (M = 1) and small-M kernels, W4A16 (group 128) as the layers
-         dispatch it (w4a16_linear: the GEMV at one row, the tensor-core GEMM from 2 rows, ...) and
+         dispatch it (w4a16_linear: the GEMV at one row, the tensor-core GEMM at 2-512) and
          the Triton GEMM alone. Prefill/batch rows (M = 256, 1024): bf16 F.linear, fp8 per-channel W8A8
          through torch._scaled_mm (GEMM alone, and with kvllm's per-token activation quantization),
          block-fp8 (128x128) Triton GEMM with its activation quantization, W4A16. Each time is the median
