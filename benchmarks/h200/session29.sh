@@ -4,20 +4,22 @@
 #            moved from the GEMV to the tensor-core GEMM and the GEMM's defaults took `one_dot` where the H100
 #            sweep had it faster: the GEMM's and the dispatch's GPU tests (2 and 3 rows added); AWQ end to end
 #            (batch 1, 4 and 256) with today's routes (awq), with the GEMV for 1-4 rows (awq-gemv4) and bf16;
-#            the defaults' sweep at 2 .. 256 rows; on an H200 then session27.sh mma's GEMV sweep and its table
+#            the defaults' sweep at 2 .. 256 rows; on an H200 then the one-row GEMV sweep (`--set h200`) and its table
 #            end to end (the H200 rows w4a16_gemv_configs.json lacks)
 #   h200     carry [".so-lite"] (optional), any card, meant for the H200 (about 8 minutes; BUDGET_S clips it):
 #            the open H200 numbers of issues 22 and 19 in one call, most needed first: AWQ and bf16 end to end
 #            (batch 1, 4, 256); with .so-lite the batch-64 structured-outputs bench three times; the GEMM's and
-#            the dispatch's GPU tests; on an H200 the tensor-core GEMV's sweep and its table end to end
+#            the dispatch's GPU tests; on an H200 the one-row GEMV sweep (`--set h200`: CUDA-core and tensor-core) and its table end to end
 #   *        = session28.sh's phases
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 phase=${1:?usage: session29.sh rows|h200|gemm|mma|flex-blocks|confirm|quiet|fi-walk|first|so}
 default_budget_s=${DEFAULT_BUDGET_S:-420}
 
-gemv_table() {  # e2e-cap: the tensor-core GEMV's sweep at one row, then AWQ end to end with its fastest configs
-  run_step gemv-sweep 170 python3 benchmarks/h200/w4a16_gemv_m1.py --out "$d" --set mma --budget-s 130 \
+# gemv_table E2E_CAP: the one-row GEMV sweep for the H200 (CUDA-core and tensor-core configs), then AWQ end to
+# end with each shape's fastest config
+gemv_table() {
+  run_step gemv-sweep 170 python3 benchmarks/h200/w4a16_gemv_m1.py --out "$d" --set h200 --budget-s 130 \
     --table-out "$d/w4a16_gemv_configs.json"
   sed -n '/best per shape/,$p' "$d/gemv-sweep.log" | head -12
   if [ -f "$d/w4a16_gemv_configs.json" ]; then

@@ -111,6 +111,26 @@ MMA += [
 MMA_GATED = [(bn, 128, 1, s, 1, False, False, False, True) for bn in (16, 32) for s in (3, 4, 6)]
 MMA_GATED += [(64, 128, 2, 4, 1, False, False, False, True)]  # 64 columns at one warp spill (two streams)
 
+# --set h200 (thirtieth session; the H200 has no tuned row, so it runs default_config, fit to an H100): the
+# H100 table's configs, the CUDA-core kernel with deeper pipelines and longer tiles (more bytes in flight for
+# the H200's bandwidth at the same latency), and the tensor-core kernel's leaders of the H100 sweeps.
+H200 = [
+    (4, 1024, 1, 3, 1, True, False, True),
+    (4, 1024, 1, 4, 1, True, False, True),
+    (4, 1024, 1, 5, 1, True, False, True),
+    (4, 2048, 1, 3, 1, True, False, True),
+    (4, 2048, 2, 4, 1, True, False, True),
+    (4, 512, 1, 3, 2, True, False, True),
+    (4, 512, 1, 4, 2, True, False, True),
+    (4, 1024, 1, 4, 2, True, False, True),
+]
+H200 += [
+    (bn, 128, 1, s, split, False, False, False, True) for bn, s, split in ((16, 4, 1), (16, 4, 2), (16, 6, 2))
+]
+H200 += [(bn, 128, 1, 4, split, False, False, False, True) for bn, split in ((32, 4), (64, 8), (64, 14))]
+H200_GATED = [(4, 512, 1, s, 1, False, False) for s in (3, 4, 5)] + [(4, 1024, 1, 4, 1, False, False)]
+H200_GATED += [(bn, 128, 1, s, 1, False, False, False, True) for bn, s in ((16, 4), (16, 6), (32, 4))]
+
 
 def _config(cfg: tuple[int, ...]) -> Any:
     from kvllm.layers.quantization.ops.w4a16_gemv import W4A16GemvConfig
@@ -153,7 +173,7 @@ def main() -> int:
     parser.add_argument("--budget-s", type=float, default=60.0)
     parser.add_argument("--table-out", help="write the fastest config per shape as a tuned-config table")
     parser.add_argument(
-        "--set", choices=["all", "next", "warps", "mma"], default="all", help="the candidate set"
+        "--set", choices=["all", "next", "warps", "mma", "h200"], default="all", help="the candidate set"
     )
     parser.add_argument("--shapes", default=",".join(SHAPES), help="comma list of " + ", ".join(SHAPES))
     args = parser.parse_args()
@@ -167,6 +187,8 @@ def main() -> int:
         CANDIDATES, GATED = WARPS, WARPS_GATED
     elif args.set == "mma":
         CANDIDATES, GATED = MMA, MMA_GATED
+    elif args.set == "h200":
+        CANDIDATES, GATED = H200, H200_GATED
     shapes = {name: SHAPES[name] for name in args.shapes.split(",")}
     jobs = [(c, k, False) for c in CANDIDATES for k in (4096, 14336) if k % (c[1] * c[4]) == 0]
     jobs += [(c, 4096, True) for c in GATED]
