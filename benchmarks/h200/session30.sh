@@ -2,8 +2,8 @@
 # The GPU calls of the thirtieth session, each sent within 30 s of the last one's return. A call naming
 # nvidia-h200 gets an H100 or an H200, and the card is known only once it runs, so the first call picks its
 # work by the card:
-#   first    carry [".stage1", ".fi"], any card: on an H200 session24.sh confirm (issue 23's first call; then
-#            `quiet`, carry [".stage2"], within 30 s); on an H100 (issue 23 ran there in the twenty-sixth
+#   first    carry [".stage1", ".fi"], any card: on an H200 only the staging's first half and FlashInfer unpacked
+#            (seconds; then `quiet`, carry [".stage2"], within 30 s: issue 23's one-run table); on an H100 (issue 23 ran there in the twenty-sixth
 #            session) the one-row W4A16 GEMV sweep `--set h200` (deeper CUDA-core pipelines beside the
 #            shipped H100 table and the tensor-core leaders), AWQ end to end with its table against the
 #            shipped one, and the sleep-mode GPU tests, not run on a GPU since they were written
@@ -15,10 +15,14 @@ default_budget_s=${DEFAULT_BUDGET_S:-420}
 
 case "$phase" in
 first)
-  if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
-    exec bash benchmarks/h200/session24.sh confirm
-  fi
   source benchmarks/h200/session_lib.sh
+  if on_h200; then
+    run_step stage1 60 bash .stage1/unpack.sh
+    run_step fi-unpack 60 bash .fi/unpack.sh
+    since "on an H200: send quiet (carry .stage2) now"
+    end_phase
+    exit 0
+  fi
   run_step gemv-sweep 200 python3 benchmarks/h200/w4a16_gemv_m1.py --out "$d" --set h200 --budget-s 160 \
     --table-out "$d/w4a16_gemv_configs.json"
   sed -n '/best per shape/,$p' "$d/gemv-sweep.log" | head -12
