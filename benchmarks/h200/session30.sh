@@ -3,14 +3,16 @@
 # nvidia-h200 gets an H100 or an H200, and the card is known only once it runs, so the first call picks its
 # work by the card:
 #   first    carry [".stage1", ".fi"], any card: on an H200 only the staging's first half and FlashInfer unpacked
-#            (seconds; then `quiet`, carry [".stage2"], within 30 s: issue 23's one-run table); on an H100 (issue 23 ran there in the twenty-sixth
-#            session) the one-row W4A16 GEMV sweep `--set h200` (deeper CUDA-core pipelines beside the
-#            shipped H100 table and the tensor-core leaders), AWQ end to end with its table against the
-#            shipped one, and the sleep-mode GPU tests, not run on a GPU since they were written
+#            (seconds; then `quiet`, carry [".stage2"], within 30 s: issue 23's one-run table); on an H100 (where
+#            issue 23 ran in the twenty-sixth session) the GPU tests of the decode order sorted on the host (the
+#            TRITON_ATTN kernel's, and graphs against eager), then the one-row W4A16 GEMV sweep `--set h200`
+#            (deeper CUDA-core pipelines beside the shipped H100 table and the tensor-core leaders)
+#   so-ab    carry [".so-lite"] (.ab/triton_attn_impl_before.py travels untracked), any card: issue 19's batch-64
+#            bench alternating the decode order sorted on the device (before) and on the host (after)
 #   *        = session29.sh's phases
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-phase=${1:?usage: session30.sh first|rows|h200|gemm|mma|flex-blocks|confirm|quiet|fi-walk|so}
+phase=${1:?usage: session30.sh first|so-ab|rows|h200|gemm|mma|flex-blocks|confirm|quiet|fi-walk|so}
 default_budget_s=${DEFAULT_BUDGET_S:-420}
 
 case "$phase" in
@@ -23,17 +25,20 @@ first)
     end_phase
     exit 0
   fi
-  run_step gemv-sweep 200 python3 benchmarks/h200/w4a16_gemv_m1.py --out "$d" --set h200 --budget-s 160 \
+  # The decode order now sorted on the host (issue 19's host time): its GPU tests, graphs against eager included.
+  parallel_tests 150 "attn|tests/gpu/test_triton_attention_gpu.py" \
+    "graphs|tests/gpu/test_cuda_graphs_gpu.py -k TRITON_ATTN"
+  run_step gemv-sweep 150 python3 benchmarks/h200/w4a16_gemv_m1.py --out "$d" --set h200 --budget-s 110 \
     --table-out "$d/w4a16_gemv_configs.json"
   sed -n '/best per shape/,$p' "$d/gemv-sweep.log" | head -12
-  if [ -f "$d/w4a16_gemv_configs.json" ]; then
-    KVLLM_W4A16_GEMV_CONFIGS=$d/w4a16_gemv_configs.json run_step e2e-table 100 python3 \
-      benchmarks/h200/quant_bench.py --out "$d/e2e-table" --parts e2e --engines awq --quick
-    run_step e2e-shipped 100 python3 benchmarks/h200/quant_bench.py --out "$d/e2e-shipped" --parts e2e \
-      --engines awq --quick
-    grep -h '^e2e ' "$d/e2e-table.log" "$d/e2e-shipped.log" | cut -c1-220
+  end_phase
+  ;;
+so-ab)  # issue 19's bench, the decode order sorted on the device (before) and on the host (after), alternating
+  source benchmarks/h200/session_lib.sh
+  if stage_structured_outputs; then
+    (export PYTHONPATH=.:/tmp/so-site KVLLM_QWEN3_TOKENIZER=/tmp/so-tok
+     SO_FILES=kvllm/attention/backends/triton_attn_impl.py so_ab before after before after)
   fi
-  parallel_tests 120 "sleep|tests/gpu/test_sleep_mode_gpu.py"
   end_phase
   ;;
 *)

@@ -15,11 +15,16 @@ from __future__ import annotations
 import dataclasses
 import types
 
+import numpy as np
 import pytest
 import torch
 
 from kvllm.attention.backends.triton_attn import TritonAttentionBackend
-from kvllm.attention.backends.triton_attn_impl import TritonAttentionImpl, TritonAttentionMetadataBuilder
+from kvllm.attention.backends.triton_attn_impl import (
+    TritonAttentionImpl,
+    TritonAttentionMetadataBuilder,
+    longest_first,
+)
 from kvllm.attention.metadata import CommonAttentionMetadata, KVCacheSpec
 from kvllm.attention.ops.triton_unified_attention import FP8_DOT_MODES, KernelConfig, fp8_dot_mode
 from kvllm.attention.reference import make_paged_batch
@@ -168,6 +173,27 @@ def test_decodes_start_longest_first() -> None:
     assert sorted(order) == list(range(20))
     lens = [RAGGED_CONTEXT_LENS[i] + 1 for i in order]
     assert lens == sorted(lens, reverse=True) and lens[0] == 121
+
+
+def test_longest_first_keeps_ties_in_batch_order() -> None:
+    """The host sort behind the ordered launch: descending lengths, ties (and padding, length 0) in batch order."""
+    lens = np.array([5, 9, 0, 9, 5, 1, 0], dtype=np.int64)
+    assert longest_first(lens).tolist() == [1, 3, 0, 4, 5, 2, 6]
+
+
+def test_decode_order_pads_missing_host_lengths_last() -> None:
+    """Requests past the host's lengths count as padding (length 0): the order is still a permutation of every
+    decode request, with them last."""
+    batch = make_paged_batch(
+        RAGGED_QUERY_LENS, RAGGED_CONTEXT_LENS, 4, 2, 64, 16, dtype=torch.float16, seed=3
+    )
+    spec = KVCacheSpec(16, 2, 64, torch.float16, "auto")
+    builder = TritonAttentionMetadataBuilder(TritonAttentionBackend, spec, torch.device("cpu"), 32, 256, 512)
+    short = dataclasses.replace(batch.metadata, seq_lens_cpu=batch.metadata.seq_lens_cpu[:15])
+    order = builder.build(short).decode_order.tolist()
+    assert sorted(order) == list(range(20)) and order[15:] == [15, 16, 17, 18, 19]
+    lens = [RAGGED_CONTEXT_LENS[i] + 1 for i in order[:15]]
+    assert lens == sorted(lens, reverse=True)
 
 
 def test_decode_order_setting(monkeypatch) -> None:

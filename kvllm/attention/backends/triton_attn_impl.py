@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 
 from kvllm.attention.impl import AttentionImpl, AttentionLayer, AttentionMetadataBuilder
@@ -26,6 +27,7 @@ from kvllm.attention.ops.triton_unified_attention import (
     unified_attention,
 )
 from kvllm.utils.dtypes import FP8_DTYPES, FP8_TORCH_DTYPES
+from kvllm.utils.host_copy import StagingBuffer
 
 
 def gather_step_kv(
@@ -120,6 +122,11 @@ def decode_plan_setting() -> tuple[DecodePlanEntry, ...]:
     return tuple(sorted(entries, key=lambda e: e.max_reqs))
 
 
+def longest_first(seq_lens: np.ndarray) -> np.ndarray:
+    """The requests' indices by descending length (ties in batch order)."""
+    return np.argsort(-seq_lens, kind="stable")
+
+
 def decode_order_setting() -> str:
     name = os.environ.get("KVLLM_TRITON_DECODE_ORDER", "longest_first")
     if name not in DECODE_ORDERS:
@@ -181,8 +188,9 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
         self.longest_first = decode_order_setting() == "longest_first"
         self.split_below, self.split_target = split_policy()
         self.decode_plan = decode_plan_setting()
-        self.decode_order = torch.zeros(max_num_reqs, dtype=torch.int64, device=device)
-        self._sorted_seq_lens = torch.zeros(max_num_reqs, dtype=torch.int32, device=device)
+        # The ordered decode launch's start order, sorted on the host (its lengths are there) and uploaded:
+        # a device sort cost the host several launches a step, on a path that is host-bound at batch 64.
+        self.decode_order = StagingBuffer(max_num_reqs, torch.int64, device)
 
     def plan_for(self, num_decode_reqs: int, graph: bool) -> DecodePlanEntry | None:
         """The KVLLM_TRITON_DECODE_PLAN entry of a decode launch. Only graph launches (`graph`) follow the
@@ -220,13 +228,22 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
             and num_decode_reqs <= MAX_GRID_Y
         )
 
+    def _upload_decode_order(self, common: CommonAttentionMetadata, num_decode_reqs: int) -> torch.Tensor:
+        """The first `num_decode_reqs` requests longest first, sorted on the host from its lengths (padding
+        requests past them have length 0) into the fixed device buffer."""
+        lens = np.zeros(num_decode_reqs, dtype=np.int64)
+        known = common.seq_lens_cpu[:num_decode_reqs].numpy()
+        lens[: len(known)] = known
+        self.decode_order.next_host_numpy()[:num_decode_reqs] = longest_first(lens)
+        return self.decode_order.upload()[:num_decode_reqs]
+
     def build(self, common: CommonAttentionMetadata) -> TritonAttentionMetadata:
         _check_causal(common)
         num_decodes = common.num_decodes
         num_splits = self.num_splits_for(num_decodes, common.max_seq_len)
         decode_order = None
         if self.orders_decodes(num_decodes, num_splits):
-            decode_order = torch.sort(common.seq_lens[:num_decodes], descending=True).indices
+            decode_order = self._upload_decode_order(common, num_decodes)
         return TritonAttentionMetadata(
             num_actual_tokens=common.num_actual_tokens,
             num_reqs=common.num_reqs,
@@ -278,12 +295,7 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
         decode_order = None
         if self.orders_decodes(num_decode_reqs, num_splits, graph=True):
             # Refilled before every replay, like the buffers above (padding requests, length 0, sort last).
-            decode_order = self.decode_order[:num_decode_reqs]
-            torch.sort(
-                self.seq_lens[:num_decode_reqs],
-                descending=True,
-                out=(self._sorted_seq_lens[:num_decode_reqs], decode_order),
-            )
+            decode_order = self._upload_decode_order(common, num_decode_reqs)
         return TritonAttentionMetadata(
             num_actual_tokens=num_tokens,
             num_reqs=num_reqs,
