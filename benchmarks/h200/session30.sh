@@ -9,10 +9,12 @@
 #            (deeper CUDA-core pipelines beside the shipped H100 table and the tensor-core leaders)
 #   so-ab    carry [".so-lite"] (.ab/triton_attn_impl_before.py travels untracked), any card: issue 19's batch-64
 #            bench alternating the decode order sorted on the device (before) and on the host (after)
+#   h100     carry [".so-lite"], meant for a call naming nvidia-h100-x1: first's H100 tests, then so-ab with six
+#            arms (before after before after after before)
 #   *        = session29.sh's phases
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-phase=${1:?usage: session30.sh first|so-ab|rows|h200|gemm|mma|flex-blocks|confirm|quiet|fi-walk|so}
+phase=${1:?usage: session30.sh first|h100|so-ab|rows|h200|gemm|mma|flex-blocks|confirm|quiet|fi-walk|so}
 default_budget_s=${DEFAULT_BUDGET_S:-420}
 
 case "$phase" in
@@ -31,6 +33,16 @@ first)
   run_step gemv-sweep 150 python3 benchmarks/h200/w4a16_gemv_m1.py --out "$d" --set h200 --budget-s 110 \
     --table-out "$d/w4a16_gemv_configs.json"
   sed -n '/best per shape/,$p' "$d/gemv-sweep.log" | head -12
+  end_phase
+  ;;
+h100)  # carry [".so-lite"]: the decode order's GPU tests, then so-ab's bench (about 5 minutes)
+  source benchmarks/h200/session_lib.sh
+  parallel_tests 150 "attn|tests/gpu/test_triton_attention_gpu.py" \
+    "graphs|tests/gpu/test_cuda_graphs_gpu.py -k TRITON_ATTN"
+  if stage_structured_outputs; then
+    (export PYTHONPATH=.:/tmp/so-site KVLLM_QWEN3_TOKENIZER=/tmp/so-tok
+     SO_FILES=kvllm/attention/backends/triton_attn_impl.py so_ab before after before after after before)
+  fi
   end_phase
   ;;
 so-ab)  # issue 19's bench, the decode order sorted on the device (before) and on the host (after), alternating
