@@ -2,12 +2,12 @@
 # The GPU calls of the thirtieth session, each sent within 30 s of the last one's return. A call naming
 # nvidia-h200 gets an H100 or an H200, and the card is known only once it runs, so the first call picks its
 # work by the card:
-#   first    carry [".stage1", ".fi", ".so-lite"], any card: on an H200 only the staging's first half and FlashInfer
-#            unpacked (seconds; then `quiet`, carry [".stage2"], within 30 s: issue 23's one-run table); on an H100
-#            (where issue 23 ran in the twenty-sixth session) the h100 phase
-#   so-ab    carry [".so-lite"] (.ab/triton_attn_impl_before.py travels untracked), any card: issue 19's batch-64
-#            bench alternating the decode order sorted on the device (before) and on the host (after)
-#   h100     carry [".so-lite"] (about 5 minutes): the GPU tests of the decode order sorted on the host (the
+#   first    carry [".stage1", ".fi", ".so-lite", ".ab"], any card: on an H200 only the staging's first half and
+#            FlashInfer unpacked (seconds; then `quiet`, carry [".stage2"], within 30 s: issue 23's one-run table);
+#            on an H100 (where issue 23 ran in the twenty-sixth session) the h100 phase
+#   so-ab    carry [".so-lite", ".ab"] (.ab/triton_attn_impl_before.py: main's file before bd43b61), any card:
+#            issue 19's batch-64 bench alternating the decode order sorted on the device (before) and on the host
+#   h100     carry [".so-lite", ".ab"] (about 5 minutes): the GPU tests of the decode order sorted on the host (the
 #            TRITON_ATTN kernel's, and graphs against eager), then so-ab with six arms (before after before after
 #            after before)
 #   *        = session29.sh's phases
