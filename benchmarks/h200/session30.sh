@@ -21,7 +21,7 @@ h100_work() {  # the decode order's GPU tests, then the structured-outputs A/B (
     "graphs|tests/gpu/test_cuda_graphs_gpu.py -k TRITON_ATTN"
   if stage_structured_outputs; then
     (export PYTHONPATH=.:/tmp/so-site KVLLM_QWEN3_TOKENIZER=/tmp/so-tok
-     SO_FILES=kvllm/attention/backends/triton_attn_impl.py so_ab before after before after after before)
+     SO_FILES=kvllm/attention/backends/triton_attn_impl.py so_ab ${SO_AB_ARMS:-before after before after after before})
   fi
 }
 
