@@ -79,3 +79,22 @@ def test_flex_targets_from_the_bench_and_from_the_one_run_table(
     out = capsys.readouterr().out
     assert "FLEX_ATTENTION targets (issue 23; the one-run table, attn-all.json):" in out
     assert "decode b256 x ctx1k: decode TB/s 2.800 (target >= 2.5) MET; peers: SDPA flash 1.200" in out
+
+
+def test_autotune_totals_only_for_backends_timed_on_every_shape(report, tmp_path: Path) -> None:
+    """A backend cut off by auto-tune's time cap reports its status, not the sum of the shapes it reached (the
+    H200's FLEX_ATTENTION row had one shape, 0.31 ms, below every full total)."""
+    rows = [
+        {"backend": "TRITON_ATTN", "status": "ok", "ms": {"a": 0.25, "b": 0.5}},
+        {"backend": "FLEX_ATTENTION", "status": "not_timed", "ms": {"a": 0.31}},
+        {"backend": "CPU_ATTN", "status": "invalid", "ms": {}},
+    ]
+    data = {"chosen": "TRITON_ATTN", "from_cache": False, "why": "fastest", "rows": rows}
+    (tmp_path / "autotune-1.json").write_text(json.dumps(data))
+    first, second = report.autotune_rows(tmp_path)
+    assert first["totals_ms_or_status"] == {
+        "TRITON_ATTN": 0.75,
+        "FLEX_ATTENTION": "not_timed",
+        "CPU_ATTN": "invalid",
+    }
+    assert second == {"run": 2, "status": "missing"}
