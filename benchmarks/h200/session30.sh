@@ -10,10 +10,12 @@
 #   h100     carry [".so-lite", ".ab"] (about 5 minutes): the GPU tests of the decode order sorted on the host (the
 #            TRITON_ATTN kernel's, and graphs against eager), then so-ab with six arms (before after before after
 #            after before)
+#   decode-rows  carry nothing, meant for an H200: issue 23's two missed decode rows with both timings, and the
+#            greedy and FLEX decode GPU tests the thirtieth session's quiet call ran out of time for
 #   *        = session29.sh's phases
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-phase=${1:?usage: session30.sh first|h100|so-ab|rows|h200|gemm|mma|flex-blocks|confirm|quiet|fi-walk|so}
+phase=${1:?usage: session30.sh first|h100|decode-rows|so-ab|rows|h200|gemm|mma|flex-blocks|confirm|quiet|fi-walk|so}
 default_budget_s=${DEFAULT_BUDGET_S:-420}
 
 h100_work() {  # the decode order's GPU tests, then the structured-outputs A/B (six arms)
@@ -41,6 +43,20 @@ first)
 h100)
   source benchmarks/h200/session_lib.sh
   h100_work
+  end_phase
+  ;;
+decode-rows)  # carry nothing, H200 (about 3 minutes): issue 23's two decode rows the H200 table missed, timed
+  # both ways (bench: one call after an L2 flush, the host's launch gap included when it outlasts the flush;
+  # queued: the device's own rate), then the steps of backends_session.sh that the thirtieth session's budget cut
+  source benchmarks/h200/session_lib.sh
+  for timing in bench queued bench queued; do
+    run_step "rows-$timing" 60 python3 -m kvllm.benchmarks.attention --backends TRITON_ATTN,FLEX_ATTENTION \
+      --only-shapes --shape "decode b1 x ctx32k:1x1@32767" --shape "decode b256 x ctx1k:256x1@1023" \
+      --peers triton,sdpa,flex --timing "$timing" --output-json "$d/rows-$timing.json"
+    grep -E "TRITON_ATTN |FLEX_ATTENTION |SDPA" "$d/rows-$timing.log" | cut -c1-110
+  done
+  parallel_tests 110 "greedy|tests/gpu/test_engine_cuda.py -k 'not FLASHINFER and not FLASH_ATTN'" \
+    "flex|tests/gpu/test_flex_attention_gpu.py -k 'decode_only or fresh or compile_count'"
   end_phase
   ;;
 so-ab)  # issue 19's bench, the decode order sorted on the device (before) and on the host (after), alternating
