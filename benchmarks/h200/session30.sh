@@ -19,7 +19,7 @@ phase=${1:?usage: session30.sh first|h100|decode-rows|so-ab|rows|h200|gemm|mma|f
 default_budget_s=${DEFAULT_BUDGET_S:-420}
 
 h100_work() {  # the decode order's GPU tests, then the structured-outputs A/B (six arms)
-  parallel_tests 150 "attn|tests/gpu/test_triton_attention_gpu.py" \
+  parallel_tests 150 "attn|tests/gpu/test_triton_attention_gpu.py tests/gpu/test_host_copy_gpu.py" \
     "graphs|tests/gpu/test_cuda_graphs_gpu.py -k TRITON_ATTN"
   if stage_structured_outputs; then
     (export PYTHONPATH=.:/tmp/so-site KVLLM_QWEN3_TOKENIZER=/tmp/so-tok

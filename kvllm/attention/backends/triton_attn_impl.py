@@ -190,7 +190,8 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
         self.decode_plan = decode_plan_setting()
         # The ordered decode launch's start order, sorted on the host (its lengths are there) and uploaded:
         # a device sort cost the host several launches a step, on a path that is host-bound at batch 64.
-        self.decode_order = StagingBuffer(max_num_reqs, torch.int64, device)
+        # Depth 8: a draft model's builder fills it once per draft, several times a step.
+        self.decode_order = StagingBuffer(max_num_reqs, torch.int64, device, depth=8)
 
     def plan_for(self, num_decode_reqs: int, graph: bool) -> DecodePlanEntry | None:
         """The KVLLM_TRITON_DECODE_PLAN entry of a decode launch. Only graph launches (`graph`) follow the
