@@ -5,8 +5,10 @@
 #   first    carry [".stage1", ".fi", ".so-lite", ".ab"], any card: on an H200 only the staging's first half and
 #            FlashInfer unpacked (seconds; then `quiet`, carry [".stage2"], within 30 s: issue 23's one-run table);
 #            on an H100 (where issue 23 ran in the twenty-sixth session) the h100 phase
-#   so-ab    carry [".so-lite", ".ab"] (.ab/triton_attn_impl_before.py: main's file before bd43b61), any card:
-#            issue 19's batch-64 bench alternating the decode order sorted on the device (before) and on the host
+#   so-ab    carry [".so-lite", ".ab"], any card: issue 19's batch-64 bench alternating the decode order sorted on
+#            the device (before) and on the host; .ab/triton_attn_impl_before.py is main's file before the change:
+#            mkdir -p .ab && git show bd43b61~1:kvllm/attention/backends/triton_attn_impl.py > .ab/triton_attn_impl_before.py
+#            (.ab listed in .git/info/exclude)
 #   h100     carry [".so-lite", ".ab"] (about 5 minutes): the GPU tests of the decode order sorted on the host (the
 #            TRITON_ATTN kernel's, and graphs against eager), then so-ab with six arms (before after before after
 #            after before)
