@@ -89,7 +89,6 @@ def default_mma_gemm_config(m: int, n: int, k: int) -> W4A16MMAConfig:
                 return W4A16MMAConfig(32, 256, 1, 8, 4, one_dot=True)
             return W4A16MMAConfig(64, 256, 1, 8, 3)
         return W4A16MMAConfig(block_m, 128 if m > 32 and n > 4096 else 64, split(4), 4, 4)
-    one_dot = m <= 256 and not long_k
     if m <= 256 and n <= 8192:
         if m > 128 and not long_k:
             return W4A16MMAConfig(128, 256, split(2) if n > 4096 else split(4), 8, 3, one_dot=True)
@@ -98,7 +97,7 @@ def default_mma_gemm_config(m: int, n: int, k: int) -> W4A16MMAConfig:
         return W4A16MMAConfig(128, 128, split(4), 4, 3)
     if long_k:
         return W4A16MMAConfig(128, 128, split(2), 4, 3)
-    return W4A16MMAConfig(128, 256, split(2) if m <= 512 and n <= 4096 else 1, 8, 3, one_dot=one_dot)
+    return W4A16MMAConfig(128, 256, split(2) if m <= 512 and n <= 4096 else 1, 8, 3, one_dot=m <= 256)
 
 
 def permute_for_pairs(x: torch.Tensor) -> torch.Tensor:
