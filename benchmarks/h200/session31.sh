@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The GPU calls of the thirty-first session. A call naming nvidia-h200 gets an H100 or an H200, and the card
+# is known only once it runs, so `first` picks its work by the card:
+#   first  carry [".so-lite", ".ab"]:
+#          on an H200: issue 23's two missed decode rows timed both ways (session30.sh decode-rows), with the
+#          GPU tests the thirtieth session's budget cut (bf16 greedy, FLEX decode) and those of the decode order
+#          sorted on the host (TRITON_ATTN's kernel, graphs against eager); then send `session29.sh h200`
+#          (carry .so-lite: issue 22's GEMV sweep and AWQ end to end, issue 19's bench) within 30 s;
+#          on an H100: session30.sh h100 (the decode order's GPU tests and its structured-outputs A/B)
+#   *      = session30.sh's phases
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+phase=${1:?usage: session31.sh first|<session30.sh phase>}
+default_budget_s=${DEFAULT_BUDGET_S:-420}
+
+case "$phase" in
+first)
+  source benchmarks/h200/session_lib.sh
+  if ! on_h200; then
+    end_phase
+    exec env BUDGET_S=$(( end - $(date +%s) )) bash benchmarks/h200/session30.sh h100
+  fi
+  for timing in bench queued bench queued; do
+    run_step "rows-$timing" 60 python3 -m kvllm.benchmarks.attention --backends TRITON_ATTN,FLEX_ATTENTION \
+      --only-shapes --shape "decode b1 x ctx32k:1x1@32767" --shape "decode b256 x ctx1k:256x1@1023" \
+      --peers triton,sdpa,flex --timing "$timing" --output-json "$d/rows-$timing.json"
+    grep -E "TRITON_ATTN |FLEX_ATTENTION |SDPA" "$d/rows-$timing.log" | cut -c1-110
+  done
+  parallel_tests 150 "greedy|tests/gpu/test_engine_cuda.py -k 'not FLASHINFER and not FLASH_ATTN'" \
+    "flex|tests/gpu/test_flex_attention_gpu.py -k 'decode_only or fresh or compile_count'" \
+    "attn|tests/gpu/test_triton_attention_gpu.py tests/gpu/test_host_copy_gpu.py" \
+    "graphs|tests/gpu/test_cuda_graphs_gpu.py -k TRITON_ATTN"
+  end_phase
+  ;;
+*)
+  exec bash benchmarks/h200/session30.sh "$phase" ;;
+esac
