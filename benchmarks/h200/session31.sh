@@ -7,10 +7,13 @@
 #          sorted on the host (TRITON_ATTN's kernel, graphs against eager); then send `session29.sh h200`
 #          (carry .so-lite: issue 22's GEMV sweep and AWQ end to end, issue 19's bench) within 30 s;
 #          on an H100: session30.sh h100 (the decode order's GPU tests and its structured-outputs A/B)
+#   quant  carry [".so-lite"] (optional), meant for the H200 (about 8 minutes; BUDGET_S clips it): issue 22's one-row
+#          GEMV sweep (`--set h200`) first, then AWQ (with the sweep's table) and bf16 end to end, then, with
+#          .so-lite, issue 19's batch-64 structured-outputs bench three times
 #   *      = session30.sh's phases
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-phase=${1:?usage: session31.sh first|<session30.sh phase>}
+phase=${1:?usage: session31.sh first|quant|<session30.sh phase>}
 default_budget_s=${DEFAULT_BUDGET_S:-420}
 
 case "$phase" in
@@ -30,6 +33,26 @@ first)
     "flex|tests/gpu/test_flex_attention_gpu.py -k 'decode_only or fresh or compile_count'" \
     "attn|tests/gpu/test_triton_attention_gpu.py tests/gpu/test_host_copy_gpu.py" \
     "graphs|tests/gpu/test_cuda_graphs_gpu.py -k TRITON_ATTN"
+  end_phase
+  ;;
+quant)
+  source benchmarks/h200/session_lib.sh
+  run_step gemv-sweep 170 python3 benchmarks/h200/w4a16_gemv_m1.py --out "$d" --set h200 --budget-s 130 \
+    --table-out "$d/w4a16_gemv_configs.json"
+  sed -n '/best per shape/,$p' "$d/gemv-sweep.log" | head -12
+  table=()
+  [ -f "$d/w4a16_gemv_configs.json" ] && table=(env "KVLLM_W4A16_GEMV_CONFIGS=$d/w4a16_gemv_configs.json")
+  run_step e2e-table 150 "${table[@]}" python3 benchmarks/h200/quant_bench.py --out "$d/e2e-table" --parts e2e \
+    --engines awq,bf16 --quick
+  grep -h '^e2e ' "$d/e2e-table.log" | cut -c1-220
+  if stage_structured_outputs; then
+    (export PYTHONPATH=.:/tmp/so-site KVLLM_QWEN3_TOKENIZER=/tmp/so-tok
+     for i in 1 2 3; do
+       run_step "so-$i" 45 python3 benchmarks/h200/structured_outputs_bench.py --tokenizer /tmp/so-tok \
+         --repeats 3 --out "$d/so-$i.json"
+       tail -n 1 "$d/so-$i.log"
+     done)
+  fi
   end_phase
   ;;
 *)
