@@ -2,10 +2,10 @@
 # The GPU calls of the thirty-first session. A call naming nvidia-h200 gets an H100 or an H200, and the card
 # is known only once it runs, so `first` picks its work by the card:
 #   first  carry [".so-lite", ".ab"]:
-#          on an H200: issue 23's two missed decode rows timed both ways (session30.sh decode-rows), with the
-#          GPU tests the thirtieth session's budget cut (bf16 greedy, FLEX decode) and those of the decode order
-#          sorted on the host (TRITON_ATTN's kernel, graphs against eager); then send `session29.sh h200`
-#          (carry .so-lite: issue 22's GEMV sweep and AWQ end to end, issue 19's bench) within 30 s;
+#          on an H200: issue 23's two missed decode rows timed three ways, twice (bench, queued, graph:
+#          session30.sh decode-rows plus --timing graph), then the GPU tests the thirtieth session's budget cut
+#          (bf16 greedy, FLEX decode) and those of the decode order sorted on the host (TRITON_ATTN's kernel,
+#          graphs against eager); then send `quant` (carry .so-lite) within 30 s;
 #          on an H100: session30.sh h100 (the decode order's GPU tests and its structured-outputs A/B)
 #   quant  carry [".so-lite"] (optional), meant for the H200 (about 8 minutes; BUDGET_S clips it): issue 22's one-row
 #          GEMV sweep (`--set h200`) first, then AWQ (with the sweep's table) and bf16 end to end, then, with
@@ -23,11 +23,13 @@ first)
     end_phase
     exec env BUDGET_S=$(( end - $(date +%s) )) bash benchmarks/h200/session30.sh h100
   fi
-  for timing in bench queued bench queued; do
-    run_step "rows-$timing" 60 python3 -m kvllm.benchmarks.attention --backends TRITON_ATTN,FLEX_ATTENTION \
+  i=0
+  for timing in bench queued graph bench queued graph; do
+    i=$((i + 1))
+    run_step "rows-$i-$timing" 60 python3 -m kvllm.benchmarks.attention --backends TRITON_ATTN,FLEX_ATTENTION \
       --only-shapes --shape "decode b1 x ctx32k:1x1@32767" --shape "decode b256 x ctx1k:256x1@1023" \
-      --peers triton,sdpa,flex --timing "$timing" --output-json "$d/rows-$timing.json"
-    grep -E "TRITON_ATTN |FLEX_ATTENTION |SDPA" "$d/rows-$timing.log" | cut -c1-110
+      --peers triton,sdpa,flex --timing "$timing" --output-json "$d/rows-$i-$timing.json"
+    grep -E "TRITON_ATTN |FLEX_ATTENTION |SDPA" "$d/rows-$i-$timing.log" | cut -c1-110
   done
   parallel_tests 150 "greedy|tests/gpu/test_engine_cuda.py -k 'not FLASHINFER and not FLASH_ATTN'" \
     "flex|tests/gpu/test_flex_attention_gpu.py -k 'decode_only or fresh or compile_count'" \

@@ -1,5 +1,6 @@
-"""The attention benchmark's queued timing (kvllm/benchmarks/attention/main.py: queued_ms), on a virtual GPU
-clock: each call adds its kernel time to the clock, events read it, so nothing depends on this machine."""
+"""The attention benchmark's queued and graph timings (kvllm/benchmarks/attention/main.py: queued_ms, graph_ms),
+on a virtual GPU clock: each call adds its kernel time to the clock, events read it, so nothing depends on
+this machine."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import random
 
 import pytest
 
-from kvllm.benchmarks.attention.main import main, queued_ms
+from kvllm.benchmarks.attention.main import graph_ms, main, queued_ms
 
 
 class VirtualGpu:
@@ -60,3 +61,41 @@ def test_an_unknown_timing_mode_is_a_usage_error() -> None:
     with pytest.raises(SystemExit) as exc:
         main(["--timing", "nonsense"])
     assert exc.value.code == 2
+
+
+def test_graph_ms_times_the_replay_not_the_eager_call() -> None:
+    gpu = VirtualGpu([random.uniform(0.05, 0.5)])
+    eager_calls: list[int] = []
+
+    def eager() -> None:
+        eager_calls.append(1)
+        gpu.call()
+
+    def capture(fn):
+        fn()  # captured once
+        return gpu.call
+
+    timed: list[object] = []
+
+    def time_call(fn) -> float:
+        timed.append(fn)
+        return 0.123
+
+    notes: list[str] = []
+    assert graph_ms(eager, time_call, capture, notes) == 0.123
+    assert timed == [gpu.call] and len(eager_calls) == 1
+    assert notes == ["replayed from a CUDA graph"]
+
+
+def test_graph_ms_times_a_call_that_cannot_be_captured_as_it_is_and_says_why() -> None:
+    def eager() -> None:
+        pass
+
+    def capture(fn):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    timed: list[object] = []
+    notes: list[str] = []
+    assert graph_ms(eager, lambda fn: timed.append(fn) or 0.5, capture, notes) == 0.5
+    assert timed == [eager]
+    assert len(notes) == 1 and "not replayable" in notes[0] and "operation not permitted" in notes[0]

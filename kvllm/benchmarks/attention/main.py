@@ -83,12 +83,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rep-ms", type=int, default=200, help="do_bench timing window per kernel")
     parser.add_argument(
         "--timing",
-        choices=["bench", "queued"],
+        choices=["bench", "queued", "graph"],
         default="bench",
         help="bench: triton's do_bench, one call between events after an L2 flush (a call whose host "
         "launch outlasts the flush is timed with the host's gap in it); queued: calls enqueued back to "
         "back between one pair of events, the GPU's own rate while the host runs ahead of it (for shapes "
-        "whose data is far beyond L2; the host's time per call is reported beside it)",
+        "whose data is far beyond L2; the host's time per call is reported beside it); graph: the call "
+        "captured once in a CUDA graph (as the engine runs decode steps) and its replays timed by do_bench, "
+        "each after an L2 flush: the kernels' time with no host launch gap (a call that cannot be captured "
+        "is timed as bench, and the row says so)",
     )
     parser.add_argument("--sweep", action="store_true", help="also time TRITON_ATTN tile configs")
     parser.add_argument("--output-json", default=None)
@@ -149,6 +152,7 @@ class _Bench:
         self.on_gpu = on_gpu
         self.peers = Peers(args, dtype, device, on_gpu)
         self.host_ms_per_call: list[float] = []  # queued timing: the host's enqueue time, last call last
+        self.graph_notes: list[str] = []  # graph timing: how the row just timed ran (replayed, or why not)
 
     # ---- timing -----------------------------------------------------------------------------
 
@@ -157,10 +161,10 @@ class _Bench:
 
         if self.on_gpu and self.args.timing == "queued":
             return queued_ms(fn, self.args.rep_ms, self.host_ms_per_call)
+        if self.on_gpu and self.args.timing == "graph":
+            return graph_ms(fn, self._do_bench, capture_cuda_graph, self.graph_notes)
         if self.on_gpu:
-            import triton.testing
-
-            return float(triton.testing.do_bench(fn, warmup=25, rep=self.args.rep_ms, return_mode="median"))
+            return self._do_bench(fn)
         fn()
         samples = []
         for _ in range(1 if is_interpreter() else 3):
@@ -168,6 +172,11 @@ class _Bench:
             fn()
             samples.append((time.perf_counter() - start) * 1e3)
         return statistics.median(samples)
+
+    def _do_bench(self, fn: Callable[[], object]) -> float:
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=25, rep=self.args.rep_ms, return_mode="median"))
 
     def copy_bandwidth(self) -> float:
         import torch
@@ -313,7 +322,12 @@ class _Bench:
                             err, note + self._timing_note())  # fmt: skip
 
     def _timing_note(self) -> str:
-        """Queued timing: the host's enqueue time per call for the row just timed."""
+        """Queued timing: the host's enqueue time per call for the row just timed; graph timing: whether
+        it was replayed from a graph."""
+        if self.graph_notes:
+            note = self.graph_notes.pop()
+            self.graph_notes.clear()
+            return f"; {note}"
         if not self.host_ms_per_call:
             return ""
         host_ms = self.host_ms_per_call.pop()
@@ -368,6 +382,43 @@ def queued_ms(
         per_call.append(start.elapsed_time(end) / calls)
     host_log.append(statistics.median(host_per_call))
     return statistics.median(per_call)
+
+
+def graph_ms(
+    fn: Callable[[], object],
+    time_call: Callable[[Callable[[], object]], float],
+    capture: Callable[[Callable[[], object]], Callable[[], object]],
+    notes: list[str],
+) -> float:
+    """`time_call`'s milliseconds for one replay of `fn` captured by `capture` (capture_cuda_graph): with
+    do_bench, each replay after an L2 flush, and the host's launch work out of the measure, since one
+    graph launch enqueues every kernel of the call. A call that cannot be captured (host syncs, a library
+    that refuses capture) is timed as it is. Appends how it ran to `notes`."""
+    try:
+        replay = capture(fn)
+    except Exception as exc:
+        notes.append(f"not replayable ({type(exc).__name__}: {str(exc)[:80]}), timed as bench")
+        return time_call(fn)
+    notes.append("replayed from a CUDA graph")
+    return time_call(replay)
+
+
+def capture_cuda_graph(fn: Callable[[], object]) -> Callable[[], object]:
+    """`fn` captured in a CUDA graph after three warm-up calls on a side stream (as torch's docs ask);
+    returns the graph's replay (which holds the graph)."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    torch.cuda.synchronize()
+    return graph.replay
 
 
 def _versions() -> dict[str, str]:
