@@ -101,9 +101,11 @@ for run in 1 2; do
 done
 
 # 3b. The one-run attention table (`kvllm bench attention` defaults: every backend valid here, the library
-#     peers, the copy rate), in auto-tune's process setup (ATTN_TABLE=0 leaves it out).
+#     peers, the copy rate), in auto-tune's process setup (ATTN_TABLE=0 leaves it out; ATTN_TIMING=graph or queued
+#     passes --timing).
 if [ "${ATTN_TABLE:-1}" = 1 ]; then
   env "${TUNE_ENV[@]}" timeout 240 python3 -m kvllm.benchmarks.attention --output-json "$out/attn-all.json" \
+    --timing "${ATTN_TIMING:-bench}" \
     > "$out/attn-all.log" 2>&1
   rc=$?; since "attention table (exit $rc): $(grep -c ' ok ' "$out/attn-all.log") rows ok"
 fi
