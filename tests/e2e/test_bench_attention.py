@@ -80,9 +80,11 @@ def test_attention_backends_filter(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
-    kernels = [r["kernel"] for r in json.loads(out.read_text())["rows"]]
+    report = json.loads(out.read_text())
+    kernels = [r["kernel"] for r in report["rows"]]
     # TRITON_ATTN not named: its own rows go too; the peer kernels stay.
     assert kernels == ["CPU_ATTN", "SDPA (cpu default)"]
+    assert report["timing"] == "host clock"  # --timing applies on a GPU only; the report says which ran
 
 
 def test_kv_cache_views_follow_each_backends_layout():

@@ -134,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
                 "device": torch.cuda.get_device_name() if on_gpu else platform.processor() or "cpu",
                 "versions": _versions(),
                 "dtype": str(dtype),
+                "timing": args.timing if on_gpu else "host clock",
                 "copy_tbps": copy_tbps,
                 "backends": backends,
                 "rows": [asdict(r) for r in rows],
