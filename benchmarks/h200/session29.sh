@@ -46,14 +46,7 @@ h200)
   source benchmarks/h200/session_lib.sh
   run_step e2e 130 python3 benchmarks/h200/quant_bench.py --out "$d/e2e" --parts e2e --engines awq,bf16 --quick
   grep -h '^e2e ' "$d/e2e.log" | cut -c1-220
-  if stage_structured_outputs; then
-    (export PYTHONPATH=.:/tmp/so-site KVLLM_QWEN3_TOKENIZER=/tmp/so-tok
-     for i in 1 2 3; do
-       run_step "so-$i" 45 python3 benchmarks/h200/structured_outputs_bench.py --tokenizer /tmp/so-tok \
-         --repeats 3 --out "$d/so-$i.json"
-       tail -n 1 "$d/so-$i.log"
-     done)
-  fi
+  so_runs 3
   parallel_tests 70 "rows|tests/gpu/test_quant_gpu.py -k 'gemm_mma or dispatch'"
   on_h200 && gemv_table 100
   end_phase

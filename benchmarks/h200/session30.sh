@@ -51,12 +51,7 @@ decode-rows)  # carry nothing, H200 (about 3 minutes): issue 23's two decode row
   # both ways (bench: one call after an L2 flush, the host's launch gap included when it outlasts the flush;
   # queued: the device's own rate), then the steps of backends_session.sh that the thirtieth session's budget cut
   source benchmarks/h200/session_lib.sh
-  for timing in bench queued bench queued; do
-    run_step "rows-$timing" 60 python3 -m kvllm.benchmarks.attention --backends TRITON_ATTN,FLEX_ATTENTION \
-      --only-shapes --shape "decode b1 x ctx32k:1x1@32767" --shape "decode b256 x ctx1k:256x1@1023" \
-      --peers triton,sdpa,flex --timing "$timing" --output-json "$d/rows-$timing.json"
-    grep -E "TRITON_ATTN |FLEX_ATTENTION |SDPA" "$d/rows-$timing.log" | cut -c1-110
-  done
+  decode_rows bench queued bench queued
   parallel_tests 110 "greedy|tests/gpu/test_engine_cuda.py -k 'not FLASHINFER and not FLASH_ATTN'" \
     "flex|tests/gpu/test_flex_attention_gpu.py -k 'decode_only or fresh or compile_count'"
   end_phase

@@ -23,14 +23,7 @@ first)
     end_phase
     exec env BUDGET_S=$(( end - $(date +%s) )) bash benchmarks/h200/session30.sh h100
   fi
-  i=0
-  for timing in bench queued graph bench queued graph; do
-    i=$((i + 1))
-    run_step "rows-$i-$timing" 60 python3 -m kvllm.benchmarks.attention --backends TRITON_ATTN,FLEX_ATTENTION \
-      --only-shapes --shape "decode b1 x ctx32k:1x1@32767" --shape "decode b256 x ctx1k:256x1@1023" \
-      --peers triton,sdpa,flex --timing "$timing" --output-json "$d/rows-$i-$timing.json"
-    grep -E "TRITON_ATTN |FLEX_ATTENTION |SDPA" "$d/rows-$i-$timing.log" | cut -c1-110
-  done
+  decode_rows bench queued graph bench queued graph
   parallel_tests 150 "greedy|tests/gpu/test_engine_cuda.py -k 'not FLASHINFER and not FLASH_ATTN'" \
     "flex|tests/gpu/test_flex_attention_gpu.py -k 'decode_only or fresh or compile_count'" \
     "attn|tests/gpu/test_triton_attention_gpu.py tests/gpu/test_host_copy_gpu.py" \
@@ -47,14 +40,7 @@ quant)
   run_step e2e-table 150 "${table[@]}" python3 benchmarks/h200/quant_bench.py --out "$d/e2e-table" --parts e2e \
     --engines awq,bf16 --quick
   grep -h '^e2e ' "$d/e2e-table.log" | cut -c1-220
-  if stage_structured_outputs; then
-    (export PYTHONPATH=.:/tmp/so-site KVLLM_QWEN3_TOKENIZER=/tmp/so-tok
-     for i in 1 2 3; do
-       run_step "so-$i" 45 python3 benchmarks/h200/structured_outputs_bench.py --tokenizer /tmp/so-tok \
-         --repeats 3 --out "$d/so-$i.json"
-       tail -n 1 "$d/so-$i.log"
-     done)
-  fi
+  so_runs 3
   end_phase
   ;;
 *)

@@ -69,6 +69,26 @@ structured_outputs() {  # issue 19: the batch-64 bench and the GPU tests
    run_step so-tests "${SO_TESTS_CAP:-50}" python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
      tests/gpu/test_structured_outputs_gpu.py)
 }
+so_runs() {  # count: the batch-64 structured-outputs bench (issue 19) `count` times, three repeats each
+  stage_structured_outputs || { since "structured outputs: skipped (carry .so-bench or .so-lite)"; return; }
+  (export PYTHONPATH=.:/tmp/so-site KVLLM_QWEN3_TOKENIZER=/tmp/so-tok
+   for i in $(seq 1 "$1"); do
+     run_step "so-$i" 45 python3 benchmarks/h200/structured_outputs_bench.py --tokenizer /tmp/so-tok \
+       --repeats 3 --out "$d/so-$i.json"
+     tail -n 1 "$d/so-$i.log"
+   done)
+}
+decode_rows() {  # timings...: issue 23's two decode rows the thirtieth session's H200 table missed (TRITON_ATTN
+  # b1 x 32k beside SDPA, FLEX_ATTENTION b256 x 1k), once per --timing given, in that order
+  local i=0 timing
+  for timing in "$@"; do
+    i=$((i + 1))
+    run_step "rows-$i-$timing" 60 python3 -m kvllm.benchmarks.attention --backends TRITON_ATTN,FLEX_ATTENTION \
+      --only-shapes --shape "decode b1 x ctx32k:1x1@32767" --shape "decode b256 x ctx1k:256x1@1023" \
+      --peers triton,sdpa,flex --timing "$timing" --output-json "$d/rows-$i-$timing.json"
+    grep -E "TRITON_ATTN |FLEX_ATTENTION |SDPA" "$d/rows-$i-$timing.log" | cut -c1-110
+  done
+}
 so_ab() {  # arms...: the batch-64 structured-outputs bench (issue 19), each arm with main's $SO_FILES ("after")
   # or .ab/<name>_<arm>.py for each (e.g. "before"); main's files are put back at the end
   local files=${SO_FILES:-kvllm/sample/gumbel.py kvllm/sample/sampler.py kvllm/worker/model_runner.py} f i=0 arm
