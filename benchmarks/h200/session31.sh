@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The GPU calls of the thirty-first session. A call naming nvidia-h200 gets an H100 or an H200, and the card
 # is known only once it runs, so `first` picks its work by the card:
-#   first  carry [".so-lite", ".ab"]:
+#   first  carry [".so-lite", ".ab"], BUDGET_S=560 (about 6 minutes on an H200):
 #          on an H200: issue 23's two missed decode rows timed three ways, twice (bench, queued, graph:
 #          session30.sh decode-rows plus --timing graph), then the GPU tests the thirtieth session's budget cut
 #          (bf16 greedy, FLEX decode) and those of the decode order sorted on the host (TRITON_ATTN's kernel,
 #          graphs against eager); then send `quant` (carry .so-lite) within 30 s;
 #          on an H100: session30.sh h100 (the decode order's GPU tests and its structured-outputs A/B)
-#   quant  carry [".so-lite"] (optional), meant for the H200 (about 8 minutes; BUDGET_S clips it): issue 22's one-row
+#   quant  carry [".so-lite"] (optional), BUDGET_S=540, meant for the H200 (about 8 minutes): issue 22's one-row
 #          GEMV sweep (`--set h200`) first, then AWQ (with the sweep's table) and bf16 end to end, then, with
 #          .so-lite, issue 19's batch-64 structured-outputs bench three times
 #   *      = session30.sh's phases
