@@ -62,12 +62,16 @@ class SequenceState:
             self._pieces.append(piece)
             self._unreported.append(piece)
 
-    def release_held_ids(self, stop_terminated: bool = False) -> None:
+    def release_held_ids(self, stop_terminated: bool = False, finished: bool = False) -> None:
         """Detokenize the ids `final_text_only` held (the last one a stop or EOS token when
-        `stop_terminated`), as the per-token updates would have, in one call."""
+        `stop_terminated`), as the per-token updates would have, in one call; `finished`: the sequence
+        ends here, so the detokenizer finishes too (in one decode where it can)."""
         if self.held_ids:
             held, self.held_ids = self.held_ids, []
-            self.detokenizer.update(held, stop_terminated=stop_terminated)
+            if finished:
+                self.detokenizer.finish_with(held, stop_terminated=stop_terminated)
+            else:
+                self.detokenizer.update(held, stop_terminated=stop_terminated)
             self.add_text(self.detokenizer.get_next_delta_text())
 
     @property
@@ -324,7 +328,7 @@ class OutputProcessor:
         if seq.request.sampling_params.detokenize:
             # Held ids end with the token that finished the sequence: a stop token or EOS when the reason
             # is "stop" (a sequence that holds its ids has no stop strings).
-            seq.release_held_ids(stop_terminated=reason == "stop")
+            seq.release_held_ids(stop_terminated=reason == "stop", finished=True)
             seq.detokenizer.finish()
 
     def _make_output(self, parent: ParentRequest, finished: bool) -> RequestOutput | PoolingRequestOutput:

@@ -26,9 +26,22 @@ def _run(tokenizer, params: SamplingParams, prompt: list[int], tokens: list[int]
     request = Request("r", prompt, params, params.max_tokens, (eos,), parent_id="r")
     processor.add_request("r", None, prompt, [request])
     seq = processor.parents["r"].sequences[0]
-    updates = []
-    update = seq.detokenizer.update
-    seq.detokenizer.update = lambda ids, **kw: updates.append(len(ids)) or update(ids, **kw)
+    updates: list[int] = []  # the ids of each call that detokenizes (update, or finish_with at the end)
+    detokenizer = seq.detokenizer
+    update, finish_with = detokenizer.update, detokenizer.finish_with
+    inside_finish = []
+
+    def counted_update(ids, **kw):
+        if not inside_finish:
+            updates.append(len(ids))
+        return update(ids, **kw)
+
+    def counted_finish_with(ids, **kw):
+        updates.append(len(ids))
+        inside_finish.append(True)  # its fallback calls update: one detokenizing call all the same
+        finish_with(ids, **kw)
+
+    detokenizer.update, detokenizer.finish_with = counted_update, counted_finish_with
     for token in tokens:
         processor._append_token(seq, token, None, None)
         if request.finish_reason is not None:
@@ -101,3 +114,33 @@ def test_the_finishing_token_is_treated_as_per_token(
     assert held[:3] == per_token[:3]
     assert per_token[1] == ("length" if end == "eos_before_min_tokens" else "stop")
     assert len(held[3]) == 1
+
+
+def test_a_held_sequence_finishes_in_one_decode_not_a_stream_step_per_id(tokenizer) -> None:
+    """The held ids of a sequence that ends are decoded in one call (the stream is stepped for none of
+    them), and the text is the per-token path's."""
+    ids = tokenizer.encode("héllo wörld, naïve café: 東京タワー ✓ " * 4)
+    params = SamplingParams(max_tokens=len(ids), output_kind=RequestOutputKind.FINAL_ONLY)
+    processor = OutputProcessor(tokenizer, max_model_len=4096)
+    request = Request("r", [11, 12], params, params.max_tokens, (tokenizer.eos_token_id,), parent_id="r")
+    processor.add_request("r", None, [11, 12], [request])
+    seq = processor.parents["r"].sequences[0]
+    assert seq.detokenizer._stream is not None  # the Qwen3 tokenizer is a Rust one: the stream path
+    steps = []
+    stream, rust = seq.detokenizer._stream, seq.detokenizer._rust
+
+    class CountingStream:
+        def step(self, tokenizer, token_id):
+            steps.append(token_id)
+            return stream.step(tokenizer, token_id)
+
+    seq.detokenizer._stream = CountingStream()
+    for token in ids:
+        processor._append_token(seq, token, None, None)
+    assert request.finish_reason == "length"
+    assert steps == []
+    per_token = _run(
+        tokenizer, SamplingParams(max_tokens=len(ids), output_kind=RequestOutputKind.CUMULATIVE), [11, 12], ids,
+        tokenizer.eos_token_id,
+    )  # fmt: skip
+    assert seq.text == per_token[0] == rust.decode(ids)
