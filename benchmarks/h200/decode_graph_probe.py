@@ -3,8 +3,9 @@
     PYTHONPATH=. python3 benchmarks/h200/decode_graph_probe.py --out DIR [--backend TRITON_ATTN]
 
 Per batch size (1, 8, 64, 256): a latency run as fast_path_bench.py's (32 in / 128 out, temperature 1.0),
-then the engine's captured decode graph of that size replayed back to back, timed with CUDA events (its
-buffers hold the run's last step, so attention reads ~160 tokens of context), and the step's largest work
+then the engine's captured decode graph of that size replayed back to back, timed with CUDA events and on
+the host's clock (`replay_host_us`: the launch's own cost to the engine's thread; its buffers hold the
+run's last step, so attention reads ~160 tokens of context), and the step's largest work
 outside the graph timed the same way: an lm_head GEMM of the model's shape (random rows and weight). When
 the graph plus lm_head is close to the run's ms per output token the step is GPU-bound, and kernels are
 what to cut; when it is well below, the host is the wall. For the `--profile` batch sizes the replays also
@@ -28,18 +29,22 @@ from kvllm.benchmarks.datasets import random_requests  # noqa: E402
 from kvllm.benchmarks.model_shapes import write_shape_only_model  # noqa: E402
 
 
-def replay_ms(replay, replays: int = 200) -> float:
+def replay_ms(replay, replays: int = 200) -> tuple[float, float]:
+    """(device ms per replay back to back, host us per replay call: the launch the engine's thread pays,
+    with the GIL released, while the device is still busy with earlier replays)."""
     import torch
 
     for _ in range(10):
         replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
+    host_started = time.perf_counter()
     for _ in range(replays):
         replay()
+    host_s = time.perf_counter() - host_started
     end.record()
     end.synchronize()
-    return start.elapsed_time(end) / replays
+    return start.elapsed_time(end) / replays, host_s / replays * 1e6
 
 
 def kernels_over_replays(replay, replays: int = 20) -> dict:
@@ -82,7 +87,7 @@ def main() -> int:
         runs = [timed(engine, random_requests(bs, 32, 128, VOCAB, seed=next(seed)), 1.0)[0] for _ in range(3)]
         step_ms = sum(runs) / len(runs) / 128 * 1e3
         entry = graphs.get(bs)
-        graph_ms = replay_ms(entry.graph.replay) if entry is not None else None
+        graph_ms, launch_us = replay_ms(entry.graph.replay) if entry is not None else (None, None)
         x = torch.randn(bs, hidden_size, device="cuda", dtype=torch.bfloat16)
         lm_head_ms = graph_call_ms(
             lambda i, x=x: torch.nn.functional.linear(x, lm_head), calls=20, replays=20
@@ -94,6 +99,7 @@ def main() -> int:
             "batch_size": bs,
             "ms_per_output_token": round(step_ms, 4),
             "graph_replay_ms": None if graph_ms is None else round(graph_ms, 4),
+            "replay_host_us": None if launch_us is None else round(launch_us, 1),
             "lm_head_ms": round(lm_head_ms, 4),
             "graph_plus_lm_head_ms": None if gpu_ms is None else round(gpu_ms, 4),
             "gpu_share_of_step": None if gpu_ms is None else round(gpu_ms / step_ms, 3),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import logging
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +29,7 @@ from kvllm.pooling_params import PoolingParams
 from kvllm.sampling_params import SamplingParams
 from kvllm.spec_decode.coordinator import SpecDecodeCoordinator, SpecDecodeCounts
 from kvllm.structured_output import StructuredOutputManager
-from kvllm.structured_output.manager import GrammarProcessSettings
+from kvllm.structured_output.manager import Grammar, GrammarProcessSettings
 from kvllm.worker.sleep_mode import SLEEP_LEVELS, WAKE_UP_TAGS
 
 logger = logging.getLogger(__name__)
@@ -137,6 +138,10 @@ class LLMEngine:
         self._previous: tuple[SchedulerOutput, PendingStep] | None = None
         # During step(): that step once the grammar masks took its tokens, until its outputs are made.
         self._grammar_taken: tuple[SchedulerOutput, PendingStep] | None = None
+        # The matchers on a thread of their own (see _grammar_bitmask_fn), made on first use, and during
+        # step() the fill it runs for the step being launched.
+        self._grammar_thread: ThreadPoolExecutor | None = None
+        self._grammar_ahead: Future[torch.Tensor | None] | None = None
         self.sleep_level = 0  # 0: awake; else the level of the last sleep() until wake_up() ends it
         self.async_driver: Any = None  # the AsyncLLM whose engine thread steps this engine (async_llm.py)
         self._log_cache_size(num_blocks)
@@ -312,6 +317,8 @@ class LLMEngine:
         when the engine is collected and at interpreter exit)."""
         self.executor.shutdown()
         self.structured_output_manager.shutdown()
+        if self._grammar_thread is not None:
+            self._grammar_thread.shutdown(wait=False)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.output_processor.parents)
@@ -338,7 +345,14 @@ class LLMEngine:
             if self._has_grammar_requests() and any(
                 item.request.structured_output_request is not None for item in plan.scheduled
             ):
-                pending = self.executor.execute_model_async(plan, self._grammar_bitmask_fn(plan, outputs))
+                try:
+                    pending = self.executor.execute_model_async(plan, self._grammar_bitmask_fn(plan, outputs))
+                finally:
+                    if (
+                        self._grammar_ahead is not None
+                    ):  # asked for or not (no row sampled), it took the tokens
+                        ahead, self._grammar_ahead = self._grammar_ahead, None
+                        ahead.result()
             else:
                 pending = self.executor.execute_model_async(plan)
         if self._grammar_taken is not None:  # the masks are filled and the step launched: now its outputs
@@ -386,25 +400,57 @@ class LLMEngine:
         follows the launch in step(). With the grammar process the masks are answered as a PendingMask:
         the worker takes them (and launches the sampling) when the next step starts, so this thread
         returns and schedules that step while the process fills them. A step with verified drafts is
-        processed whole, into `outputs`."""
+        processed whole, into `outputs`.
+
+        With the matchers in this process, an in-process worker and no drafts, all of that runs on a
+        thread of its own from the moment this is called, for every scheduled row, while this thread
+        prepares and launches the forward pass: its graph launch lets go of the GIL (the matchers hold
+        it), so the two overlap, and the worker's call only waits for the masks and picks its rows."""
         manager = self.structured_output_manager
 
-        def fill(rows: list[int]) -> torch.Tensor | PendingMask | None:
-            taken = None
-            if self._previous is not None:
-                previous_plan, previous = self._previous
-                self._previous = None
-                result = ResolvedStep(previous.result())
-                if result.step.spec_token_ids:
-                    outputs.extend(self._update(previous_plan, result))
-                else:
-                    self.output_processor.accept_grammar_tokens(previous_plan, result.step)
-                    taken = (previous_plan, result)
+        def take_previous_tokens() -> tuple[SchedulerOutput, PendingStep] | None:
+            """The previous step's tokens, its grammars advanced by them; None when there was no such step
+            or it had verified drafts (processed whole)."""
+            if self._previous is None:
+                return None
+            previous_plan, previous = self._previous
+            self._previous = None
+            result = ResolvedStep(previous.result())
+            if result.step.spec_token_ids:
+                outputs.extend(self._update(previous_plan, result))
+                return None
+            self.output_processor.accept_grammar_tokens(previous_plan, result.step)
+            return previous_plan, result
+
+        def grammars_of(rows: list[int]) -> list[Grammar | None]:
             grammars = []
             for i in rows:
                 request = plan.scheduled[i].request
                 grammars.append(None if request.is_finished else request.structured_output_request)
-            manager.start_bitmask(grammars)
+            return grammars
+
+        if not manager.matchers_in_process and self.spec_decode is None and self.executor.in_process:
+            every_row = list(range(len(plan.scheduled)))
+
+            @torch.inference_mode()  # as the worker's call is (inference mode is per thread)
+            def fill_every_row() -> torch.Tensor | None:
+                self._grammar_taken = take_previous_tokens()
+                manager.start_bitmask(grammars_of(every_row))
+                return manager.finish_bitmask()
+
+            if self._grammar_thread is None:
+                self._grammar_thread = ThreadPoolExecutor(1, thread_name_prefix="kvllm-grammar")
+            self._grammar_ahead = ahead = self._grammar_thread.submit(fill_every_row)
+
+            def rows_of_the_masks(rows: list[int]) -> torch.Tensor | None:
+                masks = ahead.result()
+                return masks if masks is None or rows == every_row else masks[rows]
+
+            return rows_of_the_masks
+
+        def fill(rows: list[int]) -> torch.Tensor | PendingMask | None:
+            taken = take_previous_tokens()
+            manager.start_bitmask(grammars_of(rows))
             if manager.matchers_in_process:
                 if taken is not None:
                     outputs.extend(self._update(*taken, grammar_accepted=True))

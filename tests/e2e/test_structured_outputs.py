@@ -425,3 +425,51 @@ def test_a_grammar_process_that_keeps_dying_is_a_clear_error(tiny_qwen3_real_tok
         while engine.has_unfinished_requests():
             engine.step()
     engine.shutdown()
+
+
+def test_the_grammar_thread_fills_the_masks_the_engine_thread_would(tiny_qwen3_real_tokenizer_path, monkeypatch):
+    """With an in-process worker the masks are filled on the kvllm-grammar thread while the engine's thread
+    launches the step, for every scheduled row (the worker then takes the rows that sample). Seeded, the
+    texts equal those of masks filled on the engine's thread, also on the steps where prompt chunks that
+    sample nothing ride beside constrained decodes (chunked prefill with a 32-token budget)."""
+    from kvllm.executor.uniproc_executor import UniProcExecutor
+    from kvllm.structured_output.manager import StructuredOutputManager
+    from kvllm.worker.model_runner import ModelRunner
+
+    fills, subset_steps = [], []
+    start_bitmask, execute = StructuredOutputManager.start_bitmask, ModelRunner.execute_model_async
+
+    def recording_start(manager, grammars):  # noqa: ANN001, ANN202
+        fills.append(threading.current_thread().name.startswith("kvllm-grammar"))
+        return start_bitmask(manager, grammars)
+
+    def recording_execute(runner, step, grammar_bitmask=None):  # noqa: ANN001, ANN202
+        if grammar_bitmask is None:
+            return execute(runner, step)
+
+        def masks(rows):  # noqa: ANN001, ANN202
+            subset_steps.append(len(rows) < len(step.scheduled))
+            return grammar_bitmask(rows)
+
+        return execute(runner, step, masks)
+
+    monkeypatch.setattr(StructuredOutputManager, "start_bitmask", recording_start)
+    monkeypatch.setattr(ModelRunner, "execute_model_async", recording_execute)
+    prompts = [f"Request {i}: " + "tell me about the weather in a city " * (3 + i % 4) for i in range(8)]
+    texts, threads = {}, {}
+    for in_process in (True, False):
+        monkeypatch.setattr(UniProcExecutor, "in_process", in_process)
+        fills.clear()
+        subset_steps.clear()
+        llm = _tiny_llm(tiny_qwen3_real_tokenizer_path, max_num_batched_tokens=32, enable_chunked_prefill=True)
+        outs = llm.generate(prompts, _mixed_batch()[:8], use_tqdm=False)
+        texts[in_process] = [[c.text for c in o.outputs] for o in outs]
+        threads[in_process] = set(fills)
+        stats = llm.llm_engine.stats()
+        assert stats.num_free_blocks == stats.num_blocks, "KV blocks leaked"
+        assert any(subset_steps), "no step had a prompt chunk beside constrained rows"
+        llm.llm_engine.shutdown()
+    assert threads == {True: {True}, False: {False}}
+    assert texts[True] == texts[False]
+    assert all(_valid_json(t) for i in (0, 6) for t in texts[True][i])
+    assert all(re.fullmatch(REGEX, t) for i in (1, 4, 7) for t in texts[True][i])
