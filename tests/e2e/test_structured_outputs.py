@@ -427,7 +427,9 @@ def test_a_grammar_process_that_keeps_dying_is_a_clear_error(tiny_qwen3_real_tok
     engine.shutdown()
 
 
-def test_the_grammar_thread_fills_the_masks_the_engine_thread_would(tiny_qwen3_real_tokenizer_path, monkeypatch):
+def test_the_grammar_thread_fills_the_masks_the_engine_thread_would(
+    tiny_qwen3_real_tokenizer_path, monkeypatch
+):
     """With an in-process worker the masks are filled on the kvllm-grammar thread while the engine's thread
     launches the step, for every scheduled row (the worker then takes the rows that sample). Seeded, the
     texts equal those of masks filled on the engine's thread, also on the steps where prompt chunks that
@@ -461,7 +463,9 @@ def test_the_grammar_thread_fills_the_masks_the_engine_thread_would(tiny_qwen3_r
         monkeypatch.setattr(UniProcExecutor, "in_process", in_process)
         fills.clear()
         subset_steps.clear()
-        llm = _tiny_llm(tiny_qwen3_real_tokenizer_path, max_num_batched_tokens=32, enable_chunked_prefill=True)
+        llm = _tiny_llm(
+            tiny_qwen3_real_tokenizer_path, max_num_batched_tokens=32, enable_chunked_prefill=True
+        )
         outs = llm.generate(prompts, _mixed_batch()[:8], use_tqdm=False)
         texts[in_process] = [[c.text for c in o.outputs] for o in outs]
         threads[in_process] = set(fills)
