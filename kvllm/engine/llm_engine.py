@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gc
 import logging
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +15,7 @@ from kvllm.core.request import Request
 from kvllm.core.sched_output import SchedulerOutput
 from kvllm.core.scheduler import Scheduler
 from kvllm.core.step_result import GrammarBitmaskFn, PendingMask, PendingStep, ResolvedStep
+from kvllm.engine.grammar_thread import GrammarThread, MasksAhead
 from kvllm.engine.input_processor import InputProcessor, PromptType, truncate_prompt
 from kvllm.engine.output_processor import OutputProcessor
 from kvllm.engine.pooling import check_pooling_params, pooling_request, pooling_scheduler_settings
@@ -138,10 +138,9 @@ class LLMEngine:
         self._previous: tuple[SchedulerOutput, PendingStep] | None = None
         # During step(): that step once the grammar masks took its tokens, until its outputs are made.
         self._grammar_taken: tuple[SchedulerOutput, PendingStep] | None = None
-        # The matchers on a thread of their own (see _grammar_bitmask_fn), made on first use, and during
-        # step() the fill it runs for the step being launched.
-        self._grammar_thread: ThreadPoolExecutor | None = None
-        self._grammar_ahead: Future[torch.Tensor | None] | None = None
+        # The matchers' thread (see _grammar_bitmask_fn), and during step() the masks it fills.
+        self._grammar_thread = GrammarThread()
+        self._grammar_ahead: MasksAhead | None = None
         self.sleep_level = 0  # 0: awake; else the level of the last sleep() until wake_up() ends it
         self.async_driver: Any = None  # the AsyncLLM whose engine thread steps this engine (async_llm.py)
         self._log_cache_size(num_blocks)
@@ -317,8 +316,7 @@ class LLMEngine:
         when the engine is collected and at interpreter exit)."""
         self.executor.shutdown()
         self.structured_output_manager.shutdown()
-        if self._grammar_thread is not None:
-            self._grammar_thread.shutdown(wait=False)
+        self._grammar_thread.shutdown()
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.output_processor.parents)
@@ -348,9 +346,8 @@ class LLMEngine:
                 try:
                     pending = self.executor.execute_model_async(plan, self._grammar_bitmask_fn(plan, outputs))
                 finally:
-                    if (
-                        self._grammar_ahead is not None
-                    ):  # asked for or not (no row sampled), it took the tokens
+                    # Asked for by the worker or not (no row sampled), it took the previous step's tokens.
+                    if self._grammar_ahead is not None:
                         ahead, self._grammar_ahead = self._grammar_ahead, None
                         ahead.result()
             else:
@@ -402,20 +399,26 @@ class LLMEngine:
         returns and schedules that step while the process fills them. A step with verified drafts is
         processed whole, into `outputs`.
 
-        With the matchers in this process, an in-process worker and no drafts, all of that runs on a
-        thread of its own from the moment this is called, for every scheduled row, while this thread
-        prepares and launches the forward pass: its graph launch lets go of the GIL (the matchers hold
-        it), so the two overlap, and the worker's call only waits for the masks and picks its rows."""
+        With the matchers in this process, an in-process worker and no drafts, the same work runs on the
+        grammar thread for every scheduled row, beside the launch of the step's forward pass
+        (grammar_thread.py), and the worker's call waits for the masks and picks its rows."""
         manager = self.structured_output_manager
 
-        def take_previous_tokens() -> tuple[SchedulerOutput, PendingStep] | None:
-            """The previous step's tokens, its grammars advanced by them; None when there was no such step
-            or it had verified drafts (processed whole)."""
+        def wait_for_previous_tokens() -> tuple[SchedulerOutput, ResolvedStep] | None:
             if self._previous is None:
                 return None
             previous_plan, previous = self._previous
             self._previous = None
-            result = ResolvedStep(previous.result())
+            return previous_plan, ResolvedStep(previous.result())
+
+        def take_previous_tokens(
+            previous: tuple[SchedulerOutput, ResolvedStep] | None,
+        ) -> tuple[SchedulerOutput, PendingStep] | None:
+            """The previous step with its grammars advanced by its tokens; None when there was no such step
+            or it had verified drafts (processed whole)."""
+            if previous is None:
+                return None
+            previous_plan, result = previous
             if result.step.spec_token_ids:
                 outputs.extend(self._update(previous_plan, result))
                 return None
@@ -430,26 +433,20 @@ class LLMEngine:
             return grammars
 
         if not manager.matchers_in_process and self.spec_decode is None and self.executor.in_process:
-            every_row = list(range(len(plan.scheduled)))
+            previous: list[tuple[SchedulerOutput, ResolvedStep] | None] = []
 
-            @torch.inference_mode()  # as the worker's call is (inference mode is per thread)
             def fill_every_row() -> torch.Tensor | None:
-                self._grammar_taken = take_previous_tokens()
-                manager.start_bitmask(grammars_of(every_row))
+                self._grammar_taken = take_previous_tokens(previous[0])
+                manager.start_bitmask(grammars_of(list(range(len(plan.scheduled)))))
                 return manager.finish_bitmask()
 
-            if self._grammar_thread is None:
-                self._grammar_thread = ThreadPoolExecutor(1, thread_name_prefix="kvllm-grammar")
-            self._grammar_ahead = ahead = self._grammar_thread.submit(fill_every_row)
-
-            def rows_of_the_masks(rows: list[int]) -> torch.Tensor | None:
-                masks = ahead.result()
-                return masks if masks is None or rows == every_row else masks[rows]
-
-            return rows_of_the_masks
+            self._grammar_ahead = self._grammar_thread.masks_ahead(
+                lambda: previous.append(wait_for_previous_tokens()), fill_every_row, len(plan.scheduled)
+            )
+            return self._grammar_ahead
 
         def fill(rows: list[int]) -> torch.Tensor | PendingMask | None:
-            taken = take_previous_tokens()
+            taken = take_previous_tokens(wait_for_previous_tokens())
             manager.start_bitmask(grammars_of(rows))
             if manager.matchers_in_process:
                 if taken is not None:

@@ -453,6 +453,8 @@ def test_the_grammar_thread_fills_the_masks_the_engine_thread_would(
             subset_steps.append(len(rows) < len(step.scheduled))
             return grammar_bitmask(rows)
 
+        if hasattr(grammar_bitmask, "launching"):  # the worker's signal to the grammar thread
+            masks.launching = grammar_bitmask.launching
         return execute(runner, step, masks)
 
     monkeypatch.setattr(StructuredOutputManager, "start_bitmask", recording_start)
