@@ -4,14 +4,16 @@
 # the card. .ab/llm_engine_before.py is main's engine before the grammar thread (git show 4a2f526:kvllm/engine/
 # llm_engine.py), .ab/triton_attn_impl_before.py the decode order before bd43b61 (see session30.sh).
 #   first  carry [".so-lite", ".ab"], BUDGET_S=560:
-#          on an H200 (about 6 minutes): issue 23's two missed decode rows timed bench, queued and graph, then
-#          the GPU tests the thirtieth session's budget cut and those of the decode order sorted on the host,
-#          then `quant` within 30 s;
+#          on an H200 (about 8 minutes): issue 23's two missed decode rows timed graph and bench, issue 19's
+#          A/B of the grammar thread (four arms), the batch-64 decode graph's launch on the host's clock, then
+#          GPU tests side by side (bf16 greedy against HF, the decode order sorted on the host, graphs against
+#          eager, structured outputs) as the budget allows; then `quant` within 30 s;
 #          on an H100: `h100`
 #   h100   carry [".so-lite", ".ab"]: the decode order's and the grammar thread's GPU tests, the batch-64 decode
 #          graph's launch on the host's clock, then issue 19's A/B of the grammar thread (four arms)
 #   quant  carry [".so-lite", ".ab"], BUDGET_S=540, meant for the H200: issue 22's GEMV sweep and AWQ end to end
-#          (session31.sh quant without its structured-outputs runs), then the grammar thread's A/B (four arms)
+#          (session31.sh quant without its structured-outputs runs), then the grammar thread's A/B (`SO_AB_ARMS`,
+#          four arms unless set; "" for none)
 #   *      = session31.sh's phases
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -45,11 +47,14 @@ first)
     end_phase
     exec env BUDGET_S=$(( end - $(date +%s) )) bash benchmarks/h200/session32.sh h100
   fi
-  decode_rows bench queued graph bench queued graph
-  parallel_tests 150 "greedy|tests/gpu/test_engine_cuda.py -k 'not FLASHINFER and not FLASH_ATTN'" \
-    "flex|tests/gpu/test_flex_attention_gpu.py -k 'decode_only or fresh or compile_count'" \
+  decode_rows graph bench
+  grammar_thread_ab ${SO_AB_ARMS:-before after after before}
+  launch_probe
+  PYTHONPATH=.:/tmp/so-site KVLLM_QWEN3_TOKENIZER=/tmp/so-tok parallel_tests 150 \
+    "greedy|tests/gpu/test_engine_cuda.py -k 'not FLASHINFER and not FLASH_ATTN'" \
     "attn|tests/gpu/test_triton_attention_gpu.py tests/gpu/test_host_copy_gpu.py" \
-    "graphs|tests/gpu/test_cuda_graphs_gpu.py -k TRITON_ATTN"
+    "graphs|tests/gpu/test_cuda_graphs_gpu.py -k TRITON_ATTN" \
+    "so|tests/gpu/test_structured_outputs_gpu.py"
   end_phase
   ;;
 h100)
@@ -69,7 +74,7 @@ quant)
   run_step e2e-table 150 "${table[@]}" python3 benchmarks/h200/quant_bench.py --out "$d/e2e-table" --parts e2e \
     --engines awq,bf16 --quick
   grep -h '^e2e ' "$d/e2e-table.log" | cut -c1-220
-  grammar_thread_ab ${SO_AB_ARMS:-before after after before}
+  grammar_thread_ab ${SO_AB_ARMS-before after after before}
   end_phase
   ;;
 *)
