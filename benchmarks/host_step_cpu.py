@@ -73,13 +73,16 @@ class EagerDecodeReplay:
     def padded_size(self, num_reqs: int) -> int | None:
         return next((s for s in self.sizes if s >= num_reqs), None)
 
-    def replay(self, common, num_real_tokens: int):
+    def replay(self, common, num_real_tokens: int, before_launch=None):
         from kvllm.forward_context import set_forward_context
 
         self.num_replays += 1
         batch = self.runner.input_batch
         n = common.num_actual_tokens
-        with set_forward_context(self.runner.metadata_builder.build(common)):
+        metadata = self.runner.metadata_builder.build(common)
+        if before_launch is not None:  # the grammar thread's signal, as CudaGraphRunner gives it
+            before_launch()
+        with set_forward_context(metadata):
             return self.runner.model(batch.input_ids[:n], batch.positions[:n])
 
 
