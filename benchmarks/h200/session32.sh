@@ -2,7 +2,9 @@
 # The GPU calls of the thirty-second session, each sent within 30 s of the last one's return. A call naming
 # nvidia-h200 gets an H100 or an H200, and the card is known only once it runs, so `first` picks its work by
 # the card. .ab/llm_engine_before.py is main's engine before the grammar thread (git show 4a2f526:kvllm/engine/
-# llm_engine.py), .ab/triton_attn_impl_before.py the decode order before bd43b61 (see session30.sh).
+# llm_engine.py), .ab/triton_attn_impl_before.py the decode order before bd43b61 (see session30.sh). The grammar
+# thread (dd10153, 7a8a099) lost on the H200 and was taken out: main's engine is the "before" arm again, so
+# grammar_thread_ab now compares a file with itself (an A/A) unless .ab holds another arm.
 #   first  carry [".so-lite", ".ab"], BUDGET_S=560:
 #          on an H200 (about 8 minutes): issue 23's two missed decode rows timed graph and bench, issue 19's
 #          A/B of the grammar thread (four arms), the batch-64 decode graph's launch on the host's clock, then

@@ -17,8 +17,6 @@ if TYPE_CHECKING:
 # rows (int32 [rows, ceil(vocab / 32)] on the host, all bits set on unconstrained rows) or None, or a
 # PendingMask: the masks are being filled elsewhere (the grammar process), and an in-process worker
 # may then launch the step's sampling later (when the next step starts or the result is asked for).
-# A function with a `launching()` method (the engine's MasksAhead) is told right before the step's forward
-# pass is launched: from then on the thread that fills its masks may take the GIL.
 PendingMask = Callable[[], "torch.Tensor | None"]
 GrammarBitmaskFn = Callable[[list[int]], "torch.Tensor | PendingMask | None"]
 

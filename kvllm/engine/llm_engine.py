@@ -15,7 +15,6 @@ from kvllm.core.request import Request
 from kvllm.core.sched_output import SchedulerOutput
 from kvllm.core.scheduler import Scheduler
 from kvllm.core.step_result import GrammarBitmaskFn, PendingMask, PendingStep, ResolvedStep
-from kvllm.engine.grammar_thread import GrammarThread, MasksAhead
 from kvllm.engine.input_processor import InputProcessor, PromptType, truncate_prompt
 from kvllm.engine.output_processor import OutputProcessor
 from kvllm.engine.pooling import check_pooling_params, pooling_request, pooling_scheduler_settings
@@ -29,7 +28,7 @@ from kvllm.pooling_params import PoolingParams
 from kvllm.sampling_params import SamplingParams
 from kvllm.spec_decode.coordinator import SpecDecodeCoordinator, SpecDecodeCounts
 from kvllm.structured_output import StructuredOutputManager
-from kvllm.structured_output.manager import Grammar, GrammarProcessSettings
+from kvllm.structured_output.manager import GrammarProcessSettings
 from kvllm.worker.sleep_mode import SLEEP_LEVELS, WAKE_UP_TAGS
 
 logger = logging.getLogger(__name__)
@@ -138,9 +137,6 @@ class LLMEngine:
         self._previous: tuple[SchedulerOutput, PendingStep] | None = None
         # During step(): that step once the grammar masks took its tokens, until its outputs are made.
         self._grammar_taken: tuple[SchedulerOutput, PendingStep] | None = None
-        # The matchers' thread (see _grammar_bitmask_fn), and during step() the masks it fills.
-        self._grammar_thread = GrammarThread()
-        self._grammar_ahead: MasksAhead | None = None
         self.sleep_level = 0  # 0: awake; else the level of the last sleep() until wake_up() ends it
         self.async_driver: Any = None  # the AsyncLLM whose engine thread steps this engine (async_llm.py)
         self._log_cache_size(num_blocks)
@@ -316,7 +312,6 @@ class LLMEngine:
         when the engine is collected and at interpreter exit)."""
         self.executor.shutdown()
         self.structured_output_manager.shutdown()
-        self._grammar_thread.shutdown()
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.output_processor.parents)
@@ -343,13 +338,7 @@ class LLMEngine:
             if self._has_grammar_requests() and any(
                 item.request.structured_output_request is not None for item in plan.scheduled
             ):
-                try:
-                    pending = self.executor.execute_model_async(plan, self._grammar_bitmask_fn(plan, outputs))
-                finally:
-                    # Asked for by the worker or not (no row sampled), it took the previous step's tokens.
-                    if self._grammar_ahead is not None:
-                        ahead, self._grammar_ahead = self._grammar_ahead, None
-                        ahead.result()
+                pending = self.executor.execute_model_async(plan, self._grammar_bitmask_fn(plan, outputs))
             else:
                 pending = self.executor.execute_model_async(plan)
         if self._grammar_taken is not None:  # the masks are filled and the step launched: now its outputs
@@ -397,57 +386,25 @@ class LLMEngine:
         follows the launch in step(). With the grammar process the masks are answered as a PendingMask:
         the worker takes them (and launches the sampling) when the next step starts, so this thread
         returns and schedules that step while the process fills them. A step with verified drafts is
-        processed whole, into `outputs`.
-
-        With the matchers in this process, an in-process worker and no drafts, the same work runs on the
-        grammar thread for every scheduled row, beside the launch of the step's forward pass
-        (grammar_thread.py), and the worker's call waits for the masks and picks its rows."""
+        processed whole, into `outputs`."""
         manager = self.structured_output_manager
 
-        def wait_for_previous_tokens() -> tuple[SchedulerOutput, ResolvedStep] | None:
-            if self._previous is None:
-                return None
-            previous_plan, previous = self._previous
-            self._previous = None
-            return previous_plan, ResolvedStep(previous.result())
-
-        def take_previous_tokens(
-            previous: tuple[SchedulerOutput, ResolvedStep] | None,
-        ) -> tuple[SchedulerOutput, PendingStep] | None:
-            """The previous step with its grammars advanced by its tokens; None when there was no such step
-            or it had verified drafts (processed whole)."""
-            if previous is None:
-                return None
-            previous_plan, result = previous
-            if result.step.spec_token_ids:
-                outputs.extend(self._update(previous_plan, result))
-                return None
-            self.output_processor.accept_grammar_tokens(previous_plan, result.step)
-            return previous_plan, result
-
-        def grammars_of(rows: list[int]) -> list[Grammar | None]:
+        def fill(rows: list[int]) -> torch.Tensor | PendingMask | None:
+            taken = None
+            if self._previous is not None:
+                previous_plan, previous = self._previous
+                self._previous = None
+                result = ResolvedStep(previous.result())
+                if result.step.spec_token_ids:
+                    outputs.extend(self._update(previous_plan, result))
+                else:
+                    self.output_processor.accept_grammar_tokens(previous_plan, result.step)
+                    taken = (previous_plan, result)
             grammars = []
             for i in rows:
                 request = plan.scheduled[i].request
                 grammars.append(None if request.is_finished else request.structured_output_request)
-            return grammars
-
-        if not manager.matchers_in_process and self.spec_decode is None and self.executor.in_process:
-            previous: list[tuple[SchedulerOutput, ResolvedStep] | None] = []
-
-            def fill_every_row() -> torch.Tensor | None:
-                self._grammar_taken = take_previous_tokens(previous[0])
-                manager.start_bitmask(grammars_of(list(range(len(plan.scheduled)))))
-                return manager.finish_bitmask()
-
-            self._grammar_ahead = self._grammar_thread.masks_ahead(
-                lambda: previous.append(wait_for_previous_tokens()), fill_every_row, len(plan.scheduled)
-            )
-            return self._grammar_ahead
-
-        def fill(rows: list[int]) -> torch.Tensor | PendingMask | None:
-            taken = take_previous_tokens(wait_for_previous_tokens())
-            manager.start_bitmask(grammars_of(rows))
+            manager.start_bitmask(grammars)
             if manager.matchers_in_process:
                 if taken is not None:
                     outputs.extend(self._update(*taken, grammar_accepted=True))

@@ -20,10 +20,6 @@ class Executor(ABC):
     sampled tokens of one of them.
     """
 
-    # The worker runs in the engine's process: a launched step's result() may be waited for on another
-    # thread while the engine's thread launches the next step (no pipe or actor call is shared).
-    in_process: bool = False
-
     @property
     @abstractmethod
     def block_size(self) -> int:

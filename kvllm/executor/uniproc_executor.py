@@ -17,8 +17,6 @@ from kvllm.worker.worker import Worker
 class UniProcExecutor(Executor):
     """Calls its one Worker directly."""
 
-    in_process = True
-
     def __init__(
         self, args: EngineArgs, model_config: ModelConfig, device: torch.device, max_num_batched_tokens: int
     ) -> None:

@@ -201,16 +201,10 @@ class CudaGraphRunner:
         """A padded uniform-decode batch (at most query_len tokens per request) whose size has a graph."""
         return common.num_reqs in self.graphs and self._fits(common)
 
-    def replay(
-        self,
-        common: CommonAttentionMetadata,
-        num_real_tokens: int,
-        before_launch: Callable[[], None] | None = None,
-    ) -> torch.Tensor:
+    def replay(self, common: CommonAttentionMetadata, num_real_tokens: int) -> torch.Tensor:
         """Run the graph of `common.num_reqs` (already padded, inputs already in the buffers).
 
-        Returns the hidden states of the first `num_real_tokens` tokens. `before_launch` is called after
-        the metadata is in place, right before the graph's launch.
+        Returns the hidden states of the first `num_real_tokens` tokens.
         """
         entry = self.graphs.get(common.num_reqs)
         if entry is None or not self.can_replay(common):
@@ -220,8 +214,6 @@ class CudaGraphRunner:
                 f"x {self.query_len} tokens"
             )
         self.builder.prepare_for_replay(common)
-        if before_launch is not None:
-            before_launch()
         entry.graph.replay()
         self.num_replays += 1
         return entry.hidden[:num_real_tokens]

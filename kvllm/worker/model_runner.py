@@ -484,13 +484,9 @@ class ModelRunner:
                 if graph is None and len(self.ungraphed_verify_steps) < 16:
                     lens = [item.num_new_tokens for item in step.scheduled]
                     self.ungraphed_verify_steps.append((len(lens), max(lens), sum(lens)))
-        # Masks filled on another thread may take the GIL from the forward pass's launch on (MasksAhead).
-        launching = getattr(grammar_bitmask, "launching", None)
         if graph is not None:
             # All of the graph's rows: the EAGLE head runs over the padded batch as the graph did.
-            head_hidden = graph[0].replay(
-                inputs.attn_metadata, inputs.attn_metadata.num_actual_tokens, before_launch=launching
-            )
+            head_hidden = graph[0].replay(inputs.attn_metadata, inputs.attn_metadata.num_actual_tokens)
             hidden = head_hidden[: inputs.num_tokens]
         elif self.piecewise is not None and self.piecewise.can_replay(inputs.num_tokens):
             hidden = self.piecewise.replay(inputs.attn_metadata, inputs.num_tokens)
@@ -500,8 +496,6 @@ class ModelRunner:
                 hidden = self.model(inputs.input_ids, inputs.positions)
         if graph is None:
             head_hidden = hidden
-            if launching is not None:  # the forward pass is queued
-                launching()
         if self.pooler is not None:
             token_starts = inputs.attn_metadata.query_start_loc_cpu.tolist()
             pooled = self.pooler.pool(step, token_starts, inputs.query_starts.tolist(), hidden)

@@ -297,7 +297,7 @@ def test_speculation_beside_cuda_graph_decode_steps(tiny_qwen3_path, monkeypatch
     replays = []
     real_replay = CudaGraphRunner.replay
     monkeypatch.setattr(
-        CudaGraphRunner, "replay", lambda self, *a, **kw: replays.append(1) or real_replay(self, *a, **kw)
+        CudaGraphRunner, "replay", lambda self, *a: replays.append(1) or real_replay(self, *a)
     )
     rng = random.Random(13)
     # A prompt with nothing to look up at first, and one that repeats.

@@ -91,25 +91,6 @@ def test_capture_largest_first_then_replay_reads_the_same_buffers():
     assert runner.num_replays == 1
 
 
-def test_before_launch_comes_after_the_metadata_and_before_the_graph():
-    """The grammar thread's signal (MasksAhead.launching) is given once the metadata copies are made (they
-    would wait for that thread if it held the GIL) and before the graph's launch, which lets go of it."""
-    ids = torch.zeros(8, dtype=torch.int32)
-    builder = RecordingBuilder()
-    order: list[str] = []
-
-    def forward(input_ids, pos):
-        order.append("forward")
-        return input_ids.float().unsqueeze(1)
-
-    runner = CudaGraphRunner(forward, builder, ids, ids, [2], _common, graph_factory=EagerGraph)
-    runner.capture()
-    builder.calls.clear()
-    order.clear()
-    runner.replay(_common(2), 2, before_launch=lambda: order.append(f"launching after {builder.calls}"))
-    assert order == ["launching after [('replay', 2)]", "forward"]
-
-
 def test_replay_refuses_what_was_not_captured():
     ids = torch.zeros(8, dtype=torch.int32)
     runner = CudaGraphRunner(

@@ -76,7 +76,7 @@ def test_greedy_ids_with_graphed_verification_equal_plain_decoding(
     seen = []
     replay = CudaGraphRunner.replay
 
-    def recording_replay(self, common, num_real_tokens, before_launch=None):
+    def recording_replay(self, common, num_real_tokens):
         if self.query_len > 1 and common.num_actual_tokens == common.num_reqs * (K + 1):  # the target's
             lens = common.query_lens_cpu.tolist()
             seen.append(lens)
@@ -84,7 +84,7 @@ def test_greedy_ids_with_graphed_verification_equal_plain_decoding(
             real = sum(lens)
             assert common.num_decodes == common.num_reqs and real <= num_real_tokens
             assert (common.slot_mapping[real:] == -1).all() and (common.slot_mapping[:real] >= 0).all()
-        return replay(self, common, num_real_tokens, before_launch)
+        return replay(self, common, num_real_tokens)
 
     monkeypatch.setattr(CudaGraphRunner, "replay", recording_replay)
     assert _generate(llm) == plain_ids
