@@ -68,14 +68,7 @@ h100)
   ;;
 quant)
   source benchmarks/h200/session_lib.sh
-  run_step gemv-sweep 170 python3 benchmarks/h200/w4a16_gemv_m1.py --out "$d" --set h200 --budget-s 130 \
-    --table-out "$d/w4a16_gemv_configs.json"
-  sed -n '/best per shape/,$p' "$d/gemv-sweep.log" | head -12
-  table=()
-  [ -f "$d/w4a16_gemv_configs.json" ] && table=(env "KVLLM_W4A16_GEMV_CONFIGS=$d/w4a16_gemv_configs.json")
-  run_step e2e-table 150 "${table[@]}" python3 benchmarks/h200/quant_bench.py --out "$d/e2e-table" --parts e2e \
-    --engines awq,bf16 --quick
-  grep -h '^e2e ' "$d/e2e-table.log" | cut -c1-220
+  gemv_sweep_and_e2e
   grammar_thread_ab ${SO_AB_ARMS-before after after before}
   end_phase
   ;;

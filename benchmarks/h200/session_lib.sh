@@ -78,6 +78,17 @@ so_runs() {  # count: the batch-64 structured-outputs bench (issue 19) `count` t
      tail -n 1 "$d/so-$i.log"
    done)
 }
+gemv_sweep_and_e2e() {  # issue 22 on the H200: the one-row GEMV sweep (--set h200), then AWQ (with the
+  # sweep's table, when it wrote one) and bf16 end to end
+  run_step gemv-sweep 170 python3 benchmarks/h200/w4a16_gemv_m1.py --out "$d" --set h200 --budget-s 130 \
+    --table-out "$d/w4a16_gemv_configs.json"
+  sed -n '/best per shape/,$p' "$d/gemv-sweep.log" | head -12
+  local table=()
+  [ -f "$d/w4a16_gemv_configs.json" ] && table=(env "KVLLM_W4A16_GEMV_CONFIGS=$d/w4a16_gemv_configs.json")
+  run_step e2e-table 150 "${table[@]}" python3 benchmarks/h200/quant_bench.py --out "$d/e2e-table" --parts e2e \
+    --engines awq,bf16 --quick
+  grep -h '^e2e ' "$d/e2e-table.log" | cut -c1-220
+}
 decode_rows() {  # timings...: issue 23's two decode rows the thirtieth session's H200 table missed (TRITON_ATTN
   # b1 x 32k beside SDPA, FLEX_ATTENTION b256 x 1k), once per --timing given, in that order
   local i=0 timing
