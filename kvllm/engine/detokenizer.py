@@ -106,10 +106,15 @@ class IncrementalDetokenizer:
         until its end: where the stream has no ids pending, one decode of the window gives the text the
         stream would give token by token (its pieces concatenate to the decode of the window), several
         times faster than a stream step per id."""
-        if self._stream is None or self.stop or self._is_finished or self._read_offset < len(self._ids):
-            self.update(new_token_ids, stop_terminated)
-            self.finish()
-            return
+        nothing_pending = self._stream is not None and self._read_offset == len(self._ids)
+        if nothing_pending and not self.stop and not self._is_finished:
+            if self._finish_in_one_decode(new_token_ids, stop_terminated):
+                return
+        self.update(new_token_ids, stop_terminated)
+        self.finish()
+
+    def _finish_in_one_decode(self, new_token_ids: Sequence[int], stop_terminated: bool) -> bool:
+        """finish_with's one decode; False (nothing changed) for a decoder that rewrites earlier text."""
         to_decode = list(new_token_ids)
         if stop_terminated and not self.params.include_stop_str_in_output and to_decode:
             to_decode.pop()
@@ -118,15 +123,14 @@ class IncrementalDetokenizer:
         skip = self.params.skip_special_tokens
         before = self._rust.decode(window, skip_special_tokens=skip)
         after = self._rust.decode(window + new_ids, skip_special_tokens=skip)
-        if not after.startswith(before):  # a decoder that rewrites earlier text: the stream's way
-            self.update(new_token_ids, stop_terminated)
-            self.finish()
-            return
+        if not after.startswith(before):
+            return False
         self.output_token_ids.extend(new_token_ids)
         self._ids.extend(new_ids)
         self._text += after[len(before) :]
         self._prefix_offset = self._read_offset = len(self._ids)
         self._is_finished = True
+        return True
 
     def finish(self) -> None:
         """Mark the sequence finished: the next `get_next_delta_text` releases all remaining text.
