@@ -240,6 +240,12 @@ class AttentionBackend:
         return f"{lo[0]}.{lo[1]}-{hi[0]}.{hi[1]}"
 
     @classmethod
+    def cudagraphs_off_reason(cls, device_type: str) -> str | None:
+        """Why this process's settings keep steps out of the CUDA graphs the backend declares
+        (`cudagraph_support`), or None when they are captured as declared."""
+        return None
+
+    @classmethod
     def extra_reasons(cls, config: AttentionSelectorConfig, device: DeviceInfo) -> list[str]:
         """Backend-specific reasons beyond the declarations (override as needed)."""
         return []

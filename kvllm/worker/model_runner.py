@@ -438,9 +438,13 @@ class ModelRunner:
         if support == "never":
             logger.info(
                 "CUDA graphs off: the %s attention backend declares cudagraph_support='never' "
-                "(steps run eagerly; TRITON_ATTN, FLASH_ATTN, FLASHINFER and TRITON_MLA capture decode steps)",
+                "(steps run eagerly; TRITON_ATTN, FLASH_ATTN, FLASHINFER, FLEX_ATTENTION and TRITON_MLA "
+                "capture decode steps)",
                 self.attn_backend.name,
             )
+            return []
+        if (why_not := self.attn_backend.cudagraphs_off_reason(self.device.type)) is not None:
+            logger.info("CUDA graphs off: %s (%s); steps run eagerly", why_not, self.attn_backend.name)
             return []
         cap = min(args.max_cudagraph_capture_size or min(max_num_reqs, 512), max_num_reqs)
         sizes = args.cudagraph_capture_sizes or default_capture_sizes(max_num_reqs, cap)

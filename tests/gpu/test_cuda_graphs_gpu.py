@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 # 12 prompts of up to 700 + 40 tokens at 8 KiB a token: a fixed size lets other GPU tests run beside.
 KV_CACHE_BYTES = 256 * 2**20
-GRAPH_BACKENDS = ["TRITON_ATTN", "FLASHINFER", "FLASH_ATTN"]
+GRAPH_BACKENDS = ["TRITON_ATTN", "FLASHINFER", "FLASH_ATTN", "FLEX_ATTENTION"]
 
 
 def _run(path: str, backend: str, enforce_eager: bool, prompts, max_tokens):

@@ -237,3 +237,57 @@ def test_compiled_decoding_kernel_reads_each_requests_own_pages(
             first = max(0, int(seq_lens[b]) - window) // block_size if window else 0
             own = set(batch.block_table[b, first:pages].tolist())
             assert set(full) | set(partial) == own, (b, full, partial, own)
+
+
+@pytest.mark.parametrize("window", [None, 20])
+def test_decode_graph_metadata_follows_each_replays_batch(window: int | None) -> None:
+    """A decode graph keeps prepare_for_capture's metadata for every replay: prepare_for_replay refills
+    the builder's fixed buffers with the new batch, and the layer that first built the decode mask
+    rebuilds it on each forward, so the same metadata attends over each batch as its own build() does."""
+    # One cache size for all three (a new size would get a fresh mask whoever the owner is).
+    contexts = [[90, 60, 3, 17], [3, 90, 17, 60], [60, 17, 90, 3]]
+    cases = [
+        run_backend_case(
+            FlexAttentionBackend, [1] * 4, ctx, 4, 2, 32, 16, torch.float32, "cpu", seed=seed,
+            sliding_window=window, impl_attrs={"decode_path_eager": True}, builder_limits=(8, 64, 256),
+        )
+        for seed, ctx in enumerate(contexts)
+    ]  # fmt: skip
+    for case in cases:
+        assert case.rel_error() < 1e-5  # the eager build(): the yardstick
+        assert case.batch.num_blocks == cases[0].batch.num_blocks
+    first = cases[0]
+    graph_meta = first.builder.prepare_for_capture(first.batch.metadata)
+    assert graph_meta.for_graph and graph_meta.decode_masks is not None
+    for i, case in enumerate(cases):
+        if i:
+            assert first.builder.prepare_for_replay(case.batch.metadata) is graph_meta
+        for _ in range(2):  # the owner layer, then the same forward again (a second replay of one batch)
+            out = first.impl.forward(case.layer, case.query, case.key, case.value, case.kv_cache, graph_meta)
+            err = ((out.float() - case.ref).norm() / case.ref.norm()).item()
+            assert err < 1e-5, (i, err)
+
+
+def test_decode_graphs_need_the_decode_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine captures FLEX decode graphs only where decode steps take the decode path; a graph's
+    metadata refuses the general path (its masks would be the capture's, stale on every replay)."""
+    batch = make_paged_batch([1, 1], [5, 40], 4, 2, 32, 16, seed=0)
+    case = prepare_backend_case(FlexAttentionBackend, batch)  # decode_path_eager off: the general path
+    graph_meta = case.builder.prepare_for_capture(batch.metadata)
+    with pytest.raises(RuntimeError, match="general path .* cannot replay"):
+        case.impl.forward(case.layer, case.query, case.key, case.value, case.kv_cache, graph_meta)
+    prefill = make_paged_batch([1, 3], [5, 40], 4, 2, 32, 16, seed=0)
+    with pytest.raises(ValueError, match="one query token per request"):
+        case.builder.prepare_for_capture(prefill.metadata)
+
+    monkeypatch.delenv(flex.SPLIT_PATH_ENV, raising=False)
+    monkeypatch.setenv(flex.COMPILE_ENV, "1")
+    assert FlexAttentionBackend.cudagraphs_off_reason("cuda") is None
+    assert "CUDA only" in FlexAttentionBackend.cudagraphs_off_reason("cpu")
+    monkeypatch.setenv(flex.SPLIT_PATH_ENV, "0")
+    assert flex.SPLIT_PATH_ENV in FlexAttentionBackend.cudagraphs_off_reason("cuda")
+    monkeypatch.delenv(flex.SPLIT_PATH_ENV)
+    monkeypatch.setenv(flex.COMPILE_ENV, "0")
+    assert flex.COMPILE_ENV in FlexAttentionBackend.cudagraphs_off_reason("cuda")
+    monkeypatch.setattr(flex.FlexAttentionImpl, "decode_path_eager", True)
+    assert FlexAttentionBackend.cudagraphs_off_reason("cpu") is None

@@ -113,18 +113,27 @@ def test_replay_refuses_what_was_not_captured():
         CudaGraphRunner(lambda i, p: i, RecordingBuilder(), ids, ids, [16], _common)
 
 
-@pytest.mark.parametrize("backend", ["TRITON_ATTN", "TRITON_ATTN+fused", "FLEX_ATTENTION"])
+@pytest.mark.parametrize(
+    "backend", ["TRITON_ATTN", "TRITON_ATTN+fused", "FLEX_ATTENTION", "FLEX_ATTENTION+decode_path"]
+)
 def test_engine_with_graphs_replayed_eagerly_matches_hf(tiny_qwen3_path, monkeypatch, backend):
     """Decode steps go through the graph runner (padded to 4 or 8), prefill and mixed steps through
     the piecewise runner (padded to 16, 32 or 64 tokens; attention between the pieces on the step's
-    own metadata), and greedy ids equal HF's. FLEX_ATTENTION declares no graph support, so it never
-    replays a decode graph; its other steps still run piecewise (attention stays outside the pieces).
+    own metadata), and greedy ids equal HF's. FLEX_ATTENTION graphs decode steps only through its decode
+    path, which runs on CUDA: on the CPU it replays no decode graph unless "+decode_path" runs that path
+    (eagerly, as its kernel tests do); then each replay must update the decode masks it reads. Its other
+    steps run piecewise either way (attention stays outside the pieces).
     "+fused": the fused kernels as on a GPU, so the QK-norm + RoPE kernel stores K/V and writes q into the
     piecewise runner's shared query buffer, and the runner copies none of q, k, v for TRITON_ATTN."""
+    from kvllm.attention.backends import flex_attention_impl as flex
     from kvllm.layers.ops.dispatch import fused_ops_mode
     from kvllm.worker import piecewise_graph
 
-    backend, _, fused = backend.partition("+")
+    backend, _, option = backend.partition("+")
+    fused = option == "fused"
+    if option == "decode_path":
+        monkeypatch.setenv(flex.COMPILE_ENV, "0")
+        monkeypatch.setattr(flex.FlexAttentionImpl, "decode_path_eager", True)
     same_view, queries_in_place = piecewise_graph._same_view, []
 
     def spy(a, b):
@@ -133,11 +142,16 @@ def test_engine_with_graphs_replayed_eagerly_matches_hf(tiny_qwen3_path, monkeyp
 
     monkeypatch.setattr(piecewise_graph, "_same_view", spy)
     with fused_ops_mode("1" if fused else "auto"):
-        _engine_with_graphs_matches_hf(tiny_qwen3_path, monkeypatch, backend)
-    assert queries_in_place and all(queries_in_place) == bool(fused)
+        _engine_with_graphs_matches_hf(
+            tiny_qwen3_path,
+            monkeypatch,
+            backend,
+            decode_graphs=backend == "TRITON_ATTN" or option == "decode_path",
+        )
+    assert queries_in_place and all(queries_in_place) == fused
 
 
-def _engine_with_graphs_matches_hf(tiny_qwen3_path, monkeypatch, backend: str) -> None:
+def _engine_with_graphs_matches_hf(tiny_qwen3_path, monkeypatch, backend: str, decode_graphs: bool) -> None:
     from kvllm.platforms import simulate_platform
 
     monkeypatch.setattr(model_runner, "graphs_available", lambda device: True)
@@ -159,7 +173,7 @@ def _engine_with_graphs_matches_hf(tiny_qwen3_path, monkeypatch, backend: str) -
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for prompt, output, n in zip(prompts, outputs, max_tokens):
         assert output.outputs[0].token_ids == hf_greedy(path, prompt, n)[0]
-    if backend == "TRITON_ATTN":
+    if decode_graphs:
         assert runner is not None and sorted(runner.graphs) == [1, 2, 4, 8]
         assert runner.num_replays >= 4
     else:

@@ -42,12 +42,18 @@ class FlexAttentionBackend(AttentionBackend):
     supports_logits_soft_cap = True
     supports_non_causal = True
     attn_types = ("decoder", "encoder_only")
-    # The general path rebuilds its block mask with fresh tensors every step (the decode path's are
-    # persistent, but graph capture of it is not verified): nothing captured.
-    cudagraph_support = "never"
+    # Decode steps replay through the decode path, whose masks live in the builder's fixed buffers and
+    # are updated on the device; other steps take the general path (masks built on the host) eagerly.
+    cudagraph_support = "decode_only"
     required_package = None  # torch itself
     preferred_block_size = 16
     verified_on = "H200 (SM 9.0); CPU (CI)"
 
     impl_path = "kvllm.attention.backends.flex_attention_impl:FlexAttentionImpl"
     builder_path = "kvllm.attention.backends.flex_attention_impl:FlexAttentionMetadataBuilder"
+
+    @classmethod
+    def cudagraphs_off_reason(cls, device_type: str) -> str | None:
+        from kvllm.attention.backends.flex_attention_impl import decode_graphs_off_reason
+
+        return decode_graphs_off_reason(device_type)

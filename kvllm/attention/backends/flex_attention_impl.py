@@ -144,6 +144,21 @@ def split_path_requested() -> bool:
     return os.environ.get(SPLIT_PATH_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+def decode_graphs_off_reason(device_type: str) -> str | None:
+    """Why decode steps cannot replay from CUDA graphs in this process, or None. A graph replays the
+    decode path (its masks live in fixed buffers, updated on the device); the general path rebuilds
+    its masks on the host every step."""
+    if FlexAttentionImpl.decode_path_eager:
+        return None
+    if device_type != "cuda":
+        return f"the decode path runs on CUDA only, not {device_type}"
+    if not split_path_requested():
+        return f"{SPLIT_PATH_ENV}=0 sends decode steps down the general path"
+    if not compile_requested():
+        return f"{COMPILE_ENV}=0: eager flex_attention takes the general path"
+    return None
+
+
 def _disable_compile(key: CompileKey, exc: Exception) -> None:
     _compile_failures[key] = f"torch.compile failed: {type(exc).__name__}: {exc}"
     _announce_once(
@@ -209,6 +224,78 @@ class FlexAttentionMetadataBuilder(AttentionMetadataBuilder):
             num_decodes=num_decodes if split else 0,
             fresh_prefill_from=num_decodes if split and fresh else None,
         )
+
+    # ---- CUDA graphs: uniform decode batches through the decode path ------------------------
+
+    def prepare_for_capture(self, common: CommonAttentionMetadata) -> FlexAttentionMetadata:
+        """A decode graph's metadata: the builder's fixed buffers, filled with this batch. Only the
+        decode path runs in a graph (its masks are updated on the device from these buffers)."""
+        num_reqs, num_tokens = common.num_reqs, common.num_actual_tokens
+        if common.max_query_len > 1 or num_tokens != num_reqs or not common.causal:
+            raise ValueError(
+                "FLEX_ATTENTION captures causal decode steps of one query token per request only, got "
+                f"{num_reqs} requests / {num_tokens} tokens (max query length {common.max_query_len})"
+            )
+        self._fill_graph_buffers(common)
+        qsl = torch.arange(num_reqs + 1)
+        seq_lens_cpu = common.seq_lens_cpu.long()
+        meta = FlexAttentionMetadata(
+            num_actual_tokens=num_tokens,
+            num_reqs=num_reqs,
+            block_size=self.kv_cache_spec.block_size,
+            causal=True,
+            pad_req=self.max_num_reqs,
+            query_start_loc_cpu=qsl,
+            seq_lens_cpu=seq_lens_cpu,
+            context_lens_cpu=seq_lens_cpu - 1,
+            q_req_cpu=qsl[:-1],
+            q_req=qsl[:-1].to(self.device, torch.int32),
+            q_pos=(seq_lens_cpu - 1).to(self.device, torch.int32),
+            block_table=self._graph_block_table,
+            seq_lens=self._graph_seq_lens,
+            slot_mapping=self._graph_slots[:num_tokens],
+            decode_masks=self.decode_masks,
+            num_decodes=num_reqs,
+            for_graph=True,
+        )
+        self._graph_metadata[num_reqs] = meta
+        return meta
+
+    def prepare_for_replay(self, common: CommonAttentionMetadata) -> FlexAttentionMetadata:
+        """Refill the fixed buffers the graph of `common.num_reqs` reads; its captured metadata."""
+        meta = self._graph_metadata.get(common.num_reqs)
+        if meta is None:
+            return self.prepare_for_capture(common)
+        if common.max_query_len > 1 or common.num_actual_tokens != common.num_reqs:
+            raise ValueError(
+                f"a decode graph of {common.num_reqs} requests replays one query token each, got "
+                f"{common.num_actual_tokens} tokens (max query length {common.max_query_len})"
+            )
+        self._fill_graph_buffers(common)
+        return meta
+
+    def _fill_graph_buffers(self, common: CommonAttentionMetadata) -> None:
+        num_reqs, num_tokens = common.num_reqs, common.num_actual_tokens
+        if num_reqs > self.max_num_reqs or num_tokens > self.max_num_tokens:
+            raise ValueError(
+                f"graph batch of {num_reqs} requests / {num_tokens} tokens exceeds the builder's "
+                f"max_num_reqs={self.max_num_reqs} / max_num_tokens={self.max_num_tokens}"
+            )
+        if getattr(self, "_graph_block_table", None) is None:
+            max_blocks = -(-self.max_model_len // self.kv_cache_spec.block_size)
+            # Rows past a batch and columns past a request's pages are never read (seq_lens bound them).
+            self._graph_block_table = torch.zeros(
+                self.max_num_reqs + 1, max_blocks, dtype=torch.int32, device=self.device
+            )
+            self._graph_seq_lens = torch.zeros(self.max_num_reqs + 1, dtype=torch.int32, device=self.device)
+            self._graph_slots = torch.full((self.max_num_tokens,), -1, dtype=torch.int64, device=self.device)
+            self._graph_metadata: dict[int, FlexAttentionMetadata] = {}
+        cols = common.block_table.shape[1]
+        if cols > self._graph_block_table.shape[1]:
+            raise ValueError(f"block table has {cols} columns, more than max_model_len allows")
+        self._graph_block_table[:num_reqs, :cols].copy_(common.block_table[:num_reqs], non_blocking=True)
+        self._graph_seq_lens[:num_reqs].copy_(common.seq_lens[:num_reqs], non_blocking=True)
+        self._graph_slots[:num_tokens].copy_(common.slot_mapping[:num_tokens], non_blocking=True)
 
     @property
     def decode_masks(self) -> FlexDecodeMasks:
@@ -377,10 +464,13 @@ class FlexAttentionImpl(AttentionImpl):
         num_decodes = meta.num_decodes
         num_blocks = key_src.shape[0] // meta.block_size
         mask_key = ("decode", self.sliding_window, num_blocks)
-        if mask_key not in meta.masks:  # the step's first layer updates the builder's buffers
+        # The step's first layer (each has its own impl) updates the builder's buffers; in a graph's
+        # metadata (kept across replays) that layer updates them on every forward, so the capture has it.
+        if mask_key not in meta.masks or (meta.for_graph and meta.mask_owners[mask_key] is self):
             meta.masks[mask_key] = meta.decode_masks.block_mask(
                 meta.block_table, meta.seq_lens, num_decodes, num_blocks, self.sliding_window
             )
+            meta.mask_owners[mask_key] = self
         block_mask = meta.masks[mask_key]
         batch = block_mask.kv_num_blocks.shape[0]
         q = _pad_rows(query[:num_decodes].to(dtype), batch).unsqueeze(2)
@@ -421,6 +511,12 @@ class FlexAttentionImpl(AttentionImpl):
         dtype: torch.dtype,
         compiled: bool,
     ) -> torch.Tensor:
+        if meta.for_graph:
+            raise RuntimeError(
+                "FLEX_ATTENTION's general path builds its masks from the step's host metadata, so a CUDA "
+                "graph cannot replay it; decode graphs need the decode path "
+                f"({decode_graphs_off_reason(query.device.type) or 'its kernel failed to compile'})"
+            )
         num_tokens = query.shape[0]
         q_len = query_bucket(num_tokens) if compiled else -(-num_tokens // Q_TILE) * Q_TILE
         step_mask = self._step_mask(meta, key_src.shape[0], q_len, compiled)

@@ -58,6 +58,11 @@ class FlexAttentionMetadata:
     fresh_prefill_from: int | None = None  # first fresh-prefill request, when the step has some
     # Per layer configuration: StepMask (general path), BlockMask (decodes), FreshPrefill.
     masks: dict[tuple[Any, ...], Any] = field(default_factory=dict, repr=False)
+    # A decode CUDA graph's metadata (the builder's prepare_for_capture), used by every replay: its
+    # tensors are the builder's fixed buffers, refilled before each replay, and the layer (impl) that first
+    # updated a decode mask (mask_owners) updates it again on every forward, so the graph holds the update.
+    for_graph: bool = False
+    mask_owners: dict[tuple[Any, ...], Any] = field(default_factory=dict, repr=False)
 
 
 @dataclass
