@@ -173,8 +173,23 @@ def _disable_compile(key: CompileKey, exc: Exception) -> None:
 # ---- metadata builder ----------------------------------------------------------------------------
 
 
+class _GraphBuffers(NamedTuple):
+    """The fixed tensors a decode graph's metadata reads, refilled before each replay. Rows past a
+    batch and columns past a request's pages are never read (seq_lens bound them)."""
+
+    block_table: torch.Tensor  # int32 [max_num_reqs + 1, blocks of max_model_len]
+    seq_lens: torch.Tensor  # int32 [max_num_reqs + 1]
+    slot_mapping: torch.Tensor  # int64 [max_num_tokens]
+
+
 class FlexAttentionMetadataBuilder(AttentionMetadataBuilder):
     """Per-token request/position tables and fixed-shape copies of the block table and seq_lens."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._decode_masks: FlexDecodeMasks | None = None
+        self._graph_buffers: _GraphBuffers | None = None  # allocated by the first capture
+        self._graph_metadata: dict[int, FlexAttentionMetadata] = {}  # per captured batch size
 
     def build(self, common: CommonAttentionMetadata) -> FlexAttentionMetadata:
         num_reqs, num_tokens = common.num_reqs, common.num_actual_tokens
@@ -236,7 +251,7 @@ class FlexAttentionMetadataBuilder(AttentionMetadataBuilder):
                 "FLEX_ATTENTION captures causal decode steps of one query token per request only, got "
                 f"{num_reqs} requests / {num_tokens} tokens (max query length {common.max_query_len})"
             )
-        self._fill_graph_buffers(common)
+        buffers = self._fill_graph_buffers(common)
         qsl = torch.arange(num_reqs + 1)
         seq_lens_cpu = common.seq_lens_cpu.long()
         meta = FlexAttentionMetadata(
@@ -251,9 +266,9 @@ class FlexAttentionMetadataBuilder(AttentionMetadataBuilder):
             q_req_cpu=qsl[:-1],
             q_req=qsl[:-1].to(self.device, torch.int32),
             q_pos=(seq_lens_cpu - 1).to(self.device, torch.int32),
-            block_table=self._graph_block_table,
-            seq_lens=self._graph_seq_lens,
-            slot_mapping=self._graph_slots[:num_tokens],
+            block_table=buffers.block_table,
+            seq_lens=buffers.seq_lens,
+            slot_mapping=buffers.slot_mapping[:num_tokens],
             decode_masks=self.decode_masks,
             num_decodes=num_reqs,
             for_graph=True,
@@ -274,33 +289,35 @@ class FlexAttentionMetadataBuilder(AttentionMetadataBuilder):
         self._fill_graph_buffers(common)
         return meta
 
-    def _fill_graph_buffers(self, common: CommonAttentionMetadata) -> None:
+    def _fill_graph_buffers(self, common: CommonAttentionMetadata) -> _GraphBuffers:
         num_reqs, num_tokens = common.num_reqs, common.num_actual_tokens
         if num_reqs > self.max_num_reqs or num_tokens > self.max_num_tokens:
             raise ValueError(
                 f"graph batch of {num_reqs} requests / {num_tokens} tokens exceeds the builder's "
                 f"max_num_reqs={self.max_num_reqs} / max_num_tokens={self.max_num_tokens}"
             )
-        if getattr(self, "_graph_block_table", None) is None:
+        if self._graph_buffers is None:
             max_blocks = -(-self.max_model_len // self.kv_cache_spec.block_size)
-            # Rows past a batch and columns past a request's pages are never read (seq_lens bound them).
-            self._graph_block_table = torch.zeros(
-                self.max_num_reqs + 1, max_blocks, dtype=torch.int32, device=self.device
+            self._graph_buffers = _GraphBuffers(
+                block_table=torch.zeros(
+                    self.max_num_reqs + 1, max_blocks, dtype=torch.int32, device=self.device
+                ),
+                seq_lens=torch.zeros(self.max_num_reqs + 1, dtype=torch.int32, device=self.device),
+                slot_mapping=torch.full((self.max_num_tokens,), -1, dtype=torch.int64, device=self.device),
             )
-            self._graph_seq_lens = torch.zeros(self.max_num_reqs + 1, dtype=torch.int32, device=self.device)
-            self._graph_slots = torch.full((self.max_num_tokens,), -1, dtype=torch.int64, device=self.device)
-            self._graph_metadata: dict[int, FlexAttentionMetadata] = {}
+        buffers = self._graph_buffers
         cols = common.block_table.shape[1]
-        if cols > self._graph_block_table.shape[1]:
+        if cols > buffers.block_table.shape[1]:
             raise ValueError(f"block table has {cols} columns, more than max_model_len allows")
-        self._graph_block_table[:num_reqs, :cols].copy_(common.block_table[:num_reqs], non_blocking=True)
-        self._graph_seq_lens[:num_reqs].copy_(common.seq_lens[:num_reqs], non_blocking=True)
-        self._graph_slots[:num_tokens].copy_(common.slot_mapping[:num_tokens], non_blocking=True)
+        buffers.block_table[:num_reqs, :cols].copy_(common.block_table[:num_reqs], non_blocking=True)
+        buffers.seq_lens[:num_reqs].copy_(common.seq_lens[:num_reqs], non_blocking=True)
+        buffers.slot_mapping[:num_tokens].copy_(common.slot_mapping[:num_tokens], non_blocking=True)
+        return buffers
 
     @property
     def decode_masks(self) -> FlexDecodeMasks:
         """The persistent decode BlockMasks (built on first use, reused by every later step)."""
-        if getattr(self, "_decode_masks", None) is None:
+        if self._decode_masks is None:
             max_blocks = -(-self.max_model_len // self.kv_cache_spec.block_size)
             self._decode_masks = FlexDecodeMasks(self.kv_cache_spec.block_size, max_blocks, self.device)
         return self._decode_masks
