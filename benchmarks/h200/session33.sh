@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # The GPU calls of the thirty-third session, each sent within 30 s of the last one's return.
-#   first  carry [".stage1", ".fi", ".so-lite", ".ab"], BUDGET_S=420, any card: FA4's first half and FlashInfer
-#          unpacked (for `quiet`), then FLEX_ATTENTION's decode graphs (new in this session): the graphs-against-
-#          eager GPU test judged against HF float32, and the engine's decode over 1k-token contexts at batch 64
-#          and 256 with graphs and with --enforce-eager (fast_path_bench latency-long)
+#   first  carry [".stage1", ".fi"], BUDGET_S=200, any card: FA4's first half and FlashInfer unpacked (for `quiet`),
+#          then FLEX_ATTENTION's decode graphs (new in this session) on a GPU for the first time: the graphs-
+#          against-eager test, both runs judged against HF float32
+#   flex-e2e  carry nothing, BUDGET_S=330: the engine's FLEX_ATTENTION decode over 1k-token contexts at batch 64
+#          and 256 (fast_path_bench latency-long), with its decode graphs and with --enforce-eager
 #   quiet  = session30.sh quiet (carry [".stage2"], ATTN_TIMING=graph, on an H200): issue 23's one-run table,
 #          auto-tune, the FLASH_ATTN walk, the bf16 greedy test (FLEX_ATTENTION now graphed) and FLEX's GPU tests
 #   *      = session32.sh's phases
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-phase=${1:?usage: session33.sh first|quiet|<session32.sh phase>}
+phase=${1:?usage: session33.sh first|flex-e2e|quiet|<session32.sh phase>}
 default_budget_s=${DEFAULT_BUDGET_S:-420}
 
 case "$phase" in
@@ -17,7 +18,11 @@ first)
   source benchmarks/h200/session_lib.sh
   run_step stage1 60 bash .stage1/unpack.sh
   run_step fi-unpack 60 bash .fi/unpack.sh
-  parallel_tests 200 "graphs|tests/gpu/test_cuda_graphs_gpu.py -k FLEX_ATTENTION"
+  parallel_tests 170 "graphs|tests/gpu/test_cuda_graphs_gpu.py -k FLEX_ATTENTION"
+  end_phase
+  ;;
+flex-e2e)
+  source benchmarks/h200/session_lib.sh
   for mode in graphs eager; do
     extra=(); [ $mode = eager ] && extra=(--enforce-eager)
     bench "flex-$mode" 150 --engine kvllm --backend FLEX_ATTENTION "${extra[@]}" --only latency-long --iters 2 \
