@@ -5,12 +5,14 @@
 #          against-eager test, both runs judged against HF float32
 #   flex-e2e  carry nothing, BUDGET_S=330: the engine's FLEX_ATTENTION decode over 1k-token contexts at batch 64
 #          and 256 (fast_path_bench latency-long), with its decode graphs and with --enforce-eager
+#   h100   carry nothing, BUDGET_S=540, for an H100 (where issue 23's table does not count): first's test, then
+#          flex-e2e
 #   quiet  = session30.sh quiet (carry [".stage2"], ATTN_TIMING=graph, on an H200): issue 23's one-run table,
 #          auto-tune, the FLASH_ATTN walk, the bf16 greedy test (FLEX_ATTENTION now graphed) and FLEX's GPU tests
 #   *      = session32.sh's phases
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-phase=${1:?usage: session33.sh first|flex-e2e|quiet|<session32.sh phase>}
+phase=${1:?usage: session33.sh first|flex-e2e|h100|quiet|<session32.sh phase>}
 default_budget_s=${DEFAULT_BUDGET_S:-420}
 
 case "$phase" in
@@ -21,8 +23,9 @@ first)
   parallel_tests 170 "graphs|tests/gpu/test_cuda_graphs_gpu.py -k FLEX_ATTENTION"
   end_phase
   ;;
-flex-e2e)
+flex-e2e|h100)
   source benchmarks/h200/session_lib.sh
+  [ "$phase" = h100 ] && parallel_tests 170 "graphs|tests/gpu/test_cuda_graphs_gpu.py -k FLEX_ATTENTION"
   for mode in graphs eager; do
     extra=(); [ $mode = eager ] && extra=(--enforce-eager)
     bench "flex-$mode" 150 --engine kvllm --backend FLEX_ATTENTION "${extra[@]}" --only latency-long --iters 2 \
