@@ -438,8 +438,7 @@ class ModelRunner:
         if support == "never":
             logger.info(
                 "CUDA graphs off: the %s attention backend declares cudagraph_support='never' "
-                "(steps run eagerly; TRITON_ATTN, FLASH_ATTN, FLASHINFER, FLEX_ATTENTION and TRITON_MLA "
-                "capture decode steps)",
+                "(steps run eagerly; TRITON_ATTN, FLASH_ATTN, FLASHINFER and TRITON_MLA capture decode steps)",
                 self.attn_backend.name,
             )
             return []

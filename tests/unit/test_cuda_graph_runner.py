@@ -119,9 +119,10 @@ def test_replay_refuses_what_was_not_captured():
 def test_engine_with_graphs_replayed_eagerly_matches_hf(tiny_qwen3_path, monkeypatch, backend):
     """Decode steps go through the graph runner (padded to 4 or 8), prefill and mixed steps through
     the piecewise runner (padded to 16, 32 or 64 tokens; attention between the pieces on the step's
-    own metadata), and greedy ids equal HF's. FLEX_ATTENTION graphs decode steps only through its decode
-    path, which runs on CUDA: on the CPU it replays no decode graph unless "+decode_path" runs that path
-    (eagerly, as its kernel tests do); then each replay must update the decode masks it reads. Its other
+    own metadata), and greedy ids equal HF's. FLEX_ATTENTION's decode graph hooks are not declared until a
+    GPU has run them, and they serve only its decode path, which runs on CUDA: it replays no decode graph
+    unless "+decode_path" declares them and runs that path (eagerly, as its kernel tests do); then each
+    replay must update the decode masks it reads. Its other
     steps run piecewise either way (attention stays outside the pieces).
     "+fused": the fused kernels as on a GPU, so the QK-norm + RoPE kernel stores K/V and writes q into the
     piecewise runner's shared query buffer, and the runner copies none of q, k, v for TRITON_ATTN."""
@@ -131,9 +132,12 @@ def test_engine_with_graphs_replayed_eagerly_matches_hf(tiny_qwen3_path, monkeyp
 
     backend, _, option = backend.partition("+")
     fused = option == "fused"
-    if option == "decode_path":
+    if option == "decode_path":  # its hooks, declared once the GPU test has passed (as that test forces them)
+        from kvllm.attention.backends.flex_attention import FlexAttentionBackend
+
         monkeypatch.setenv(flex.COMPILE_ENV, "0")
         monkeypatch.setattr(flex.FlexAttentionImpl, "decode_path_eager", True)
+        monkeypatch.setattr(FlexAttentionBackend, "cudagraph_support", "decode_only")
     same_view, queries_in_place = piecewise_graph._same_view, []
 
     def spy(a, b):
