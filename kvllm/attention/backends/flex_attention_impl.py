@@ -246,11 +246,6 @@ class FlexAttentionMetadataBuilder(AttentionMetadataBuilder):
         """A decode graph's metadata: the builder's fixed buffers, filled with this batch. Only the
         decode path runs in a graph (its masks are updated on the device from these buffers)."""
         num_reqs, num_tokens = common.num_reqs, common.num_actual_tokens
-        if common.max_query_len > 1 or num_tokens != num_reqs or not common.causal:
-            raise ValueError(
-                "FLEX_ATTENTION captures causal decode steps of one query token per request only, got "
-                f"{num_reqs} requests / {num_tokens} tokens (max query length {common.max_query_len})"
-            )
         buffers = self._fill_graph_buffers(common)
         qsl = torch.arange(num_reqs + 1)
         seq_lens_cpu = common.seq_lens_cpu.long()
@@ -281,16 +276,16 @@ class FlexAttentionMetadataBuilder(AttentionMetadataBuilder):
         meta = self._graph_metadata.get(common.num_reqs)
         if meta is None:
             return self.prepare_for_capture(common)
-        if common.max_query_len > 1 or common.num_actual_tokens != common.num_reqs:
-            raise ValueError(
-                f"a decode graph of {common.num_reqs} requests replays one query token each, got "
-                f"{common.num_actual_tokens} tokens (max query length {common.max_query_len})"
-            )
         self._fill_graph_buffers(common)
         return meta
 
     def _fill_graph_buffers(self, common: CommonAttentionMetadata) -> _GraphBuffers:
         num_reqs, num_tokens = common.num_reqs, common.num_actual_tokens
+        if common.max_query_len > 1 or num_tokens != num_reqs or not common.causal:
+            raise ValueError(
+                "FLEX_ATTENTION graphs causal decode steps of one query token per request only, got "
+                f"{num_reqs} requests / {num_tokens} tokens (max query length {common.max_query_len})"
+            )
         if num_reqs > self.max_num_reqs or num_tokens > self.max_num_tokens:
             raise ValueError(
                 f"graph batch of {num_reqs} requests / {num_tokens} tokens exceeds the builder's "
